@@ -1,0 +1,57 @@
+# Two commands do everything: `make demo` and `make test`. The venv lives in .venv/.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+BROWSER_STAMP := $(VENV)/.browser
+# glibc's allocator trims and re-grows the heap per received chunk without this (stack.md G3).
+export MALLOC_TOP_PAD_ ?= 67108864
+
+.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir train browser clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# Debian's chromium for the browser tests; never a browser download.
+$(BROWSER_STAMP): $(STAMP)
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	touch $(BROWSER_STAMP)
+
+browser: $(BROWSER_STAMP)
+
+demo: $(STAMP)
+	@echo "dashboard: http://127.0.0.1:8080/   OpenAI API: http://127.0.0.1:8000/v1"
+	$(VENV)/bin/honcho start -f Procfile
+
+test: $(STAMP) $(BROWSER_STAMP)
+	$(PY) -m ruff check mesh services netem ui tests benchmarks
+	$(PY) -m mypy mesh services netem ui
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check mesh services netem ui tests benchmarks
+	$(PY) -m mypy mesh services netem ui
+
+bench: bench-wire bench-model bench-link bench-cachedir
+
+bench-wire: $(STAMP)
+	$(PY) benchmarks/bench_wire.py
+
+bench-model: $(STAMP)
+	$(PY) benchmarks/bench_model.py
+
+bench-link: $(STAMP)
+	$(PY) benchmarks/bench_link.py
+
+bench-cachedir: $(STAMP)
+	$(PY) benchmarks/bench_cachedir.py
+
+train: $(STAMP)
+	$(VENV)/bin/prfaas train
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

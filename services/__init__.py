@@ -1,0 +1,1 @@
+"""The PrfaaS services: router, prefill and decode workers, cache directory, model, policies."""
