@@ -1,0 +1,59 @@
+"""The `prfaas` command: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that owns the work and exposes `<name>_main(argv)`;
+this file only dispatches, importing lazily so `prfaas --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    module: str
+    function: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("services.serve", "serve_main", "run one service of the mesh by name"),
+    "train": Command("services.model.train", "train_main", "train the default model on the corpus"),
+    "train-tokenizer": Command(
+        "services.model.tokenizer", "train_tokenizer_main", "train the BPE tokenizer"
+    ),
+    "plan": Command("services.planner", "plan_main", "the paper's throughput model, grid search"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: prfaas COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines += ["", "`prfaas COMMAND --help` describes each command."]
+    return "\n".join(lines)
+
+
+def resolve(name: str) -> Callable[[list[str]], int]:
+    command = COMMANDS[name]
+    module = importlib.import_module(command.module)
+    entry: Callable[[list[str]], int] = getattr(module, command.function)
+    return entry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"prfaas: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return resolve(name)(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Hardware profiles as data, the cost model built on them, and the pacer of emulated mode.
+
+A profile (services/profiles/<name>.toml) says how long one instance (8 GPUs) of a chip takes
+to prefill l tokens and to run one decode step of the modeled model; the model file
+(hybrid_1t.toml) says how many KV bytes a request of l tokens carries. `CostModel` answers
+T_prefill(l), incremental prefill, decode step time and S_kv(l); the planner and the
+cost-model (sim, emulated) workers all use it. `Pacer` turns modeled time into wall time.
+
+Derivation of the profiles (paper: arXiv 2604.15039 v2; notes: shared/research/paper.md)
+-----------------------------------------------------------------------------------------
+Lengths. Table 5's "1K, 8K, 32K, 128K" are read as 1000, 8000, 32000, 128000 tokens. With
+the quadratic fit below this reproduces Table 6 best (scan of the four choices, t*, Lambda_max
+and naive Lambda against 19.4K, 3.24, 2.45, t on a 100-token grid):
+    decimal, quadratic   t* 19.4K (+0.0 %)  Lambda 3.247 (+0.2 %)  naive 2.469 (+0.8 %)
+    decimal, piecewise   t* 19.9K (+2.6 %)  Lambda 3.137 (-3.2 %)  naive 2.455 (+0.2 %)
+    binary,  quadratic   t* 19.2K (-1.0 %)  Lambda 3.299 (+1.8 %)  naive 2.516 (+2.7 %)
+    binary,  piecewise   t* 19.6K (+1.0 %)  Lambda 3.195 (-1.4 %)  naive 2.501 (+2.1 %)
+(the workload's upper bound is 131072 in all four; services/workload.py says why).
+
+H200 prefill (measured; Table 5, 8xH200, in-house vLLM): 0.44, 0.72, 1.84, 7.40 s. Least
+squares T(l) = c0 + c1 l + c2 l^2 gives c0 = 0.3891 s, c1 = 4.2055e-5 s/token,
+c2 = 9.9365e-11 s/token^2; fitted 0.431, 0.732, 1.837, 7.400 s, i.e. errors -2.0 %, +1.7 %,
+-0.2 %, +0.0 %. A quadratic is the natural shape: linear per-token work (weights, KDA) plus
+attention over the prefix in the full-attention (MLA) layers.
+
+H20 prefill (derived, not in the paper). Table 6 gives PD-prefill stage throughputs on H20:
+homogeneous PD, 9 prefill instances, 2.11 req/s over the whole distribution (mean 27,486
+tokens), so T_H20(27,486) = 9 / 2.11 = 4.2654 s; PrfaaS-PD, 3 prefill instances, 1.64 req/s
+over the requests at or below t = 19.4K (mean 10,224 tokens), so T_H20(10,224) = 3 / 1.64 =
+1.8293 s. A pure ratio T_H20 = k T_H200 cannot meet both (k would be 2.67 and 2.25), so the
+model is T_H20(l) = alpha + beta T_H200(l), solved through the two anchors: beta = 3.081,
+alpha = -0.726 s, i.e. T_H20(l) = 0.473 s + 3.081 (c1 l + c2 l^2): a larger fixed cost and
+3.1x the length-dependent work of H200 (the dense BF16 spec ratio, 989 / 148 TFLOPS = 6.7x,
+is not what the paper's profile shows). This uses two of Table 6's numbers; t*, p,
+Theta_prfaas, Lambda_max and the naive row remain independent checks (tests/test_planner.py).
+
+KV size (Table 5, a model property): 190.8, 308.9, 701.3, 2316.3 MiB. Least squares
+S(l) = fixed + per_token l gives 172.0 MiB + 17,555 B/token (errors -1.1 %, -1.0 %, +0.9 %,
+-0.1 %): the fixed KDA recurrent and conv state plus the MLA latent KV per token.
+
+Decode (derived from Table 6 and the SLO). Per-instance decode stage throughput is 3.91 / 5 =
+2.35 / 3 = 6.25 / 8 = 0.78 req/s; the 40 tokens/s SLO fixes T_decode = 25 ms per step, so
+Eq. 5 gives BS_max = 0.78125 * 1024 * 0.025 = 20 (then 5, 3, 8 instances give 3.91, 2.34,
+6.25 req/s). The planner uses these SLO constants, as the paper does. For emulated workers,
+`decode_step_time(batch, context)` = fixed + (batch * fixed KV bytes + context * KV bytes per
+token) / HBM bandwidth: each step reads every sequence's cache once (8 x 4.0 TB/s on H20);
+`fixed` (weights, mostly) is set so that 20 sequences of 28,000 tokens take exactly 25 ms.
+H200 decode is not in the paper: assumed the same shape with HBM 4.8 TB/s per GPU and the
+anchor step scaled by 4.0 / 4.8. The `cpu` profile models nothing: every time is 0.
+
+Incremental prefill after a cached prefix of c tokens is modeled as T(c + l) - T(c) + c0:
+the fixed cost once, the per-token work for the new tokens only, and the attention part
+for new tokens attending to the whole prefix (the quadratic term's difference).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import msgspec
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+MIB = 2**20
+_MAX_BASE_DEPTH = 4
+_Spec = TypeVar("_Spec", "ProfileSpec", "ModelSpec")
+
+
+class ProfileError(ValueError):
+    """A hardware or model profile that is missing, malformed or inconsistent."""
+
+
+class PrefillSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    fit: Literal["quadratic", "affine_of"]
+    lengths: tuple[float, ...]
+    seconds: tuple[float, ...]
+    base: str = ""
+
+
+class DecodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """SLO-governed decode constants of one instance (paper Eq. 5) and its HBM bandwidth."""
+
+    bs_max: int
+    step_s: float
+    reference_context: int
+    hbm_bytes_per_s: float
+
+
+class ProfileSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    gpus_per_instance: int
+    paced: bool
+    sources: tuple[str, ...]
+    prefill: PrefillSpec | None = None
+    decode: DecodeSpec | None = None
+
+
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    sources: tuple[str, ...]
+    kv_lengths: tuple[float, ...]
+    kv_mib: tuple[float, ...]
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a small dense system."""
+    n = len(rhs)
+    rows = [[*matrix[i], rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            f = rows[r][col] / rows[col][col]
+            rows[r] = [a - f * b for a, b in zip(rows[r], rows[col], strict=True)]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (rows[i][n] - sum(rows[i][j] * x[j] for j in range(i + 1, n))) / rows[i][i]
+    return x
+
+
+def polyfit(xs: Sequence[float], ys: Sequence[float], degree: int) -> tuple[float, ...]:
+    """Least-squares polynomial coefficients (c0, c1, ...), fitted on x scaled to [0, 1]."""
+    if len(xs) != len(ys) or len(xs) <= degree:
+        raise ProfileError(f"need more than degree={degree} points, got {len(xs)} x, {len(ys)} y")
+    scale = max(abs(x) for x in xs) or 1.0
+    cols = [[(x / scale) ** k for x in xs] for k in range(degree + 1)]
+    normal = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+    rhs = [sum(a * y for a, y in zip(ci, ys, strict=True)) for ci in cols]
+    return tuple(c / scale**k for k, c in enumerate(_solve(normal, rhs)))
+
+
+@dataclass(frozen=True)
+class QuadraticPrefill:
+    """T_prefill(l) = c0 + c1 l + c2 l^2 seconds for one instance, l in tokens."""
+
+    c0: float
+    c1: float
+    c2: float
+
+    def __call__(self, length: float) -> float:
+        return self.c0 + self.c1 * length + self.c2 * length * length
+
+    @classmethod
+    def fit(cls, lengths: Sequence[float], seconds: Sequence[float]) -> QuadraticPrefill:
+        c0, c1, c2 = polyfit(lengths, seconds, 2)
+        return cls(c0, c1, c2)
+
+    def affine(self, alpha: float, beta: float) -> QuadraticPrefill:
+        """alpha + beta * T(l), itself a quadratic."""
+        return QuadraticPrefill(alpha + beta * self.c0, beta * self.c1, beta * self.c2)
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """S_kv(l) = fixed_bytes + bytes_per_token * l: the bytes one request's KV cache holds."""
+
+    fixed_bytes: float
+    bytes_per_token: float
+
+    def __call__(self, length: float) -> float:
+        return self.fixed_bytes + self.bytes_per_token * length
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gpus_per_instance: int
+    paced: bool
+    sources: tuple[str, ...]
+    prefill: QuadraticPrefill | None
+    prefill_points: tuple[tuple[float, float], ...]
+    decode: DecodeSpec | None
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    description: str
+    sources: tuple[str, ...]
+    kv: KVSize
+    kv_points: tuple[tuple[float, float], ...]
+
+
+def _resolve(name_or_path: str | Path) -> Path:
+    text = str(name_or_path)
+    if text.endswith(".toml") or "/" in text:
+        return Path(text)
+    return PROFILE_DIR / f"{text}.toml"
+
+
+def _read_spec(name_or_path: str | Path, kind: type[_Spec]) -> _Spec:
+    path = _resolve(name_or_path)
+    try:
+        return msgspec.toml.decode(path.read_bytes(), type=kind)
+    except FileNotFoundError as exc:
+        raise ProfileError(f"profile {str(name_or_path)!r}: no such file {path}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProfileError(f"profile {str(name_or_path)!r} ({path}): {exc}") from exc
+
+
+def _check_points(where: str, lengths: Sequence[float], values: Sequence[float]) -> None:
+    if len(lengths) != len(values) or not lengths:
+        raise ProfileError(f"{where}: lengths and values must pair up, got "
+                           f"{len(lengths)} and {len(values)}")
+    for x in (*lengths, *values):
+        if not (math.isfinite(x) and x > 0):
+            raise ProfileError(f"{where}: every length and value must be > 0, got {x!r}")
+
+
+def _prefill_model(spec: ProfileSpec, origin: Path, depth: int) -> QuadraticPrefill:
+    pre = spec.prefill
+    assert pre is not None
+    where = f"profile {spec.name!r} [prefill]"
+    _check_points(where, pre.lengths, pre.seconds)
+    if pre.fit == "quadratic":
+        return QuadraticPrefill.fit(pre.lengths, pre.seconds)
+    if len(pre.lengths) != 2 or not pre.base:
+        raise ProfileError(f"{where}: fit 'affine_of' needs base and exactly 2 anchors, got "
+                           f"base={pre.base!r}, {len(pre.lengths)} anchors")
+    base = _load_profile(origin.parent / f"{pre.base}.toml", depth + 1).prefill
+    if base is None:
+        raise ProfileError(f"{where}: base profile {pre.base!r} has no prefill model")
+    (l1, l2), (t1, t2) = pre.lengths, pre.seconds
+    beta = (t1 - t2) / (base(l1) - base(l2))
+    return base.affine(t1 - beta * base(l1), beta)
+
+
+def _load_profile(path: Path, depth: int) -> HardwareProfile:
+    if depth > _MAX_BASE_DEPTH:
+        raise ProfileError(f"profile {path}: base chain deeper than {_MAX_BASE_DEPTH}")
+    spec = _read_spec(path, ProfileSpec)
+    if spec.paced and (spec.prefill is None or spec.decode is None):
+        raise ProfileError(f"profile {spec.name!r}: paced = true needs [prefill] and [decode]")
+    prefill = _prefill_model(spec, path, depth) if spec.prefill is not None else None
+    points = tuple(zip(spec.prefill.lengths, spec.prefill.seconds, strict=True)) if (
+        spec.prefill is not None) else ()
+    return HardwareProfile(spec.name, spec.description, spec.gpus_per_instance, spec.paced,
+                           spec.sources, prefill, points, spec.decode)
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A hardware profile by name (services/profiles/<name>.toml) or by path."""
+    return _load_profile(_resolve(name_or_path), 0)
+
+
+def load_model(name_or_path: str | Path = "hybrid_1t") -> ModelProfile:
+    """The modeled model's KV-size profile; default: the paper's 1T hybrid."""
+    spec = _read_spec(name_or_path, ModelSpec)
+    _check_points(f"model {spec.name!r}", spec.kv_lengths, spec.kv_mib)
+    fixed, per_token = polyfit(spec.kv_lengths, [m * MIB for m in spec.kv_mib], 1)
+    points = tuple(zip(spec.kv_lengths, spec.kv_mib, strict=True))
+    return ModelProfile(spec.name, spec.description, spec.sources, KVSize(fixed, per_token),
+                        points)
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Modeled times and sizes of one instance of `profile` serving `model`."""
+
+    profile: HardwareProfile
+    model: ModelProfile = field(default_factory=load_model)
+
+    @classmethod
+    def load(cls, profile: str | Path, model: str | Path = "hybrid_1t") -> CostModel:
+        return cls(load_profile(profile), load_model(model))
+
+    def _prefill(self) -> QuadraticPrefill:
+        if self.profile.prefill is None:
+            raise ProfileError(f"profile {self.profile.name!r} has no prefill model")
+        return self.profile.prefill
+
+    def _decode(self) -> DecodeSpec:
+        if self.profile.decode is None:
+            raise ProfileError(f"profile {self.profile.name!r} has no decode model")
+        return self.profile.decode
+
+    def prefill_time_full(self, length: float) -> float:
+        """T_prefill(l) of the paper: a whole prompt of `length` tokens, nothing cached."""
+        return self._prefill()(length) if self.profile.paced else 0.0
+
+    def prefill_time(self, l_new: int, l_cached: int = 0) -> float:
+        """Seconds to prefill `l_new` tokens after `l_cached` cached ones: T(c+l) - T(c) + c0."""
+        _check_count("l_new", l_new)
+        _check_count("l_cached", l_cached)
+        if not self.profile.paced:
+            return 0.0
+        t = self._prefill()
+        return t(l_cached + l_new) - t(l_cached) + t.c0
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        """Seconds for one decode step of `batch` sequences holding `context` tokens in all."""
+        _check_count("batch", batch)
+        _check_count("context", context)
+        if not self.profile.paced or batch == 0:
+            return 0.0
+        return self._decode_fixed_s() + self._decode_read_s(batch, context)
+
+    def _decode_read_s(self, batch: int, context: int) -> float:
+        kv = self.model.kv
+        read = batch * kv.fixed_bytes + context * kv.bytes_per_token
+        return read / self._decode().hbm_bytes_per_s
+
+    def _decode_fixed_s(self) -> float:
+        spec = self._decode()
+        anchor = self._decode_read_s(spec.bs_max, spec.bs_max * spec.reference_context)
+        return spec.step_s - anchor
+
+    def decode_slo(self) -> tuple[int, float]:
+        """(BS_max, T_decode): the SLO-governed constants of paper Eq. 5."""
+        spec = self._decode()
+        return spec.bs_max, spec.step_s
+
+    def kv_bytes(self, length: float) -> float:
+        """S_kv(l): bytes of KV cache (all layers) for a request of `length` tokens."""
+        return self.model.kv(length)
+
+    def kv_throughput_bps(self, length: float) -> float:
+        """Phi_kv(l) = S_kv(l) / T_prefill(l) in bits per second (paper Eq. 1)."""
+        return 8.0 * self.kv_bytes(length) / self._prefill()(length)
+
+
+class PacerStatistics(msgspec.Struct, frozen=True):
+    jobs: int
+    modeled_s: float
+    target_s: float
+    waited_s: float
+    overruns: int
+    worst_overrun_s: float
+
+
+class Pacer:
+    """How much longer a job must take so its wall time is modeled time * time_scale.
+
+    time_scale 1 runs at the profile's speed; 10 runs ten times slower (a demo at human
+    speed). When the real work already took longer ("overrun"), nothing is added.
+    """
+
+    def __init__(self, time_scale: float = 1.0) -> None:
+        if not (math.isfinite(time_scale) and time_scale > 0):
+            raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+        self.time_scale = time_scale
+        self._jobs = self._overruns = 0
+        self._modeled = self._target = self._waited = self._worst = 0.0
+
+    def remaining(self, real_elapsed_s: float, modeled_s: float) -> float:
+        """Seconds still to wait after `real_elapsed_s` of real work on a job of `modeled_s`."""
+        for name, value in (("real_elapsed_s", real_elapsed_s), ("modeled_s", modeled_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        target = modeled_s * self.time_scale
+        wait = max(0.0, target - real_elapsed_s)
+        self._record(modeled_s, target, wait, real_elapsed_s - target)
+        return wait
+
+    def _record(self, modeled: float, target: float, wait: float, overrun: float) -> None:
+        self._jobs += 1
+        self._modeled += modeled
+        self._target += target
+        self._waited += wait
+        if overrun > 0 and target > 0:
+            self._overruns += 1
+            self._worst = max(self._worst, overrun)
+
+    def statistics(self) -> PacerStatistics:
+        return PacerStatistics(self._jobs, self._modeled, self._target, self._waited,
+                               self._overruns, self._worst)

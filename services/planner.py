@@ -1,0 +1,404 @@
+"""The paper's throughput model (Eqs. 1-8) and its search for the threshold t and N_p / N_d.
+
+Paper: arXiv 2604.15039 v2, section 3.4 (notation of Table 4), case study in section 4.
+  Eq. 3  Theta_prfaas = min(N_prfaas / T_prefill(l_long), B_out / S_kv(l_long))
+  Eq. 4  Theta_pd-p   = N_p / T_prefill(l_short)
+  Eq. 5  Theta_pd-d   = N_d * BS_max / (T_decode * L_out)
+  Eq. 6  Lambda_max   = min(Theta_prfaas / p, Theta_pd-p / (1 - p), Theta_pd-d)
+  Eq. 7  optimal t:   Theta_prfaas / p = Theta_pd-p / (1 - p)
+  Eq. 8  optimal N_p: Theta_prfaas + Theta_pd-p = Theta_pd-d (approximately: integers)
+with p = P(L > t), l_long = E[L | L > t], l_short = E[L | L <= t]. As in the paper, all
+offloaded requests are represented by l_long (T_prefill(l_long), not E[T_prefill(L)]).
+
+`solve_threshold` finds t by bisection on the Eq. 7 balance (one side falls and the other
+rises with t, section 3.4.2); `grid_threshold` is its slow exhaustive reference. Both run on
+the analytic log-normal and on an empirical sample of recent incremental lengths, which is
+how the dynamic policy re-solves t. `plan_main` is the `prfaas plan` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import msgspec
+
+from services.hardware import CostModel
+from services.workload import (
+    EmpiricalLengths,
+    LengthDistribution,
+    TruncatedLogNormal,
+    incremental_lengths,
+    load_trace,
+)
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """Instance counts: PrfaaS prefill, PD prefill (N_p) and PD decode (N_d)."""
+
+    n_prfaas: int
+    n_p: int
+    n_d: int
+
+    def __post_init__(self) -> None:
+        for name in ("n_prfaas", "n_p", "n_d"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+class OperatingPoint(msgspec.Struct, frozen=True):
+    """One evaluation of Eqs. 3-6; rates in req/s, egress in bit/s, t None: no routing."""
+
+    lambda_max: float
+    t: float | None
+    n_prfaas: int
+    n_p: int
+    n_d: int
+    theta_prfaas: float
+    theta_pd_p: float
+    theta_pd_d: float
+    p: float
+    l_short: float
+    l_long: float
+    egress_bps: float
+    bound: str
+    prfaas_limit: str
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """Eqs. 3-6 for one PrfaaS cluster (None: none) feeding one PD cluster."""
+
+    prfaas: CostModel | None
+    pd: CostModel
+    bandwidth_bps: float
+    output_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
+            raise ValueError(f"bandwidth_bps must be a finite number > 0, got "
+                             f"{self.bandwidth_bps!r}")
+        if self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len!r}")
+
+    def prfaas_limits(self, l_long: float, n_prfaas: int) -> tuple[float, float]:
+        """(compute, bandwidth) ceilings of Eq. 3 in req/s."""
+        if self.prfaas is None or n_prfaas == 0:
+            return 0.0, 0.0
+        compute = n_prfaas / self.prfaas.prefill_time_full(l_long)
+        return compute, self.bandwidth_bps / (8.0 * self.prfaas.kv_bytes(l_long))
+
+    def theta_prfaas(self, l_long: float, n_prfaas: int) -> float:
+        return min(self.prfaas_limits(l_long, n_prfaas))
+
+    def theta_pd_p(self, l_short: float, n_p: int) -> float:
+        return n_p / self.pd.prefill_time_full(l_short) if n_p else 0.0
+
+    def theta_pd_d(self, n_d: int) -> float:
+        bs_max, step_s = self.pd.decode_slo()
+        return n_d * bs_max / (step_s * self.output_len)
+
+    def stage_demands(self, lengths: LengthDistribution, t: float,
+                      shape: ClusterShape) -> tuple[float, float, float]:
+        """The three terms of Eq. 6: the arrival rate each stage alone could sustain."""
+        p = lengths.survival(t)
+        l_short, l_long = lengths.conditional_means(t)
+        prfaas = self.theta_prfaas(l_long, shape.n_prfaas) / p if p > 0 else math.inf
+        pd_p = self.theta_pd_p(l_short, shape.n_p) / (1 - p) if p < 1 else math.inf
+        return prfaas, pd_p, self.theta_pd_d(shape.n_d)
+
+    def evaluate(self, lengths: LengthDistribution, t: float,
+                 shape: ClusterShape) -> OperatingPoint:
+        p = lengths.survival(t)
+        l_short, l_long = lengths.conditional_means(t)
+        demands = self.stage_demands(lengths, t, shape)
+        lam = min(demands)
+        compute, bandwidth = self.prfaas_limits(l_long, shape.n_prfaas)
+        egress = lam * p * 8.0 * self.prfaas.kv_bytes(l_long) if self.prfaas and p else 0.0
+        return OperatingPoint(
+            lambda_max=lam, t=t if math.isfinite(t) else None,
+            n_prfaas=shape.n_prfaas, n_p=shape.n_p, n_d=shape.n_d,
+            theta_prfaas=min(compute, bandwidth), theta_pd_p=self.theta_pd_p(l_short, shape.n_p),
+            theta_pd_d=demands[2], p=p, l_short=l_short, l_long=l_long, egress_bps=egress,
+            bound=("prfaas", "pd_p", "pd_d")[demands.index(lam)],
+            prfaas_limit=("" if not p or not shape.n_prfaas
+                          else "compute" if compute <= bandwidth else "bandwidth"),
+        )
+
+
+def prefill_capacity(model: ThroughputModel, lengths: LengthDistribution, t: float,
+                     shape: ClusterShape) -> float:
+    """min(Theta_prfaas / p, Theta_pd-p / (1 - p)): what t trades off (Eq. 7)."""
+    prfaas, pd_p, _ = model.stage_demands(lengths, t, shape)
+    return min(prfaas, pd_p)
+
+
+def _balance(model: ThroughputModel, lengths: LengthDistribution, t: float,
+             shape: ClusterShape) -> float:
+    prfaas, pd_p, _ = model.stage_demands(lengths, t, shape)
+    if math.isinf(prfaas) or math.isinf(pd_p):
+        return 1.0 if math.isinf(prfaas) else -1.0
+    return prfaas - pd_p
+
+
+def _edge_threshold(model: ThroughputModel, lengths: LengthDistribution,
+                    shape: ClusterShape) -> float | None:
+    """t when one prefill side does not exist: +inf offloads nothing, -inf everything."""
+    if model.prfaas is None or shape.n_prfaas == 0:
+        return math.inf
+    if shape.n_p == 0:
+        return -math.inf
+    return None
+
+
+def solve_threshold(model: ThroughputModel, lengths: LengthDistribution, shape: ClusterShape,
+                    *, bandwidth_bps: float | None = None, tolerance: float = 1.0) -> float:
+    """The t of Eq. 7 (maximising prefill capacity), by bisection to `tolerance` tokens.
+
+    Works on any `LengthDistribution`; for an empirical one the answer is a sample value.
+    `bandwidth_bps` overrides the model's B_out (the short-term loop measures it). Without
+    PrfaaS instances t is +inf (offload nothing); without PD prefill, -inf (offload all).
+    """
+    if bandwidth_bps is not None:
+        model = replace(model, bandwidth_bps=bandwidth_bps)
+    edge = _edge_threshold(model, lengths, shape)
+    if edge is not None:
+        return edge
+    low, high = lengths.lo - 1.0, lengths.hi
+    while high - low > tolerance:
+        mid = 0.5 * (low + high)
+        if _balance(model, lengths, mid, shape) < 0:
+            low = mid
+        else:
+            high = mid
+    return max((high, low), key=lambda t: prefill_capacity(model, lengths, t, shape))
+
+
+def grid_threshold(model: ThroughputModel, lengths: LengthDistribution, shape: ClusterShape,
+                   candidates: Sequence[float] | None = None, step: float = 100.0) -> float:
+    """Reference for `solve_threshold`: the best of every candidate t (default: a step grid)."""
+    edge = _edge_threshold(model, lengths, shape)
+    if edge is not None:
+        return edge
+    if candidates is None:
+        count = math.ceil((lengths.hi - lengths.lo) / step)
+        candidates = [lengths.lo + i * step for i in range(count)] + [lengths.hi]
+    return max(candidates, key=lambda t: prefill_capacity(model, lengths, t, shape))
+
+
+def _better(a: OperatingPoint, b: OperatingPoint) -> bool:
+    """Higher Lambda_max wins; on a tie, the more prefill headroom."""
+    return (a.lambda_max, min(a.theta_prfaas + a.theta_pd_p, a.theta_pd_d)) > (
+        b.lambda_max, min(b.theta_prfaas + b.theta_pd_p, b.theta_pd_d))
+
+
+def plan(model: ThroughputModel, lengths: LengthDistribution, n_prfaas: int, n_pd: int,
+         exhaustive: bool = False) -> OperatingPoint:
+    """Best (t, N_p, N_d) with N_p + N_d = n_pd: Eqs. 7 and 8 by search (paper Fig. 5)."""
+    if n_pd < 2:
+        raise ValueError(f"n_pd must be >= 2 (a prefill and a decode instance), got {n_pd!r}")
+    best: OperatingPoint | None = None
+    for n_p in range(1, n_pd):
+        shape = ClusterShape(n_prfaas, n_p, n_pd - n_p)
+        solver = grid_threshold if exhaustive else solve_threshold
+        point = model.evaluate(lengths, solver(model, lengths, shape), shape)
+        if best is None or _better(point, best):
+            best = point
+    assert best is not None
+    return best
+
+
+def plan_homogeneous(model: ThroughputModel, lengths: LengthDistribution,
+                     n_pd: int) -> OperatingPoint:
+    """One PD cluster alone (p = 0), best N_p / N_d."""
+    return plan(replace(model, prfaas=None), lengths, 0, n_pd)
+
+
+def plan_naive(model: ThroughputModel, lengths: LengthDistribution, n_prfaas: int,
+               n_d: int) -> OperatingPoint:
+    """Every prefill on the PrfaaS cluster (p = 1), every PD instance decodes."""
+    return model.evaluate(lengths, -math.inf, ClusterShape(n_prfaas, 0, n_d))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A deployment to plan; the defaults are the paper's case study (section 4.1)."""
+
+    prfaas_profile: str = "h200"
+    pd_profile: str = "h20"
+    model: str = "hybrid_1t"
+    n_prfaas: int = 4
+    n_pd: int = 8
+    n_homogeneous: int = 12
+    bandwidth_gbps: float = 100.0
+    output_len: int = 1024
+    mu: float = 9.90
+    sigma: float = 1.00
+    min_len: float = 128.0
+    max_len: float = 131072.0
+
+    def distribution(self) -> TruncatedLogNormal:
+        return TruncatedLogNormal(self.mu, self.sigma, self.min_len, self.max_len)
+
+    def throughput_model(self) -> ThroughputModel:
+        return ThroughputModel(CostModel.load(self.prfaas_profile, self.model),
+                               CostModel.load(self.pd_profile, self.model),
+                               self.bandwidth_gbps * 1e9, self.output_len)
+
+
+class PlanResult(msgspec.Struct, frozen=True):
+    prfaas: OperatingPoint
+    homogeneous: OperatingPoint
+    naive_hetero: OperatingPoint
+
+
+def solve_scenario(scenario: Scenario,
+                   lengths: LengthDistribution | None = None) -> PlanResult:
+    """Table 6's three rows for `scenario` (lengths default: its log-normal)."""
+    dist = scenario.distribution() if lengths is None else lengths
+    model = scenario.throughput_model()
+    return PlanResult(
+        prfaas=plan(model, dist, scenario.n_prfaas, scenario.n_pd),
+        homogeneous=plan_homogeneous(model, dist, scenario.n_homogeneous),
+        naive_hetero=plan_naive(model, dist, scenario.n_prfaas, scenario.n_pd),
+    )
+
+
+class PaperRow(msgspec.Struct, frozen=True):
+    """One column of the paper's Table 6: instance counts and the figures it reports."""
+
+    scenario: str
+    shape: str
+    figures: tuple[tuple[str, float], ...]
+
+
+# Table 6 and sections 4.2-4.3 of the paper (arXiv 2604.15039 v2); l_long is "about 44K".
+PAPER_TABLE6 = (
+    PaperRow("prfaas", "4 / 3 / 5", (
+        ("t", 19400.0), ("theta_prfaas", 1.61), ("theta_pd_p", 1.64), ("theta_pd_d", 3.91),
+        ("lambda_max", 3.24), ("ratio", 1.54), ("p", 0.496), ("l_long", 44000.0),
+        ("egress_gbps", 13.0))),
+    PaperRow("homogeneous", "- / 9 / 3", (
+        ("theta_pd_p", 2.11), ("theta_pd_d", 2.35), ("lambda_max", 2.11), ("ratio", 1.00),
+        ("p", 0.0))),
+    PaperRow("naive_hetero", "4 / - / 8", (
+        ("theta_prfaas", 2.45), ("theta_pd_d", 6.25), ("lambda_max", 2.45), ("ratio", 1.16),
+        ("p", 1.0))),
+)
+_ROWS = (
+    ("t", "threshold t (tokens)", "{:.0f}"), ("theta_prfaas", "Theta_prfaas (req/s)", "{:.3f}"),
+    ("theta_pd_p", "Theta_pd-p (req/s)", "{:.3f}"), ("theta_pd_d", "Theta_pd-d (req/s)", "{:.3f}"),
+    ("lambda_max", "Lambda_max (req/s)", "{:.3f}"), ("ratio", "vs homogeneous", "{:.3f}"),
+    ("p", "offloaded share p", "{:.3f}"), ("l_short", "l_short (tokens)", "{:.0f}"),
+    ("l_long", "l_long (tokens)", "{:.0f}"), ("egress_gbps", "mean egress (Gbps)", "{:.2f}"),
+)
+
+
+def _metrics(point: OperatingPoint, baseline: float) -> dict[str, float | None]:
+    """The table's values; None where a stage or a side of t does not exist."""
+    return {"t": point.t, "theta_prfaas": point.theta_prfaas if point.n_prfaas else None,
+            "theta_pd_p": point.theta_pd_p if point.n_p else None,
+            "theta_pd_d": point.theta_pd_d, "lambda_max": point.lambda_max,
+            "ratio": point.lambda_max / baseline, "p": point.p,
+            "l_short": point.l_short if point.p < 1 else None,
+            "l_long": point.l_long if point.p > 0 else None, "egress_gbps": point.egress_bps / 1e9}
+
+
+def _shape_text(point: OperatingPoint) -> str:
+    return " / ".join(str(n) if n else "-" for n in (point.n_prfaas, point.n_p, point.n_d))
+
+
+def _fmt(fmt: str, value: float | None) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _rel_err(ours: float | None, paper: float | None) -> str:
+    if ours is None or paper is None:
+        return ""
+    if paper == 0:
+        return f"{ours - paper:+.3f} abs"
+    return f"{(ours - paper) / paper * 100:+.1f} %"
+
+
+def format_table(result: PlanResult) -> str:
+    """Each row of Table 6 with the paper's figure and our relative error beside it."""
+    baseline = result.homogeneous.lambda_max
+    lines = [f"{'metric':<24}{'ours':>12}{'paper':>12}{'rel. err':>12}"]
+    for row in PAPER_TABLE6:
+        point: OperatingPoint = getattr(result, row.scenario)
+        paper = dict(row.figures)
+        ours = _metrics(point, baseline)
+        limit = f"; PrfaaS {point.prfaas_limit}-bound" if point.prfaas_limit else ""
+        lines += ["", f"[{row.scenario}]  binding stage: {point.bound}{limit}",
+                  f"{'N_prfaas / N_p / N_d':<24}{_shape_text(point):>12}{row.shape:>12}"]
+        for key, label, fmt in _ROWS:
+            ref = paper.get(key)
+            lines.append(f"{label:<24}{_fmt(fmt, ours[key]):>12}{_fmt(fmt, ref):>12}"
+                         f"{_rel_err(ours[key], ref):>12}".rstrip())
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = Scenario()
+    parser = argparse.ArgumentParser(
+        prog="prfaas plan", description="The paper's throughput model (Eqs. 1-8) and grid "
+        "search; prints Table 6 (PrfaaS-PD, homogeneous PD, naive heterogeneous) beside the paper.")
+    parser.add_argument("--scenario", choices=["paper"], default="paper",
+                        help="deployment and workload to start from (default: paper)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    for flag, kind, value, text in (
+        ("--bandwidth-gbps", float, defaults.bandwidth_gbps, "PrfaaS egress B_out"),
+        ("--n-prfaas", int, defaults.n_prfaas, "PrfaaS prefill instances"),
+        ("--n-pd", int, defaults.n_pd, "PD cluster instances (N_p + N_d)"),
+        ("--n-homogeneous", int, defaults.n_homogeneous, "instances of the homogeneous baseline"),
+        ("--output-len", int, defaults.output_len, "output tokens L_out"),
+        ("--mu", float, defaults.mu, "log-normal mu of the input length"),
+        ("--sigma", float, defaults.sigma, "log-normal sigma"),
+        ("--min-len", float, defaults.min_len, "truncation lower bound (tokens)"),
+        ("--max-len", float, defaults.max_len, "truncation upper bound (tokens)"),
+        ("--prfaas-profile", str, defaults.prfaas_profile, "hardware profile name or path"),
+        ("--pd-profile", str, defaults.pd_profile, "hardware profile name or path"),
+    ):
+        parser.add_argument(flag, type=kind, default=value, help=f"{text} (default: {value})")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="use N seeded samples of the log-normal (the empirical path)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --samples (default: 0)")
+    parser.add_argument("--trace", default="", help="use the incremental lengths of a Mooncake "
+                        "trace (JSONL) under one global prefix cache instead")
+    return parser
+
+
+def _lengths(args: argparse.Namespace, scenario: Scenario) -> LengthDistribution:
+    if args.trace:
+        return EmpiricalLengths.from_samples(incremental_lengths(load_trace(args.trace)))
+    if args.samples > 0:
+        rng = random.Random(args.seed)
+        return EmpiricalLengths.from_samples(scenario.distribution().samples(rng, args.samples))
+    return scenario.distribution()
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`prfaas plan`: solve the scenario and print the table (or JSON)."""
+    args = _parser().parse_args(argv)
+    scenario = Scenario(
+        prfaas_profile=args.prfaas_profile, pd_profile=args.pd_profile,
+        n_prfaas=args.n_prfaas, n_pd=args.n_pd, n_homogeneous=args.n_homogeneous,
+        bandwidth_gbps=args.bandwidth_gbps, output_len=args.output_len, mu=args.mu,
+        sigma=args.sigma, min_len=args.min_len, max_len=args.max_len)
+    try:
+        result = solve_scenario(scenario, _lengths(args, scenario))
+    except (ValueError, OSError) as exc:
+        # ProfileError and TraceFormatError are ValueErrors; all name the bad value.
+        print(f"prfaas plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(result)))
+    else:
+        print(format_table(result))
+    return 0

@@ -1,0 +1,166 @@
+"""Hardware profiles, their derivations from the paper, the cost model and the pacer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.hardware import (
+    MIB,
+    CostModel,
+    Pacer,
+    ProfileError,
+    QuadraticPrefill,
+    load_model,
+    load_profile,
+    polyfit,
+)
+from services.workload import TruncatedLogNormal
+
+TABLE5_LENGTHS = (1000, 8000, 32000, 128000)
+TABLE5_SECONDS = (0.44, 0.72, 1.84, 7.40)
+TABLE5_MIB = (190.8, 308.9, 701.3, 2316.3)
+TABLE5_GBPS = (3.61, 3.59, 3.19, 2.62)
+
+
+@pytest.fixture(scope="module")
+def h200() -> CostModel:
+    return CostModel.load("h200")
+
+
+@pytest.fixture(scope="module")
+def h20() -> CostModel:
+    return CostModel.load("h20")
+
+
+def test_h200_prefill_fit_at_table5_points(h200: CostModel) -> None:
+    fitted = [h200.prefill_time_full(n) for n in TABLE5_LENGTHS]
+    errors = [f / s - 1 for f, s in zip(fitted, TABLE5_SECONDS, strict=True)]
+    # The documented fit errors: -2.0 %, +1.7 %, -0.2 %, +0.0 %.
+    assert errors == pytest.approx([-0.0198, 0.0166, -0.0018, 0.0000], abs=5e-4)
+    assert h200.profile.prefill_points == tuple(zip(TABLE5_LENGTHS, TABLE5_SECONDS, strict=True))
+
+
+def test_polyfit_solves_the_normal_equations() -> None:
+    xs, ys = TABLE5_LENGTHS, TABLE5_SECONDS
+    coeffs = polyfit(xs, ys, 2)
+    residuals = [y - sum(c * x**k for k, c in enumerate(coeffs)) for x, y in zip(xs, ys,
+                                                                                 strict=True)]
+    for k in range(3):
+        column = [(x / 128000) ** k for x in xs]
+        assert sum(r * c for r, c in zip(residuals, column, strict=True)) == pytest.approx(
+            0.0, abs=1e-12)
+    exact = polyfit([1, 2, 3, 7], [2 + 3 * x + 0.5 * x * x for x in (1, 2, 3, 7)], 2)
+    assert exact == pytest.approx((2.0, 3.0, 0.5))
+    with pytest.raises(ProfileError, match="degree=2"):
+        polyfit([1, 2], [1, 2], 2)
+
+
+def test_h20_prefill_is_derived_from_table6(h200: CostModel, h20: CostModel) -> None:
+    workload = TruncatedLogNormal.paper()
+    mean = workload.mean()
+    l_short = workload.conditional_means(19400)[0]
+    # Anchor lengths in h20.toml are the workload's mean and E[L | L <= 19.4K].
+    (l1, _), (l2, _) = h20.profile.prefill_points
+    assert (l1, l2) == pytest.approx((mean, l_short), abs=1.0)
+    assert 9 / h20.prefill_time_full(mean) == pytest.approx(2.11, rel=1e-4)
+    assert 3 / h20.prefill_time_full(l_short) == pytest.approx(1.64, rel=1e-4)
+    h2, h1 = h20.profile.prefill, h200.profile.prefill
+    assert h2 is not None and h1 is not None
+    beta = h2.c2 / h1.c2
+    assert beta == pytest.approx(3.081, abs=1e-3)
+    assert h2.c1 / h1.c1 == pytest.approx(beta)
+    assert h2.c0 == pytest.approx(0.4725, abs=1e-4)
+
+
+def test_kv_size_fit_and_kv_throughput_match_table5(h200: CostModel) -> None:
+    kv = h200.model.kv
+    assert kv.fixed_bytes / MIB == pytest.approx(172.0, abs=0.1)
+    assert kv.bytes_per_token == pytest.approx(17555, abs=1)
+    for n, mib, gbps in zip(TABLE5_LENGTHS, TABLE5_MIB, TABLE5_GBPS, strict=True):
+        assert h200.kv_bytes(n) / MIB == pytest.approx(mib, rel=0.012)
+        assert h200.kv_throughput_bps(n) / 1e9 == pytest.approx(gbps, rel=0.03)
+
+
+def test_decode_meets_the_slo_anchor(h20: CostModel) -> None:
+    bs_max, step_s = h20.decode_slo()
+    assert (bs_max, step_s) == (20, 0.025)
+    # Eq. 5 per instance: 20 / (0.025 * 1024) = 0.78125 req/s, Table 6's 3.91 / 5.
+    assert bs_max / (step_s * 1024) == pytest.approx(3.91 / 5, rel=2e-3)
+    assert h20.decode_step_time(20, 20 * 28000) == pytest.approx(0.025, rel=1e-12)
+    assert h20.decode_step_time(0, 0) == 0.0
+    assert 0 < h20.decode_step_time(1, 1000) < h20.decode_step_time(20, 1000)
+    assert h20.decode_step_time(20, 1000) < h20.decode_step_time(20, 10**6)
+
+
+def test_incremental_prefill(h200: CostModel) -> None:
+    t = h200.profile.prefill
+    assert t is not None
+    assert h200.prefill_time(30000) == pytest.approx(t(30000))
+    assert h200.prefill_time(1000, 30000) == pytest.approx(t(31000) - t(30000) + t.c0)
+    # Cheaper than recomputing the prefix, dearer after a longer prefix (attention).
+    assert h200.prefill_time(1000, 30000) < h200.prefill_time(31000)
+    assert h200.prefill_time(1000, 30000) > h200.prefill_time(1000, 0)
+    with pytest.raises(ValueError, match="l_new"):
+        h200.prefill_time(-1)
+
+
+def test_cpu_profile_models_no_time() -> None:
+    cpu = CostModel.load("cpu")
+    assert not cpu.profile.paced
+    assert cpu.prefill_time(5000, 100) == 0.0
+    assert cpu.decode_step_time(8, 4000) == 0.0
+    assert cpu.kv_bytes(1000) > 0
+
+
+def test_profiles_name_their_sources() -> None:
+    for name in ("h200", "h20", "cpu"):
+        profile = load_profile(name)
+        assert profile.name == name and profile.sources
+    assert load_model().sources
+
+
+def test_profile_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="no_such_chip"):
+        load_profile("no_such_chip")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\ndescription = ""\ngpus_per_instance = 8\npaced = true\n'
+                   'sources = []\nflops = 3\n')
+    with pytest.raises(ProfileError, match="flops"):
+        load_profile(bad)
+    bad.write_text('name = "x"\ndescription = ""\ngpus_per_instance = 8\npaced = true\n'
+                   'sources = []\n')
+    with pytest.raises(ProfileError, match="paced"):
+        load_profile(bad)
+    bad.write_text('name = "x"\ndescription = ""\ngpus_per_instance = 8\npaced = false\n'
+                   'sources = []\n[prefill]\nfit = "affine_of"\nbase = "h200"\n'
+                   'lengths = [1, 2, 3]\nseconds = [1, 2, 3]\n')
+    with pytest.raises(ProfileError, match="2 anchors"):
+        load_profile(bad)
+    with pytest.raises(ProfileError, match="no prefill"):
+        CostModel(load_profile("cpu")).kv_throughput_bps(100)
+
+
+def test_quadratic_affine_is_pointwise() -> None:
+    base = QuadraticPrefill(0.4, 4e-5, 1e-10)
+    scaled = base.affine(-0.7, 3.0)
+    for n in (0, 1000, 77777):
+        assert scaled(n) == pytest.approx(-0.7 + 3.0 * base(n))
+
+
+def test_pacer_waits_the_scaled_remainder() -> None:
+    pacer = Pacer(time_scale=10.0)
+    assert pacer.remaining(real_elapsed_s=0.5, modeled_s=0.2) == pytest.approx(1.5)
+    assert pacer.remaining(real_elapsed_s=3.0, modeled_s=0.2) == 0.0
+    assert pacer.remaining(real_elapsed_s=0.1, modeled_s=0.0) == 0.0
+    stats = pacer.statistics()
+    assert (stats.jobs, stats.overruns) == (3, 1)
+    assert stats.modeled_s == pytest.approx(0.4)
+    assert stats.target_s == pytest.approx(4.0)
+    assert stats.waited_s == pytest.approx(1.5)
+    assert stats.worst_overrun_s == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="time_scale"):
+        Pacer(0.0)
+    with pytest.raises(ValueError, match="modeled_s"):
+        pacer.remaining(0.0, -1.0)
