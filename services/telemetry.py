@@ -1,0 +1,178 @@
+"""The event schema: what the services tell the dashboard (and the recorded event logs).
+
+Every service publishes these typed events on its mesh event bus; the dashboard subscribes to
+all of them and a run can be recorded as JSON lines (one event a line) and replayed later.
+This module is the contract between `services` and `ui`: the dashboard sees the services only
+through it and their HTTP endpoints. Times are seconds on the publishing service's clock
+(`ts`, wall or virtual); sizes are bytes; lengths are tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Cluster = str
+Role = Literal["prefill", "decode", "draining"]
+
+
+class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of every event: where and when it happened."""
+
+    ts: float
+    source: str
+
+
+class RoutingDecision(Event, frozen=True, tag="decision"):
+    """One request placed by the router, with every input of the decision and why."""
+
+    request_id: str
+    policy: str
+    total_len: int
+    cached_prfaas: int  # longest cached prefix (tokens) usable in the PrfaaS cluster
+    cached_pd: int  # ... and in the PD cluster
+    incremental_len: int  # total_len - the prefix the policy counted
+    # t at decision time; None when the policy has no threshold (JSON has no infinity)
+    threshold: float | None
+    link_utilisation: float  # 0..1, egress of the PrfaaS cluster's link
+    queue_prfaas: int  # queued prefill jobs in the PrfaaS cluster
+    queue_pd: int  # ... and in the PD cluster
+    cluster: Cluster  # where prefill runs
+    prefill_worker: str
+    decode_worker: str
+    bandwidth_scarce: bool
+    reason: str  # one line a student can read
+
+
+class KVFlow(Event, frozen=True, tag="kvflow"):
+    """A KV transfer from a prefill worker to a decode worker: started, progressing, done."""
+
+    request_id: str
+    src: str
+    dst: str
+    via_link: str | None  # the link name when it crosses clusters, None when direct
+    phase: Literal["start", "progress", "done", "failed"]
+    layers_done: int
+    layers_total: int
+    bytes_done: int
+    bytes_total: int
+    incremental: bool  # True when the decode side already held a prefix
+    tokens_sent: int  # new tokens whose KV this flow carries
+
+
+class LinkStats(Event, frozen=True, tag="link"):
+    """A periodic sample of one emulated link."""
+
+    link: str
+    bandwidth_bps: float  # the configured rate (0 = unshaped)
+    delay_s: float
+    jitter_s: float
+    loss: float
+    up: bool
+    throughput_bps: float  # measured over the last interval, PrfaaS -> PD direction
+    utilisation: float  # throughput / bandwidth, 0..1
+    queued_bytes: int
+    stalls: int  # retransmission stalls so far
+
+
+class WorkerStatus(Event, frozen=True, tag="worker"):
+    """A periodic sample of one worker."""
+
+    worker: str
+    cluster: Cluster
+    role: Role
+    queue_depth: int
+    running: int  # requests in prefill, or in the decode batch
+    busy: bool
+    cached_blocks: int
+
+
+class RequestPhase(Event, frozen=True, tag="phase"):
+    """A request entered a phase; the dashboard's waterfall is built from these."""
+
+    request_id: str
+    phase: Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]
+    worker: str
+    detail: str = ""
+
+
+class RequestDone(Event, frozen=True, tag="done"):
+    """A request finished at the router, with its latencies (DESIGN.md section 8)."""
+
+    request_id: str
+    cluster: Cluster
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    ok: bool
+    error: str = ""
+
+
+class ThresholdChanged(Event, frozen=True, tag="threshold"):
+    """The router's threshold t moved (short-term loop, planner re-solve, or an override)."""
+
+    policy: str
+    old: float | None  # None: no threshold (JSON has no infinity)
+    new: float | None
+    reason: str
+
+
+class RoleChanged(Event, frozen=True, tag="role"):
+    """A PD worker was converted between prefill and decode (long-term loop or by hand)."""
+
+    worker: str
+    old: Role
+    new: Role
+    reason: str
+
+
+class CacheActivity(Event, frozen=True, tag="cache"):
+    """Blocks stored on or evicted from a worker, as the cache directory saw it."""
+
+    worker: str
+    cluster: Cluster
+    kind: Literal["stored", "evicted"]
+    blocks: int
+    total_blocks: int
+
+
+AnyEvent = (
+    RoutingDecision
+    | KVFlow
+    | LinkStats
+    | WorkerStatus
+    | RequestPhase
+    | RequestDone
+    | ThresholdChanged
+    | RoleChanged
+    | CacheActivity
+)
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RoutingDecision,
+    KVFlow,
+    LinkStats,
+    WorkerStatus,
+    RequestPhase,
+    RequestDone,
+    ThresholdChanged,
+    RoleChanged,
+    CacheActivity,
+)
+
+_json_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
+_json_encoder = msgspec.json.Encoder()
+
+
+def encode_json(event: Event) -> bytes:
+    """One event as a JSON object (what the dashboard receives and event logs hold)."""
+    return _json_encoder.encode(event)
+
+
+def decode_json(data: bytes | str) -> AnyEvent:
+    """An event from its JSON form; raises msgspec.ValidationError naming the bad field."""
+    return _json_decoder.decode(data)
