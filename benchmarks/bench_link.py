@@ -1,0 +1,248 @@
+"""Link emulator benchmark: throughput and added latency of the proxy, and shaped-rate accuracy.
+
+Three processes on 127.0.0.1, so the proxy's event loop shares nothing with the load: a
+blocking sink/echo server, the `link` service (`serve_link`: proxy + control API) on
+asyncio+uvloop with MALLOC_TOP_PAD_=64 MiB (shared/research/stack.md G3), and this process as
+the blocking source. Every proxied number has a direct (no proxy) baseline from the same run.
+
+    .venv/bin/python benchmarks/bench_link.py [--quick] [--backend uvloop|asyncio|trio]
+
+The last line is one JSON object; overlap_ratio needs the prefill/decode data path and is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SEND_BYTES = 1 << 20
+SHAPED_RATES_BPS = (50e6, 200e6, 1e9)
+
+
+def _recv_exact(conn: socket.socket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        part = conn.recv(count - len(data))
+        if not part:
+            raise ConnectionError(f"peer closed after {len(data)} of {count} bytes")
+        data += part
+    return bytes(data)
+
+
+def _sink_connection(conn: socket.socket) -> None:
+    """'B' + 8-byte length: count that many bytes, then ack one byte. 'E': echo until EOF."""
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mode = _recv_exact(conn, 1)
+        if mode == b"B":
+            remaining = int.from_bytes(_recv_exact(conn, 8), "big")
+            view = memoryview(bytearray(SEND_BYTES))
+            while remaining > 0:
+                received = conn.recv_into(view)
+                if not received:
+                    raise ConnectionError(f"bulk sender closed with {remaining} bytes to go")
+                remaining -= received
+            conn.sendall(b"A")
+            return
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def run_sink() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        print(listener.getsockname()[1], flush=True)
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=_sink_connection, args=(conn,), daemon=True).start()
+
+
+def run_proxy(upstream_port: int, backend: str) -> None:
+    import anyio
+
+    from netem.control import serve_link
+    from netem.proxy import Route
+    from netem.shaper import LinkParams
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            endpoints = await tg.start(
+                lambda task_status: serve_link(
+                    [Route(0, upstream_port)], LinkParams(), 0, task_status=task_status
+                )
+            )
+            ports = {"route": endpoints.routes[0][1], "control": endpoints.control[1]}
+            print(json.dumps(ports), flush=True)
+
+    options = {"use_uvloop": True} if backend == "uvloop" else {}
+    anyio.run(main, backend="trio" if backend == "trio" else "asyncio", backend_options=options)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to see cost apart from load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def child(*args: str) -> Iterator[tuple[str, int]]:
+    """This script in another role; yields the first line it prints, and its pid."""
+    env = dict(os.environ, MALLOC_TOP_PAD_="67108864", PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert process.stdout is not None
+        yield process.stdout.readline().strip(), process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def bulk(port: int, nbytes: int) -> float:
+    """Send `nbytes` to the sink; seconds from the first byte sent to the sink's ack."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(b"B" + nbytes.to_bytes(8, "big"))
+        block = memoryview(bytes(SEND_BYTES))
+        start = time.perf_counter()
+        sent = 0
+        while sent < nbytes:
+            piece = min(SEND_BYTES, nbytes - sent)
+            conn.sendall(block[:piece])
+            sent += piece
+        if _recv_exact(conn, 1) != b"A":
+            raise ConnectionError("sink did not ack")
+        return time.perf_counter() - start
+
+
+def ping_pong(port: int, rounds: int, size: int = 64) -> list[float]:
+    """Round-trip times in microseconds of `size`-byte pings through the echo server."""
+    payload = b"p" * size
+    times = []
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(b"E")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            conn.sendall(payload)
+            _recv_exact(conn, size)
+            times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def throughput(port: int, nbytes: int, runs: int) -> tuple[float, list[float]]:
+    bulk(port, min(nbytes, 256 << 20))  # warm-up: page in buffers, settle the CPU
+    rates = [nbytes / bulk(port, nbytes) / 1e9 for _ in range(runs)]
+    return statistics.median(rates), rates
+
+
+def set_link(control_port: int, **update: object) -> None:
+    response = httpx.post(f"http://127.0.0.1:{control_port}/link", json=update, timeout=10)
+    response.raise_for_status()
+
+
+def quantile(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short run (about 15 s)")
+    parser.add_argument("--backend", default="uvloop", choices=["uvloop", "asyncio", "trio"])
+    parser.add_argument("--role", choices=["sink", "proxy"], help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "sink":
+        return run_sink()
+    if args.role == "proxy":
+        return run_proxy(args.upstream, args.backend)
+
+    bulk_bytes = (512 << 20) if args.quick else (2 << 30)
+    runs, rounds, shaped_s = (1, 2000, 1.5) if args.quick else (3, 10000, 4.0)
+    with child("--role", "sink") as (sink_line, _):
+        sink_port = int(sink_line)
+        proxy_args = ("--role", "proxy", "--upstream", str(sink_port), "--backend", args.backend)
+        with child(*proxy_args) as (proxy_line, proxy_pid):
+            ports = json.loads(proxy_line)
+            direct_gbs, direct_runs = throughput(sink_port, bulk_bytes, runs)
+            cpu_before = cpu_seconds(proxy_pid)
+            proxy_gbs, proxy_runs = throughput(ports["route"], bulk_bytes, runs)
+            moved_gb = (runs * bulk_bytes + min(bulk_bytes, 256 << 20)) / 1e9
+            proxy_cpu_s_per_gb = (cpu_seconds(proxy_pid) - cpu_before) / moved_gb
+            direct_rtt = ping_pong(sink_port, rounds)
+            proxy_rtt = ping_pong(ports["route"], rounds)
+            shaped = []
+            for rate in SHAPED_RATES_BPS:
+                set_link(ports["control"], bandwidth_bps=rate)
+                nbytes = int(rate / 8 * shaped_s)
+                measured = nbytes * 8 / bulk(ports["route"], nbytes)
+                shaped.append((rate, measured, nbytes))
+            set_link(ports["control"], bandwidth_bps=None)
+            link = httpx.get(f"http://127.0.0.1:{ports['control']}/link", timeout=10).json()
+
+    direct_p50, proxy_p50 = statistics.median(direct_rtt), statistics.median(proxy_rtt)
+    print(
+        f"link bench: proxy on {args.backend}, {bulk_bytes >> 20} MiB per bulk run, {rounds} pings"
+    )
+    print(f"{'path':<22}{'GB/s (median)':>14}{'runs':>22}{'rtt p50 us':>12}{'p99 us':>10}")
+    for name, gbs, rates, rtt in (
+        ("direct (baseline)", direct_gbs, direct_runs, direct_rtt),
+        ("proxy, unshaped", proxy_gbs, proxy_runs, proxy_rtt),
+    ):
+        runs_text = " ".join(f"{rate:.2f}" for rate in rates)
+        print(
+            f"{name:<22}{gbs:>14.2f}{runs_text:>22}{statistics.median(rtt):>12.1f}"
+            f"{quantile(rtt, 0.99):>10.1f}"
+        )
+    print(
+        f"{'proxy / direct':<22}{proxy_gbs / direct_gbs:>14.2f}{'':>22}"
+        f"{proxy_p50 / direct_p50:>12.2f}   added p50 {proxy_p50 - direct_p50:.1f} us"
+    )
+    print(
+        f"\n{'shaped rate':<14}{'set Mbit/s':>12}{'measured':>12}{'rel error':>11}{'MB sent':>10}"
+    )
+    errors = []
+    for rate, measured, nbytes in shaped:
+        errors.append(abs(measured - rate) / rate)
+        print(
+            f"{rate / 1e6:>10.0f} Mb{rate / 1e6:>14.1f}{measured / 1e6:>12.1f}"
+            f"{(measured - rate) / rate:>+11.2%}{nbytes / 1e6:>10.1f}"
+        )
+    egress = link["statistics"]["link"]["egress"]
+    print(
+        f"\nproxy egress bytes_out {egress['bytes_out']}, connections "
+        f"{link['statistics']['connections_total']}, errors "
+        f"{link['statistics']['connection_errors']}"
+    )
+    print(
+        f"proxy CPU {proxy_cpu_s_per_gb:.2f} s per GB forwarded unshaped (user + system; "
+        f"{1 / proxy_cpu_s_per_gb:.1f} GB/s if it had a core to itself)"
+    )
+    print("overlap_ratio: null (needs the prefill/decode KV data path, not built yet)")
+    result = {
+        "bench": "link",
+        "unshaped_gbytes_per_s": round(proxy_gbs, 3),
+        "added_latency_us_p50": round(proxy_p50 - direct_p50, 1),
+        "shaped_rate_max_rel_error": round(max(errors), 4),
+        "overlap_ratio": None,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The link's live HTTP control API, its `/metrics`, and `serve_link` (proxy + API together).
+
+JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers):
+
+    GET  /link                     parameters (API units) and statistics
+    POST /link                     partial update: bandwidth_bps, delay_ms, jitter_ms, loss,
+                                   rto_ms, up; applied live
+    GET  /proxies                  Toxiproxy: {name: proxy}, each with the link's toxics
+    GET  /proxies/{name}           one proxy; POST {"enabled": false} takes the link down
+    GET  /proxies/{name}/toxics    POST creates: latency {latency, jitter} (ms),
+                                   bandwidth {rate} (KB/s), timeout {timeout},
+                                   packet_loss {loss_rate}
+    GET|POST|DELETE /proxies/{name}/toxics/{toxic}
+    POST /reset                    every toxic removed, link up
+    GET  /metrics                  Prometheus text, from `LinkProxy.statistics()`
+
+Toxics are views of the one set of link parameters, so they apply to the whole link (both
+shaped directions) whatever their `stream`; only toxicity 1 is accepted. Toxiproxy's
+bandwidth rate is in KB/s of 1000 bytes (toxics/bandwidth.go: len * ms / rate). Its
+`timeout` toxic drops data; here it is an outage that holds data until the toxic goes,
+which is how a TCP stream experiences a dead link.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+import anyio
+import hypercorn.asyncio
+import hypercorn.trio
+import msgspec
+import sniffio
+from anyio.abc import TaskStatus
+from hypercorn.config import Config as HypercornConfig
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route as HttpRoute
+
+from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route, listen_tcp
+from netem.shaper import LinkError, LinkParamError, LinkParams, LinkShaper, check_number
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTROL_PORT = 8474
+
+# API key -> (LinkParams field, scale to SI units, low bound, low bound open, high bound).
+_API_FIELDS: dict[str, tuple[str, float, float, bool, float]] = {
+    "bandwidth_bps": ("bandwidth_bps", 1.0, 0.0, False, 1e15),
+    "delay_ms": ("delay_s", 1e-3, 0.0, False, 3.6e6),
+    "jitter_ms": ("jitter_s", 1e-3, 0.0, False, 3.6e6),
+    "loss": ("loss_rate", 1.0, 0.0, False, 1.0),
+    "rto_ms": ("rto_s", 1e-3, 0.0, True, 3.6e6),
+}
+
+# Toxic type -> attribute -> (API key it sets, scale to API units, high bound).
+_TOXICS: dict[str, dict[str, tuple[str, float, float]]] = {
+    "latency": {"latency": ("delay_ms", 1.0, 3.6e6), "jitter": ("jitter_ms", 1.0, 3.6e6)},
+    "bandwidth": {"rate": ("bandwidth_bps", 8000.0, 1e11)},
+    "packet_loss": {"loss_rate": ("loss", 1.0, 1.0)},
+    "timeout": {"timeout": ("", 0.0, 3.6e9)},
+}
+
+
+class ControlError(LinkError):
+    """A control request that cannot be served; carries its HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def apply_link_update(params: LinkParams, update: object) -> LinkParams:
+    """`params` with a /link update applied; LinkParamError names a bad key or value."""
+    if not isinstance(update, dict):
+        raise LinkParamError(f"body must be a JSON object, got {update!r}")
+    changes: dict[str, Any] = {}
+    for key, value in update.items():
+        if key == "up":
+            if not isinstance(value, bool):
+                raise LinkParamError(f"up must be true or false, got {value!r}")
+            changes["up"] = value
+        elif key not in _API_FIELDS:
+            raise LinkParamError(f"unknown parameter {key!r}; known: up, {', '.join(_API_FIELDS)}")
+        elif key == "bandwidth_bps" and value is None:
+            changes["bandwidth_bps"] = None
+        else:
+            field, scale, low, low_open, high = _API_FIELDS[key]
+            check_number(key, value, low=low, low_open=low_open, high=high)
+            changes[field] = float(value) * scale
+    if changes.get("bandwidth_bps") == 0.0:
+        changes["bandwidth_bps"] = None
+    return msgspec.structs.replace(params, **changes)
+
+
+def params_view(params: LinkParams) -> dict[str, Any]:
+    """Link parameters in the API's units (the keys POST /link accepts)."""
+    return {
+        "bandwidth_bps": params.bandwidth_bps or None,
+        "delay_ms": params.delay_s * 1e3,
+        "jitter_ms": params.jitter_s * 1e3,
+        "loss": params.loss_rate,
+        "rto_ms": params.rto_s * 1e3,
+        "up": params.up,
+    }
+
+
+def active_toxics(params: LinkParams) -> dict[str, dict[str, float]]:
+    """The Toxiproxy toxics that the parameters amount to, with their attributes."""
+    toxics: dict[str, dict[str, float]] = {}
+    if params.delay_s or params.jitter_s:
+        toxics["latency"] = {"latency": params.delay_s * 1e3, "jitter": params.jitter_s * 1e3}
+    if params.bandwidth_bps:
+        toxics["bandwidth"] = {"rate": params.bandwidth_bps / 8000.0}
+    if params.loss_rate:
+        toxics["packet_loss"] = {"loss_rate": params.loss_rate}
+    if not params.up:
+        toxics["timeout"] = {"timeout": 0.0}
+    return toxics
+
+
+def toxic_kind(kind: object) -> str:
+    if not isinstance(kind, str) or kind not in _TOXICS:
+        raise LinkParamError(f"type must be one of {', '.join(_TOXICS)}; got {kind!r}")
+    return kind
+
+
+def toxic_update(kind: str, attributes: object, *, create: bool) -> dict[str, Any]:
+    """A toxic's attributes as a /link update; on create, missing attributes are zero."""
+    if not isinstance(attributes, dict):
+        raise LinkParamError(f"attributes must be a JSON object, got {attributes!r}")
+    table = _TOXICS[kind]
+    given = ({name: 0.0 for name in table} if create else {}) | attributes
+    update: dict[str, Any] = {"up": False} if kind == "timeout" else {}
+    for name, value in given.items():
+        if name not in table:
+            raise LinkParamError(f"unknown {kind} attribute {name!r}; known: {', '.join(table)}")
+        key, scale, high = table[name]
+        check_number(name, value, low=0.0, low_open=False, high=high)
+        if key:
+            update[key] = float(value) * scale
+    return update
+
+
+_REMOVALS: dict[str, dict[str, Any]] = {
+    "latency": {"delay_ms": 0.0, "jitter_ms": 0.0},
+    "bandwidth": {"bandwidth_bps": None},
+    "packet_loss": {"loss": 0.0},
+    "timeout": {"up": True},
+}
+
+
+async def _json_body(request: Request) -> object:
+    try:
+        return msgspec.json.decode(await request.body())
+    except msgspec.DecodeError as exc:
+        raise LinkParamError(f"body is not valid JSON: {exc}") from exc
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status, media_type="application/json")
+
+
+class _ControlApi:
+    """The endpoints; state is the proxy (and its shaper) plus the toxics' chosen names."""
+
+    def __init__(self, proxy: LinkProxy, name: str) -> None:
+        self._proxy = proxy
+        self._shaper = proxy.shaper
+        self._name = name
+        self._toxic_names: dict[str, tuple[str, str]] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(LinkCollector(proxy.statistics, name))
+
+    def _apply(self, update: object) -> None:
+        params = apply_link_update(self._shaper.params, update)
+        self._shaper.set_params(params)
+        logger.info("link %s parameters now %s", self._name, params)
+
+    async def get_link(self, request: Request) -> Response:
+        stats = msgspec.to_builtins(self._proxy.statistics())
+        return _json({"name": self._name, **params_view(self._shaper.params), "statistics": stats})
+
+    async def post_link(self, request: Request) -> Response:
+        self._apply(await _json_body(request))
+        return await self.get_link(request)
+
+    def _check_proxy(self, request: Request) -> None:
+        if request.path_params["proxy"] != self._name:
+            raise ControlError(404, f"proxy not found: {request.path_params['proxy']!r}")
+
+    def _toxics(self) -> list[dict[str, Any]]:
+        toxics = []
+        for kind, attributes in active_toxics(self._shaper.params).items():
+            name, stream = self._toxic_names.get(kind, (f"{kind}_downstream", "downstream"))
+            toxic = {"name": name, "type": kind, "stream": stream, "toxicity": 1.0}
+            toxics.append(toxic | {"attributes": attributes})
+        return toxics
+
+    def _find_toxic(self, request: Request) -> dict[str, Any]:
+        self._check_proxy(request)
+        wanted = request.path_params["toxic"]
+        for toxic in self._toxics():
+            if toxic["name"] == wanted:
+                return toxic
+        raise ControlError(404, f"toxic not found: {wanted!r}")
+
+    def _proxy_view(self) -> dict[str, Any]:
+        addresses = self._proxy.listen_addresses or [
+            (route.listen_host, route.listen_port) for route in self._proxy.routes
+        ]
+        routes = [
+            {"listen": f"{host}:{port}", "upstream": f"{r.upstream_host}:{r.upstream_port}"}
+            for (host, port), r in zip(addresses, self._proxy.routes, strict=True)
+        ]
+        return {
+            "name": self._name,
+            **routes[0],
+            "enabled": self._shaper.params.up,
+            "toxics": self._toxics(),
+            "routes": routes,
+        }
+
+    async def get_proxies(self, request: Request) -> Response:
+        return _json({self._name: self._proxy_view()})
+
+    async def proxy(self, request: Request) -> Response:
+        self._check_proxy(request)
+        if request.method == "POST":
+            body = await _json_body(request)
+            if not isinstance(body, dict) or set(body) - {"enabled", "name"}:
+                raise LinkParamError(f"only 'enabled' can change on a running link, got {body!r}")
+            if "enabled" in body:
+                self._apply({"up": body["enabled"]})
+        return _json(self._proxy_view())
+
+    async def toxics(self, request: Request) -> Response:
+        self._check_proxy(request)
+        if request.method == "GET":
+            return _json(self._toxics())
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise LinkParamError(f"body must be a JSON object, got {body!r}")
+        kind, stream = toxic_kind(body.get("type")), body.get("stream", "downstream")
+        if body.get("toxicity", 1.0) != 1.0:
+            raise LinkParamError(f"toxicity must be 1 (whole link), got {body['toxicity']!r}")
+        if stream not in ("upstream", "downstream"):
+            raise LinkParamError(f"stream must be 'upstream' or 'downstream', got {stream!r}")
+        update = toxic_update(kind, body.get("attributes", {}), create=True)
+        if kind in active_toxics(self._shaper.params):
+            raise ControlError(409, f"toxic already exists: a {kind} toxic is active")
+        self._apply(update)
+        self._toxic_names[kind] = (str(body.get("name") or f"{kind}_{stream}"), stream)
+        return _json(self._find_by_kind(kind))
+
+    def _find_by_kind(self, kind: str) -> dict[str, Any]:
+        return next(toxic for toxic in self._toxics() if toxic["type"] == kind)
+
+    async def toxic(self, request: Request) -> Response:
+        toxic = self._find_toxic(request)
+        if request.method == "DELETE":
+            self._apply(_REMOVALS[toxic["type"]])
+            self._toxic_names.pop(toxic["type"], None)
+            return Response(status_code=204)
+        if request.method == "POST":
+            body = await _json_body(request)
+            attributes = body.get("attributes", {}) if isinstance(body, dict) else body
+            self._apply(toxic_update(toxic["type"], attributes, create=False))
+            toxic = self._find_by_kind(toxic["type"])
+        return _json(toxic)
+
+    async def reset(self, request: Request) -> Response:
+        self._apply({"up": True, **_REMOVALS["latency"], "bandwidth_bps": None, "loss": 0.0})
+        self._toxic_names.clear()
+        return Response(status_code=204)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _control_error(request: Request, exc: Exception) -> Response:
+    status = exc.status if isinstance(exc, ControlError) else 400
+    return _json({"error": str(exc), "status": status}, status)
+
+
+def create_control_app(proxy: LinkProxy, *, name: str = "link") -> Starlette:
+    """The control API of one link (its proxy and shaper), as a Starlette ASGI app."""
+    api = _ControlApi(proxy, name)
+    routes = [
+        HttpRoute("/link", api.get_link, methods=["GET"]),
+        HttpRoute("/link", api.post_link, methods=["POST"]),
+        HttpRoute("/proxies", api.get_proxies, methods=["GET"]),
+        HttpRoute("/proxies/{proxy}", api.proxy, methods=["GET", "POST"]),
+        HttpRoute("/proxies/{proxy}/toxics", api.toxics, methods=["GET", "POST"]),
+        HttpRoute("/proxies/{proxy}/toxics/{toxic}", api.toxic, methods=["GET", "POST", "DELETE"]),
+        HttpRoute("/reset", api.reset, methods=["POST"]),
+        HttpRoute("/metrics", api.metrics, methods=["GET"]),
+    ]
+    handlers = {LinkParamError: _control_error, ControlError: _control_error}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+# DirectionStatistics field -> (metric name after "prfaas_link_", kind).
+_DIRECTION_METRICS = {
+    "bytes_in": ("bytes_in", "counter"),
+    "bytes_out": ("bytes_out", "counter"),
+    "bytes_dropped": ("bytes_dropped", "counter"),
+    "queued_bytes": ("queued_bytes", "gauge"),
+    "throughput_bps": ("throughput_bits_per_second", "gauge"),
+    "utilisation": ("utilisation_ratio", "gauge"),
+    "stalls": ("stalls", "counter"),
+    "stall_s": ("stall_seconds", "counter"),
+}
+
+
+def _link_values(stats: ProxyStatistics) -> list[tuple[str, str, float]]:
+    params = stats.link.params
+    return [
+        ("up", "gauge", float(params.up)),
+        ("bandwidth_bits_per_second", "gauge", params.bandwidth_bps or 0.0),
+        ("delay_seconds", "gauge", params.delay_s),
+        ("jitter_seconds", "gauge", params.jitter_s),
+        ("loss_ratio", "gauge", params.loss_rate),
+        ("outages", "counter", stats.link.outages),
+        ("down_seconds", "counter", stats.link.down_s),
+        ("connections_open", "gauge", stats.connections_open),
+        ("connections", "counter", stats.connections_total),
+        ("upstream_failures", "counter", stats.upstream_failures),
+        ("connection_errors", "counter", stats.connection_errors),
+    ]
+
+
+def _family(name: str, kind: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
+    full = f"prfaas_link_{name}"
+    doc = f"Link {name.replace('_', ' ')} (netem.proxy.ProxyStatistics)."
+    if kind == "counter":
+        return CounterMetricFamily(full, doc, labels=labels)
+    return GaugeMetricFamily(full, doc, labels=labels)
+
+
+class LinkCollector(Collector):
+    """Prometheus view of `ProxyStatistics`, read at every scrape (nothing cached)."""
+
+    def __init__(self, statistics: Callable[[], ProxyStatistics], link: str) -> None:
+        self._statistics = statistics
+        self._link = link
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._statistics()
+        for field, (name, kind) in _DIRECTION_METRICS.items():
+            family = _family(name, kind, ["link", "direction"])
+            for direction in ("egress", "ingress"):
+                value = getattr(getattr(stats.link, direction), field)
+                family.add_metric([self._link, direction], float(value))
+            yield family
+        for name, kind, value in _link_values(stats):
+            family = _family(name, kind, ["link"])
+            family.add_metric([self._link], float(value))
+            yield family
+
+
+class LinkEndpoints(msgspec.Struct, frozen=True):
+    """Where a running link listens: one (host, port) per route, and the control API."""
+
+    routes: list[tuple[str, int]]
+    control: tuple[str, int]
+
+
+async def _serve_http(app: Starlette, config: HypercornConfig, stop: anyio.Event) -> None:
+    serve: Callable[..., Awaitable[None]] = (
+        hypercorn.trio.serve
+        if sniffio.current_async_library() == "trio"
+        else hypercorn.asyncio.serve
+    )
+    # Shielded so that cancelling serve_link still shuts hypercorn down gracefully.
+    with anyio.CancelScope(shield=True):
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+
+async def _report_statistics(
+    proxy: LinkProxy, on_stats: Callable[[ProxyStatistics], None], interval_s: float
+) -> None:
+    while True:
+        await anyio.sleep(interval_s)
+        on_stats(proxy.statistics())
+
+
+async def serve_link(
+    routes: Sequence[Route],
+    params: LinkParams,
+    control_port: int = DEFAULT_CONTROL_PORT,
+    *,
+    control_host: str = "127.0.0.1",
+    name: str = "link",
+    seed: int = 0,
+    shape_ingress: bool = True,
+    config: ProxyConfig | None = None,
+    on_stats: Callable[[ProxyStatistics], None] | None = None,
+    stats_interval_s: float = 1.0,
+    task_status: TaskStatus[LinkEndpoints] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the `link` service until cancelled: the proxy and its control API, one task group.
+
+    `on_stats` is called with `ProxyStatistics` every `stats_interval_s` (the event bus hook).
+    Port 0 binds ephemeral ports; the bound addresses are reported through `task_status`.
+    """
+    shaper = LinkShaper(
+        params, anyio.current_time, random.Random(seed), shape_ingress=shape_ingress
+    )
+    proxy = LinkProxy(routes, shaper, config)
+    app = create_control_app(proxy, name=name)
+    http = HypercornConfig()
+    http.errorlog = logging.getLogger("netem.control.http")
+    http.accesslog = None
+    http.graceful_timeout = 1.0
+    stop = anyio.Event()
+    with listen_tcp(control_host, control_port) as control:
+        # hypercorn owns (and closes) a duplicate of our socket; we close ours.
+        http.bind = [f"fd://{os.dup(control.fileno())}"]
+        async with anyio.create_task_group() as tg:
+            route_addresses = await tg.start(proxy.run)
+            tg.start_soon(_serve_http, app, http, stop)
+            if on_stats is not None:
+                tg.start_soon(_report_statistics, proxy, on_stats, stats_interval_s)
+            task_status.started(LinkEndpoints(route_addresses, control.getsockname()[:2]))
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()

@@ -1,0 +1,406 @@
+"""Pure, clock-driven link shaping: when may a chunk that entered the link leave it.
+
+The link is one FIFO "wire" per direction, shared by every connection crossing it. A chunk of
+n bytes entering at time t starts serialising when the wire is free, occupies it for
+8n / bandwidth seconds, then travels for the one-way delay plus a seeded jitter draw. With
+probability `loss_rate` the chunk also suffers a retransmission stall of `rto_s` (a lost
+segment that TCP resends after its timeout). A connection's chunks never overtake each
+other: jitter delays a chunk, it never reorders a stream.
+
+An outage pauses the link: while it is down, no time passes on the link and nothing is
+released; everything scheduled shifts later by the outage's length. The shaper keeps two
+clocks for this: the injected wall clock, and the link clock (wall time minus time spent
+down). Release times are computed on the link clock and converted back with `wall_time`.
+
+No I/O happens here; the proxy (netem/proxy.py) sleeps until the times this module computes.
+`reference_release_times` is the slow, obvious per-byte model the fast arithmetic is tested
+against.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
+from typing import NamedTuple
+
+import msgspec
+
+
+class LinkError(Exception):
+    """Base of every error the link emulator raises."""
+
+
+class LinkParamError(LinkError, ValueError):
+    """A link parameter holds a bad value; the message names it and the value."""
+
+
+class Direction(enum.Enum):
+    """EGRESS is client -> upstream (PrfaaS egress); INGRESS is the reverse."""
+
+    EGRESS = "egress"
+    INGRESS = "ingress"
+
+
+def check_number(name: str, value: object, *, low: float, low_open: bool, high: float) -> None:
+    """Raise LinkParamError naming `name` and `value` unless it is a number in range."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if (number > low if low_open else number >= low) and number <= high:
+            return
+    bound = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+    raise LinkParamError(f"{name} must be a number {bound}, got {value!r}")
+
+
+class LinkParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Live link parameters. `bandwidth_bps` None or 0 means unshaped (no serialisation)."""
+
+    bandwidth_bps: float | None = None
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    loss_rate: float = 0.0
+    rto_s: float = 0.2
+    up: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bps is not None:
+            check_number("bandwidth_bps", self.bandwidth_bps, low=0.0, low_open=False, high=1e15)
+        check_number("delay_s", self.delay_s, low=0.0, low_open=False, high=3600.0)
+        check_number("jitter_s", self.jitter_s, low=0.0, low_open=False, high=3600.0)
+        check_number("loss_rate", self.loss_rate, low=0.0, low_open=False, high=1.0)
+        check_number("rto_s", self.rto_s, low=0.0, low_open=True, high=3600.0)
+
+    @property
+    def shaped_bandwidth(self) -> bool:
+        return bool(self.bandwidth_bps)
+
+    @property
+    def transparent(self) -> bool:
+        """True when the link adds nothing: chunks may be forwarded as they come."""
+        return self.up and not (
+            self.bandwidth_bps or self.delay_s or self.jitter_s or self.loss_rate
+        )
+
+
+class Admission(NamedTuple):
+    """Link-clock times for one admitted chunk: serialisation end, and release."""
+
+    wire_done: float
+    release: float
+
+
+class DirectionStatistics(msgspec.Struct, frozen=True):
+    bytes_in: int
+    bytes_out: int
+    bytes_dropped: int
+    chunks_in: int
+    queued_bytes: int
+    wire_backlog_s: float
+    throughput_bps: float
+    utilisation: float
+    stalls: int
+    stall_s: float
+    flows: int
+
+
+class LinkStatistics(msgspec.Struct, frozen=True):
+    time: float
+    params: LinkParams
+    outages: int
+    down_s: float
+    egress: DirectionStatistics
+    ingress: DirectionStatistics
+
+
+class Flow:
+    """One connection's direction across the link: its FIFO order and its queued bytes."""
+
+    __slots__ = ("direction", "last_release", "queued_bytes")
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.last_release = -math.inf
+        self.queued_bytes = 0
+
+
+class _RateWindow:
+    """Bytes per second over a sliding window, kept as fixed-width time buckets."""
+
+    def __init__(self, window_s: float, buckets: int = 10) -> None:
+        self._bucket_s = window_s / buckets
+        self._buckets = buckets
+        self._counts: deque[list[int]] = deque()
+        self._first_sample = math.inf
+
+    def add(self, now: float, nbytes: int) -> None:
+        self._first_sample = min(self._first_sample, now)
+        index = int(now // self._bucket_s)
+        if self._counts and self._counts[-1][0] == index:
+            self._counts[-1][1] += nbytes
+            return
+        self._counts.append([index, nbytes])
+        while len(self._counts) > self._buckets + 1:
+            self._counts.popleft()
+
+    def rate(self, now: float) -> float:
+        first = int(now // self._bucket_s) - self._buckets + 1
+        total = sum(count for index, count in self._counts if index >= first)
+        # Never average over time before the first sample (a link that just started).
+        span = now - max(first * self._bucket_s, self._first_sample)
+        return total / max(span, self._bucket_s)
+
+
+class _DirectionState:
+    def __init__(self, window_s: float) -> None:
+        self.wire_free = -math.inf
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.bytes_dropped = 0
+        self.chunks_in = 0
+        self.stalls = 0
+        self.stall_s = 0.0
+        self.flows: set[Flow] = set()
+        self.out_rate = _RateWindow(window_s)
+
+
+class LinkShaper:
+    """The link's shaping state, shared by every connection of every route across it."""
+
+    def __init__(
+        self,
+        params: LinkParams,
+        clock: Callable[[], float],
+        rng: random.Random,
+        *,
+        shape_ingress: bool = True,
+        window_s: float = 1.0,
+    ) -> None:
+        if not window_s > 0:
+            raise LinkParamError(f"window_s must be > 0, got {window_s!r}")
+        self._params = params
+        self._clock = clock
+        self._rng = rng
+        self._shape_ingress = shape_ingress
+        self._states = {d: _DirectionState(window_s) for d in Direction}
+        self._listeners: list[Callable[[LinkParams], None]] = []
+        self._paused_s = 0.0
+        # A link created down is in an outage from now on (the clock must be usable here).
+        self._down_since: float | None = None if params.up else clock()
+        self._outages = 0 if params.up else 1
+        self._transparent = self._compute_transparent()
+
+    @property
+    def params(self) -> LinkParams:
+        return self._params
+
+    def now(self) -> float:
+        """The injected wall clock (the proxy sleeps on the same one)."""
+        return self._clock()
+
+    def set_params(self, params: LinkParams) -> None:
+        """Apply new parameters live; chunks admitted earlier keep their schedule."""
+        now = self._clock()
+        if self._params.up and not params.up:
+            self._down_since = now
+            self._outages += 1
+        elif not self._params.up and params.up and self._down_since is not None:
+            self._paused_s += now - self._down_since
+            self._down_since = None
+        self._params = params
+        self._transparent = self._compute_transparent()
+        for listener in list(self._listeners):
+            listener(params)
+
+    def add_listener(self, listener: Callable[[LinkParams], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[LinkParams], None]) -> None:
+        self._listeners.remove(listener)
+
+    def transparent(self, direction: Direction) -> bool:
+        """True when chunks of this direction may skip the queue (nothing to emulate)."""
+        return self._transparent[direction]
+
+    def _compute_transparent(self) -> dict[Direction, bool]:
+        unshaped_ingress = self._params.up and not self._shape_ingress
+        return {
+            Direction.EGRESS: self._params.transparent,
+            Direction.INGRESS: self._params.transparent or unshaped_ingress,
+        }
+
+    def link_now(self) -> float:
+        """The link clock: wall time minus time spent down (frozen while down)."""
+        if self._down_since is not None:
+            return self._down_since - self._paused_s
+        return self._clock() - self._paused_s
+
+    def wall_time(self, link_time: float) -> float:
+        """Wall time at which the link clock reaches `link_time`; inf while down."""
+        if self._down_since is not None:
+            return math.inf
+        return link_time + self._paused_s
+
+    def open_flow(self, direction: Direction) -> Flow:
+        flow = Flow(direction)
+        self._states[direction].flows.add(flow)
+        return flow
+
+    def close_flow(self, flow: Flow) -> None:
+        """Forget a flow; bytes it still had queued count as dropped."""
+        state = self._states[flow.direction]
+        state.flows.discard(flow)
+        state.bytes_dropped += flow.queued_bytes
+        flow.queued_bytes = 0
+
+    def admit(self, flow: Flow, nbytes: int) -> Admission:
+        """Schedule a chunk entering now; returns its link-clock wire end and release time."""
+        params = self._params
+        state = self._states[flow.direction]
+        start = max(self.link_now(), state.wire_free)
+        shaped = flow.direction is Direction.EGRESS or self._shape_ingress
+        bandwidth = params.bandwidth_bps if shaped else None
+        wire_done = start + nbytes * 8.0 / bandwidth if bandwidth else start
+        state.wire_free = wire_done
+        release = wire_done + (self._draw_delay(params, state) if shaped else 0.0)
+        release = max(release, flow.last_release)
+        flow.last_release = release
+        flow.queued_bytes += nbytes
+        state.bytes_in += nbytes
+        state.chunks_in += 1
+        return Admission(wire_done, release)
+
+    def _draw_delay(self, params: LinkParams, state: _DirectionState) -> float:
+        # Draw order (jitter, then loss) is part of the contract with the reference model.
+        delay = params.delay_s
+        if params.jitter_s:
+            delay = max(0.0, delay + self._rng.uniform(-params.jitter_s, params.jitter_s))
+        if params.loss_rate and self._rng.random() < params.loss_rate:
+            state.stalls += 1
+            state.stall_s += params.rto_s
+            delay += params.rto_s
+        return delay
+
+    def released(self, flow: Flow, nbytes: int) -> None:
+        """Account a queued chunk as delivered to the far side."""
+        if nbytes > flow.queued_bytes:
+            raise LinkError(f"released {nbytes} bytes but the flow queued {flow.queued_bytes}")
+        flow.queued_bytes -= nbytes
+        state = self._states[flow.direction]
+        state.bytes_out += nbytes
+        state.out_rate.add(self._clock(), nbytes)
+
+    def passthrough(self, flow: Flow, nbytes: int) -> None:
+        """Account a chunk forwarded on the transparent fast path (never queued)."""
+        state = self._states[flow.direction]
+        state.bytes_in += nbytes
+        state.bytes_out += nbytes
+        state.chunks_in += 1
+        state.out_rate.add(self._clock(), nbytes)
+
+    def statistics(self) -> LinkStatistics:
+        now = self._clock()
+        down_s = self._paused_s + (now - self._down_since if self._down_since is not None else 0)
+        return LinkStatistics(
+            time=now,
+            params=self._params,
+            outages=self._outages,
+            down_s=down_s,
+            egress=self._direction_statistics(Direction.EGRESS, now),
+            ingress=self._direction_statistics(Direction.INGRESS, now),
+        )
+
+    def _direction_statistics(self, direction: Direction, now: float) -> DirectionStatistics:
+        state = self._states[direction]
+        throughput = state.out_rate.rate(now) * 8.0
+        bandwidth = self._params.bandwidth_bps
+        shaped = direction is Direction.EGRESS or self._shape_ingress
+        utilisation = throughput / bandwidth if bandwidth and shaped else 0.0
+        return DirectionStatistics(
+            bytes_in=state.bytes_in,
+            bytes_out=state.bytes_out,
+            bytes_dropped=state.bytes_dropped,
+            chunks_in=state.chunks_in,
+            queued_bytes=state.bytes_in - state.bytes_out - state.bytes_dropped,
+            wire_backlog_s=max(0.0, state.wire_free - self.link_now()),
+            throughput_bps=throughput,
+            utilisation=utilisation,
+            stalls=state.stalls,
+            stall_s=state.stall_s,
+            flows=len(state.flows),
+        )
+
+    def check_integrity(self) -> None:
+        """Byte conservation per direction: in = out + dropped + queued in open flows."""
+        for direction, state in self._states.items():
+            queued = sum(flow.queued_bytes for flow in state.flows)
+            if state.bytes_in != state.bytes_out + state.bytes_dropped + queued:
+                raise LinkError(
+                    f"{direction.value}: bytes_in={state.bytes_in} != bytes_out="
+                    f"{state.bytes_out} + dropped={state.bytes_dropped} + queued={queued}"
+                )
+            if any(flow.direction is not direction for flow in state.flows):
+                raise LinkError(f"{direction.value}: a flow of another direction is registered")
+        if (self._down_since is None) != self._params.up:
+            raise LinkError(f"up={self._params.up} but down_since={self._down_since}")
+
+
+class ChunkEvent(NamedTuple):
+    """One chunk for the reference model: wall arrival time, flow key, size in bytes."""
+
+    arrival: float
+    flow: int
+    nbytes: int
+
+
+def reference_release_times(
+    chunks: Sequence[ChunkEvent],
+    params: LinkParams,
+    rng: random.Random,
+    outages: Iterable[tuple[float, float]] = (),
+) -> list[float]:
+    """Slow, obvious model: every byte crosses the wire alone, in exact rational time.
+
+    Chunks must be sorted by arrival. Byte k of the wire leaves at max(its arrival,
+    the previous byte's departure) + 8 / bandwidth, on the link clock. A chunk is released
+    when its last byte has left, plus delay, jitter and stall (drawn in the same order as
+    `LinkShaper`), never before the previous chunk of its flow. Outages are (down, up) wall
+    intervals, sorted and disjoint; the link clock stands still inside them.
+    """
+    spans = [(Fraction(a), Fraction(b)) for a, b in outages]
+
+    def to_link(wall: Fraction) -> Fraction:
+        inside = [a for a, b in spans if a <= wall < b]
+        if inside:
+            wall = inside[0]
+        return wall - sum((min(b, wall) - a for a, b in spans if a < wall), Fraction(0))
+
+    def to_wall(link: Fraction) -> Fraction:
+        wall = link
+        for a, b in spans:
+            if wall >= a:
+                wall += b - a
+        return wall
+
+    byte_s = Fraction(8) / Fraction(params.bandwidth_bps) if params.bandwidth_bps else None
+    last_byte_left = Fraction(-(10**9))
+    last_release: dict[int, Fraction] = {}
+    releases: list[float] = []
+    for chunk in chunks:
+        arrival = to_link(Fraction(chunk.arrival))
+        left = max(arrival, last_byte_left)
+        for _ in range(chunk.nbytes):
+            left = max(arrival, left) + (byte_s or 0)
+        last_byte_left = left
+        extra = Fraction(params.delay_s)
+        if params.jitter_s:
+            draw = rng.uniform(-params.jitter_s, params.jitter_s)
+            extra = max(Fraction(0), extra + Fraction(draw))
+        if params.loss_rate and rng.random() < params.loss_rate:
+            extra += Fraction(params.rto_s)
+        release = max(left + extra, last_release.get(chunk.flow, Fraction(-(10**9))))
+        last_release[chunk.flow] = release
+        releases.append(float(to_wall(release)))
+    return releases

@@ -1,0 +1,279 @@
+"""LinkShaper: the maths on virtual time, and the fast arithmetic against the per-byte model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netem.shaper import (
+    ChunkEvent,
+    Direction,
+    LinkError,
+    LinkParamError,
+    LinkParams,
+    LinkShaper,
+    reference_release_times,
+)
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_shaper(
+    params: LinkParams, seed: int = 0, **kwargs: bool
+) -> tuple[LinkShaper, ManualClock]:
+    clock = ManualClock()
+    return LinkShaper(params, clock, random.Random(seed), **kwargs), clock
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("delay_s", -0.001),
+        ("jitter_s", math.nan),
+        ("loss_rate", 1.5),
+        ("rto_s", 0.0),
+        ("bandwidth_bps", -1.0),
+        ("bandwidth_bps", math.inf),
+        ("delay_s", True),
+        ("delay_s", "5"),
+    ],
+)
+def test_params_reject_bad_values_naming_them(field: str, value: object) -> None:
+    with pytest.raises(LinkParamError, match=rf"{field} must be .* got {value!r}"):
+        LinkParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_params_decode_validates_and_round_trips() -> None:
+    params = LinkParams(bandwidth_bps=1e9, delay_s=0.02, jitter_s=0.001, loss_rate=0.01, up=False)
+    assert msgspec.json.decode(msgspec.json.encode(params), type=LinkParams) == params
+    with pytest.raises(msgspec.ValidationError, match="loss_rate"):
+        msgspec.json.decode(b'{"loss_rate": -1}', type=LinkParams)
+    assert LinkParams().transparent
+    assert not LinkParams(up=False).transparent
+    assert not LinkParams(bandwidth_bps=1.0).transparent
+
+
+def test_100_mb_at_1_gbps_with_20_ms_delay_takes_820_ms() -> None:
+    shaper, clock = make_shaper(LinkParams(bandwidth_bps=1e9, delay_s=0.020))
+    flow = shaper.open_flow(Direction.EGRESS)
+    chunk, total = 64 * 1024, 100_000_000
+    last = None
+    for offset in range(0, total, chunk):
+        last = shaper.admit(flow, min(chunk, total - offset))
+    assert last is not None
+    assert last.wire_done == pytest.approx(0.8, rel=1e-9)
+    assert last.release == pytest.approx(0.82, rel=0.01)
+    clock.now = last.release
+    shaper.released(flow, total)
+    shaper.check_integrity()
+    assert shaper.statistics().egress.bytes_out == total
+
+
+@pytest.mark.trio
+async def test_100_mb_release_schedule_on_autojump_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A consumer sleeping on trio's virtual clock sees the last byte at 0.8 s + 20 ms."""
+    shaper = LinkShaper(
+        LinkParams(bandwidth_bps=1e9, delay_s=0.020), trio.current_time, random.Random(0)
+    )
+    flow = shaper.open_flow(Direction.EGRESS)
+    chunk = 1 << 20
+    sizes = [chunk] * (100_000_000 // chunk) + [100_000_000 % chunk]
+    releases = [shaper.admit(flow, n).release for n in sizes]
+    for n, release in zip(sizes, releases, strict=True):
+        await trio.sleep_until(release)
+        shaper.released(flow, n)
+    assert trio.current_time() == pytest.approx(0.82, rel=0.01)
+    stats = shaper.statistics().egress
+    assert stats.queued_bytes == 0
+    assert stats.throughput_bps == pytest.approx(1e9, rel=0.05)
+    assert stats.utilisation == pytest.approx(1.0, rel=0.05)
+
+
+def test_jitter_varies_delay_but_never_reorders_a_flow() -> None:
+    shaper, clock = make_shaper(LinkParams(delay_s=0.010, jitter_s=0.008), seed=7)
+    flows = [shaper.open_flow(Direction.EGRESS) for _ in range(3)]
+    releases: list[list[float]] = [[], [], []]
+    gaps = []
+    for step in range(300):
+        clock.now = step * 0.0005
+        release = shaper.admit(flows[step % 3], 100).release
+        releases[step % 3].append(release)
+        gaps.append(release - clock.now)
+    for flow_releases in releases:
+        assert flow_releases == sorted(flow_releases)
+    assert max(gaps) - min(gaps) > 0.010
+    assert min(gaps) >= 0.002
+
+
+def test_loss_stalls_are_seeded_and_counted() -> None:
+    params = LinkParams(loss_rate=0.1, rto_s=0.2)
+    counts = []
+    for _ in range(2):
+        shaper, clock = make_shaper(params, seed=42)
+        flow = shaper.open_flow(Direction.EGRESS)
+        stalled = 0
+        for step in range(1000):
+            clock.now = step * 1.0
+            stalled += shaper.admit(flow, 10).release - clock.now > 0.1
+        stats = shaper.statistics().egress
+        assert stats.stalls == stalled
+        assert stats.stall_s == pytest.approx(0.2 * stalled)
+        counts.append(stalled)
+    assert counts[0] == counts[1]
+    assert 60 <= counts[0] <= 140
+
+
+def test_outage_pauses_the_link_then_recovers() -> None:
+    shaper, clock = make_shaper(LinkParams(delay_s=0.010))
+    flow = shaper.open_flow(Direction.EGRESS)
+    release = shaper.admit(flow, 100).release
+    assert shaper.wall_time(release) == pytest.approx(0.010)
+    clock.now = 0.005
+    shaper.set_params(msgspec.structs.replace(shaper.params, up=False))
+    assert shaper.wall_time(release) == math.inf
+    assert not shaper.transparent(Direction.EGRESS)
+    clock.now = 0.5
+    late = shaper.admit(flow, 100).release
+    shaper.check_integrity()
+    clock.now = 1.005
+    shaper.set_params(msgspec.structs.replace(shaper.params, up=True))
+    assert shaper.wall_time(release) == pytest.approx(1.010)
+    # A chunk that arrived during the outage waits for the link to return, plus the delay.
+    assert shaper.wall_time(late) == pytest.approx(1.015)
+    stats = shaper.statistics()
+    assert stats.outages == 1
+    assert stats.down_s == pytest.approx(1.0)
+    shaper.check_integrity()
+
+
+def test_live_bandwidth_change_applies_to_new_chunks() -> None:
+    shaper, _ = make_shaper(LinkParams(bandwidth_bps=8e6))
+    flow = shaper.open_flow(Direction.EGRESS)
+    first = shaper.admit(flow, 1000)
+    assert first.wire_done == pytest.approx(0.001)
+    calls: list[LinkParams] = []
+    shaper.add_listener(calls.append)
+    shaper.set_params(LinkParams(bandwidth_bps=80e6))
+    second = shaper.admit(flow, 1000)
+    assert second.wire_done == pytest.approx(0.0011)
+    assert calls == [LinkParams(bandwidth_bps=80e6)]
+    shaper.set_params(LinkParams())
+    assert shaper.transparent(Direction.EGRESS)
+    # The backlog still drains in order before an unshaped chunk leaves.
+    assert shaper.admit(flow, 1000).release == pytest.approx(0.0011)
+
+
+def test_ingress_can_be_left_unshaped_but_not_immune_to_outages() -> None:
+    shaper, _ = make_shaper(LinkParams(bandwidth_bps=8e3, delay_s=1.0), shape_ingress=False)
+    ingress = shaper.open_flow(Direction.INGRESS)
+    assert shaper.transparent(Direction.INGRESS)
+    assert not shaper.transparent(Direction.EGRESS)
+    assert shaper.admit(ingress, 10_000).release == 0.0
+    shaper.set_params(LinkParams(up=False))
+    assert not shaper.transparent(Direction.INGRESS)
+
+
+def test_statistics_throughput_utilisation_and_drops() -> None:
+    shaper, clock = make_shaper(LinkParams(bandwidth_bps=8e6))
+    flow = shaper.open_flow(Direction.EGRESS)
+    for step in range(40):
+        clock.now = step * 0.1
+        admission = shaper.admit(flow, 50_000)
+        clock.now = admission.release
+        shaper.released(flow, 50_000)
+    stats = shaper.statistics().egress
+    assert stats.throughput_bps == pytest.approx(4e6, rel=0.15)
+    assert stats.utilisation == pytest.approx(0.5, rel=0.15)
+    shaper.admit(flow, 7)
+    assert shaper.statistics().egress.queued_bytes == 7
+    shaper.close_flow(flow)
+    stats = shaper.statistics().egress
+    assert (stats.bytes_dropped, stats.queued_bytes, stats.flows) == (7, 0, 0)
+    shaper.check_integrity()
+
+
+def test_releasing_more_than_queued_is_an_error() -> None:
+    shaper, _ = make_shaper(LinkParams(delay_s=0.1))
+    flow = shaper.open_flow(Direction.EGRESS)
+    shaper.admit(flow, 10)
+    with pytest.raises(LinkError, match="released 11 bytes"):
+        shaper.released(flow, 11)
+
+
+def run_fast(
+    chunks: list[ChunkEvent], params: LinkParams, seed: int, outages: list[tuple[float, float]]
+) -> list[float]:
+    """Drive LinkShaper through arrivals and outages in time order; wall release per chunk."""
+    shaper, clock = make_shaper(params, seed=seed)
+    flows = {key: shaper.open_flow(Direction.EGRESS) for key in {c.flow for c in chunks}}
+    events = [(c.arrival, "chunk", i) for i, c in enumerate(chunks)]
+    events += [(t, kind, -1) for a, b in outages for t, kind in ((a, "down"), (b, "up"))]
+    pending: dict[int, float] = {}
+    walls = [math.nan] * len(chunks)
+    for time, kind, index in sorted(events):
+        clock.now = time
+        if kind == "chunk":
+            pending[index] = shaper.admit(flows[chunks[index].flow], chunks[index].nbytes).release
+            continue
+        if kind == "down":
+            # Chunks whose time came before the outage have left; the rest wait it out.
+            for i, release in list(pending.items()):
+                if shaper.wall_time(release) <= time:
+                    walls[i] = shaper.wall_time(release)
+                    del pending[i]
+        shaper.set_params(msgspec.structs.replace(shaper.params, up=kind == "up"))
+    for i, release in pending.items():
+        walls[i] = shaper.wall_time(release)
+    shaper.check_integrity()
+    return walls
+
+
+chunk_lists = st.lists(
+    st.tuples(st.integers(0, 20), st.integers(0, 2), st.integers(1, 120)), min_size=1, max_size=25
+)
+param_sets = st.builds(
+    LinkParams,
+    bandwidth_bps=st.sampled_from([None, 0.0, 1e5, 3e5, 8e6]),
+    delay_s=st.sampled_from([0.0, 0.0013, 0.02]),
+    jitter_s=st.sampled_from([0.0, 0.0007, 0.03]),
+    loss_rate=st.sampled_from([0.0, 0.3]),
+    rto_s=st.sampled_from([0.2, 0.05]),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    raw=chunk_lists,
+    params=param_sets,
+    seed=st.integers(0, 1000),
+    outage_slots=st.lists(st.integers(0, 60), max_size=4, unique=True),
+)
+def test_fast_arithmetic_equals_per_byte_reference(
+    raw: list[tuple[int, int, int]], params: LinkParams, seed: int, outage_slots: list[int]
+) -> None:
+    chunks, time = [], 0.0
+    for gap, flow, nbytes in raw:
+        time += gap * 1e-3
+        chunks.append(ChunkEvent(time, flow, nbytes))
+    slots = sorted(outage_slots)
+    # Outage edges sit on half-millisecond offsets so they never tie with an arrival.
+    outages = [(s * 1e-3 + 5e-4, s * 1e-3 + 5e-4 + 0.0021) for s in slots]
+    outages = [o for i, o in enumerate(outages) if i == 0 or o[0] > outages[i - 1][1]]
+    fast = run_fast(chunks, params, seed, outages)
+    slow = reference_release_times(chunks, params, random.Random(seed), outages)
+    assert fast == pytest.approx(slow, abs=1e-9)
