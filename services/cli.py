@@ -20,10 +20,14 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("services.serve", "serve_main", "run one service of the mesh by name"),
+    "send": Command(
+        "services.send", "send_main", "drive one prompt through a prefill and a decode worker"
+    ),
     "train": Command("services.model.train", "train_main", "train the default model on the corpus"),
     "train-tokenizer": Command(
         "services.model.tokenizer", "train_tokenizer_main", "train the BPE tokenizer"
     ),
+    "bench": Command("services.bench.cli", "bench_main", "an OpenAI streaming load client"),
     "plan": Command("services.planner", "plan_main", "the paper's throughput model, grid search"),
 }
 

@@ -1,0 +1,341 @@
+"""`prfaas-dynamic`: the threshold rule with the paper's dual-timescale scheduler (section 3.4.3).
+
+t starts where the planner puts it: `solve_threshold` (Eq. 7) on the configured hardware
+profiles, cluster shape and an initial length distribution (default: the paper's workload).
+
+Short-term loop (every `tick`). Signals, as the paper lists them: PrfaaS egress utilisation
+(averaged over `smoothing_s`, so one long transfer on a slow link is not congestion), PrfaaS
+queue depth and transfer stalls. The re-search of t ("model t") uses the *recent* incremental
+lengths (a window of what `decide` saw) and the *current* effective bandwidth:
+B_eff = B_out * (link rate now / nominal rate) * (1 - headroom), times `stall_derate` while
+stalls are recent. Three moves, at most one per `dwell_s`, each only if t changes by more
+than `min_rel_change`:
+- congested (utilisation >= high watermark, new stalls, or PrfaaS queue >= surge): t may only
+  rise, to max(model t, step * t). The step makes t rise even when the model sees no reason
+  (its profile or the traffic is off), because what the link measures wins over the model.
+- PD prefill queue >= surge while the link is quiet: t may only fall, to min(model, t / step).
+- calm for `calm_s` (utilisation <= low watermark, no stalls, both queues < surge / 2): one
+  step (at most x or / `step`) toward the model t, either way. This is how t comes back after
+  a cut: react at once, recover gradually (as TCP does), so a brief lull cannot undo it.
+Between the watermarks nothing moves: that gap is the hysteresis.
+
+Long-term loop (every `roles.period_s`; services/policies/roles.py): compare the mean queue
+per PD prefill worker with the mean queue per decode worker over the period (the paper:
+"monitors queue depth ... at each stage"); if one is >= `imbalance` times the other and
+>= `min_backlog`, convert the least loaded worker of the other role (the router drains it
+first), then re-solve t for the new N_p / N_d (Eq. 8 restored by measurement, Eq. 7 by the
+solver). Nothing is converted while a worker is still draining; t is solved for the shape the
+pending conversion will leave.
+
+The paper gives no watermark, step or period (paper.md section 3.4 "What is missing"). Ours:
+0.8 leaves 20 % of the link for bursts and cache transfers (the brief's example), 0.5 leaves
+a 0.3 gap so one move of t cannot carry utilisation across both marks; 1.25 per 5 s reaches a
+10x change in about 50 s, yet each move waits for one long prefill (1.8 s at 32K on H200,
+Table 5) to show its effect first; 60 s for roles, since conversions drain and react to
+"gradual and often periodic" change. All are options.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+
+import msgspec
+
+from services.hardware import CostModel
+from services.planner import ClusterShape, ThroughputModel, solve_threshold
+from services.policies.prfaas import check_watermark, threshold_rule
+from services.policies.roles import RoleBalancer, RoleConfig
+from services.policy import (
+    Action,
+    BandwidthMode,
+    ClusterState,
+    Decision,
+    Feedback,
+    LinkSample,
+    PolicyBase,
+    PolicyError,
+    PolicyStatistics,
+    RouteInputs,
+    SetThreshold,
+    build_config,
+    format_tokens,
+    is_bandwidth_scarce,
+)
+from services.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+
+
+class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The modeled deployment (defaults: the paper's case study) and the loops' constants."""
+
+    prfaas_profile: str = "h200"
+    pd_profile: str = "h20"
+    model: str = "hybrid_1t"
+    bandwidth_gbps: float = 100.0
+    n_prfaas: int = 4
+    n_p: int = 3
+    n_d: int = 5
+    output_len: int = 1024
+    mu: float = 9.90
+    sigma: float = 1.00
+    min_len: float = 128.0
+    max_len: float = 131072.0
+    token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
+    abundant_below: float = 0.5
+    bandwidth: BandwidthMode = "auto"
+    high_watermark: float = 0.8
+    low_watermark: float = 0.5
+    headroom: float = 0.2
+    stall_derate: float = 0.5
+    queue_surge: int = 8  # queued prefill jobs, summed over one cluster's prefill workers
+    step: float = 1.25
+    min_rel_change: float = 0.05
+    dwell_s: float = 5.0
+    calm_s: float = 10.0
+    window: int = 1000
+    min_samples: int = 50
+    link_nominal_bps: float = 0.0  # 0: the highest link rate seen so far
+    smoothing_s: float = 10.0  # time constant of the utilisation average (0: raw samples)
+    roles: RoleConfig = RoleConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_gbps", "token_scale", "step", "window"):
+            if not getattr(self, name) > 0:
+                raise PolicyError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("abundant_below", "high_watermark", "low_watermark", "headroom",
+                     "stall_derate", "min_rel_change", "dwell_s", "calm_s", "link_nominal_bps",
+                     "smoothing_s"):
+            check_watermark(name, getattr(self, name))
+        if self.low_watermark > self.high_watermark:
+            raise PolicyError(f"low_watermark must be <= high_watermark={self.high_watermark}, "
+                              f"got {self.low_watermark!r}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise PolicyError(f"headroom must lie in [0, 1), got {self.headroom!r}")
+
+    def throughput_model(self) -> ThroughputModel:
+        return ThroughputModel(CostModel.load(self.prfaas_profile, self.model),
+                               CostModel.load(self.pd_profile, self.model),
+                               self.bandwidth_gbps * 1e9, self.output_len)
+
+    def initial_lengths(self) -> TruncatedLogNormal:
+        return TruncatedLogNormal(self.mu, self.sigma, self.min_len, self.max_len)
+
+
+class DynamicStatistics(PolicyStatistics, frozen=True):
+    solves: int  # times the threshold search ran
+    window: int  # recent incremental lengths held
+    conversions: int  # ConvertWorker actions issued
+    n_prfaas: int  # the shape t is solved for
+    n_p: int
+    n_d: int
+
+
+class _Signals(msgspec.Struct, frozen=True):
+    utilisation: float
+    new_stalls: bool
+    queue_prfaas: int
+    queue_pd: int
+
+
+class PrfaasDynamicPolicy(PolicyBase):
+    """The threshold rule; `tick` runs both loops on the caller's clock."""
+
+    name = "prfaas-dynamic"
+
+    def __init__(self, config: DynamicConfig | None = None, *,
+                 model: ThroughputModel | None = None,
+                 initial: LengthDistribution | None = None) -> None:
+        super().__init__()
+        self.config = cfg = config or DynamicConfig()
+        self._model = model or cfg.throughput_model()
+        for side, cost in (("prfaas_profile", self._model.prfaas), ("pd_profile", self._model.pd)):
+            if cost is None or not cost.profile.paced or cost.profile.prefill is None:
+                raise PolicyError(f"{side} must model prefill time (a paced profile such as "
+                                  f"h200 or h20), got {cost.profile.name if cost else None!r}")
+        self._initial = initial or cfg.initial_lengths()
+        self._shape = ClusterShape(cfg.n_prfaas, cfg.n_p, cfg.n_d)
+        self._window: deque[float] = deque(maxlen=cfg.window)
+        self._link: LinkSample | None = None
+        self._utilisation = 0.0
+        self._nominal_bps = cfg.link_nominal_bps
+        self._stalls_seen: int | None = None
+        self._last_stall = self._last_change = -math.inf
+        self._calm_since: float | None = None
+        self._roles = RoleBalancer(cfg.roles)
+        self._solves = 0
+        self._t = self._solve(-math.inf)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> PrfaasDynamicPolicy:
+        return cls(build_config(cls.name, DynamicConfig, options))
+
+    def _own_threshold(self) -> float:
+        return self._t
+
+    def _decide(self, inputs: RouteInputs) -> Decision:
+        scarce = is_bandwidth_scarce(inputs, self.config.abundant_below, self.config.bandwidth)
+        t = self.threshold
+        assert t is not None
+        decision = threshold_rule(inputs, t, scarce, self.name)
+        self._window.append(decision.incremental_len / self.config.token_scale)
+        return decision
+
+    def observe(self, feedback: Feedback) -> None:
+        super().observe(feedback)
+        if isinstance(feedback, LinkSample):
+            self._utilisation = self._smoothed(feedback)
+            self._link = feedback
+            if self.config.link_nominal_bps == 0.0:
+                self._nominal_bps = max(self._nominal_bps, feedback.bandwidth_bps)
+
+    def _smoothed(self, sample: LinkSample) -> float:
+        """Exponential average of utilisation over `smoothing_s`: one long transfer fills a
+        slow link for seconds without being congestion; a sustained excess is."""
+        previous = self._link
+        if previous is None or self.config.smoothing_s == 0.0:
+            return sample.utilisation
+        weight = 1.0 - math.exp(-max(sample.now - previous.now, 0.0) / self.config.smoothing_s)
+        return self._utilisation + weight * (sample.utilisation - self._utilisation)
+
+    def lengths(self) -> LengthDistribution:
+        """What t is solved on: the recent window (modeled tokens), or the initial guess."""
+        if len(self._window) >= max(1, self.config.min_samples):
+            return EmpiricalLengths.from_samples(self._window)
+        return self._initial
+
+    def effective_bandwidth_bps(self, now: float) -> float:
+        """B_eff of the module docstring, in modeled bits per second."""
+        cfg = self.config
+        fraction = 1.0
+        link = self._link
+        if link is not None and link.bandwidth_bps > 0 and self._nominal_bps > 0:
+            fraction = min(1.0, link.bandwidth_bps / self._nominal_bps)
+        if now - self._last_stall < cfg.calm_s:
+            fraction *= cfg.stall_derate
+        return max(cfg.bandwidth_gbps * 1e9 * fraction * (1.0 - cfg.headroom), 1.0)
+
+    def _solve(self, now: float) -> float:
+        """The model's t (Eq. 7) in router tokens for the current lengths, bandwidth, shape."""
+        self._solves += 1
+        t = solve_threshold(self._model, self.lengths(), self._shape,
+                            bandwidth_bps=self.effective_bandwidth_bps(now))
+        return t * self.config.token_scale
+
+    def tick(self, now: float, state: ClusterState) -> list[Action]:
+        actions: list[Action] = []
+        conversion = self._roles.tick(now, state)
+        if state.workers:
+            self._shape = self._roles.expected_shape(state)
+        if conversion is not None:
+            actions.append(conversion)
+            actions += self._move(now, self._solve(now), "long-term: re-solved for N_p / N_d "
+                                  f"= {self._shape.n_p} / {self._shape.n_d}", force=True)
+        actions += self._short_term(now, state)
+        return actions
+
+    def _signals(self, now: float, state: ClusterState) -> _Signals:
+        link = self._link
+        new_stalls = False
+        if link is not None:
+            if self._stalls_seen is not None and link.stalls > self._stalls_seen:
+                new_stalls = True
+                self._last_stall = now
+            self._stalls_seen = link.stalls
+        queues = [sum(w.queue for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
+        return _Signals(self._utilisation, new_stalls, queues[0], queues[1])
+
+    def _quiet(self, now: float, s: _Signals) -> bool:
+        """The PrfaaS side has slack: low utilisation, no recent stalls, a short queue."""
+        cfg = self.config
+        return (s.utilisation <= cfg.low_watermark and now - self._last_stall >= cfg.calm_s
+                and s.queue_prfaas < cfg.queue_surge / 2)
+
+    def _update_calm(self, now: float, s: _Signals, quiet: bool) -> None:
+        if not (quiet and s.queue_pd < self.config.queue_surge / 2):
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = now
+
+    def _congestion(self, s: _Signals) -> str | None:
+        """Why the PrfaaS side is congested, or None."""
+        cfg = self.config
+        causes = []
+        if s.utilisation >= cfg.high_watermark:
+            causes.append(f"link utilisation {s.utilisation:.2f} >= {cfg.high_watermark:g}")
+        if s.new_stalls:
+            causes.append("transfer stalls")
+        if s.queue_prfaas >= cfg.queue_surge:
+            causes.append(f"PrfaaS queue {s.queue_prfaas} >= {cfg.queue_surge}")
+        return "short-term: congested (" + ", ".join(causes) + ")" if causes else None
+
+    def _short_term(self, now: float, state: ClusterState) -> list[Action]:
+        cfg = self.config
+        s = self._signals(now, state)
+        quiet = self._quiet(now, s)
+        self._update_calm(now, s, quiet)
+        link_down = self._link is not None and not self._link.up
+        if link_down or now - self._last_change < cfg.dwell_s:
+            return []
+        congestion = self._congestion(s)
+        if congestion is not None:
+            raised = max(self._solve(now), _scaled(self._t, cfg.step))
+            return self._move(now, raised, congestion, rise=True)
+        if s.queue_pd >= cfg.queue_surge and quiet:
+            lowered = min(self._solve(now), _scaled(self._t, 1.0 / cfg.step))
+            return self._move(now, lowered, f"short-term: PD prefill queue {s.queue_pd} >= "
+                              f"{cfg.queue_surge}, link quiet", fall=True)
+        if self._calm_since is not None and now - self._calm_since >= cfg.calm_s:
+            toward = min(max(self._solve(now), _scaled(self._t, 1.0 / cfg.step)),
+                         _scaled(self._t, cfg.step))
+            return self._move(now, toward, f"short-term: calm for {cfg.calm_s:g} s, one step "
+                              "toward the model's t")
+        return []
+
+    def _move(self, now: float, new: float, why: str, *, rise: bool = False,
+              fall: bool = False, force: bool = False) -> list[Action]:
+        """Apply t = new if it goes the allowed way and far enough; the announcing action."""
+        old = self._t
+        if self._override is not None or new == old:
+            return []
+        if (rise and new < old) or (fall and new > old):
+            return []
+        if not force and not _far_enough(old, new, self.config.min_rel_change):
+            return []
+        self._t, self._last_change = new, now
+        bandwidth = self.effective_bandwidth_bps(now) / 1e9
+        return [SetThreshold(old=old, new=new, reason=(
+            f"{why}; t {format_tokens(old)} -> {format_tokens(new)} "
+            f"(B_eff {bandwidth:.3g} Gbps, {len(self._window)} recent lengths)"))]
+
+    def set_threshold_override(self, t: float | None) -> None:
+        super().set_threshold_override(t)
+        self._last_change = -math.inf
+
+    def _integrity_problems(self) -> list[str]:
+        problems = super()._integrity_problems()
+        if len(self._window) > self.config.window:
+            problems.append(f"window holds {len(self._window)} > {self.config.window}")
+        if any(not (math.isfinite(x) and x >= 0) for x in self._window):
+            problems.append("window holds a length that is not finite and >= 0")
+        if not self._utilisation >= 0.0:
+            problems.append(f"smoothed utilisation {self._utilisation!r} is not >= 0")
+        return problems
+
+    def statistics(self) -> DynamicStatistics:
+        base = msgspec.structs.asdict(super().statistics())
+        return DynamicStatistics(
+            **base, solves=self._solves, window=len(self._window),
+            conversions=self._roles.conversions, n_prfaas=self._shape.n_prfaas,
+            n_p=self._shape.n_p, n_d=self._shape.n_d)
+
+
+def _scaled(t: float, factor: float) -> float:
+    """t times factor; a t of 0 (or -inf: PrfaaS takes all) rises from 1 token."""
+    return (t if t > 0 else 1.0) * factor if factor > 1 else t * factor
+
+
+def _far_enough(old: float, new: float, min_rel_change: float) -> bool:
+    if not (math.isfinite(old) and math.isfinite(new)):
+        return old != new
+    return abs(new - old) > min_rel_change * max(abs(old), 1.0)

@@ -1,0 +1,260 @@
+"""`prfaas-dynamic` on virtual time: the short-term t loop and the long-term role loop.
+
+Time is the `now` the test passes in; the link is a small fluid model (a backlog drained at
+the link rate each virtual second), with KV sizes from the paper's 1T-model profile.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Literal
+
+import pytest
+
+from services.hardware import CostModel
+from services.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy
+from services.policies.roles import RoleConfig
+from services.policy import (
+    ClusterState,
+    ConvertWorker,
+    LinkSample,
+    PolicyError,
+    RouteInputs,
+    SetThreshold,
+    WorkerState,
+)
+from services.workload import TruncatedLogNormal
+
+NOMINAL = 100e9
+
+
+class FluidLink:
+    """Offloaded requests' KV bits queue up and drain at `rate_bps` per virtual second."""
+
+    def __init__(self) -> None:
+        self.rate_bps = NOMINAL
+        self.backlog = 0.0
+        self.kv = CostModel.load("h200")
+
+    def second(self, offloaded: list[int]) -> float:
+        self.backlog += sum(8.0 * self.kv.kv_bytes(n) for n in offloaded)
+        sent = min(self.backlog, self.rate_bps)
+        self.backlog -= sent
+        return sent / self.rate_bps
+
+
+def run(policy: PrfaasDynamicPolicy, link: FluidLink, rng: random.Random, start: int,
+        seconds: int, per_second: int = 3) -> tuple[float, list[SetThreshold]]:
+    """Drive `seconds` of arrivals; returns (offloaded share, threshold moves)."""
+    lengths = TruncatedLogNormal.paper()
+    offloaded = total = 0
+    moves: list[SetThreshold] = []
+    for now in range(start, start + seconds):
+        sent = []
+        for i in range(per_second):
+            inputs = RouteInputs(request_id=f"{now}-{i}", total_len=lengths.sample(rng), now=now)
+            decision = policy.decide(inputs)
+            if decision.cluster == "prfaas":
+                sent.append(decision.incremental_len)
+        offloaded, total = offloaded + len(sent), total + per_second
+        policy.observe(LinkSample(now=now, utilisation=link.second(sent),
+                                  bandwidth_bps=link.rate_bps, stalls=0))
+        moves += [a for a in policy.tick(now, ClusterState()) if isinstance(a, SetThreshold)]
+        policy.check_integrity()
+    return offloaded / total, moves
+
+
+def test_initial_t_comes_from_the_planner() -> None:
+    policy = PrfaasDynamicPolicy()
+    # The paper's case study: t* = 19.4K (Table 6), solved at B_out * (1 - headroom) = 80 Gbps.
+    assert policy.threshold == pytest.approx(19_400, rel=0.01)
+    scaled = PrfaasDynamicPolicy(DynamicConfig(token_scale=1 / 64))
+    assert scaled.threshold == pytest.approx(19_400 / 64, rel=0.01)
+
+
+def test_bandwidth_cut_raises_t_and_offloading_falls_then_recovers() -> None:
+    policy, link, rng = PrfaasDynamicPolicy(), FluidLink(), random.Random(7)
+    t0 = policy.threshold
+    assert t0 is not None
+    before, _ = run(policy, link, rng, 0, 100)
+    link.rate_bps = 8e9
+    during, cut_moves = run(policy, link, rng, 100, 150)
+    assert any(m.new is not None and m.new > 2 * t0 for m in cut_moves)
+    assert any("congested (link utilisation" in m.reason for m in cut_moves)
+    assert during < before - 0.25
+    link.rate_bps = NOMINAL
+    run(policy, link, rng, 250, 60)
+    after, _ = run(policy, link, rng, 310, 100)
+    assert policy.threshold == pytest.approx(t0, rel=0.15)
+    assert after == pytest.approx(before, abs=0.08)
+
+
+def quiet_policy(**options: object) -> PrfaasDynamicPolicy:
+    """A policy whose window never fills (t is solved on the initial distribution)."""
+    return PrfaasDynamicPolicy(DynamicConfig(min_samples=10**6, **options))  # type: ignore[arg-type]
+
+
+def link(now: float, utilisation: float, rate: float = NOMINAL, stalls: int = 0) -> LinkSample:
+    return LinkSample(now=now, utilisation=utilisation, bandwidth_bps=rate, stalls=stalls)
+
+
+def test_hysteresis_between_the_watermarks_nothing_moves() -> None:
+    policy = quiet_policy(smoothing_s=0.0)
+    t0 = policy.threshold
+    for now in range(200):
+        policy.observe(link(now, 0.55 + 0.2 * (now % 2)))  # 0.55 / 0.75: inside (0.5, 0.8)
+        assert policy.tick(now, ClusterState()) == []
+    assert policy.threshold == t0
+
+
+def test_congestion_moves_at_most_once_per_dwell_and_only_up() -> None:
+    policy = quiet_policy(smoothing_s=0.0, dwell_s=5.0)
+    t0 = policy.threshold
+    assert t0 is not None
+    moves = []
+    for now in range(10):
+        policy.observe(link(now, 0.95))
+        moves += policy.tick(now, ClusterState())
+    assert len(moves) == 2  # at 0 and 5
+    first = moves[0]
+    assert isinstance(first, SetThreshold)
+    # The model sees full bandwidth (same t), so the step (1.25) is what raises t.
+    assert first.new == pytest.approx(1.25 * t0)
+    assert policy.threshold == pytest.approx(1.25**2 * t0)
+
+
+def test_stalls_raise_t_and_derate_the_bandwidth() -> None:
+    policy = quiet_policy(smoothing_s=0.0)
+    t0 = policy.threshold
+    assert t0 is not None
+    policy.observe(link(0.0, 0.1, stalls=3))
+    assert policy.tick(0.0, ClusterState()) == []  # the first sample only sets the baseline
+    policy.observe(link(1.0, 0.1, stalls=5))
+    (move,) = policy.tick(1.0, ClusterState())
+    assert isinstance(move, SetThreshold) and "transfer stalls" in move.reason
+    assert move.new is not None and move.new > t0
+    assert policy.effective_bandwidth_bps(1.0) == pytest.approx(NOMINAL * 0.8 * 0.5)
+    assert policy.effective_bandwidth_bps(20.0) == pytest.approx(NOMINAL * 0.8)
+
+
+def pd_state(prfaas_queue: int = 0, pd_queue: int = 0, decode_queue: int = 0,
+             draining: bool = False, n_p: int = 3, n_d: int = 5) -> ClusterState:
+    workers = [WorkerState(name=f"x{i}", cluster="prfaas", role="prefill",
+                           queue=prfaas_queue if i == 0 else 0) for i in range(4)]
+    workers += [WorkerState(name=f"p{i}", cluster="pd", role="prefill", queue=pd_queue,
+                            running=i) for i in range(n_p)]
+    workers += [WorkerState(name=f"d{i}", cluster="pd", role="decode", queue=decode_queue,
+                            running=5 - i) for i in range(n_d)]
+    if draining:
+        workers.append(WorkerState(name="busy", cluster="pd", role="draining"))
+    return ClusterState(workers=tuple(workers))
+
+
+def test_queue_surges_move_t_in_opposite_directions() -> None:
+    policy = quiet_policy()
+    t0 = policy.threshold
+    assert t0 is not None
+    (up,) = policy.tick(0.0, pd_state(prfaas_queue=8))
+    assert isinstance(up, SetThreshold) and "PrfaaS queue 8 >= 8" in up.reason
+    assert up.new == pytest.approx(1.25 * t0)
+    other = quiet_policy()
+    other.observe(link(0.0, 0.1))
+    (down,) = other.tick(0.0, pd_state(pd_queue=3))  # 3 workers x 3 queued = 9 >= 8
+    assert isinstance(down, SetThreshold) and "PD prefill queue 9" in down.reason
+    assert down.new == pytest.approx(t0 / 1.25)
+
+
+def test_override_pins_t_against_both_loops() -> None:
+    policy = quiet_policy(smoothing_s=0.0)
+    policy.set_threshold_override(5000.0)
+    for now in range(30):
+        policy.observe(link(now, 1.0))
+        assert not [a for a in policy.tick(now, ClusterState()) if isinstance(a, SetThreshold)]
+    decision = policy.decide(RouteInputs(request_id="r", total_len=6000))
+    assert (decision.cluster, decision.threshold) == ("prfaas", 5000.0)
+
+
+def sustain(policy: PrfaasDynamicPolicy, state: ClusterState, seconds: int) -> list[object]:
+    actions: list[object] = []
+    for now in range(seconds + 1):
+        actions += policy.tick(float(now), state)
+    return actions
+
+
+def roles_policy(**roles: object) -> PrfaasDynamicPolicy:
+    return PrfaasDynamicPolicy(DynamicConfig(
+        min_samples=10**6, roles=RoleConfig(period_s=60.0, **roles)))  # type: ignore[arg-type]
+
+
+def test_decode_backlog_converts_a_prefill_worker_and_t_is_resolved_lower() -> None:
+    policy = roles_policy()
+    t0 = policy.threshold
+    assert t0 is not None
+    actions = sustain(policy, pd_state(decode_queue=6), 60)
+    conversions = [a for a in actions if isinstance(a, ConvertWorker)]
+    assert conversions == [ConvertWorker(
+        worker="p0", from_role="prefill", to_role="decode", reason=conversions[0].reason)]
+    assert "decode is the bottleneck" in conversions[0].reason
+    (move,) = [a for a in actions if isinstance(a, SetThreshold)]
+    # N_p 3 -> 2: less PD prefill, so more must go to PrfaaS (planner: 19.4K -> 15.5K).
+    assert move.new is not None and move.new == pytest.approx(15_478, rel=0.01)
+    assert policy.statistics().conversions == 1 and policy.statistics().n_p == 2
+
+
+def test_t_is_solved_for_the_shape_a_pending_conversion_leaves() -> None:
+    policy = roles_policy()
+    sustain(policy, pd_state(decode_queue=6), 60)  # converts p0 to decode
+    def with_p0(role: Literal["prefill", "decode", "draining"]) -> ClusterState:
+        return ClusterState(workers=tuple(
+            w if w.name != "p0" else WorkerState(name="p0", cluster="pd", role=role)
+            for w in pd_state(decode_queue=6).workers))
+
+    policy.tick(61.0, with_p0("draining"))
+    assert (policy.statistics().n_p, policy.statistics().n_d) == (2, 6)
+    policy.tick(62.0, with_p0("decode"))  # done: the state itself has the new shape
+    assert (policy.statistics().n_p, policy.statistics().n_d) == (2, 6)
+    policy.tick(63.0, pd_state())  # the conversion is forgotten: the state's shape counts
+    assert (policy.statistics().n_p, policy.statistics().n_d) == (3, 5)
+
+
+def test_prefill_backlog_converts_a_decode_worker_and_t_rises() -> None:
+    policy = roles_policy()
+    actions = sustain(policy, pd_state(pd_queue=4), 60)
+    (conversion,) = [a for a in actions if isinstance(a, ConvertWorker)]
+    # The least loaded decode worker: d4 runs 1 request (d0 runs 5).
+    assert (conversion.worker, conversion.to_role) == ("d4", "prefill")
+    (move,) = [a for a in actions if isinstance(a, SetThreshold) and "long-term" in a.reason]
+    # N_p 3 -> 4: more PD prefill, so PrfaaS keeps only longer requests (19.4K -> 22.9K).
+    assert move.new == pytest.approx(22_888, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pd_state(decode_queue=6, draining=True),  # a conversion is still in progress
+        pd_state(decode_queue=6, n_p=1),  # the last prefill worker is never converted
+        pd_state(decode_queue=3, pd_queue=2),  # 3 < 2 x 2: not imbalanced enough
+        pd_state(decode_queue=1),  # below min_backlog
+    ],
+)
+def test_no_conversion_when_draining_at_minimum_or_balanced(state: ClusterState) -> None:
+    actions = sustain(roles_policy(), state, 130)
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+
+
+def test_conversion_waits_for_a_full_period() -> None:
+    policy = roles_policy()
+    actions = sustain(policy, pd_state(decode_queue=6), 59)
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+
+
+def test_config_errors_name_the_option() -> None:
+    with pytest.raises(PolicyError, match=r"low_watermark must be <= high_watermark=0.4"):
+        DynamicConfig(high_watermark=0.4)
+    with pytest.raises(PolicyError, match=r"headroom must lie in \[0, 1\), got 1.0"):
+        DynamicConfig(headroom=1.0)
+    with pytest.raises(PolicyError, match=r"roles.period_s must be a finite number > 0"):
+        RoleConfig(period_s=math.inf)
+    with pytest.raises(PolicyError, match=r"prfaas_profile must model prefill time .*'cpu'"):
+        PrfaasDynamicPolicy(DynamicConfig(prfaas_profile="cpu"))
