@@ -74,6 +74,8 @@ class LinkStats(Event, frozen=True, tag="link"):
     utilisation: float  # throughput / bandwidth, 0..1
     queued_bytes: int
     stalls: int  # retransmission stalls so far
+    a: str = ""  # the cluster the link carries KV from (the PrfaaS side)
+    b: str = ""  # ... and the cluster it delivers to
 
 
 class WorkerStatus(Event, frozen=True, tag="worker"):

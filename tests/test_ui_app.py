@@ -1,0 +1,841 @@
+"""The dashboard without a browser: series, state, hub, SSE, replay, controls, demo mesh, app."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+
+from services import telemetry as t
+from ui.app import build_app
+from ui.config import DashboardConfig
+from ui.controls import (
+    HttpControlClient,
+    LinkUpdate,
+    PolicyRequest,
+    RoleRequest,
+    ThresholdRequest,
+    WorkloadRequest,
+)
+from ui.demo import DemoControls, SyntheticSource, record
+from ui.demo_mesh import SyntheticMesh
+from ui.demo_model import SyntheticConfig, kv_bytes, prefill_seconds, route
+from ui.errors import ControlError, ReplayError, UiConfigError
+from ui.hub import EventHub, FeedBatch, NoSource
+from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay, write_log
+from ui.series import MAX_GAP_POINTS, SeriesAggregator, SeriesPoint, percentile
+from ui.serve import serve_ui
+from ui.sse import encode_batch, event_stream
+from ui.state import DashboardState, RequestView, Snapshot
+
+UI = Path(__file__).resolve().parent.parent / "ui"
+
+
+def decision(ts: float, rid: str = "r1", cluster: str = "prfaas", **kw: Any) -> t.RoutingDecision:
+    fields: dict[str, Any] = dict(
+        ts=ts,
+        source="router",
+        request_id=rid,
+        policy="prfaas",
+        total_len=30000,
+        cached_prfaas=0,
+        cached_pd=4096,
+        incremental_len=25904,
+        threshold=19400.0,
+        link_utilisation=0.1,
+        queue_prfaas=0,
+        queue_pd=0,
+        cluster=cluster,
+        prefill_worker=f"{cluster}-prefill-0",
+        decode_worker="pd-decode-0",
+        bandwidth_scarce=False,
+        reason="l > t",
+    )
+    return t.RoutingDecision(**(fields | kw))
+
+
+def done(
+    ts: float, ttft: float, rid: str = "r1", prompt: int = 1000, cached: int = 0
+) -> t.RequestDone:
+    return t.RequestDone(
+        ts=ts,
+        source="router",
+        request_id=rid,
+        cluster="pd",
+        ttft_s=ttft,
+        tpot_s=0.02,
+        e2e_s=ttft + 1,
+        prompt_tokens=prompt,
+        output_tokens=50,
+        cached_tokens=cached,
+        ok=True,
+    )
+
+
+def link(ts: float, throughput: float, bandwidth: float = 10e9, name: str = "wan") -> t.LinkStats:
+    return t.LinkStats(
+        ts=ts,
+        source=name,
+        link=name,
+        bandwidth_bps=bandwidth,
+        delay_s=0.005,
+        jitter_s=0.0,
+        loss=0.0,
+        up=True,
+        throughput_bps=throughput,
+        utilisation=throughput / bandwidth,
+        queued_bytes=0,
+        stalls=0,
+    )
+
+
+FlowPhase = Literal["start", "progress", "done", "failed"]
+
+
+def flow(ts: float, rid: str, phase: FlowPhase, done_layers: int = 0) -> t.KVFlow:
+    return t.KVFlow(
+        ts=ts,
+        source="p",
+        request_id=rid,
+        src="prfaas-prefill-0",
+        dst="pd-decode-0",
+        via_link="wan",
+        phase=phase,
+        layers_done=done_layers,
+        layers_total=8,
+        bytes_done=0,
+        bytes_total=100,
+        incremental=False,
+        tokens_sent=10,
+    )
+
+
+def worker(ts: float, name: str = "pd-prefill-0", role: t.Role = "prefill") -> t.WorkerStatus:
+    return t.WorkerStatus(
+        ts=ts,
+        source=name,
+        worker=name,
+        cluster="pd",
+        role=role,
+        queue_depth=1,
+        running=1,
+        busy=True,
+        cached_blocks=3,
+    )
+
+
+# Series: percentile and the windowed aggregator, each against a slow reference.
+
+
+@given(
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=60),
+    st.floats(0, 100),
+)
+def test_percentile_matches_numpy(values: list[float], q: float) -> None:
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-6)
+
+
+def test_percentile_rejects_empty_and_bad_q() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"q must be within 0\.\.100, got 101"):
+        percentile([1.0], 101)
+
+
+def reference_point(events: list[t.AnyEvent], end: float, config: DashboardConfig) -> SeriesPoint:
+    """The point at `end` recomputed from every event seen so far (the slow, obvious way)."""
+    start = end - config.window_s
+    seen = [e for e in events if e.ts < end]
+    dones = [e for e in seen if isinstance(e, t.RequestDone) and e.ok and e.ts > start]
+    decisions = [e for e in seen if isinstance(e, t.RoutingDecision) and e.ts > start]
+    latest: dict[str, t.LinkStats] = {}
+    threshold = None
+    for e in seen:
+        if isinstance(e, t.LinkStats):
+            latest[e.link] = e
+        if isinstance(e, t.RoutingDecision):
+            threshold = e.threshold
+        if isinstance(e, t.ThresholdChanged):
+            threshold = e.new
+    fresh = [s for s in latest.values() if s.ts > start]
+    ttfts = [d.ttft_s for d in dones]
+    prompt = sum(d.prompt_tokens for d in dones)
+    span = max(min(config.window_s, end - events[0].ts), config.bucket_s)
+    return SeriesPoint(
+        ts=end,
+        ttft_p50_s=float(np.percentile(ttfts, 50)) if ttfts else None,
+        ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else None,
+        throughput_rps=len(dones) / span,
+        egress_gbps=sum(s.throughput_bps for s in fresh) / 1e9,
+        bandwidth_gbps=sum(s.bandwidth_bps for s in fresh) / 1e9,
+        threshold=threshold,
+        offload=(sum(d.cluster == "prfaas" for d in decisions) / len(decisions))
+        if decisions
+        else None,
+        cache_hit=sum(d.cached_tokens for d in dones) / prompt if prompt else None,
+    )
+
+
+def assert_points_equal(got: SeriesPoint, want: SeriesPoint) -> None:
+    for field in got.__struct_fields__:
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), (field, a, b)
+        if a is not None:
+            assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (field, a, b)
+
+
+def test_series_points_match_the_reference_on_the_synthetic_stream() -> None:
+    config = DashboardConfig(bucket_s=1.0, window_s=5.0)
+    events = record(SyntheticConfig(seed=3, rate=3.0), 40.0)
+    aggregator = SeriesAggregator(config)
+    points: list[SeriesPoint] = []
+    for event in events:
+        points += aggregator.observe(event)
+    # The last samples are stamped exactly 40.0, which closes the bucket ending there.
+    assert [p.ts for p in points] == [float(i) for i in range(1, 41)]
+    for point in points:
+        assert_points_equal(point, reference_point(events, point.ts, config))
+    assert any(p.ttft_p50_s for p in points) and any(p.cache_hit for p in points)
+
+
+def test_series_values_by_hand() -> None:
+    config = DashboardConfig(bucket_s=1.0, window_s=10.0)
+    agg = SeriesAggregator(config)
+    stream: list[t.AnyEvent] = [
+        decision(0.1, "a", "prfaas"),
+        decision(0.2, "b", "pd"),
+        decision(0.3, "c", "pd"),
+        decision(0.4, "d", "prfaas"),
+        link(0.5, 4e9),
+        done(0.6, 1.0, prompt=1000, cached=250),
+        done(0.7, 3.0, prompt=1000, cached=750),
+    ]
+    for event in stream:
+        assert agg.observe(event) == []
+    [point] = agg.observe(link(1.0, 2e9))
+    assert point.ts == 1.0 and point.offload == 0.5 and point.cache_hit == 0.5
+    assert point.ttft_p50_s == pytest.approx(2.0) and point.ttft_p90_s == pytest.approx(2.8)
+    assert point.egress_gbps == pytest.approx(4.0) and point.bandwidth_gbps == pytest.approx(10.0)
+    assert point.throughput_rps == pytest.approx(2 / 1.0)  # one bucket of history so far
+    # Eleven seconds later everything has left the window and the link sample is stale.
+    points = agg.observe(link(12.5, 1e9))
+    assert [p.ts for p in points] == [float(s) for s in range(2, 13)]
+    last = points[-1]
+    assert last.ttft_p50_s is None and last.offload is None and last.cache_hit is None
+    assert last.egress_gbps == 0 and last.throughput_rps == 0 and last.threshold == 19400.0
+
+
+def test_series_bridges_long_idle_gaps_with_a_bounded_number_of_points() -> None:
+    agg = SeriesAggregator(DashboardConfig())
+    agg.observe(link(0.0, 1e9))
+    points = agg.observe(link(5000.0, 1e9))
+    assert len(points) == MAX_GAP_POINTS
+    assert [p.ts for p in agg.observe(link(5001.0, 1e9))] == [5001.0]
+
+
+# State and snapshot.
+
+
+def test_state_keeps_every_bound_and_tracks_flows_roles_and_requests() -> None:
+    config = DashboardConfig(max_decisions=5, max_flows=3, max_timelines=4)
+    state = DashboardState(config)
+    for i in range(10):
+        state.apply(decision(float(i), f"r{i}"))
+        state.apply(flow(i + 0.1, f"r{i}", "start"))
+        state.apply(
+            t.RequestPhase(ts=i + 0.2, source="w", request_id=f"r{i}", phase="queued", worker="w")
+        )
+        state.check_integrity()
+    assert [d.request_id for d in state.decisions] == [f"r{i}" for i in range(5, 10)]
+    assert list(state.flows) == ["r7", "r8", "r9"]
+    assert list(state.requests) == ["r6", "r7", "r8", "r9"]
+    state.apply(flow(11.0, "r9", "done", 8))
+    assert "r9" not in state.flows and state.request("r9").flow.phase == "done"  # type: ignore[union-attr]
+    assert state.request("r0") is None
+    state.apply(worker(12.0))
+    state.apply(
+        t.RoleChanged(
+            ts=13.0,
+            source="router",
+            worker="pd-prefill-0",
+            old="prefill",
+            new="draining",
+            reason="by hand",
+        )
+    )
+    assert state.workers["pd-prefill-0"].role == "draining"
+    state.apply(
+        t.ThresholdChanged(
+            ts=14.0, source="router", policy="prfaas", old=19400.0, new=None, reason="x"
+        )
+    )
+    assert state.threshold is None
+    stats = state.statistics()
+    assert (stats.decisions, stats.flows, stats.requests, stats.workers) == (5, 2, 4, 1)
+    state.check_integrity()
+
+
+def test_snapshot_and_request_view_round_trip_through_json() -> None:
+    state = DashboardState(DashboardConfig())
+    for event in record(SyntheticConfig(seed=1), 10.0):
+        state.apply(event)
+    snapshot = state.snapshot(42, "live")
+    again = msgspec.json.decode(msgspec.json.encode(snapshot), type=Snapshot)
+    assert again == snapshot and again.seq == 42 and snapshot.workers and snapshot.series
+    rid = snapshot.decisions[0].request_id
+    view = state.request(rid)
+    assert view is not None and view.decision is not None and view.phases
+    assert msgspec.json.decode(msgspec.json.encode(view), type=RequestView) == view
+
+
+def test_config_errors_name_the_parameter() -> None:
+    with pytest.raises(UiConfigError, match="client_buffer must be > 0, got 0"):
+        DashboardConfig(client_buffer=0)
+    with pytest.raises(UiConfigError, match=r"window_s must be >= bucket_s=2\.0, got 1\.0"):
+        DashboardConfig(bucket_s=2.0, window_s=1.0)
+
+
+# The hub and its feeds.
+
+
+def test_hub_fans_out_numbered_events_and_drops_the_oldest_for_a_slow_browser() -> None:
+    hub = EventHub(DashboardConfig(client_buffer=3))
+    with hub.subscribe() as slow, hub.subscribe() as fast:
+        hub.publish(decision(0.5, "a"))
+        batch = fast.take(10)
+        assert batch is not None and batch.first_seq == 1 and batch.dropped == 0
+        assert msgspec.json.decode(batch.events[0])["request_id"] == "a"
+        for i in range(4):
+            hub.publish(decision(0.6 + i / 10, f"b{i}"))
+        hub.check_integrity()
+        batch = slow.take(10)
+        assert batch is not None and batch.first_seq == 3 and batch.dropped == 2
+        assert [msgspec.json.decode(e)["request_id"] for e in batch.events] == ["b1", "b2", "b3"]
+        assert slow.take(10) is None
+        stats = hub.statistics()
+        # The fast browser, not reading after its first event, lost one too.
+        assert (stats.published, stats.clients, stats.dropped, stats.seq) == (5, 2, 3, 5)
+    stats = hub.statistics()
+    assert stats.clients == 0 and stats.dropped == 3 and stats.delivered == 4
+
+
+def test_hub_emits_chart_points_into_the_feed() -> None:
+    hub = EventHub(DashboardConfig())
+    with hub.subscribe() as feed:
+        hub.publish(link(0.5, 1e9))
+        hub.publish(link(1.5, 1e9))
+        batch = feed.take(10)
+        assert batch is not None
+        types = [msgspec.json.decode(e)["type"] for e in batch.events]
+        assert types == ["link", "series", "link"] and hub.statistics().points == 1
+
+
+def test_replay_owns_the_hub_until_it_goes_back_to_live() -> None:
+    hub = EventHub(DashboardConfig())
+    with hub.subscribe() as feed:
+        hub.publish(decision(0.0, "live-1"))
+        hub.reset("replay")
+        hub.publish(decision(1.0, "live-ignored"))
+        hub.publish_replayed(decision(2.0, "replayed"))
+        batch = feed.take(10)
+        assert batch is not None and batch.reset
+        assert [msgspec.json.decode(e)["request_id"] for e in batch.events] == ["replayed"]
+        assert [d.request_id for d in hub.snapshot().decisions] == ["replayed"]
+        assert hub.snapshot().mode == "replay"
+        hub.reset("live")
+        hub.publish_replayed(decision(3.0, "late"))
+        assert hub.snapshot().decisions == [] and hub.statistics().ignored == 2
+
+
+def test_sse_batch_encoding() -> None:
+    batch = FeedBatch(7, [b'{"a":1}', b'{"b":2}'], 3, True)
+    assert encode_batch(batch) == (
+        b'event: reset\ndata: {}\n\ndata: {"first":7,"dropped":3,"events":[{"a":1},{"b":2}]}\n\n'
+    )
+    assert encode_batch(FeedBatch(0, [], 0, False)) == b""
+
+
+@pytest.mark.trio
+async def test_event_stream_says_hello_batches_bursts_beats_and_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hub = EventHub(DashboardConfig(heartbeat_s=5.0, batch_window_s=0.05))
+    hub.publish(decision(0.0, "before"))
+    stream = event_stream(hub)
+    assert await anext(stream) == b'retry: 2000\n\nevent: hello\ndata: {"seq":1}\n\n'
+
+    async def burst() -> None:
+        for i in range(20):
+            hub.publish(decision(0.1 + i / 1000, f"r{i}"))
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(burst)
+        message = await anext(stream)
+    payload = msgspec.json.decode(message.removeprefix(b"data: ").strip())
+    assert payload["first"] == 2 and len(payload["events"]) == 20  # one message for the burst
+    start = anyio.current_time()
+    assert await anext(stream) == b": heartbeat\n\n"
+    assert anyio.current_time() - start == pytest.approx(5.0)
+    hub.close()
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    await stream.aclose()
+
+
+# Replay.
+
+
+def test_log_round_trip_and_the_packaged_sample(tmp_path: Path) -> None:
+    events = record(SyntheticConfig(seed=2), 5.0)
+    path = tmp_path / "run.jsonl"
+    assert write_log(path, events) == len(events)
+    assert read_log(path) == events
+    sample = PACKAGED_REPLAYS / "sample.jsonl"
+    assert sample.stat().st_size < 200_000
+    kinds = {type(e) for e in read_log(sample)}
+    assert {t.RoutingDecision, t.KVFlow, t.LinkStats, t.WorkerStatus, t.RequestDone} <= kinds
+
+
+def test_read_log_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(t.encode_json(link(0.0, 1.0)) + b"\n\n" + b'{"type": "link", "ts": 1}\n')
+    with pytest.raises(ReplayError, match=r"bad.jsonl line 3: .*"):
+        read_log(path)
+    with pytest.raises(ReplayError, match="cannot read event log"):
+        read_log(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.trio
+async def test_run_replay_keeps_the_timing_scaled_by_speed_and_pauses(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    events = [link(100.0, 1e9), link(101.0, 1e9), link(104.0, 1e9)]
+    hub = EventHub(DashboardConfig())
+    hub.reset("replay")
+    seen: list[float] = []
+    original = hub.publish_replayed
+
+    def stamp(event: t.AnyEvent) -> None:
+        seen.append(anyio.current_time())
+        original(event)
+
+    hub.publish_replayed = stamp  # type: ignore[method-assign]
+    start = anyio.current_time()
+    assert await run_replay(events, hub, speed=2.0) == 3
+    assert [s - start for s in seen] == pytest.approx([0.0, 0.5, 2.0])
+    control = ReplayControl(1.0)
+    control.pause()
+    seen.clear()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(lambda: run_replay(events, hub, control=control))
+        await anyio.sleep(10.0)
+        assert len(seen) == 1  # the first event is due at once; then it waits for resume
+        start = anyio.current_time()
+        control.resume()
+    assert [s - start for s in seen[1:]] == pytest.approx([1.0, 4.0])
+    with pytest.raises(ReplayError, match=r"speed must be within \(0, 1000\], got 0"):
+        ReplayControl(0)
+
+
+# Controls: the HTTP client against a recorded router and the real link control API.
+
+
+def recording_router(calls: list[tuple[str, str, Any]], status: int = 200) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = msgspec.json.decode(request.content) if request.content else None
+        calls.append((request.method, request.url.path, body))
+        if status >= 400:
+            return httpx.Response(status, json={"error": "no such policy 'x'"})
+        return httpx.Response(200, json={"policy": "prfaas", "policies": ["prfaas"], "workers": []})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://router")
+
+
+@pytest.mark.trio
+async def test_http_controls_follow_the_router_contract() -> None:
+    calls: list[tuple[str, str, Any]] = []
+    client = HttpControlClient(None, recording_router(calls))
+    await client.set_policy(PolicyRequest("length"))
+    await client.set_threshold(ThresholdRequest(None))
+    await client.set_threshold(ThresholdRequest(8192.0))
+    await client.workload(WorkloadRequest("start", 3.0))
+    await client.set_role("pd-prefill-1", RoleRequest("decode"))
+    await client.drain("pd-decode-0")
+    assert calls == [
+        ("POST", "/admin/policy", {"policy": "length"}),
+        ("POST", "/admin/threshold", {"t": None}),
+        ("POST", "/admin/threshold", {"t": 8192.0}),
+        ("POST", "/admin/workload", {"action": "start", "rate": 3.0, "kind": "mixed"}),
+        ("POST", "/admin/workers/pd-prefill-1/role", {"role": "decode"}),
+        ("POST", "/admin/workers/pd-decode-0/drain", {}),
+    ]
+    state = await client.state()
+    assert state["router"]["policy"] == "prfaas" and state["link"] is None
+    assert "no link is configured" in state["errors"]["link"]
+    with pytest.raises(ControlError, match="no link is configured") as info:
+        await client.update_link(LinkUpdate(delay_ms=1.0))
+    assert info.value.status == 503
+    with pytest.raises(ControlError, match="plain name"):
+        await client.drain("../admin")
+    await client.aclose()
+
+
+@pytest.mark.trio
+async def test_http_controls_translate_upstream_and_transport_errors() -> None:
+    rejecting = HttpControlClient(None, recording_router([], status=400))
+    with pytest.raises(ControlError, match="router: no such policy 'x'") as info:
+        await rejecting.set_policy(PolicyRequest("x"))
+    assert info.value.status == 400
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    dead = httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://127.0.0.1:1")
+    unreachable = re.escape("link at http://127.0.0.1:1 unreachable")
+    with pytest.raises(ControlError, match=unreachable) as info:
+        await HttpControlClient(dead, None).update_link(LinkUpdate(up=False))
+    assert info.value.status == 502
+
+
+@pytest.mark.trio
+async def test_http_controls_drive_the_real_link_control_api() -> None:
+    from netem.control import create_control_app
+    from netem.proxy import LinkProxy, Route
+    from netem.shaper import LinkParams, LinkShaper
+
+    shaper = LinkShaper(LinkParams(), anyio.current_time, random.Random(0))
+    app = create_control_app(LinkProxy([Route(9001, 9002)], shaper), name="wan")
+    transport = httpx.ASGITransport(app=app)
+    link_client = httpx.AsyncClient(transport=transport, base_url="http://link")
+    client = HttpControlClient(link_client, None)
+    answer = await client.update_link(LinkUpdate(bandwidth_bps=2e9, delay_ms=20.0, up=False))
+    assert answer["bandwidth_bps"] == 2e9 and answer["up"] is False
+    assert shaper.params.bandwidth_bps == 2e9 and shaper.params.delay_s == pytest.approx(0.02)
+    assert (await client.state())["link"]["delay_ms"] == pytest.approx(20.0)
+    await client.update_link(LinkUpdate(bandwidth_bps=None))
+    unshaped = shaper.params
+    assert unshaped.bandwidth_bps is None
+    # The demo can put the real link in the loop: the simulation follows what it answers.
+    mesh = SyntheticMesh(SyntheticConfig(seed=1))
+    demo = DemoControls(mesh, client)
+    await demo.update_link(LinkUpdate(bandwidth_bps=5e8, up=True))
+    assert shaper.params.bandwidth_bps == 5e8 and mesh.link.params["bandwidth_bps"] == 5e8
+    assert mesh.link.params["delay_ms"] == pytest.approx(20.0)  # set on the link above
+    [stats] = [e for e in mesh.advance_to(0.0) if isinstance(e, t.LinkStats)][-1:]
+    assert stats.bandwidth_bps == 5e8 and stats.delay_s == pytest.approx(0.02)
+    assert (await demo.state())["link"]["bandwidth_bps"] == 5e8
+    await demo.aclose()
+
+
+def test_control_requests_round_trip_and_name_bad_fields() -> None:
+    for request in (
+        LinkUpdate(bandwidth_bps=1e9, up=True),
+        PolicyRequest("prfaas"),
+        ThresholdRequest(None),
+        WorkloadRequest("stop"),
+        RoleRequest("prefill"),
+    ):
+        assert msgspec.json.decode(msgspec.json.encode(request), type=type(request)) == request
+    assert msgspec.json.encode(LinkUpdate(loss=0.1)) == b'{"loss":0.1}'
+    with pytest.raises(msgspec.ValidationError, match=r"<= 1.0 - at `\$.loss`"):
+        msgspec.json.decode(b'{"loss": 2}', type=LinkUpdate)
+    with pytest.raises(msgspec.ValidationError, match="unknown field `speed`"):
+        msgspec.json.decode(b'{"speed": 2}', type=LinkUpdate)
+
+
+# The synthetic mesh.
+
+
+def test_synthetic_mesh_is_seeded_ordered_and_consistent() -> None:
+    config = SyntheticConfig(seed=5, rate=3.0)
+    events = record(config, 30.0)
+    assert events == record(config, 30.0) and events != record(SyntheticConfig(seed=6), 30.0)
+    assert [e.ts for e in events] == sorted(e.ts for e in events)
+    for event in events:
+        assert t.decode_json(t.encode_json(event)) == event
+    decisions = {e.request_id: e for e in events if isinstance(e, t.RoutingDecision)}
+    assert len(decisions) > 60
+    for d in decisions.values():
+        assert d.cluster in ("prfaas", "pd")
+        if d.threshold is not None:
+            assert (d.cluster == "prfaas") == (d.incremental_len > d.threshold), d
+    finished = [e for e in events if isinstance(e, t.RequestDone)]
+    assert finished and all(e.request_id in decisions and e.ok for e in finished)
+    assert any(e.cached_tokens for e in finished)
+    flows: dict[str, list[t.KVFlow]] = {}
+    for event in events:
+        if isinstance(event, t.KVFlow):
+            flows.setdefault(event.request_id, []).append(event)
+    for steps in flows.values():
+        assert [s.layers_done for s in steps] == sorted(s.layers_done for s in steps)
+        if steps[-1].phase == "done":
+            assert steps[-1].bytes_done == steps[-1].bytes_total == kv_bytes(steps[-1].tokens_sent)
+            assert steps[-1].layers_done == steps[-1].layers_total
+    assert any(s[0].via_link == "wan" for s in flows.values())
+    assert any(s[0].via_link is None for s in flows.values())
+
+
+def test_cost_figures_and_routing_rules() -> None:
+    assert prefill_seconds(32768) == pytest.approx(1.84) and prefill_seconds(0) == 0
+    assert prefill_seconds(4608) == pytest.approx((0.44 + 0.72) / 2)
+    assert kv_bytes(32768) / 2**20 == pytest.approx(701.3, rel=0.01)  # paper Table 5
+    assert kv_bytes(131072) / 2**20 == pytest.approx(2316.3, rel=0.01)
+    assert route("prfaas", 1000, 5000, 0, 4500, scarce=True).remote is False
+    assert route("prfaas", 1000, 5000, 4500, 0, scarce=True).remote is True  # PD cache only
+    assert route("prfaas", 1000, 5000, 4500, 0, scarce=False).remote is False
+    assert route("length", 1000, 5000, 4500, 4500, scarce=False).remote is True
+    assert route("pd-only", 1.0, 5000, 0, 0, scarce=False).threshold is None
+
+
+@pytest.mark.trio
+async def test_demo_controls_change_the_simulation() -> None:
+    mesh = SyntheticMesh(SyntheticConfig(seed=1, rate=4.0, auto_threshold=False))
+    controls = DemoControls(mesh)
+    mesh.advance_to(5.0)
+    await controls.update_link(LinkUpdate(bandwidth_bps=1e9, up=False))
+    [stats] = [e for e in mesh.advance_to(5.0) if isinstance(e, t.LinkStats)]
+    assert stats.bandwidth_bps == 1e9 and stats.up is False
+    await controls.set_threshold(ThresholdRequest(1.0))
+    await controls.set_policy(PolicyRequest("pd-only"))
+    await controls.set_role("pd-prefill-0", RoleRequest("decode"))
+    later = mesh.advance_to(30.0)
+    mesh.check_integrity()
+    assert mesh.statistics().link.flows == len(mesh.link.flows)
+    roles = [(e.old, e.new) for e in later if isinstance(e, t.RoleChanged)]
+    assert roles == [("prefill", "draining"), ("draining", "decode")]
+    placed = [e for e in later if isinstance(e, t.RoutingDecision)]
+    assert placed and all(d.cluster == "pd" and d.policy == "pd-only" for d in placed)
+    await controls.workload(WorkloadRequest("stop"))
+    assert not [e for e in mesh.advance_to(60.0) if isinstance(e, t.RoutingDecision)]
+    state = await controls.state()
+    assert state["router"]["policy"] == "pd-only" and state["link"]["up"] is False
+    with pytest.raises(ControlError, match="only PD workers change role"):
+        await controls.drain("prfaas-prefill-0")
+    with pytest.raises(ControlError, match="policy must be one of"):
+        await controls.set_policy(PolicyRequest("fastest"))
+
+
+# The page's own model, run in node when it is installed (no DOM needed).
+
+
+def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed; the browser tests cover the page's model")
+    config = SyntheticConfig(
+        seed=4, rate=30.0, prfaas_prefill=4, pd_prefill=4, pd_decode=4, bandwidth_bps=2e9
+    )
+    events = record(config, 20.0)
+    script = Path(__file__).parent / "ui_fixtures" / "model_check.mjs"
+    result = subprocess.run(
+        [node, "--experimental-default-type=module", str(script)],
+        input=b"\n".join(t.encode_json(e) for e in events),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    out = json.loads(result.stdout)
+    decisions = [e for e in events if isinstance(e, t.RoutingDecision)]
+    assert out["events"] == len(events) and out["workers"] == 12
+    # A 2 Gbps link at 30 req/s backs transfers up far beyond what the page draws.
+    assert (out["decisions"], out["fresh"], out["requests"]) == (50, 50, 400)
+    assert out["maxFlows"] == out["flowBound"] == 48
+    assert out["lastDecision"] == decisions[-1].request_id
+    assert out["ringAgrees"] and out["boundedKeys"] == "def"
+    assert out["waterfall"] == [
+        ["queued", 0, 1],
+        ["prefill", 1, 2],
+        ["transfer", 2, 3],
+        ["decode", 3, 5],
+    ]
+    assert out["waterfallOpen"] == [1, 2, 3, 9]  # a phase still open runs until now
+    assert out["slider"] == [2e9, 575, 1e7, 1e11]
+
+
+# The app over HTTP (in process) and served by hypercorn.
+
+
+@asynccontextmanager
+async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
+            yield client
+
+
+def demo_app(config: SyntheticConfig | None = None) -> tuple[Starlette, SyntheticMesh]:
+    mesh = SyntheticMesh(config or SyntheticConfig(seed=1, rate=4.0))
+    source = SyntheticSource(mesh, clock=anyio.current_time, tick_s=0.05)
+    return build_app(source, DemoControls(mesh)), mesh
+
+
+EXTERNAL_URL = re.compile(rb"""(https?:)?//[a-z0-9.-]+\.[a-z]{2,}""", re.I)
+
+
+def test_page_assets_are_local_only() -> None:
+    files: Iterable[Path] = [*(UI / "static").iterdir(), *(UI / "templates").iterdir()]
+    for path in files:
+        found = [m.group(0) for m in EXTERNAL_URL.finditer(path.read_bytes())]
+        assert found in ([], [b"http://www.w3.org"]), (path.name, found)  # the SVG namespace
+
+
+@pytest.mark.trio
+async def test_app_serves_page_static_snapshot_requests_stats_and_metrics(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    app, _ = demo_app()
+    async with client_for(app) as client:
+        page = await client.get("/")
+        assert page.status_code == 200
+        for testid in ("topology", "decisions", "charts", "controls", "waterfall", "replay-log"):
+            assert f'data-testid="{testid}"' in page.text
+        assert 'src="http://ui/static/app.js"' in page.text
+        for name in ("app.js", "style.css", "topology.js", "favicon.svg"):
+            assert (await client.get(f"/static/{name}")).status_code == 200
+        await anyio.sleep(20.0)
+        snapshot = msgspec.json.decode((await client.get("/api/snapshot")).content, type=Snapshot)
+        assert snapshot.decisions and snapshot.workers and snapshot.links and snapshot.series
+        rid = snapshot.decisions[-1].request_id
+        view = (await client.get(f"/api/requests/{rid}")).json()
+        assert view["decision"]["request_id"] == rid and view["phases"]
+        missing = await client.get("/api/requests/nope")
+        assert missing.status_code == 404 and missing.json()["error"].startswith(
+            "no request 'nope'"
+        )
+        stats = (await client.get("/api/stats")).json()
+        assert stats["hub"]["published"] > 100 and stats["state"]["workers"] == 6
+        metrics = (await client.get("/metrics")).text
+        assert re.search(r"^prfaas_ui_hub_published_total \d+", metrics, re.M)
+        assert "prfaas_ui_state_decisions " in metrics
+        app.state.hub.check_integrity()
+
+
+@pytest.mark.trio
+async def test_app_forwards_controls_and_rejects_bad_bodies(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    app, mesh = demo_app()
+    async with client_for(app) as client:
+        answer = await client.post("/api/control/link", json={"bandwidth_bps": 3e9, "delay_ms": 40})
+        assert answer.status_code == 200 and answer.json()["bandwidth_bps"] == 3e9
+        assert mesh.link.params["delay_ms"] == 40
+        await anyio.sleep(1.0)
+        assert app.state.hub.state.links["wan"].bandwidth_bps == 3e9  # reported back as telemetry
+        assert (
+            await client.post("/api/control/policy", json={"policy": "length"})
+        ).status_code == 200
+        assert (await client.post("/api/control/threshold", json={"t": 4096})).json()[
+            "threshold"
+        ] == 4096
+        await client.post("/api/control/workload", json={"action": "stop"})
+        assert mesh.running is False
+        await client.post("/api/control/workers/pd-decode-1/drain")
+        assert mesh.workers["pd-decode-1"].role == "draining"
+        state = (await client.get("/api/control/state")).json()
+        assert state["router"]["policy"] == "length" and state["link"]["delay_ms"] == 40
+        bad = await client.post("/api/control/link", json={"loss": 5})
+        assert bad.status_code == 400 and "$.loss" in bad.json()["error"]
+        bad = await client.post("/api/control/workload", content=b"{nope")
+        assert bad.status_code == 400 and bad.json()["error"].startswith("bad WorkloadRequest")
+        conflict = await client.post(
+            "/api/control/workers/prfaas-prefill-0/role", json={"role": "decode"}
+        )
+        assert conflict.status_code == 409
+
+
+@pytest.mark.trio
+async def test_app_replays_a_log_then_returns_to_live(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    write_log(tmp_path / "mine.jsonl", record(SyntheticConfig(seed=9, rate=2.0), 12.0))
+    # The live mesh's clock starts at 1000, so its events are told apart from the log's.
+    mesh = SyntheticMesh(SyntheticConfig(seed=1, start_ts=1000.0))
+    source = SyntheticSource(mesh, clock=anyio.current_time)
+    app = build_app(source, DemoControls(mesh), replay_dirs=(tmp_path,))
+    async with client_for(app) as client:
+        listing = (await client.get("/api/replay")).json()
+        assert [log["name"] for log in listing["logs"]] == ["mine.jsonl", "sample.jsonl"]
+        assert listing["status"]["state"] == "idle"
+        started = await client.post(
+            "/api/replay", json={"action": "play", "name": "mine.jsonl", "speed": 4}
+        )
+        assert started.json()["state"] == "playing" and started.json()["speed"] == 4
+        await anyio.sleep(1.0)
+        hub: EventHub = app.state.hub
+        assert hub.mode == "replay"
+        assert all(d.ts < 12.0 for d in hub.state.decisions)  # only the log's events
+        paused = (await client.post("/api/replay", json={"action": "pause"})).json()
+        assert paused["state"] == "paused"
+        await anyio.sleep(0.5)  # the step under way (at most 0.25 s of wall time) completes
+        position = (await client.get("/api/replay")).json()["status"]["position_s"]
+        assert paused["position_s"] <= position <= paused["position_s"] + 0.25 * 4
+        await anyio.sleep(5.0)
+        assert (await client.get("/api/replay")).json()["status"]["position_s"] == position
+        await client.post("/api/replay", json={"action": "resume"})
+        await anyio.sleep(5.0)
+        status = (await client.get("/api/replay")).json()["status"]
+        assert status["state"] == "finished" and status["published"] == status["events"]
+        missing = await client.post("/api/replay", json={"action": "play", "name": "../etc/passwd"})
+        assert missing.status_code == 404
+        live = (await client.post("/api/replay", json={"action": "stop"})).json()
+        assert live["state"] == "idle" and hub.snapshot().mode == "live"
+        await anyio.sleep(1.0)
+        assert hub.state.decisions and all(d.ts > 1000.0 for d in hub.state.decisions)
+
+
+async def read_sse_until(host: str, port: int, wanted: set[str]) -> tuple[bytes, set[str]]:
+    """Reads GET /events over a plain socket until events of every `wanted` type came."""
+    seen: set[str] = set()
+    received = b""
+    async with await anyio.connect_tcp(host, port) as stream:
+        await stream.send(b"GET /events HTTP/1.1\r\nhost: ui\r\n\r\n")
+        while not wanted <= seen:
+            received += await stream.receive()
+            body = received.split(b"\r\n\r\n", 1)[-1]
+            seen = {kind.decode() for kind in re.findall(rb'"type":"(\w+)"', body)}
+    return received, seen
+
+
+@pytest.mark.trio
+async def test_serve_ui_streams_events_over_real_http_and_stops_cleanly() -> None:
+    mesh = SyntheticMesh(SyntheticConfig(seed=1, rate=20.0))
+    source = SyntheticSource(mesh, clock=anyio.current_time, tick_s=0.02)
+    async with anyio.create_task_group() as tasks:
+        host, port = await tasks.start(serve_ui, "127.0.0.1", 0, source, DemoControls(mesh))
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+            assert (await client.get("/")).status_code == 200
+        with anyio.fail_after(10):
+            received, seen = await read_sse_until(host, port, {"decision", "worker", "kvflow"})
+        tasks.cancel_scope.cancel()
+    head = received.split(b"\r\n\r\n", 1)[0].lower()
+    assert b"content-type: text/event-stream" in head and b"event: hello" in received
+    assert {"decision", "worker", "kvflow"} <= seen
+
+
+@pytest.mark.trio
+async def test_a_dashboard_without_source_or_services_still_answers() -> None:
+    app = build_app(NoSource(), HttpControlClient(None, None))
+    async with client_for(app) as client:
+        state = (await client.get("/api/control/state")).json()
+        assert state["link"] is None and set(state["errors"]) == {"link", "router"}
+        answer = await client.post("/api/control/policy", json={"policy": "prfaas"})
+        assert answer.status_code == 503
+        assert (await client.get("/api/snapshot")).json()["decisions"] == []

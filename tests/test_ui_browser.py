@@ -1,0 +1,255 @@
+"""The dashboard in Debian's chromium (Playwright): it fills, it controls, it stays responsive.
+
+Run alone with `pytest -m browser tests/test_ui_browser.py -s` to see the measured numbers.
+Screenshots go to test-output/.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Page, sync_playwright
+from ui_fixtures import browser as ui_fixtures
+
+from ui.demo_model import SyntheticConfig
+
+pytestmark = pytest.mark.browser
+
+if not shutil.which(ui_fixtures.CHROMIUM):
+    pytest.skip("Debian's chromium is not installed (make browser)", allow_module_level=True)
+
+WAIT_MS = 30_000
+
+
+@pytest.fixture
+def page_errors() -> list[str]:
+    return []
+
+
+def open_page(page: Page, url: str, errors: list[str]) -> None:
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(url)
+    page.wait_for_function(
+        "document.getElementById('mode').textContent === 'live'", timeout=WAIT_MS
+    )
+
+
+def count(page: Page, selector: str) -> int:
+    return int(page.eval_on_selector_all(selector, "nodes => nodes.length"))
+
+
+def wait_until(page: Page, script: str, arg: Any = None) -> None:
+    page.wait_for_function(script, arg=arg, timeout=WAIT_MS)
+
+
+def set_range(page: Page, selector: str, value: int) -> None:
+    page.eval_on_selector(
+        selector,
+        """(node, value) => {
+            node.value = value;
+            node.dispatchEvent(new Event('input'));
+            node.dispatchEvent(new Event('change'));
+        }""",
+        value,
+    )
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    with sync_playwright() as playwright, ui_fixtures.chromium(playwright) as browser:
+        yield browser
+
+
+@pytest.fixture
+def browser_page(browser: Any) -> Page:
+    page: Page = browser.context.new_page()
+    return page
+
+
+def test_dashboard_fills_controls_the_link_and_replays(
+    browser_page: Page, page_errors: list[str]
+) -> None:
+    page = browser_page
+    config = SyntheticConfig(seed=7, running=False, bandwidth_bps=25e9)
+    with ui_fixtures.default_mesh(config) as mesh:
+        open_page(page, mesh.url, page_errors)
+        wait_until(page, "document.querySelectorAll('#topology .chip').length === 6")
+        assert count(page, "#decisions-body tr") == 0  # no workload yet
+
+        # Run a small workload from the page.
+        page.fill("#ctl-rate", "4")
+        page.click("#ctl-start")
+        wait_until(page, "document.querySelectorAll('#decisions-body tr').length >= 8")
+        wait_until(page, "document.querySelectorAll('[data-testid=kv-flow]').length >= 1")
+        for chart in ("ttft", "throughput", "egress", "offload"):
+            wait_until(
+                page,
+                "id => Number(document.querySelector(`[data-testid=chart-${id}]`)"
+                ".dataset.points) >= 4",
+                chart,
+            )
+
+        # Slide the bandwidth down to 2 Gbps: the real link takes it and reports it back.
+        set_range(page, "#ctl-bandwidth", 575)
+        wait_until(
+            page,
+            "document.querySelector('[data-testid=link-bandwidth]')"
+            ".textContent.startsWith('2.00 Gbps')",
+        )
+        assert httpx.get(f"{mesh.link_url}/link").json()["bandwidth_bps"] == 2e9
+        wait_until(page, "document.getElementById('topbar-link').textContent === 'up · 2.00 Gbps'")
+        assert "ok" in (page.text_content("#ctl-status") or "")
+
+        # A finished offloaded request's waterfall, once the charts hold some history; the
+        # slower link keeps a transfer in flight for the screenshot.
+        wait_until(
+            page, "Number(document.querySelector('[data-testid=chart-ttft]').dataset.points) >= 15"
+        )
+        # dispatch_event, not click: a click would scroll the row (and the page) into view.
+        page.dispatch_event("#decisions-body tr[data-cluster=prfaas] >> nth=-1", "click")
+        wait_until(page, "document.querySelector('[data-testid=waterfall-decode]') !== null")
+        wait_until(
+            page,
+            "[...document.querySelectorAll('[data-testid=kv-flow]')]"
+            ".some(f => !f.classList.contains('done'))",
+        )
+        ui_fixtures.OUTPUT.mkdir(exist_ok=True)
+        page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard.png"), full_page=True)
+
+        # Filter the table by cluster.
+        page.select_option("#filter-cluster", "pd")
+        rows = "[...document.querySelectorAll('#decisions-body tr')]"
+        wait_until(page, f"{rows}.length > 0 && {rows}.every(r => r.dataset.cluster === 'pd')")
+        page.select_option("#filter-cluster", "")
+
+        # Replay the packaged log, then go back to the live feed.
+        wait_until(page, "document.querySelector('#replay-log').options.length >= 1")
+        page.select_option("#replay-log", "sample.jsonl")
+        page.select_option("#replay-speed", "20")
+        page.click("#replay-play")
+        wait_until(page, "document.getElementById('mode').textContent === 'replay'")
+        # The log's clock starts at zero: its rows show seconds, not times of day.
+        wait_until(
+            page, f"{rows}.length >= 5 && {rows}.every(r => r.cells[0].textContent.endsWith(' s'))"
+        )
+        page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard-replay.png"))
+        page.click("#replay-live")
+        wait_until(page, "document.getElementById('mode').textContent === 'live'")
+    assert page_errors == []
+
+
+MEASURE = """
+() => {
+  const perf = { longtasks: [], gaps: [], nodes: [], stop: false };
+  new PerformanceObserver((list) => {
+    for (const entry of list.getEntries()) perf.longtasks.push(entry.duration);
+  }).observe({ type: "longtask" });
+  let last = performance.now();
+  const tick = (now) => {
+    perf.gaps.push(now - last);
+    last = now;
+    if (!perf.stop) requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+  perf.timer = setInterval(() => perf.nodes.push(document.getElementsByTagName("*").length), 250);
+  perf.events0 = window.prfaasDashboard.model.events;
+  perf.timings0 = { ...window.prfaasDashboard.timings };
+  perf.t0 = performance.now();
+  window.__perf = perf;
+}
+"""
+
+COLLECT = """
+() => {
+  const perf = window.__perf;
+  perf.stop = true;
+  clearInterval(perf.timer);
+  return {
+    seconds: (performance.now() - perf.t0) / 1000,
+    events: window.prfaasDashboard.model.events - perf.events0,
+    dropped: window.prfaasDashboard.feed.dropped,
+    longtasks: perf.longtasks,
+    gaps: perf.gaps,
+    nodes: perf.nodes,
+    rows: document.querySelectorAll("#decisions-body tr").length,
+    flows: document.querySelectorAll("[data-testid=kv-flow]").length,
+    panels_ms: Object.fromEntries(Object.entries(window.prfaasDashboard.timings)
+      .map(([k, v]) => [k, Math.round(v - perf.timings0[k])])),
+  };
+}
+"""
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def test_fifty_requests_a_second_keep_the_page_responsive_and_bounded(
+    browser: Any, browser_page: Page, page_errors: list[str]
+) -> None:
+    page = browser_page
+    # 50 req/s, about 13 events each (decision, 5 phases, 5 KV flow steps, cache, done), plus
+    # worker and link samples: about 700 events a second, twice what the issue asks for.
+    config = SyntheticConfig(
+        seed=11,
+        rate=50.0,
+        prfaas_prefill=8,
+        pd_prefill=8,
+        pd_decode=8,
+        speedup=30.0,
+        bandwidth_bps=100e9,
+        output_min=16,
+        output_max=64,
+    )
+    with ui_fixtures.default_mesh(config) as mesh:
+        open_page(page, mesh.url, page_errors)
+        # Warm up until the table and the charts reach their steady size, then measure over
+        # the next 5000 events (about seven seconds).
+        wait_until(page, "window.prfaasDashboard.model.events >= 1500")
+        page.evaluate(MEASURE)
+        cpu_start = browser.cpu_seconds()
+        wait_until(page, "window.prfaasDashboard.model.events - window.__perf.events0 >= 5000")
+        result = page.evaluate(COLLECT)
+        cpu = browser.cpu_seconds() - cpu_start
+        page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard-load.png"))
+        stats = httpx.get(mesh.url + "api/stats").json()
+    gaps, nodes, longtasks = result["gaps"], result["nodes"], result["longtasks"]
+    report = {
+        "events_per_s": round(result["events"] / result["seconds"]),
+        "frames": len(gaps),
+        "frame_gap_ms_p50": round(quantile(gaps, 0.5), 1),
+        "frame_gap_ms_p95": round(quantile(gaps, 0.95), 1),
+        "frame_gap_ms_max": round(max(gaps), 1),
+        "long_tasks": len(longtasks),
+        "long_task_ms_total": round(sum(longtasks)),
+        "long_task_ms_max": round(max(longtasks, default=0)),
+        "dom_nodes_min": min(nodes),
+        "dom_nodes_max": max(nodes),
+        "table_rows": result["rows"],
+        "flows_drawn": result["flows"],
+        "browser_dropped": result["dropped"],
+        "server_dropped": stats["hub"]["dropped"],
+        "script_ms_by_panel": result["panels_ms"],
+        "chromium_cpu_cores": round(cpu / result["seconds"], 2),
+    }
+    print("\nload test:", json.dumps(report))
+    assert report["events_per_s"] >= 300  # 50 req/s x 6 events at least reached the page
+    assert report["browser_dropped"] == 0 and report["server_dropped"] == 0
+    # Bounded DOM: the table keeps 100 rows, flows at most 48, whatever the rate.
+    assert report["dom_nodes_max"] < 3500 and report["table_rows"] <= 100
+    assert report["dom_nodes_max"] - report["dom_nodes_min"] < 600  # no growth over time
+    # Responsive: frames keep coming; main-thread time in long tasks is a small share.
+    # Responsive: frames keep coming; main-thread time in long tasks is a small share. These
+    # are wall-clock figures and the host is shared, so the bounds leave room; the CPU the
+    # browser burns (all its processes) is the steadier figure.
+    assert report["frames"] >= 10 * result["seconds"]
+    assert report["long_task_ms_total"] < 0.25 * 1000 * result["seconds"]
+    assert report["chromium_cpu_cores"] < 0.9
+    assert page_errors == []

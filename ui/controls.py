@@ -1,0 +1,168 @@
+"""Controls: what the page may change, validated here and forwarded to the services.
+
+The browser talks only to the dashboard's origin; the dashboard forwards each request to the
+service that owns the setting (the link's control API, the router's admin API), so the page
+needs no CORS and no knowledge of addresses. The services' JSON answers pass through as they are.
+
+Contracts (DESIGN.md section 4): link control API at the topology's link address, e.g.
+http://127.0.0.1:8474 (netem/control.py: GET /link, POST /link partial update); router admin
+API, e.g. http://127.0.0.1:8000 (POST /admin/policy, /admin/threshold, /admin/workload,
+/admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Protocol
+
+import httpx
+import msgspec
+
+from ui.errors import ControlError
+
+JsonObject = dict[str, Any]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+_WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class LinkUpdate(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A partial change of the link (the link API's units); unset fields stay as they are."""
+
+    bandwidth_bps: NonNegative | msgspec.UnsetType | None = msgspec.UNSET  # None or 0: unshaped
+    delay_ms: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    jitter_ms: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    loss: Annotated[float, msgspec.Meta(ge=0, le=1)] | msgspec.UnsetType = msgspec.UNSET
+    up: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+class PolicyRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    policy: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class ThresholdRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    t: NonNegative | None  # tokens; None clears the override
+
+
+class WorkloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    action: Literal["start", "stop"]
+    rate: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 2.0  # requests per second
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=32)] = "mixed"
+
+
+class RoleRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["prefill", "decode"]
+
+
+def check_worker_name(name: str) -> str:
+    if not _WORKER_NAME.fullmatch(name):
+        raise ControlError(400, f"worker must be a plain name ([A-Za-z0-9._-]), got {name!r}")
+    return name
+
+
+class ControlClient(Protocol):
+    """What the dashboard can ask of the mesh; every method answers the service's JSON."""
+
+    async def state(self) -> JsonObject:
+        """{"link": GET /link or None, "router": GET /admin/state or None, "errors": {...}}."""
+        ...
+
+    async def update_link(self, update: LinkUpdate) -> JsonObject: ...
+
+    async def set_policy(self, request: PolicyRequest) -> JsonObject: ...
+
+    async def set_threshold(self, request: ThresholdRequest) -> JsonObject: ...
+
+    async def workload(self, request: WorkloadRequest) -> JsonObject: ...
+
+    async def set_role(self, worker: str, request: RoleRequest) -> JsonObject: ...
+
+    async def drain(self, worker: str) -> JsonObject: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _answer(service: str, response: httpx.Response) -> JsonObject:
+    if response.status_code >= 400:
+        raise ControlError(response.status_code, f"{service}: {_error_text(response)}")
+    if not response.content:
+        return {}
+    try:
+        body = msgspec.json.decode(response.content)
+    except msgspec.DecodeError as exc:
+        raise ControlError(502, f"{service} answered with invalid JSON: {exc}") from exc
+    return body if isinstance(body, dict) else {"result": body}
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = msgspec.json.decode(response.content)
+    except msgspec.DecodeError:
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+class HttpControlClient:
+    """Forwards controls over HTTP; a missing client (None) answers 503 for its service."""
+
+    def __init__(self, link: httpx.AsyncClient | None, router: httpx.AsyncClient | None) -> None:
+        self._link = link
+        self._router = router
+
+    @classmethod
+    def connect(
+        cls, link_url: str | None, router_url: str | None, *, timeout_s: float = 3.0
+    ) -> HttpControlClient:
+        """Clients for the given base URLs (the topology's addresses); None: not available."""
+
+        def client(url: str | None) -> httpx.AsyncClient | None:
+            return None if url is None else httpx.AsyncClient(base_url=url, timeout=timeout_s)
+
+        return cls(client(link_url), client(router_url))
+
+    async def _call(self, service: str, method: str, path: str, body: object = None) -> JsonObject:
+        client = self._link if service == "link" else self._router
+        if client is None:
+            raise ControlError(503, f"{service}: no {service} is configured for this dashboard")
+        content = None if body is None else msgspec.json.encode(body)
+        headers = {"content-type": "application/json"} if content is not None else {}
+        try:
+            response = await client.request(method, path, content=content, headers=headers)
+        except httpx.HTTPError as exc:
+            raise ControlError(502, f"{service} at {client.base_url} unreachable: {exc!r}") from exc
+        return _answer(service, response)
+
+    async def state(self) -> JsonObject:
+        result: JsonObject = {"link": None, "router": None, "errors": {}}
+        for service, path in (("link", "/link"), ("router", "/admin/state")):
+            try:
+                result[service] = await self._call(service, "GET", path)
+            except ControlError as exc:
+                result["errors"][service] = str(exc)
+        return result
+
+    async def update_link(self, update: LinkUpdate) -> JsonObject:
+        return await self._call("link", "POST", "/link", update)
+
+    async def set_policy(self, request: PolicyRequest) -> JsonObject:
+        return await self._call("router", "POST", "/admin/policy", request)
+
+    async def set_threshold(self, request: ThresholdRequest) -> JsonObject:
+        return await self._call("router", "POST", "/admin/threshold", request)
+
+    async def workload(self, request: WorkloadRequest) -> JsonObject:
+        return await self._call("router", "POST", "/admin/workload", request)
+
+    async def set_role(self, worker: str, request: RoleRequest) -> JsonObject:
+        path = f"/admin/workers/{check_worker_name(worker)}/role"
+        return await self._call("router", "POST", path, request)
+
+    async def drain(self, worker: str) -> JsonObject:
+        path = f"/admin/workers/{check_worker_name(worker)}/drain"
+        return await self._call("router", "POST", path, {})
+
+    async def aclose(self) -> None:
+        for client in (self._link, self._router):
+            if client is not None:
+                await client.aclose()

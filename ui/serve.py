@@ -1,0 +1,126 @@
+"""`serve_ui`: the dashboard served by hypercorn inside anyio, and the `prfaas serve ui` entry.
+
+Live it runs on asyncio with uvloop; tests run it on trio. The listening socket is bound here
+(port 0 picks a free one) and reported through `task_status`, so a caller knows where to look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import anyio
+import hypercorn.asyncio
+import hypercorn.trio
+import sniffio
+from anyio.abc import TaskStatus
+from hypercorn.config import Config as HypercornConfig
+from starlette.applications import Starlette
+
+from ui.app import build_app
+from ui.config import DashboardConfig
+from ui.controls import ControlClient, HttpControlClient
+from ui.hub import EventHub, EventSource, NoSource
+
+DEFAULT_PORT = 8080
+DEFAULT_LINK_URL = "http://127.0.0.1:8474"
+DEFAULT_ROUTER_URL = "http://127.0.0.1:8000"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.create_server((host, port), reuse_port=False)
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(app: Starlette, config: HypercornConfig, stop: anyio.Event) -> None:
+    on_trio = sniffio.current_async_library() == "trio"
+    serve: Callable[..., Awaitable[None]] = (
+        hypercorn.trio.serve if on_trio else hypercorn.asyncio.serve
+    )
+    # Shielded so that cancelling serve_ui still shuts hypercorn down in order.
+    with anyio.CancelScope(shield=True):
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+
+async def serve_ui(
+    host: str,
+    port: int,
+    source: EventSource,
+    controls: ControlClient,
+    *,
+    config: DashboardConfig | None = None,
+    replay_dirs: tuple[Path, ...] = (),
+    task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serves the dashboard until cancelled; reports the bound (host, port) when listening."""
+    hub = EventHub(config or DashboardConfig())
+    app = build_app(source, controls, hub=hub, replay_dirs=replay_dirs)
+    http = HypercornConfig()
+    http.errorlog = logging.getLogger("ui.http")
+    http.accesslog = None
+    http.graceful_timeout = 1.0
+    stop = anyio.Event()
+    with _listen(host, port) as sock:
+        # hypercorn owns (and closes) a duplicate of the socket; we close ours.
+        http.bind = [f"fd://{os.dup(sock.fileno())}"]
+        bound = sock.getsockname()[:2]
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_serve, app, http, stop)
+            task_status.started((bound[0], bound[1]))
+            try:
+                await anyio.sleep_forever()
+            finally:
+                # Ending the feeds first lets every open event stream finish within the grace.
+                hub.close()
+                stop.set()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prfaas serve ui", description="the live dashboard")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--demo", action="store_true", help="feed it the synthetic mesh")
+    parser.add_argument("--link-url", default=DEFAULT_LINK_URL, help="the link's control API")
+    parser.add_argument("--router-url", default=DEFAULT_ROUTER_URL, help="the router's admin API")
+    parser.add_argument("--replay-dir", type=Path, action="append", default=[])
+    parser.add_argument("--seed", type=int, default=0, help="of the synthetic mesh")
+    parser.add_argument("--rate", type=float, default=2.0, help="synthetic requests per second")
+    return parser
+
+
+def ui_main(argv: Sequence[str] | None = None) -> int:
+    """`prfaas serve ui [--demo]`: without --demo it has no live source until the mesh is wired."""
+    from ui.demo import synthetic_demo
+    from ui.demo_model import SyntheticConfig
+
+    args = _parser().parse_args(argv)
+    source: EventSource
+    controls: ControlClient
+    if args.demo:
+        source, controls = synthetic_demo(SyntheticConfig(seed=args.seed, rate=args.rate))
+    else:
+        source, controls = NoSource(), HttpControlClient.connect(args.link_url, args.router_url)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tasks:
+            dirs = tuple(args.replay_dir)
+            tasks.start_soon(
+                partial(serve_ui, replay_dirs=dirs), args.host, args.port, source, controls
+            )
+            # SIGTERM (honcho) and SIGINT end it in order: streams closed, server drained.
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tasks.cancel_scope.cancel()
+                    break
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    return 0

@@ -1,0 +1,186 @@
+// The dashboard page: the feed folds events into the model as they come; the DOM is updated
+// at most once per animation frame, only for the panels whose data changed, and each panel at
+// its own pace (PANELS below).
+
+import { Charts } from "./charts.js";
+import { Controls } from "./controls.js";
+import { Feed } from "./feed.js";
+import { Model } from "./model.js";
+import { ReplayPanel } from "./replay.js";
+import { DecisionTable } from "./table.js";
+import { Topology } from "./topology.js";
+import { fmtBps, fmtPct, fmtTokens, getJSON } from "./util.js";
+import { Waterfall } from "./waterfall.js";
+
+const $ = (id) => document.getElementById(id);
+
+const config = {
+  prfaasClusters: (document.body.dataset.prfaasClusters || "prfaas").split(","),
+  tableRows: Number(document.body.dataset.tableRows || 100),
+};
+const model = new Model(config);
+const topology = new Topology($("topology"), config.prfaasClusters);
+const charts = new Charts($("charts"));
+const waterfall = new Waterfall($("waterfall"), $("waterfall-title"), $("waterfall-detail"));
+const table = new DecisionTable({
+  body: $("decisions-body"),
+  clusterFilter: $("filter-cluster"),
+  policyFilter: $("filter-policy"),
+  rows: config.tableRows,
+  prfaasClusters: config.prfaasClusters,
+  onSelect: select,
+});
+const rate = { count: 0, perSecond: 0 };
+let frameRequested = false;
+
+const feed = new Feed({
+  onSnapshot(snapshot, why) {
+    const selected = model.selected;
+    model.load(snapshot);
+    // After a reset this is another run (a replay started or stopped): its request ids mean
+    // other requests, so the selection goes; after a reconnection or a gap it stays.
+    if (why === "reset") {
+      table.selected = null;
+      waterfall.clear();
+    } else if (selected) {
+      select(selected);
+    }
+    renderNow("table");
+  },
+  onEvents(events) {
+    timed("apply", () => {
+      for (const event of events) model.apply(event);
+    });
+    rate.count += events.length;
+    schedule();
+  },
+  onStatus(mode) {
+    $("mode").textContent = mode;
+    $("mode").className = mode;
+  },
+});
+
+function schedule() {
+  if (!frameRequested) {
+    frameRequested = true;
+    requestAnimationFrame(frame);
+  }
+}
+
+// Milliseconds spent per panel, summed: the load test reads them (window.prfaasDashboard).
+const timings = { apply: 0, top: 0, topology: 0, table: 0, charts: 0, waterfall: 0, frames: 0 };
+
+function timed(name, work) {
+  const start = performance.now();
+  work();
+  timings[name] += performance.now() - start;
+}
+
+// Each panel redraws at most this often (ms). A table rewritten 60 times a second is
+// unreadable and repaints every row each time; four times a second reads well and costs little.
+const PANELS = [
+  {
+    name: "top", every: 250, wanted: (d) => d.top, render: renderTop, clear: (d) => { d.top = false; },
+  },
+  {
+    name: "topology", every: 100,
+    wanted: (d) => d.layout || d.topology || model.flows.size > 0,
+    render: (now) => {
+      topology.render(model, now);
+      $("flow-count").textContent = `${model.flows.size} flows`;
+    },
+    clear: (d) => { d.layout = d.topology = false; },
+  },
+  {
+    name: "table", every: 250,
+    wanted: (d) => d.rebuildTable || model.fresh.length > 0,
+    render: renderTable,
+    clear: (d) => { d.rebuildTable = false; },
+  },
+  {
+    name: "charts", every: 0, wanted: (d) => d.charts,
+    render: () => charts.render(model.series.toArray()),
+    clear: (d) => { d.charts = false; },
+  },
+  {
+    name: "waterfall", every: 100, wanted: (d) => d.waterfall && model.selected,
+    render: () => waterfall.render(model.requests.get(model.selected), model.lastTs),
+    clear: (d) => { d.waterfall = false; },
+  },
+];
+for (const panel of PANELS) panel.last = -Infinity;
+
+function frame(now) {
+  frameRequested = false;
+  timings.frames += 1;
+  let wait = Infinity;
+  for (const panel of PANELS) {
+    if (!panel.wanted(model.dirty)) continue;
+    const due = panel.last + panel.every - now;
+    if (due > 0) {
+      wait = Math.min(wait, due);
+      continue;
+    }
+    panel.last = now;
+    timed(panel.name, () => panel.render(now));
+    panel.clear(model.dirty);
+  }
+  if (wait < Infinity) setTimeout(schedule, wait);
+}
+
+function renderTable() {
+  if (model.dirty.rebuildTable) table.rebuild(model.decisions.toArray());
+  else table.add(model.fresh);
+  model.fresh = [];
+}
+
+function renderTop() {
+  $("topbar-policy").textContent = model.policy ?? "-";
+  $("topbar-threshold").textContent = model.threshold === null ? "none" : fmtTokens(model.threshold);
+  const point = model.latestPoint();
+  $("topbar-offload").textContent = point ? fmtPct(point.offload) : "-";
+  const link = model.links.values().next().value;
+  const linkText = link ? `${link.up ? "up" : "DOWN"} · ${fmtBps(link.bandwidth_bps)}` : "-";
+  $("topbar-link").textContent = linkText;
+  $("topbar-link").className = link && !link.up ? "down" : "";
+}
+
+async function select(id) {
+  model.selected = id;
+  const known = model.requests.get(id);
+  if (!known || !known.phases.length) {
+    try {
+      const view = await getJSON(`api/requests/${encodeURIComponent(id)}`);
+      model.requests.set(id, view);
+    } catch (error) {
+      $("waterfall-detail").textContent = error.message;
+    }
+  }
+  model.dirty.waterfall = true;
+  renderNow("waterfall");
+}
+
+/** A user's action shows at the next frame, whatever the panel's pace. */
+function renderNow(name) {
+  PANELS.find((panel) => panel.name === name).last = -Infinity;
+  schedule();
+}
+
+for (const filter of [$("filter-cluster"), $("filter-policy")]) {
+  filter.addEventListener("change", () => {
+    model.dirty.rebuildTable = true;
+    renderNow("table");
+  });
+}
+
+setInterval(() => {
+  rate.perSecond = rate.count;
+  rate.count = 0;
+  $("topbar-rate").textContent = String(rate.perSecond);
+  $("topbar-drops").textContent = String(feed.dropped);
+}, 1000);
+
+new Controls(document).start();
+new ReplayPanel(document).start();
+feed.start();
+window.prfaasDashboard = { model, feed, timings }; // for the browser tests and the curious

@@ -1,0 +1,125 @@
+// Small helpers shared by the panels: a ring buffer, element builders, formatting, JSON calls.
+
+/** A fixed-capacity buffer keeping the newest items: the page's memory never grows with time. */
+export class Ring {
+  constructor(capacity) {
+    this.capacity = capacity;
+    this.items = new Array(capacity);
+    this.start = 0;
+    this.length = 0;
+  }
+
+  push(item) {
+    const end = (this.start + this.length) % this.capacity;
+    this.items[end] = item;
+    if (this.length < this.capacity) this.length += 1;
+    else this.start = (this.start + 1) % this.capacity;
+  }
+
+  /** Oldest first. */
+  toArray() {
+    const out = new Array(this.length);
+    for (let i = 0; i < this.length; i += 1) out[i] = this.items[(this.start + i) % this.capacity];
+    return out;
+  }
+
+  last() {
+    return this.length ? this.items[(this.start + this.length - 1) % this.capacity] : undefined;
+  }
+
+  clear() {
+    this.start = 0;
+    this.length = 0;
+    this.items = new Array(this.capacity);
+  }
+}
+
+/** A Map that forgets its oldest key beyond `capacity` (insertion order). */
+export class BoundedMap extends Map {
+  constructor(capacity) {
+    super();
+    this.capacity = capacity;
+  }
+
+  set(key, value) {
+    if (!this.has(key) && this.size >= this.capacity) this.delete(this.keys().next().value);
+    return super.set(key, value);
+  }
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  for (const child of children) node.append(child);
+  return node;
+}
+
+export function svgEl(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  for (const child of children) node.append(child);
+  return node;
+}
+
+export function fmtBytes(bytes) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return `${value.toFixed(value >= 100 || unit === 0 ? 0 : 1)} ${units[unit]}`;
+}
+
+/** A rate in bits per second; `zero` is what 0 means (a link's bandwidth 0 is "unshaped"). */
+export function fmtBps(bps, zero = "unshaped") {
+  if (!bps) return zero;
+  if (bps >= 1e9) return `${(bps / 1e9).toFixed(bps >= 1e10 ? 0 : 2)} Gbps`;
+  if (bps >= 1e6) return `${(bps / 1e6).toFixed(0)} Mbps`;
+  return `${(bps / 1e3).toFixed(0)} kbps`;
+}
+
+export function fmtTokens(tokens) {
+  if (tokens === null || tokens === undefined) return "-";
+  if (tokens >= 1000) return `${(tokens / 1000).toFixed(tokens >= 10000 ? 1 : 2)}K`;
+  return `${Math.round(tokens)}`;
+}
+
+export function fmtSeconds(seconds) {
+  if (seconds === null || seconds === undefined) return "-";
+  if (seconds < 1) return `${(seconds * 1000).toFixed(0)} ms`;
+  return `${seconds.toFixed(seconds < 10 ? 2 : 1)} s`;
+}
+
+export function fmtPct(fraction) {
+  return fraction === null || fraction === undefined ? "-" : `${(fraction * 100).toFixed(0)}%`;
+}
+
+/** Event time: wall-clock stamps as a time of day, virtual ones as seconds since the start. */
+export function fmtTime(ts) {
+  if (ts > 1e9) return new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
+  return `${ts.toFixed(1)} s`;
+}
+
+export async function getJSON(url) {
+  const response = await fetch(url, { cache: "no-store" });
+  return answer(response);
+}
+
+export async function postJSON(url, body) {
+  const response = await fetch(url, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify(body ?? {}),
+  });
+  return answer(response);
+}
+
+async function answer(response) {
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+  return data;
+}
