@@ -1,1 +1,4 @@
-"""The actor runtime: actors, mailboxes, wire framing, transports, clock, topology, events. Knows nothing of LLMs."""
+"""The actor runtime: actors, mailboxes, wire framing, transports, clock, topology, events.
+
+Knows nothing of LLMs.
+"""

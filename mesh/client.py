@@ -1,0 +1,228 @@
+"""The calling side of a connection a node dialled: calls, casts and streams to one peer.
+
+A `ClientSession` owns one handshaken connection and a table of waiters keyed by correlation
+id. Its reader task (`run`) routes each `Reply`, `Fail`, `Item`, `End` and `Abort` to the
+waiter with that id; when the connection ends, every waiter fails with `PeerGone`, so no
+caller waits past the loss of its peer. Each waiter is registered with the node's
+`DeadlineWatch`, which fails it with `DeadlineExceeded` at its deadline: no cancel scope per
+call or per stream item.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+
+from mesh.connection import Connection
+from mesh.deadlines import DeadlineWatch, relative_timeout
+from mesh.errors import (
+    DeadlineExceeded,
+    FrameDecodeError,
+    MeshError,
+    PeerGone,
+    RemoteError,
+    StreamAborted,
+)
+from mesh.mailbox import Mailbox
+from mesh.wire import Abort, Call, Cast, End, Envelope, Fail, Item, Open, Push, Reply
+
+log = logging.getLogger(__name__)
+
+# How long a shielded Abort may wait for room on the connection before we give up on it.
+ABANDON_TIMEOUT = 1.0
+
+
+def unwrap(envelope: Envelope, peer: str) -> msgspec.Struct | None:
+    """The body of a Reply; a Fail or Abort becomes the matching exception."""
+    if isinstance(envelope, Reply):
+        body: msgspec.Struct | None = envelope.body
+        return body
+    if isinstance(envelope, Fail):
+        if envelope.error == "DeadlineExceeded":
+            raise DeadlineExceeded(f"{peer}: {envelope.detail}")
+        raise RemoteError(peer, envelope.error, envelope.detail)
+    if isinstance(envelope, Abort):
+        raise StreamAborted(f"{peer}: {envelope.reason}")
+    raise FrameDecodeError(f"{peer} answered with an unexpected {type(envelope).__name__}")
+
+
+class StreamReader:
+    """The items of a download stream: `async for item in reader` until the server's End."""
+
+    def __init__(self, peer: str, inbox: Mailbox[Envelope]) -> None:
+        self.peer = peer
+        self.finished = False
+        self._inbox = inbox
+
+    def __aiter__(self) -> StreamReader:
+        return self
+
+    async def __anext__(self) -> msgspec.Struct:
+        if self.finished:
+            raise StopAsyncIteration
+        envelope = await self._inbox.get()
+        if isinstance(envelope, Item):
+            item: msgspec.Struct = envelope.body
+            return item
+        self.finished = True
+        if isinstance(envelope, End):
+            raise StopAsyncIteration
+        unwrap(envelope, self.peer)
+        raise FrameDecodeError(f"{self.peer} sent a Reply inside a download stream")
+
+
+class StreamSink:
+    """The sending end of an upload stream; `result` holds the server's reply after End."""
+
+    def __init__(
+        self, session: ClientSession, id: int, inbox: Mailbox[Envelope], deadline: float
+    ) -> None:
+        self.result: msgspec.Struct | None = None
+        self.sent = 0
+        self._session = session
+        self._id = id
+        self._inbox = inbox
+        self._deadline = deadline
+        self._early: Envelope | None = None
+
+    async def send(self, item: msgspec.Struct) -> None:
+        """Sends one item; raises at once if the server has already failed the stream."""
+        self._check_early_answer()
+        await self._session.conn.send(Item(self._id, item), urgent=False, deadline=self._deadline)
+        self.sent += 1
+
+    def _check_early_answer(self) -> None:
+        if self._early is None:
+            self._early = self._inbox.get_nowait()
+        if isinstance(self._early, Fail | Abort):
+            unwrap(self._early, self._session.peer)
+        if self._early is None and self._inbox.failure is not None:
+            raise self._inbox.failure
+
+    async def finish(self) -> None:
+        """Sends End, then waits for the server's reply."""
+        self._check_early_answer()
+        await self._session.conn.send(End(self._id), deadline=self._deadline)
+        answer = self._early or await self._inbox.get()
+        self.result = unwrap(answer, self._session.peer)
+
+
+class ClientSession:
+    """One dialled connection: its waiters and its reader task."""
+
+    def __init__(self, conn: Connection, stream_buffer: int, watch: DeadlineWatch) -> None:
+        self.conn = conn
+        self.alive = True
+        self.stray_frames = 0
+        self._stream_buffer = stream_buffer
+        self._watch = watch
+        self._waiters: dict[int, Mailbox[Envelope]] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def peer(self) -> str:
+        return self.conn.peer
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def run(self) -> None:
+        """Routes answers to waiters until the connection ends, then fails those left."""
+        reason: MeshError = PeerGone(f"connection to {self.peer} closed")
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self.conn.run_writer)
+                reason = await self._read()
+                group.cancel_scope.cancel()
+        finally:
+            self.alive = False
+            for waiter in self._waiters.values():
+                waiter.fail(reason)
+            with anyio.CancelScope(shield=True):
+                await self.conn.aclose()
+
+    async def _read(self) -> PeerGone:
+        try:
+            while True:
+                await self._route(await self.conn.receive())
+        except MeshError as exc:
+            log.info("connection to %s ended: %s", self.peer, exc)
+            return exc if isinstance(exc, PeerGone) else PeerGone(f"{self.peer}: {exc}")
+
+    async def _route(self, envelope: Envelope) -> None:
+        if not isinstance(envelope, Reply | Fail | Item | End | Abort):
+            raise FrameDecodeError(f"{self.peer} sent {type(envelope).__name__} to a client")
+        waiter = self._waiters.get(envelope.id)
+        # A caller that gave up (deadline, early exit) no longer listens: count and drop.
+        if waiter is None or not await waiter.put(envelope):
+            self.stray_frames += 1
+
+    def _open(self, capacity: int, deadline: float, what: str) -> tuple[int, Mailbox[Envelope]]:
+        id = next(self._ids)
+        waiter: Mailbox[Envelope] = Mailbox(capacity)
+        if not self.alive:
+            waiter.fail(PeerGone(f"connection to {self.peer} closed"))
+        self._waiters[id] = waiter
+        self._watch.watch(deadline, waiter, what)
+        return id, waiter
+
+    def _close(self, id: int) -> None:
+        self._waiters.pop(id).close()
+
+    async def _abandon(self, id: int, reason: str) -> None:
+        """Tells the server to stop request `id`, even while we are being cancelled."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(ABANDON_TIMEOUT):
+            try:
+                await self.conn.send(Abort(id, reason))
+            except PeerGone:
+                # The server is gone, so the request died with it: nothing left to stop.
+                log.debug("abort of %d not sent: %s is gone", id, self.peer)
+
+    async def call(self, body: msgspec.Struct, deadline: float, what: str) -> Envelope:
+        """Sends a Call and returns its Reply or Fail; DeadlineExceeded at `deadline`."""
+        id, waiter = self._open(1, deadline, what)
+        try:
+            await self.conn.send(Call(id, body, relative_timeout(deadline)), deadline=deadline)
+            return await waiter.get()
+        finally:
+            self._close(id)
+
+    async def cast(self, body: msgspec.Struct, deadline: float) -> None:
+        """Queues a Cast; waits (until `deadline`) only while the send queue is full."""
+        await self.conn.send(Cast(body), urgent=False, deadline=deadline)
+
+    @asynccontextmanager
+    async def open_stream(
+        self, body: msgspec.Struct, deadline: float
+    ) -> AsyncIterator[StreamReader]:
+        id, waiter = self._open(self._stream_buffer, deadline, f"stream from {self.peer}")
+        reader = StreamReader(self.peer, waiter)
+        try:
+            await self.conn.send(Open(id, body, relative_timeout(deadline)), deadline=deadline)
+            yield reader
+        finally:
+            if not reader.finished and self.alive:
+                await self._abandon(id, "reader closed the stream before its end")
+            self._close(id)
+
+    @asynccontextmanager
+    async def push_stream(self, body: msgspec.Struct, deadline: float) -> AsyncIterator[StreamSink]:
+        id, waiter = self._open(1, deadline, f"stream to {self.peer}")
+        sink = StreamSink(self, id, waiter, deadline)
+        try:
+            await self.conn.send(Push(id, body, relative_timeout(deadline)), deadline=deadline)
+            try:
+                yield sink
+            except BaseException as exc:
+                if self.alive:
+                    await self._abandon(id, f"sender raised {type(exc).__name__}: {exc}")
+                raise
+            await sink.finish()
+        finally:
+            self._close(id)

@@ -1,0 +1,162 @@
+"""A framed, handshaken connection to one peer: sends and receives envelopes.
+
+Wraps any anyio `ByteStream` (TCP or in-memory) with the codec. `send` encodes one frame and
+hands it to the connection's `Outbox`, which keeps frames in order whether they are written at
+once (urgent) or batched by the writer task (`run_writer`). `receive` feeds an incremental
+parser with large reads (stack.md G4: `receive_exactly` caps small-frame rates). The
+handshake is one `Hello` each way carrying the protocol version and the peer's name. Stream
+errors are translated to `PeerGone` here and in the outbox, once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import anyio.abc
+import msgspec
+
+from mesh.errors import HandshakeError, PeerGone
+from mesh.outbox import STREAM_ERRORS, Outbox
+from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello
+
+RECEIVE_SIZE = 1024 * 1024
+SEND_BUFFER = 4 * 1024 * 1024
+
+
+class ConnectionStatistics(msgspec.Struct, frozen=True):
+    """Traffic on one connection since it opened, and bytes waiting to be written."""
+
+    peer: str
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    queued_bytes: int = 0
+
+
+def add_traffic(total: ConnectionStatistics, more: ConnectionStatistics) -> ConnectionStatistics:
+    """`total` plus the traffic of `more` (to keep counting connections that have closed)."""
+    return ConnectionStatistics(
+        total.peer,
+        total.frames_in + more.frames_in,
+        total.frames_out + more.frames_out,
+        total.bytes_in + more.bytes_in,
+        total.bytes_out + more.bytes_out,
+    )
+
+
+class Connection:
+    """Envelopes over a byte stream; `peer` is the name the other side gave in its Hello."""
+
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        codec: Codec,
+        *,
+        peer: str = "?",
+        receive_size: int = RECEIVE_SIZE,
+        send_buffer: int = SEND_BUFFER,
+        on_deadline: Callable[[], None] | None = None,
+    ) -> None:
+        self._stream = stream
+        self._codec = codec
+        self._parser = codec.parser()
+        self._ready: deque[Envelope] = deque()
+        self._receive_size = receive_size
+        # on_deadline: told when a send gives up waiting for room (counted as a deadline).
+        self._outbox = Outbox(stream, peer, send_buffer, on_deadline)
+        self._closed = False
+        self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = 0
+
+    @property
+    def peer(self) -> str:
+        return self._outbox.peer
+
+    @peer.setter
+    def peer(self, name: str) -> None:
+        self._outbox.peer = name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._outbox.broken is not None
+
+    async def send(
+        self, envelope: Envelope, *, urgent: bool = True, deadline: float = math.inf
+    ) -> None:
+        """Encodes one frame and writes it (urgent) or queues it for the writer task.
+
+        FrameTooLarge fails this send only; PeerGone once the connection is broken;
+        DeadlineExceeded if the queue stays full until `deadline`.
+        """
+        frame = self._codec.encode(envelope)
+        self._frames_out += 1
+        self._bytes_out += len(frame)
+        await self._outbox.put(frame, urgent=urgent, deadline=deadline)
+
+    async def run_writer(self) -> None:
+        """Writes deferred frames in batches; run it beside the reader for the connection's life."""
+        await self._outbox.run()
+
+    async def receive(self) -> Envelope:
+        """The next envelope; PeerGone at end of stream, FrameDecodeError on garbage."""
+        while not self._ready:
+            try:
+                data = await self._stream.receive(self._receive_size)
+            except STREAM_ERRORS as exc:
+                raise PeerGone(f"connection from {self.peer} ended: {exc!r}") from exc
+            self._bytes_in += len(data)
+            self._ready.extend(self._parser.feed(data))
+        self._frames_in += 1
+        return self._ready.popleft()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._stream.aclose()
+
+    def check_integrity(self) -> None:
+        self._outbox.check_integrity()
+        assert self._frames_in >= 0 and self._bytes_in >= 0
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(
+            peer=self.peer,
+            frames_in=self._frames_in,
+            frames_out=self._frames_out,
+            bytes_in=self._bytes_in,
+            bytes_out=self._bytes_out,
+            queued_bytes=self._outbox.queued_bytes,
+        )
+
+
+async def _expect_hello(conn: Connection) -> Hello:
+    envelope = await conn.receive()
+    if isinstance(envelope, Fail):
+        raise HandshakeError(f"peer refused the handshake: {envelope.error}: {envelope.detail}")
+    if not isinstance(envelope, Hello):
+        raise HandshakeError(f"expected Hello as first frame, got {type(envelope).__name__}")
+    return envelope
+
+
+async def client_handshake(conn: Connection, name: str) -> Connection:
+    """Says Hello, then waits for the server's; names the connection after the server."""
+    await conn.send(Hello(PROTOCOL_VERSION, name))
+    hello = await _expect_hello(conn)
+    if hello.protocol != PROTOCOL_VERSION:
+        raise HandshakeError(f"server {hello.name!r} speaks protocol {hello.protocol}")
+    conn.peer = hello.name
+    return conn
+
+
+async def server_handshake(conn: Connection, name: str) -> Connection:
+    """Waits for the client's Hello; refuses other protocol versions with a Fail frame."""
+    hello = await _expect_hello(conn)
+    conn.peer = hello.name
+    if hello.protocol != PROTOCOL_VERSION:
+        detail = f"protocol={hello.protocol}, this server speaks {PROTOCOL_VERSION}"
+        await conn.send(Fail(0, "HandshakeError", detail))
+        raise HandshakeError(f"client {hello.name!r}: {detail}")
+    await conn.send(Hello(PROTOCOL_VERSION, name))
+    return conn

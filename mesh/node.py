@@ -1,0 +1,341 @@
+"""A node: one named actor with typed handlers, a bounded mailbox, and links to its peers.
+
+Register handlers by message type, enter the node (it runs its workers, listeners and
+connection readers in one task group it owns), listen, and talk to peers by name:
+
+    node = Node("b", codec, TcpTransport(), topology.address)
+
+    @node.handles(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> Pong:
+        return Pong(msg.n)
+
+    async with node:
+        await node.listen()
+        pong = await node.call("a", Ping(1), Pong, timeout=2.0)
+
+Three handler kinds: `handles` (request/reply with `call`, or one-way with `cast`),
+`serves_stream` (an async generator; the caller reads it with `open_stream`) and
+`accepts_stream` (reads the caller's items; the caller writes them with `stream_to`). Outgoing
+connections are dialled on first use, cached per peer, and redialled after a loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import TracebackType
+from typing import ClassVar, TypeVar, overload
+
+import anyio
+import anyio.abc
+import msgspec
+
+from mesh.client import ClientSession, StreamReader, StreamSink, unwrap
+from mesh.config import NodeConfig
+from mesh.connection import Connection, ConnectionStatistics, add_traffic, server_handshake
+from mesh.errors import ConfigError, MeshError, UnexpectedReply
+from mesh.mailbox import Mailbox, MailboxStatistics
+from mesh.peers import Peers
+from mesh.server import (
+    Handlers,
+    Request,
+    ServerSession,
+    StreamHandler,
+    UnaryHandler,
+    UploadHandler,
+)
+from mesh.transport import Address, Transport
+from mesh.wire import Codec
+
+__all__ = ["Node", "NodeConfig", "NodeStatistics"]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=msgspec.Struct)
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+class NodeStatistics(msgspec.Struct, frozen=True):
+    """A node's traffic, work and queue depths; counters only grow."""
+
+    counters: ClassVar[frozenset[str]] = frozenset(
+        {"requests_in", "handler_errors", "deadlines_in", "calls_out", "casts_out",
+         "streams_out", "deadlines_out", "stray_frames", "connection_errors",
+         "frames_in", "frames_out", "bytes_in", "bytes_out"}
+    )
+
+    name: str
+    requests_in: int
+    handler_errors: int
+    deadlines_in: int
+    calls_out: int
+    casts_out: int
+    streams_out: int
+    deadlines_out: int
+    stray_frames: int
+    connection_errors: int
+    connections_in: int
+    connections_out: int
+    waiting_calls: int
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    mailbox: MailboxStatistics
+    connections: tuple[ConnectionStatistics, ...]
+
+
+class Node:
+    """One named actor: handlers, a bounded mailbox, workers, listeners and peer links."""
+
+    def __init__(
+        self,
+        name: str,
+        codec: Codec,
+        transport: Transport,
+        resolve: Callable[[str], Address] | Mapping[str, Address],
+        config: NodeConfig | None = None,
+    ) -> None:
+        self.name = name
+        self.codec = codec
+        self.config = config or NodeConfig()
+        self.address: Address | None = None
+        self._transport = transport
+        resolver = resolve.__getitem__ if isinstance(resolve, Mapping) else resolve
+        self._peers = Peers(name, codec, transport, resolver, self.config)
+        self._handlers = Handlers(codec.messages)
+        self._mailbox: Mailbox[Request] = Mailbox(self.config.mailbox_size)
+        self._stack: AsyncExitStack | None = None
+        self._group: anyio.abc.TaskGroup | None = None
+        self._servers: set[ServerSession] = set()
+        self._retired = ConnectionStatistics("retired", 0, 0, 0, 0)
+
+    def handles(self, message: type[M]) -> Callable[[UnaryHandler[M]], UnaryHandler[M]]:
+        """Registers `async def h(msg, ctx) -> reply | None` for `call` and `cast`."""
+
+        def register(handler: UnaryHandler[M]) -> UnaryHandler[M]:
+            self._handlers.add(self._handlers.unary, message, handler)
+            return handler
+
+        return register
+
+    def serves_stream(self, message: type[M]) -> Callable[[StreamHandler[M]], StreamHandler[M]]:
+        """Registers an async generator `h(msg, ctx)` whose items `open_stream` reads."""
+
+        def register(handler: StreamHandler[M]) -> StreamHandler[M]:
+            self._handlers.add(self._handlers.streams, message, handler)
+            return handler
+
+        return register
+
+    def accepts_stream(self, message: type[M]) -> Callable[[UploadHandler[M]], UploadHandler[M]]:
+        """Registers `async def h(first, items, ctx) -> reply | None` for `stream_to`."""
+
+        def register(handler: UploadHandler[M]) -> UploadHandler[M]:
+            self._handlers.add(self._handlers.uploads, message, handler)
+            return handler
+
+        return register
+
+    async def __aenter__(self) -> Node:
+        if self._stack is not None:
+            raise MeshError(f"node {self.name!r} is already running")
+        self._stack = AsyncExitStack()
+        self._group = await self._stack.enter_async_context(anyio.create_task_group())
+        self._group.start_soon(self._peers.watch.run)
+        for _ in range(self.config.max_concurrency):
+            self._group.start_soon(self._work)
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._stack is not None and self._group is not None
+        self._group.cancel_scope.cancel()
+        try:
+            return await self._stack.__aexit__(kind, exc, tb)
+        except BaseExceptionGroup as group:
+            # The body's own exception alone in the group: re-raise it bare, as it was thrown.
+            if exc is None or group.exceptions != (exc,):
+                raise
+        finally:
+            self._stack = self._group = None
+            self._mailbox.close()
+        raise exc
+
+    async def serve(
+        self, address: Address | None = None, *, task_status: anyio.abc.TaskStatus[Address] = (
+            anyio.TASK_STATUS_IGNORED)
+    ) -> None:
+        """Runs the node and listens until cancelled; `await tg.start(node.serve)` -> address."""
+        async with self:
+            task_status.started(await self.listen(address))
+            await anyio.sleep_forever()
+
+    async def listen(self, address: Address | None = None) -> Address:
+        """Accepts peers at `address` (default: this node's own name resolved); bound address."""
+        group = self._running("listen")
+        bound = await self._transport.listen(address or self._peers.address_of(self.name))
+        group.start_soon(self._accept, bound.listener)
+        self.address = bound.address
+        log.info("node %s listening on %s", self.name, bound.address)
+        return bound.address
+
+    @overload
+    async def call(
+        self,
+        peer: str,
+        message: msgspec.Struct,
+        expect: None = None,
+        *,
+        timeout: float | None = None,
+    ) -> msgspec.Struct | None: ...
+
+    @overload
+    async def call(
+        self, peer: str, message: msgspec.Struct, expect: type[R], *, timeout: float | None = None
+    ) -> R: ...
+
+    async def call(
+        self,
+        peer: str,
+        message: msgspec.Struct,
+        expect: type[R] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> msgspec.Struct | None:
+        """Request/reply; DeadlineExceeded, RemoteError, PeerGone or UnexpectedReply on failure.
+
+        `timeout` in seconds (default `config.call_timeout`; `math.inf` for none).
+        """
+        deadline = self._deadline(timeout)
+        self._peers.counts.calls += 1
+        session = await self._session(peer, deadline)
+        answer = await session.call(message, deadline, f"call {type(message).__name__} to {peer}")
+        result = unwrap(answer, peer)
+        if expect is not None and not isinstance(result, expect):
+            got = type(result).__name__
+            raise UnexpectedReply(f"{peer} answered {type(message).__name__} with {got}, "
+                                  f"expected {expect.__name__}")
+        return result
+
+    async def cast(
+        self, peer: str, message: msgspec.Struct, *, timeout: float | None = None
+    ) -> None:
+        """One-way send; returns once the frame is queued (the deadline bounds backpressure)."""
+        deadline = self._deadline(timeout)
+        self._peers.counts.casts += 1
+        await (await self._session(peer, deadline)).cast(message, deadline)
+
+    @asynccontextmanager
+    async def open_stream(
+        self, peer: str, message: msgspec.Struct, *, timeout: float | None = None
+    ) -> AsyncIterator[StreamReader]:
+        """`async with node.open_stream(p, m) as items: async for item in items:`.
+
+        The deadline covers the whole stream; leaving early tells the server to stop.
+        """
+        deadline = self._deadline(timeout)
+        self._peers.counts.streams += 1
+        session = await self._session(peer, deadline)
+        async with session.open_stream(message, deadline) as reader:
+            yield reader
+
+    @asynccontextmanager
+    async def stream_to(
+        self, peer: str, message: msgspec.Struct, *, timeout: float | None = None
+    ) -> AsyncIterator[StreamSink]:
+        """`async with node.stream_to(p, first) as sink: await sink.send(item)`.
+
+        End on exit, then waits for the handler's reply (`sink.result`); Abort if the body
+        raises. The deadline covers the whole stream.
+        """
+        deadline = self._deadline(timeout)
+        self._peers.counts.streams += 1
+        session = await self._session(peer, deadline)
+        async with session.push_stream(message, deadline) as sink:
+            yield sink
+
+    def statistics(self) -> NodeStatistics:
+        clients = self._peers.sessions()
+        links = [s.conn.statistics() for s in clients] + [
+            s.conn.statistics() for s in self._servers]
+        total = [self._retired, self._peers.retired, *links]
+        counts, out = self._handlers.counts, self._peers.counts
+        return NodeStatistics(
+            name=self.name,
+            requests_in=counts.requests,
+            handler_errors=counts.handler_errors,
+            deadlines_in=counts.deadlines,
+            calls_out=out.calls,
+            casts_out=out.casts,
+            streams_out=out.streams,
+            deadlines_out=out.deadlines,
+            stray_frames=counts.stray_frames + out.stray + sum(s.stray_frames for s in clients),
+            connection_errors=counts.connection_errors,
+            connections_in=len(self._servers),
+            connections_out=sum(s.alive for s in clients),
+            waiting_calls=sum(s.waiting for s in clients),
+            frames_in=sum(c.frames_in for c in total),
+            frames_out=sum(c.frames_out for c in total),
+            bytes_in=sum(c.bytes_in for c in total),
+            bytes_out=sum(c.bytes_out for c in total),
+            mailbox=self._mailbox.statistics(),
+            connections=tuple(links),
+        )
+
+    def check_integrity(self) -> None:
+        """Asserts the invariants of the mailbox, every connection and the deadline watch."""
+        self._mailbox.check_integrity()
+        self._peers.watch.check_integrity()
+        for session in self._peers.sessions():
+            session.conn.check_integrity()
+        for server in self._servers:
+            server.conn.check_integrity()
+            server.check_integrity()
+
+    def _running(self, what: str) -> anyio.abc.TaskGroup:
+        if self._group is None:
+            raise MeshError(f"node {self.name!r}: {what} needs `async with node:` first")
+        return self._group
+
+    def _deadline(self, timeout: float | None) -> float:
+        seconds = self.config.call_timeout if timeout is None else timeout
+        if not seconds >= 0:
+            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout}")
+        return anyio.current_time() + seconds
+
+    async def _session(self, peer: str, deadline: float) -> ClientSession:
+        group = self._running(f"talking to {peer!r}")
+        return await self._peers.session(peer, deadline, group)
+
+    async def _work(self) -> None:
+        async for request in self._mailbox:
+            await self._handlers.run(request)
+
+    async def _accept(self, listener: anyio.abc.Listener[anyio.abc.ByteStream]) -> None:
+        async with listener:
+            await listener.serve(self._serve_connection, self._group)
+
+    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
+        config = self.config
+        conn = Connection(
+            stream, self.codec, receive_size=config.receive_size, send_buffer=config.send_buffer
+        )
+        try:
+            with anyio.fail_after(config.handshake_timeout):
+                await server_handshake(conn, self.name)
+        except (MeshError, TimeoutError) as exc:
+            self._handlers.counts.connection_errors += 1
+            log.warning("node %s refused a connection from %s: %r", self.name, conn.peer, exc)
+            with anyio.CancelScope(shield=True):
+                await conn.aclose()
+            return
+        session = ServerSession(self, conn, self._mailbox, self._handlers.counts)
+        self._servers.add(session)
+        try:
+            await session.run(config.stream_buffer)
+        finally:
+            self._servers.discard(session)
+            self._retired = add_traffic(self._retired, conn.statistics())

@@ -1,0 +1,173 @@
+"""Outbox: orders and writes one connection's outgoing frames.
+
+Two ways out, one order:
+
+* urgent frames (calls, replies, stream ends) are written at once by the sending task when
+  nothing else is queued or being written: no hand-off to another task, so request/reply
+  latency stays at one socket write. A frame cut in half by a cancellation would
+  desynchronise the peer's parser, so such a cancellation breaks the connection instead.
+* deferred frames (casts, stream items) are queued and the sender returns; the writer task
+  (`run`) joins small queued frames into one write of up to BATCH_BYTES, so a burst of small
+  messages costs one system call per batch, not per message (stack.md 3a: batching takes
+  small-frame rates from ~75k to 0.5-0.8M per second). Large frames go out alone, unjoined,
+  to avoid a copy. A sender waits only when more than `limit` bytes are queued.
+
+When no writer task runs (during the handshake, or a bare Connection in a test), senders
+write their own frames.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from mesh.deadlines import deadline_scope
+from mesh.errors import PeerGone
+
+Frame = bytes | bytearray
+
+STREAM_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+BATCH_BYTES = 256 * 1024
+# Frames this big are written alone: joining them would copy more than it saves.
+BIG_FRAME = 64 * 1024
+
+
+class _Signal:
+    """A wake-up for tasks waiting on a condition they re-check after waking."""
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
+class Outbox:
+    """The outgoing side of a connection: a bounded frame queue and its writer."""
+
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        peer: str,
+        limit: int,
+        on_deadline: Callable[[], None] | None = None,
+    ) -> None:
+        self.peer = peer
+        self._on_deadline = on_deadline
+        self.broken: PeerGone | None = None
+        self._stream = stream
+        self._limit = limit
+        self._queue: deque[Frame] = deque()
+        self._queued = 0
+        self._writing = False
+        self._writer_running = False
+        self._work = _Signal()
+        self._drained = _Signal()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued
+
+    def check_integrity(self) -> None:
+        """Asserts the queue accounting (tests call it after each operation)."""
+        assert self._queued == sum(len(frame) for frame in self._queue), "queued bytes drifted"
+        assert self._queued >= 0
+
+    async def put(self, frame: Frame, *, urgent: bool, deadline: float = math.inf) -> None:
+        """Writes or queues `frame` after every frame put before it; PeerGone once broken.
+
+        Waits (until `deadline`, then DeadlineExceeded, the frame unsent) only while the queue
+        is over its limit.
+        """
+        if self.broken is not None:
+            raise self.broken
+        if urgent and not self._writing and not self._queue and len(frame) < BIG_FRAME:
+            await self._write_now(frame)
+            return
+        if self._queued > self._limit and self._writer_running:
+            # Wait for room before queueing: a send that gives up has sent nothing.
+            with deadline_scope(deadline, f"send to {self.peer}", self._on_deadline):
+                while self._queued > self._limit and self.broken is None:
+                    await self._drained.wait()
+            if self.broken is not None:
+                raise self.broken
+        self._queue.append(frame)
+        self._queued += len(frame)
+        if not self._writer_running:
+            await self._write_queue_here()
+        self._work.fire()
+
+    async def _write_now(self, frame: Frame) -> None:
+        # No shield (a cancel scope costs as much as the write): a cancel that lands before
+        # the write is harmless, and one that lands inside it (only when a write blocks)
+        # may have cut the frame, so the connection is broken rather than desynchronised.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            await self._write([frame])
+        except anyio.get_cancelled_exc_class():
+            self.broken = PeerGone(f"send to {self.peer} was cancelled part-way")
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+            raise
+        self._work.fire()
+
+    async def run(self) -> None:
+        """The writer task: flushes queued frames until the connection breaks or is closed."""
+        self._writer_running = True
+        try:
+            while self.broken is None:
+                if self._writing or not self._queue:
+                    await self._work.wait()
+                    continue
+                await self._write(self._take_batch())
+        except PeerGone:
+            # Close the stream so that the reader, maybe blocked on it, ends the session too.
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+        finally:
+            self._writer_running = False
+
+    def _take_batch(self) -> list[Frame]:
+        batch = [self._queue.popleft()]
+        size = len(batch[0])
+        while (
+            self._queue
+            and size < BATCH_BYTES
+            and size < BIG_FRAME
+            and len(self._queue[0]) < BIG_FRAME
+        ):
+            frame = self._queue.popleft()
+            batch.append(frame)
+            size += len(frame)
+        self._queued -= size
+        return batch
+
+    async def _write_queue_here(self) -> None:
+        with anyio.CancelScope(shield=True):
+            while self._queue and not self._writing:
+                await self._write(self._take_batch())
+
+    async def _write(self, batch: list[Frame]) -> None:
+        self._writing = True
+        try:
+            data = batch[0] if len(batch) == 1 else b"".join(batch)
+            # Streams take any buffer (typed bytes); a frame is never reused once sent (G8).
+            await self._stream.send(data)  # type: ignore[arg-type]
+        except STREAM_ERRORS as exc:
+            self.broken = PeerGone(f"send to {self.peer} failed: {exc!r}")
+            raise self.broken from exc
+        finally:
+            self._writing = False
+            self._drained.fire()

@@ -1,0 +1,167 @@
+"""Topology: which clusters, services, addresses and links make up a mesh.
+
+A TOML file decoded by msgspec into frozen Structs, validated once (duplicate names, unknown
+clusters, bad ports, bad link figures) so that services can then find each other by name
+(`topology.address("decode-0")`, which a `Node` takes as its resolver). The mesh ships no
+default content: an application passes its own embedded default text to `load_topology`,
+used when no file is given.
+
+    [[clusters]]
+    name = "pd"
+
+    [[services]]
+    name = "decode-0"
+    kind = "decode"
+    cluster = "pd"
+    port = 7101
+
+    [[links]]
+    name = "wan"
+    a = "prfaas"
+    b = "pd"
+    bandwidth_bps = 100e9
+    delay_s = 0.005
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+from mesh.errors import ConfigError, UnknownPeer
+from mesh.transport import Address
+
+Scalar = str | int | float | bool
+Options = dict[str, Scalar]
+
+
+class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A group of services in one place (one datacenter, one rack)."""
+
+    name: str
+    kind: str = ""
+    options: Options = {}
+
+
+class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One service: its name (how peers call it), kind, cluster ("" for none) and address."""
+
+    name: str
+    kind: str
+    port: int
+    host: str = "127.0.0.1"
+    cluster: str = ""
+    options: Options = {}
+
+    @property
+    def address(self) -> Address:
+        return Address(self.host, self.port)
+
+
+class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A line between two clusters: bandwidth in bits per second, one-way delay in seconds."""
+
+    name: str
+    a: str
+    b: str
+    bandwidth_bps: float
+    delay_s: float = 0.0
+    options: Options = {}
+
+
+def _duplicates(names: Iterable[object]) -> list[object]:
+    return [name for name, count in Counter(names).items() if count > 1]
+
+
+class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole mesh; construction (and decoding) validates it."""
+
+    clusters: tuple[ClusterSpec, ...] = ()
+    services: tuple[ServiceSpec, ...] = ()
+    links: tuple[LinkSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        for what, names in (
+            ("cluster", [c.name for c in self.clusters]),
+            ("service", [s.name for s in self.services]),
+            ("link", [link.name for link in self.links]),
+            ("service address", [str(s.address) for s in self.services]),
+        ):
+            if repeated := _duplicates(names):
+                raise ConfigError(f"duplicate {what} {repeated[0]!r} in topology")
+        known = {c.name for c in self.clusters}
+        for service in self.services:
+            _check_service(service, known)
+        for link in self.links:
+            _check_link(link, known)
+
+    def service(self, name: str) -> ServiceSpec:
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise UnknownPeer(f"service {name!r} is not in the topology")
+
+    def address(self, name: str) -> Address:
+        """The address of service `name`: pass `topology.address` to a Node as its resolver."""
+        return self.service(name).address
+
+    def cluster(self, name: str) -> ClusterSpec:
+        for cluster in self.clusters:
+            if cluster.name == name:
+                return cluster
+        raise ConfigError(f"cluster {name!r} is not in the topology")
+
+    def find(self, *, kind: str | None = None, cluster: str | None = None) -> list[ServiceSpec]:
+        """Services of a kind and/or in a cluster, in file order."""
+        return [
+            s for s in self.services
+            if (kind is None or s.kind == kind) and (cluster is None or s.cluster == cluster)
+        ]
+
+    def links_between(self, a: str, b: str) -> list[LinkSpec]:
+        """Links joining clusters a and b, either way round."""
+        return [link for link in self.links if {link.a, link.b} == {a, b}]
+
+
+def _check_service(service: ServiceSpec, clusters: set[str]) -> None:
+    if service.cluster and service.cluster not in clusters:
+        raise ConfigError(f"service {service.name!r}: unknown cluster {service.cluster!r}")
+    if not 1 <= service.port <= 65535:
+        raise ConfigError(f"service {service.name!r}: port must be 1..65535, got {service.port}")
+
+
+def _check_link(link: LinkSpec, clusters: set[str]) -> None:
+    for end in (link.a, link.b):
+        if end not in clusters:
+            raise ConfigError(f"link {link.name!r}: unknown cluster {end!r}")
+    if link.a == link.b:
+        raise ConfigError(f"link {link.name!r}: joins cluster {link.a!r} to itself")
+    if not link.bandwidth_bps > 0:
+        bad = link.bandwidth_bps
+        raise ConfigError(f"link {link.name!r}: bandwidth_bps must be > 0, got {bad}")
+    if not link.delay_s >= 0:
+        raise ConfigError(f"link {link.name!r}: delay_s must be >= 0, got {link.delay_s}")
+
+
+def parse_topology(text: str, source: str = "<string>") -> Topology:
+    """Decodes and validates TOML text; ConfigError names the source and the bad value."""
+    try:
+        return msgspec.toml.decode(text, type=Topology)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+
+
+def load_topology(path: str | Path | None, default: str) -> Topology:
+    """The topology in file `path`, or the caller's embedded `default` text when path is None."""
+    if path is None:
+        return parse_topology(default, "<default topology>")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"topology file {str(path)!r}: {exc.strerror}") from exc
+    return parse_topology(text, str(path))

@@ -1,0 +1,274 @@
+"""Wire format: length-prefixed MessagePack frames, each holding one envelope.
+
+A frame is a 4-byte big-endian body length followed by the msgspec MessagePack encoding of an
+envelope (`Hello`, `Call`, `Reply`, ...). Envelopes carry the application's messages in their
+`body` field; the application names its message types (tagged msgspec Structs) once, in a
+`Codec`, and the mesh never looks inside them.
+
+Bulk payloads avoid needless copies: the sender encodes straight into one fresh bytearray per
+frame (the payload is copied once, by msgspec) and never reuses it (uvloop keeps a reference to
+a sent buffer, stack.md G8); the receiver decodes a frame that arrived whole from a memoryview
+of the received chunk, and assembles a split frame into a bytearray of exactly its size that
+no one touches afterwards, so an application field typed `memoryview` decodes zero-copy
+(stack.md G9). The declared length is checked against `max_frame` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar, Union
+
+import msgspec
+
+from mesh.errors import ConfigError, FrameDecodeError, FrameTooLarge, UnknownMessageType
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+HEADER_SIZE = 4
+_MAX_HEADER_VALUE = 2**32 - 1
+
+B = TypeVar("B")
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
+    """First frame each way on a connection: protocol version and the sender's name."""
+
+    protocol: int
+    name: str
+
+
+class Call(msgspec.Struct, Generic[B], frozen=True, tag="call", array_like=True):
+    """A request expecting one `Reply` or `Fail` with the same id; timeout is relative."""
+
+    id: int
+    body: B
+    timeout: float | None = None
+
+
+class Cast(msgspec.Struct, Generic[B], frozen=True, tag="cast", array_like=True):
+    """A one-way message: no reply, no id."""
+
+    body: B
+
+
+class Reply(msgspec.Struct, Generic[B], frozen=True, tag="reply", array_like=True):
+    """The handler's result for a `Call` or an upload (`Push`); None for handlers without one."""
+
+    id: int
+    body: B | None
+
+
+class Fail(msgspec.Struct, frozen=True, tag="fail", array_like=True):
+    """The handler for request `id` raised: exception type name and message."""
+
+    id: int
+    error: str
+    detail: str
+
+
+class Open(msgspec.Struct, Generic[B], frozen=True, tag="open", array_like=True):
+    """Opens a download stream: the server answers with `Item`s then `End` (or Abort/Fail)."""
+
+    id: int
+    body: B
+    timeout: float | None = None
+
+
+class Push(msgspec.Struct, Generic[B], frozen=True, tag="push", array_like=True):
+    """Opens an upload stream: the client sends `Item`s then `End`; the server then replies."""
+
+    id: int
+    body: B
+    timeout: float | None = None
+
+
+class Item(msgspec.Struct, Generic[B], frozen=True, tag="item", array_like=True):
+    """One message of stream `id`, in either direction."""
+
+    id: int
+    body: B
+
+
+class End(msgspec.Struct, frozen=True, tag="end", array_like=True):
+    """Stream `id` ended normally."""
+
+    id: int
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort", array_like=True):
+    """Stream or request `id` was abandoned by its sender; `reason` says why."""
+
+    id: int
+    reason: str
+
+
+Envelope = (
+    Hello
+    | Call[Any]
+    | Cast[Any]
+    | Reply[Any]
+    | Fail
+    | Open[Any]
+    | Push[Any]
+    | Item[Any]
+    | End
+    | Abort
+)
+
+
+def _check_messages(messages: tuple[type[msgspec.Struct], ...]) -> None:
+    if not messages:
+        raise ConfigError("messages must name at least one message type, got none")
+    for message in messages:
+        if not (isinstance(message, type) and issubclass(message, msgspec.Struct)):
+            raise ConfigError(f"messages: {message!r} is not a msgspec.Struct subclass")
+        if message.__struct_config__.tag is None:
+            raise ConfigError(f"messages: {message.__name__} needs tag=True to join the union")
+
+
+class Codec:
+    """Encodes envelopes to frames and decodes frame bodies, for one set of app messages.
+
+    `messages` are msgspec Structs with unique tags (`tag=True` uses the class name); msgspec
+    requires them to be all `array_like` or all not. `max_frame` bounds a frame's body size.
+    """
+
+    def __init__(
+        self, messages: Iterable[type[msgspec.Struct]], *, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        self.messages = tuple(dict.fromkeys(messages))
+        _check_messages(self.messages)
+        if not 0 < max_frame <= _MAX_HEADER_VALUE:
+            raise ConfigError(f"max_frame must be in 1..{_MAX_HEADER_VALUE}, got {max_frame}")
+        self.max_frame = max_frame
+        self._known = frozenset(self.messages)
+        # Built at run time from the caller's types, so static checkers see it as Any.
+        body: Any = Union.__getitem__(self.messages)
+        envelope: Any = Union[  # noqa: UP007
+            Hello,
+            Call[body],
+            Cast[body],
+            Reply[body],
+            Fail,
+            Open[body],
+            Push[body],
+            Item[body],
+            End,
+            Abort,
+        ]
+        try:
+            self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(envelope)
+        except TypeError as exc:
+            raise ConfigError(f"messages: {exc}") from exc
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, envelope: Envelope) -> bytearray:
+        """One complete frame in a fresh buffer; the caller must not reuse it after sending.
+
+        UnknownMessageType for a body outside the codec (the peer would drop the connection
+        on it), FrameTooLarge above max_frame: both fail this send only.
+        """
+        body = getattr(envelope, "body", None)
+        if body is not None and type(body) not in self._known:
+            raise UnknownMessageType(f"{type(body).__name__} is not one of the codec's messages")
+        frame = bytearray(HEADER_SIZE)
+        self._encoder.encode_into(envelope, frame, HEADER_SIZE)
+        size = len(frame) - HEADER_SIZE
+        if size > self.max_frame:
+            raise FrameTooLarge(size, self.max_frame)
+        frame[:HEADER_SIZE] = size.to_bytes(HEADER_SIZE, "big")
+        return frame
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Envelope:
+        """The envelope in one frame body (without its length prefix)."""
+        try:
+            envelope: Envelope = self._decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise FrameDecodeError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
+        return envelope
+
+    def parser(self) -> FrameParser:
+        """A fresh incremental parser for one connection's byte stream."""
+        return FrameParser(self)
+
+
+class FrameParser:
+    """Turns a byte stream, fed in chunks of any size, into envelopes.
+
+    Fast path: frames lying whole in a chunk decode from a view of that chunk. The pieces of
+    a frame split across chunks are kept as views and joined once, when the last arrives,
+    into a bytes object of exactly the frame's size (one copy, no zero-fill), which is then
+    decoded. Errors (FrameTooLarge, FrameDecodeError) leave the parser unusable: the stream
+    is out of sync.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self._codec = codec
+        self._header = bytearray()
+        self._parts: list[memoryview] = []
+        self._missing = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a frame not yet complete."""
+        return len(self._header) + sum(len(part) for part in self._parts)
+
+    def feed(self, data: bytes | bytearray) -> list[Envelope]:
+        """Consumes `data`, which must not change afterwards (pieces of it are held)."""
+        view = memoryview(data)
+        out: list[Envelope] = []
+        pos = 0
+        end = len(view)
+        while pos < end:
+            if self._missing:
+                pos = self._continue_frame(view, pos, out)
+            else:
+                pos = self._start_frame(view, pos, out)
+        return out
+
+    def _start_frame(self, view: memoryview, pos: int, out: list[Envelope]) -> int:
+        end = len(view)
+        if not self._header and end - pos >= HEADER_SIZE:
+            size = int.from_bytes(view[pos : pos + HEADER_SIZE], "big")
+            pos += HEADER_SIZE
+        else:
+            take = min(HEADER_SIZE - len(self._header), end - pos)
+            self._header += view[pos : pos + take]
+            pos += take
+            if len(self._header) < HEADER_SIZE:
+                return pos
+            size = int.from_bytes(self._header, "big")
+            self._header.clear()
+        if size > self._codec.max_frame:
+            raise FrameTooLarge(size, self._codec.max_frame)
+        if end - pos >= size:
+            out.append(self._codec.decode(view[pos : pos + size]))
+            return pos + size
+        self._parts = [view[pos:]]
+        self._missing = size - (end - pos)
+        return end
+
+    def _continue_frame(self, view: memoryview, pos: int, out: list[Envelope]) -> int:
+        take = min(self._missing, len(view) - pos)
+        self._parts.append(view[pos : pos + take])
+        self._missing -= take
+        if not self._missing:
+            body = b"".join(self._parts)
+            self._parts = []
+            out.append(self._codec.decode(body))
+        return pos + take
+
+
+def parse_frames_reference(codec: Codec, stream: bytes) -> tuple[list[Envelope], bytes]:
+    """Slow, obvious reference for FrameParser: whole frames decoded, and the leftover bytes."""
+    out: list[Envelope] = []
+    pos = 0
+    while len(stream) - pos >= HEADER_SIZE:
+        size = int.from_bytes(stream[pos : pos + HEADER_SIZE], "big")
+        if size > codec.max_frame:
+            raise FrameTooLarge(size, codec.max_frame)
+        if len(stream) - pos - HEADER_SIZE < size:
+            break
+        out.append(codec.decode(stream[pos + HEADER_SIZE : pos + HEADER_SIZE + size]))
+        pos += HEADER_SIZE + size
+    return out, stream[pos:]

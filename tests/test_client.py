@@ -1,0 +1,263 @@
+"""The calling side: deadlines on virtual time, download and upload streams, lost peers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+import anyio
+import anyio.abc
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
+from mesh.mailbox import Mailbox
+from mesh.node import Node, NodeConfig
+from mesh.server import Context
+from mesh.transport import Address, MemoryHub, MemoryTransport
+from mesh.wire import Codec
+
+
+class Nap(msgspec.Struct, frozen=True, tag=True):
+    seconds: float
+
+
+class Count(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+class Stall(msgspec.Struct, frozen=True, tag=True):
+    after: int
+
+
+class Chunk(msgspec.Struct, frozen=True, tag=True):
+    payload: bytes
+
+
+class Upload(msgspec.Struct, frozen=True, tag=True):
+    fail_after: int = -1
+
+
+CODEC = Codec([Nap, Count, Stall, Chunk, Upload])
+PEERS = {"srv": Address("srv", 1)}
+
+
+def server(hub: MemoryHub, log: list[str]) -> Node:
+    # A small send buffer keeps the endless stream below from queueing a million items.
+    node = Node("srv", CODEC, MemoryTransport(hub), PEERS, NodeConfig(send_buffer=4096))
+
+    @node.handles(Nap)
+    async def on_nap(msg: Nap, ctx: Context) -> Count:
+        try:
+            await trio.sleep(msg.seconds)
+        finally:
+            log.append(f"nap ended at {trio.current_time():.1f}")
+        return Count(0)
+
+    @node.serves_stream(Count)
+    async def count_to(msg: Count, ctx: Context) -> AsyncGenerator[Count, None]:
+        try:
+            for n in range(msg.n):
+                yield Count(n)
+        finally:
+            log.append("count closed")
+
+    @node.serves_stream(Stall)
+    async def stall(msg: Stall, ctx: Context) -> AsyncGenerator[Count, None]:
+        for n in range(msg.after):
+            yield Count(n)
+        if msg.after < 0:
+            raise StreamAborted("negative count")
+        await trio.sleep_forever()
+
+    @node.accepts_stream(Upload)
+    async def upload(first: Upload, items: Mailbox[msgspec.Struct], ctx: Context) -> Count:
+        total = 0
+        try:
+            async for item in items:
+                assert isinstance(item, Chunk)
+                total += len(item.payload)
+                if total > first.fail_after >= 0:
+                    raise ValueError(f"refusing more than {first.fail_after} bytes")
+        except StreamAborted as exc:
+            log.append(f"upload aborted: {exc}")
+            raise
+        return Count(total)
+
+    return node
+
+
+def client(hub: MemoryHub) -> Node:
+    return Node("cli", CODEC, MemoryTransport(hub), PEERS)
+
+
+@pytest.mark.trio
+async def test_deadline_fires_on_virtual_time(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    log: list[str] = []
+    wall = time.monotonic()
+    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        start = trio.current_time()
+        with pytest.raises(DeadlineExceeded, match="call Nap to srv"):
+            await cli.call("srv", Nap(1000), timeout=5)
+        assert trio.current_time() - start == pytest.approx(5)
+        await trio.sleep(1)
+        # The callee ran under the same deadline, so its handler was cancelled too.
+        assert log == [f"nap ended at {start + 5:.1f}"]
+        assert srv.statistics().deadlines_in == 1
+        assert cli.statistics().deadlines_out == 1
+        assert cli.statistics().stray_frames == 1  # the callee's late DeadlineExceeded
+    assert time.monotonic() - wall < 30  # virtual seconds, not real ones
+
+
+@pytest.mark.trio
+async def test_download_stream_delivers_items_in_order(memory_hub: MemoryHub) -> None:
+    log: list[str] = []
+    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        async with cli.open_stream("srv", Count(200)) as items:
+            got = [item async for item in items]
+        srv.check_integrity()
+        cli.check_integrity()
+    assert got == [Count(n) for n in range(200)]
+    assert log == ["count closed"]
+
+
+@pytest.mark.trio
+async def test_leaving_a_download_early_stops_the_server(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    log: list[str] = []
+    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        async with cli.open_stream("srv", Count(10**9)) as items:
+            async for item in items:
+                if item == Count(2):
+                    break
+        with trio.fail_after(5):
+            while not log:
+                await trio.sleep(0.01)
+    assert log == ["count closed"]
+
+
+@pytest.mark.trio
+async def test_server_abort_reaches_the_reader(memory_hub: MemoryHub) -> None:
+    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        with pytest.raises(StreamAborted, match="negative count"):
+            async with cli.open_stream("srv", Stall(-1)) as items:
+                async for _ in items:
+                    pass
+
+
+@pytest.mark.trio
+async def test_upload_stream_returns_the_handlers_reply(memory_hub: MemoryHub) -> None:
+    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        async with cli.stream_to("srv", Upload()) as sink:
+            for n in range(50):
+                await sink.send(Chunk(b"x" * n))
+        srv.check_integrity()
+        cli.check_integrity()
+        assert sink.result == Count(sum(range(50)))
+        assert sink.sent == 50
+
+
+@pytest.mark.trio
+async def test_sender_exception_aborts_the_upload(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    log: list[str] = []
+    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        with pytest.raises(KeyError):
+            async with cli.stream_to("srv", Upload()) as sink:
+                await sink.send(Chunk(b"abc"))
+                raise KeyError("oops")
+        with trio.fail_after(5):
+            while not log:
+                await trio.sleep(0.01)
+    assert log == ["upload aborted: cli: sender raised KeyError: 'oops'"]
+
+
+@pytest.mark.trio
+async def test_receiver_failure_stops_the_sender_early(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        sent = 0
+        with pytest.raises(RemoteError, match="ValueError: refusing more than 10 bytes"):
+            async with cli.stream_to("srv", Upload(fail_after=10)) as sink:
+                for _ in range(1000):
+                    await sink.send(Chunk(b"12345"))
+                    sent += 1
+                    await trio.sleep(0.001)
+        assert 3 <= sent < 10
+
+
+async def start_server(nursery: trio.Nursery, hub: MemoryHub) -> trio.CancelScope:
+    """Serves in `nursery`; cancelling the returned scope kills the server alone."""
+    scope = trio.CancelScope()
+
+    async def run(task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await server(hub, []).serve(task_status=task_status)
+
+    await nursery.start(run)
+    return scope
+
+
+@pytest.mark.trio
+async def test_peer_dying_mid_stream_is_an_error_before_the_deadline(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with client(memory_hub) as cli, trio.open_nursery() as nursery:
+        kill = await start_server(nursery, memory_hub)
+        start = trio.current_time()
+        got: list[msgspec.Struct] = []
+        with pytest.raises(PeerGone):
+            async with cli.open_stream("srv", Stall(3), timeout=100) as items:
+                async for item in items:
+                    got.append(item)
+                    if len(got) == 3:
+                        kill.cancel()  # the server process dies
+        assert got == [Count(0), Count(1), Count(2)]
+        assert trio.current_time() - start < 1
+
+
+@pytest.mark.trio
+async def test_hung_peer_mid_stream_hits_the_deadline(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        start = trio.current_time()
+        got: list[msgspec.Struct] = []
+        with pytest.raises(DeadlineExceeded, match="stream from srv"):
+            async with cli.open_stream("srv", Stall(2), timeout=10) as items:
+                async for item in items:
+                    got.append(item)
+        assert got == [Count(0), Count(1)]
+        assert trio.current_time() - start == pytest.approx(10)
+
+
+@pytest.mark.trio
+async def test_peer_dying_during_a_call_is_peer_gone(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with client(memory_hub) as cli, trio.open_nursery() as nursery:
+        kill = await start_server(nursery, memory_hub)
+
+        async def kill_soon() -> None:
+            await trio.sleep(1)
+            kill.cancel()
+
+        nursery.start_soon(kill_soon)
+        with pytest.raises(PeerGone):
+            await cli.call("srv", Nap(1000), timeout=100)
+        assert trio.current_time() == pytest.approx(1)

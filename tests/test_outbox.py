@@ -1,0 +1,158 @@
+"""Outbox: urgent frames go out at once, deferred ones in batches, always in order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+import trio
+import trio.testing
+
+from mesh.errors import DeadlineExceeded, PeerGone
+from mesh.outbox import BIG_FRAME, Outbox
+
+
+class RecordingStream(anyio.abc.ByteStream):
+    """Records each write; `gate` (when set) holds writes until it is opened."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.gate: trio.Event | None = None
+        self.fail = False
+        self.closed = False
+
+    async def send(self, item: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail:
+            raise anyio.BrokenResourceError
+        self.writes.append(bytes(item))
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        raise NotImplementedError
+
+    async def send_eof(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    @property
+    def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
+        return {}
+
+
+def frames(n: int, size: int = 10) -> list[bytes]:
+    return [bytes([i % 256]) * size for i in range(n)]
+
+
+@pytest.mark.trio
+async def test_urgent_frame_is_written_at_once_without_a_writer_task() -> None:
+    stream = RecordingStream()
+    outbox = Outbox(stream, "peer", limit=1000)
+    await outbox.put(b"hello", urgent=True)
+    assert stream.writes == [b"hello"]
+
+
+@pytest.mark.trio
+async def test_deferred_frames_are_batched_in_order() -> None:
+    stream = RecordingStream()
+    outbox = Outbox(stream, "peer", limit=1 << 20)
+    sent = frames(500)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for frame in sent:
+            await outbox.put(frame, urgent=False)
+            outbox.check_integrity()
+        await outbox.put(b"last", urgent=True)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"".join([*sent, b"last"])
+    assert len(stream.writes) < 10
+    assert outbox.queued_bytes == 0
+
+
+@pytest.mark.trio
+async def test_big_frames_are_written_alone() -> None:
+    stream = RecordingStream()
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    big = b"B" * BIG_FRAME
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        for frame in (b"a", big, b"b", big):
+            await outbox.put(frame, urgent=False)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert stream.writes == [b"a", big, b"b", big]
+
+
+@pytest.mark.trio
+async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = RecordingStream()
+    stream.gate = trio.Event()
+    outbox = Outbox(stream, "peer", limit=25)
+    expired: list[float] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(b"x" * 10, urgent=False)  # taken by the writer, held at the gate
+        await trio.testing.wait_all_tasks_blocked()
+        for frame in frames(3):  # 30 bytes queued: over the limit of 25
+            await outbox.put(frame, urgent=False)
+            outbox.check_integrity()
+        with pytest.raises(DeadlineExceeded, match="send to peer"):
+            await outbox.put(b"late", urgent=False, deadline=trio.current_time() + 5)
+        expired.append(trio.current_time())
+        stream.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert expired == [5.0]
+    # The send that gave up sent nothing.
+    assert b"".join(stream.writes) == b"x" * 10 + b"".join(frames(3))
+
+
+@pytest.mark.trio
+async def test_broken_stream_fails_later_sends_and_closes_it() -> None:
+    stream = RecordingStream()
+    stream.fail = True
+    outbox = Outbox(stream, "peer", limit=1000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(b"lost", urgent=False)
+        await trio.testing.wait_all_tasks_blocked()
+    assert stream.closed
+    with pytest.raises(PeerGone, match="send to peer failed"):
+        await outbox.put(b"more", urgent=True)
+
+
+@pytest.mark.trio
+async def test_cancel_inside_a_write_breaks_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = RecordingStream()
+    stream.gate = trio.Event()
+    outbox = Outbox(stream, "peer", limit=1000)
+    with trio.move_on_after(1):
+        await outbox.put(b"half", urgent=True)
+    assert stream.closed
+    assert outbox.broken is not None and "cancelled part-way" in str(outbox.broken)
+
+
+@pytest.mark.trio
+async def test_cancel_before_a_write_leaves_the_connection_whole() -> None:
+    stream = RecordingStream()
+    outbox = Outbox(stream, "peer", limit=1000)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await outbox.put(b"never", urgent=True)
+    assert outbox.broken is None and stream.writes == []
+    await outbox.put(b"next", urgent=True)
+    assert stream.writes == [b"next"]

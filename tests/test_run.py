@@ -1,0 +1,51 @@
+"""run(): backend options built per backend (stack.md G2), refusing silent no-ops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+import trio
+import trio.testing
+import uvloop
+
+from mesh.errors import ConfigError
+from mesh.run import backend_options, run
+
+
+def test_options_per_backend() -> None:
+    clock = trio.testing.MockClock()
+    assert backend_options("trio") == ("trio", {})
+    assert backend_options("trio", clock=clock) == ("trio", {"clock": clock})
+    assert backend_options("uvloop") == ("asyncio", {"use_uvloop": True})
+    assert backend_options("asyncio") == ("asyncio", {"use_uvloop": False})
+
+
+def test_clock_on_asyncio_and_unknown_backends_are_refused() -> None:
+    with pytest.raises(ConfigError, match="clock works only with backend='trio'"):
+        backend_options("uvloop", clock=trio.testing.MockClock())
+    with pytest.raises(ConfigError, match="got 'curio'"):
+        backend_options("curio")  # type: ignore[arg-type]
+
+
+async def loop_kind() -> str:
+    await anyio.sleep(0)
+    try:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+    except RuntimeError:
+        return "trio"
+
+
+def test_run_uses_the_named_event_loop() -> None:
+    assert run(loop_kind, backend="trio") == "trio"
+    assert run(loop_kind, backend="uvloop") == uvloop.__name__
+    assert run(loop_kind, backend="asyncio") == "asyncio"
+
+
+def test_run_on_virtual_time() -> None:
+    async def nap() -> float:
+        await anyio.sleep(1000)
+        return anyio.current_time()
+
+    assert run(nap, backend="trio", clock=trio.testing.MockClock(autojump_threshold=0)) == 1000
