@@ -1,0 +1,155 @@
+"""Softmax attention kernels shared by the MLA, GQA and SWA layers, each with a slow reference.
+
+- `causal_attention`: queries are the last T of L keys (a prefill resumed after P = L - T
+  cached tokens). P == 0 is SDPA with is_causal; otherwise queries go in chunks, each with
+  an explicit bottom-right-aligned mask, so no T x L matrix is ever built at once.
+- `sliding_window_attention`: a query at position t sees keys t - W .. t (the W previous
+  tokens and itself; the request state is the last W tokens' K/V). Learnable sinks add one
+  logit per query head to the softmax denominator (paper.md section 6.2). Computed block-
+  locally: queries of a W-block attend to their block and the previous one, never T x T.
+- `window_decode_attention`: one query per request against its ring of W slots plus itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Query rows per chunk of a resumed causal prefill: bounds the mask to CHUNK x L booleans.
+_QUERY_CHUNK = 1024
+# Query blocks of W processed together in sliding-window prefill (bounds the score tensor).
+_WINDOW_GROUP = 16
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """q [B, Hq, T, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] with L >= T -> [B, Hq, T, Dv].
+
+    Query i sits at position L - T + i and sees keys 0 .. L - T + i.
+    """
+    t, length = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if t == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    prefix = length - t
+    outputs = []
+    for start in range(0, t, _QUERY_CHUNK):
+        end = min(t, start + _QUERY_CHUNK)
+        rows = torch.arange(prefix + start, prefix + end, device=q.device)[:, None]
+        cols = torch.arange(prefix + end, device=q.device)[None, :]
+        outputs.append(F.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, : prefix + end], v[:, :, : prefix + end],
+            attn_mask=cols <= rows, scale=scale, enable_gqa=gqa,
+        ))
+    return torch.cat(outputs, dim=2)
+
+
+def _expand_heads(x: Tensor, n_heads: int) -> Tensor:
+    """[B, Hkv, L, D] -> [B, Hq, L, D] by repeating each key-value head."""
+    return x.repeat_interleave(n_heads // x.shape[1], dim=1)
+
+
+def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor,
+                               scale: float | None = None) -> Tensor:
+    """The obvious masked softmax(Q K^T) V in fp32; same contract as `causal_attention`."""
+    t, length, hq = q.shape[2], k.shape[2], q.shape[1]
+    kf, vf = _expand_heads(k.float(), hq), _expand_heads(v.float(), hq)
+    scores = q.float() @ kf.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)  # [B, Hq, T, L]
+    rows = torch.arange(length - t, length)[:, None]
+    scores = scores.masked_fill(torch.arange(length)[None, :] > rows, float("-inf"))
+    return (scores.softmax(-1) @ vf).to(q.dtype)
+
+
+def _softmax_with_sink(scores: Tensor, sink: Tensor | None) -> Tensor:
+    """softmax over the last axis with an extra sink logit in the denominator only.
+
+    scores [..., N] (fp32, may be overwritten); sink broadcastable to scores[..., :1] or
+    None (plain softmax). Computed in place, without concatenating a sink column.
+    """
+    if sink is None:
+        return scores.softmax(-1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink).detach()  # [..., 1]
+    if scores.requires_grad:
+        # Training: autograd needs exp's output intact, so no in-place steps.
+        probs = (scores - top).exp()
+        return probs / (probs.sum(-1, keepdim=True) + (sink - top).exp())
+    probs = scores.sub_(top).exp_()
+    return probs.div_(probs.sum(-1, keepdim=True) + (sink - top).exp())
+
+
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                             sinks: Tensor | None, scale: float | None = None) -> Tensor:
+    """q [B, T, Hq, D]; k, v [B, P + T, Hkv, D] where the first P <= W keys precede the
+    queries (the cached window); sinks [Hq] or None -> [B, T, Hq, D].
+
+    Query i (position P + i in k) sees keys P + i - W .. P + i. Keys are laid out in
+    W-blocks after W - P leading pads, so query block b needs exactly key blocks b, b + 1.
+    """
+    b, t, hq, d = q.shape
+    hkv, prefix = k.shape[2], k.shape[1] - t
+    group, n_blocks = hq // hkv, -(-t // window)
+    scale = scale or d**-0.5
+    pad_front, pad_back = window - prefix, n_blocks * window - t
+    kp = F.pad(k, (0, 0, 0, 0, pad_front, pad_back)).view(b, n_blocks + 1, window, hkv, d)
+    vp = F.pad(v, (0, 0, 0, 0, pad_front, pad_back)).view(b, n_blocks + 1, window, hkv, d)
+    # The scale is folded into the (smaller) queries rather than applied to the scores.
+    qp = F.pad(q.float() * scale, (0, 0, 0, 0, 0, pad_back))
+    qp = qp.view(b, n_blocks, window, hkv, group, d)
+    r = torch.arange(window, device=q.device)[:, None]
+    c = torch.arange(2 * window, device=q.device)[None, :]
+    band = (c >= r) & (c <= r + window)  # [W, 2W]
+    sink = None if sinks is None else sinks.float().view(1, 1, hkv, group, 1, 1)
+    out = []
+    for g0 in range(0, n_blocks, _WINDOW_GROUP):
+        g1 = min(n_blocks, g0 + _WINDOW_GROUP)
+        keys = torch.cat((kp[:, g0:g1], kp[:, g0 + 1 : g1 + 1]), dim=2)  # [B, n, 2W, Hkv, D]
+        vals = torch.cat((vp[:, g0:g1], vp[:, g0 + 1 : g1 + 1]), dim=2)
+        scores = torch.einsum("bnrhgd,bnchd->bnhgrc", qp[:, g0:g1], keys.float())
+        block_start = torch.arange(g0, g1, device=q.device)[:, None, None] * window
+        allowed = band & (block_start + c >= pad_front)  # [n, W, 2W]
+        scores.masked_fill_(~allowed[None, :, None, None], float("-inf"))
+        probs = _softmax_with_sink(scores, sink)
+        out.append(torch.einsum("bnhgrc,bnchd->bnrhgd", probs, vals.float()))
+    o = torch.cat(out, dim=1).reshape(b, n_blocks * window, hq, d)[:, :t]
+    return o.to(q.dtype)
+
+
+def sliding_window_attention_reference(q: Tensor, k: Tensor, v: Tensor, window: int,
+                                       sinks: Tensor | None,
+                                       scale: float | None = None) -> Tensor:
+    """Full T x (P + T) masked softmax with a sink column; same contract as the fast path."""
+    t, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    length = k.shape[1]
+    qf = q.float().transpose(1, 2)  # [B, Hq, T, D]
+    kf = _expand_heads(k.float().transpose(1, 2), hq)
+    vf = _expand_heads(v.float().transpose(1, 2), hq)
+    scores = qf @ kf.transpose(-1, -2) * (scale or d**-0.5)  # [B, Hq, T, L]
+    rows = torch.arange(length - t, length)[:, None]
+    cols = torch.arange(length)[None, :]
+    scores = scores.masked_fill((cols > rows) | (cols < rows - window), float("-inf"))
+    sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
+    o = _softmax_with_sink(scores, sink) @ vf  # [B, Hq, T, D]
+    return o.transpose(1, 2).to(q.dtype)
+
+
+def window_decode_attention(q: Tensor, ring_k: Tensor, ring_v: Tensor, k_new: Tensor,
+                            v_new: Tensor, positions: Tensor, sinks: Tensor | None,
+                            scale: float | None = None) -> Tensor:
+    """One decode query per request. q [B, Hq, D]; rings [B, W, Hkv, D] holding tokens
+    before `positions` [B]; k_new, v_new [B, Hkv, D] at `positions` -> [B, Hq, D].
+
+    Ring slot s is filled iff s < position (until the ring wraps, then all are).
+    """
+    b, hq, d = q.shape
+    window, hkv = ring_k.shape[1], ring_k.shape[2]
+    keys = torch.cat((ring_k, k_new[:, None]), dim=1).float()  # [B, W + 1, Hkv, D]
+    vals = torch.cat((ring_v, v_new[:, None]), dim=1).float()
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bchd->bhgc", qg, keys) * (scale or d**-0.5)
+    slots = torch.arange(window + 1, device=q.device)[None, :]
+    filled = (slots < positions[:, None]) | (slots == window)  # [B, W + 1]
+    scores = scores.masked_fill(~filled[:, None, None], float("-inf"))
+    sink = None if sinks is None else sinks.float().view(1, hkv, hq // hkv, 1)
+    probs = _softmax_with_sink(scores, sink)
+    return torch.einsum("bhgc,bchd->bhgd", probs, vals).reshape(b, hq, d).to(q.dtype)

@@ -1,0 +1,248 @@
+"""Continuous-batching decode: requests of different lengths join and leave between steps.
+
+Each step embeds one token per member, runs every layer once for the whole batch and samples
+each member's next token with its own parameters and generator. Projections, FFNs and the
+linear/window layers' recurrences are batched. Their fixed-size states live in batch-owned
+buffers [slots, ...]: while a request is a member, its cache's LinearState/WindowKV tensors
+are views of its slot, so a step updates them in place with no gather or scatter. Full-
+attention KV stays in each request's own TokenKV and is attended per request (lengths differ).
+Leaving gives the request its own copies back and moves the last member into the freed slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from torch import Tensor
+
+from services.model.cache import CacheError, LinearState, RequestCache, TokenKV, WindowKV
+from services.model.config import LINEAR_KINDS, WINDOW_KINDS, ModelConfig
+from services.model.model import BatchLayerState, HybridLM
+from services.model.sampling import RequestSampler, SamplingParams, sample_tokens
+
+
+class TokenEvent(msgspec.Struct, frozen=True):
+    """One generated token; finish_reason is "stop" (end-of-text), "length" or None."""
+
+    request_id: str
+    token: int
+    index: int
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    events: tuple[TokenEvent, ...]
+    # Caches of the requests that finished in this step (they have left the batch).
+    finished: dict[str, RequestCache]
+    # With step(return_logits=True): the fp32 logits [B, V] the events were drawn from.
+    logits: Tensor | None = None
+
+
+class DecodeBatchStatistics(msgspec.Struct, frozen=True):
+    members: int
+    slots: int
+    steps: int
+    tokens: int
+    joined: int
+    left: int
+    tokens_in_cache: int
+
+
+@dataclass
+class _Member:
+    request_id: str
+    cache: RequestCache
+    sampler: RequestSampler
+    next_token: int
+    generated: int
+
+
+def finish_reason(token: int, generated: int, params: SamplingParams, eos_id: int) -> str | None:
+    if params.stop_on_eos and token == eos_id:
+        return "stop"
+    if generated >= params.max_new_tokens:
+        return "length"
+    return None
+
+
+class DecodeBatch:
+    """The decode side's running batch over one model."""
+
+    def __init__(self, model: HybridLM, slots: int = 8) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self._members: list[_Member] = []
+        self._buffers: dict[int, LinearState | WindowKV] = {}
+        self._slots = 0
+        self._steps = self._tokens = self._joined = self._left = 0
+        self._grow(max(1, slots))
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, request_id: object) -> bool:
+        return any(m.request_id == request_id for m in self._members)
+
+    def request_ids(self) -> list[str]:
+        return [m.request_id for m in self._members]
+
+    def join(self, request_id: str, cache: RequestCache, next_token: int,
+             params: SamplingParams, generated: int = 1) -> None:
+        """Add a request whose cache holds its prompt (and earlier output); `next_token` is
+        the latest sampled token, to be fed next; `generated` counts output tokens so far."""
+        self._check_joinable(request_id, cache, next_token, params, generated)
+        if len(self._members) == self._slots:
+            self._grow(2 * self._slots)
+        slot = len(self._members)
+        for index, buffer in self._buffers.items():
+            _adopt(cache, index, buffer, slot)
+        self._members.append(_Member(request_id, cache, RequestSampler(params), next_token,
+                                     generated))
+        self._joined += 1
+
+    def _check_joinable(self, request_id: str, cache: RequestCache, next_token: int,
+                        params: SamplingParams, generated: int) -> None:
+        if request_id in self:
+            raise CacheError(f"request_id {request_id!r} is already in the batch")
+        if cache.cfg != self.cfg or cache.dtype != self.model.dtype:
+            raise CacheError(f"request {request_id!r}: cache config or dtype differs from model")
+        if cache.length < 1:
+            raise CacheError(f"request {request_id!r}: cache is empty (prefill first)")
+        cache.check_integrity()
+        if not 0 <= next_token < self.cfg.vocab_size:
+            raise CacheError(f"next_token must be in [0, {self.cfg.vocab_size}), got {next_token}")
+        if finish_reason(next_token, generated, params, self.cfg.eos_id) is not None:
+            raise CacheError(f"request {request_id!r} has already finished (token {next_token}, "
+                             f"{generated} of {params.max_new_tokens} generated)")
+
+    def leave(self, request_id: str) -> RequestCache:
+        """Remove a request; its cache gets its own tensors back."""
+        index = next((i for i, m in enumerate(self._members) if m.request_id == request_id),
+                     None)
+        if index is None:
+            raise CacheError(f"request_id {request_id!r} is not in the batch")
+        member = self._members[index]
+        for layer in self._buffers:
+            _release(member.cache, layer)
+        last = self._members.pop()
+        if last is not member:
+            self._members[index] = last
+            for layer, buffer in self._buffers.items():
+                _adopt(last.cache, layer, buffer, index)
+        self._left += 1
+        return member.cache
+
+    def _grow(self, slots: int) -> None:
+        """(Re)allocate every batched buffer with `slots` rows; members keep their data."""
+        for layer, kind in enumerate(self.cfg.layer_kinds):
+            fresh = _empty_buffer(self.cfg, kind, slots, self.model.dtype)
+            if fresh is not None:
+                self._buffers[layer] = fresh
+        self._slots = slots
+        for slot, member in enumerate(self._members):
+            for layer, buffer in self._buffers.items():
+                _adopt(member.cache, layer, buffer, slot)
+
+    def layer_states(self) -> list[BatchLayerState]:
+        n = len(self._members)
+        states: list[BatchLayerState] = []
+        for layer in range(self.cfg.n_layers):
+            buffer = self._buffers.get(layer)
+            if isinstance(buffer, LinearState):
+                states.append(LinearState(buffer.state[:n], buffer.conv_tail[:n]))
+            elif isinstance(buffer, WindowKV):
+                states.append(WindowKV(buffer.k[:n], buffer.v[:n]))
+            else:
+                states.append([m.cache.token_kv(layer) for m in self._members])
+        return states
+
+    @torch.no_grad()
+    def step(self, return_logits: bool = False) -> StepResult:
+        """One token for every member; finished members leave and their caches are returned."""
+        if not self._members:
+            return StepResult((), {})
+        members = list(self._members)
+        ids = torch.tensor([m.next_token for m in members])
+        positions = torch.tensor([m.cache.length for m in members])
+        hidden = self.model.decode_hidden(ids, self.layer_states(), positions)
+        logits = self.model.logits(hidden)  # [B, V]
+        tokens = sample_tokens(logits, [m.sampler for m in members],
+                               [m.generated for m in members])
+        events = []
+        finished: dict[str, RequestCache] = {}
+        for member, token in zip(members, tokens, strict=True):
+            member.cache.length += 1
+            member.generated += 1
+            member.next_token = token
+            reason = finish_reason(token, member.generated, member.sampler.params,
+                                   self.cfg.eos_id)
+            events.append(TokenEvent(member.request_id, token, member.generated - 1, reason))
+            if reason is not None:
+                finished[member.request_id] = self.leave(member.request_id)
+        self._steps += 1
+        self._tokens += len(members)
+        return StepResult(tuple(events), finished, logits if return_logits else None)
+
+    def statistics(self) -> DecodeBatchStatistics:
+        return DecodeBatchStatistics(
+            members=len(self._members), slots=self._slots, steps=self._steps,
+            tokens=self._tokens, joined=self._joined, left=self._left,
+            tokens_in_cache=sum(m.cache.length for m in self._members),
+        )
+
+    def check_integrity(self) -> None:
+        ids = [m.request_id for m in self._members]
+        if len(set(ids)) != len(ids) or len(ids) > self._slots:
+            raise CacheError(f"batch members {ids} exceed {self._slots} slots or repeat")
+        for slot, member in enumerate(self._members):
+            member.cache.check_integrity()
+            for layer, buffer in self._buffers.items():
+                if not _is_view_of(member.cache.layers[layer], buffer, slot):
+                    raise CacheError(f"{member.request_id!r} layer {layer} is not slot {slot}")
+
+
+def _empty_buffer(cfg: ModelConfig, kind: str, slots: int,
+                  dtype: torch.dtype) -> LinearState | WindowKV | None:
+    if kind in LINEAR_KINDS:
+        h, d = cfg.linear_heads, cfg.linear_head_dim
+        return LinearState(torch.zeros(slots, h, d, d),
+                           torch.zeros(slots, cfg.conv_size - 1, 3 * h * d, dtype=dtype))
+    if kind in WINDOW_KINDS:
+        shape = (slots, cfg.window, cfg.n_kv_heads, cfg.head_dim)
+        return WindowKV(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    return None
+
+
+def _pairs(layer: LinearState | WindowKV | TokenKV) -> list[tuple[str, Tensor]]:
+    if isinstance(layer, LinearState):
+        return [("state", layer.state), ("conv_tail", layer.conv_tail)]
+    if isinstance(layer, WindowKV):
+        return [("k", layer.k), ("v", layer.v)]
+    raise CacheError("token KV is not batched")
+
+
+def _adopt(cache: RequestCache, layer: int, buffer: LinearState | WindowKV, slot: int) -> None:
+    """Copy the layer's state into `slot` of `buffer` and make the cache use that row."""
+    own = cache.layers[layer]
+    for name, batched in _pairs(buffer):
+        row = batched[slot : slot + 1]
+        current = getattr(own, name)
+        if current.data_ptr() != row.data_ptr():
+            row.copy_(current)
+        setattr(own, name, row)
+
+
+def _release(cache: RequestCache, layer: int) -> None:
+    own = cache.layers[layer]
+    for name, tensor in _pairs(own):
+        setattr(own, name, tensor.clone())
+
+
+def _is_view_of(own: object, buffer: LinearState | WindowKV, slot: int) -> bool:
+    if not isinstance(own, LinearState | WindowKV):
+        return False
+    return all(getattr(own, name).data_ptr() == batched[slot].data_ptr()
+               for name, batched in _pairs(buffer))

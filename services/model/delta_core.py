@@ -1,0 +1,132 @@
+"""The part KDA and Gated DeltaNet share: q/k/v through short convolutions, the delta rule
+run against a request's `LinearState`, and state snapshots at block boundaries.
+
+Kimi Linear section 4 / Gated DeltaNet section 3.4 (paper.md 6.1, 6.3): q, k, v = SiLU(
+ShortConv(W x)), q and k L2-normalised per head, beta = sigmoid(W_b x). The layers add their
+own decay (per channel for KDA, per head for GDN) and output norm and gate.
+
+Prefill uses the chunked kernel with chunk = block size; when snapshots are wanted and the
+prefill does not start on a block boundary, the tokens up to the next boundary run as a
+separate call so every later chunk ends exactly on a block boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.model.cache import LinearState
+from services.model.config import ModelConfig
+from services.model.conv import causal_conv1d
+from services.model.delta_rule import delta_rule_chunked, delta_rule_step
+
+
+def l2_normalise(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return F.normalize(x.float(), dim=-1, eps=eps).to(x.dtype)
+
+
+def inverse_softplus(y: Tensor) -> Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def init_decay_params(a_log: Tensor, dt_bias: Tensor, generator: torch.Generator) -> None:
+    """A in [1, 16] and softplus(dt_bias) in [1e-3, 1e-1], log-uniform (Mamba-2's ranges)."""
+    with torch.no_grad():
+        a_log.copy_(torch.empty_like(a_log).uniform_(1.0, 16.0, generator=generator).log())
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        dt = torch.empty_like(dt_bias).uniform_(lo, hi, generator=generator).exp()
+        dt_bias.copy_(inverse_softplus(dt))
+
+
+def decay(a_log: Tensor, raw: Tensor, dt_bias: Tensor) -> Tensor:
+    """g = -exp(A_log) * softplus(raw + dt_bias) in fp32; a_log broadcasts against raw."""
+    return -a_log.float().exp() * F.softplus(raw.float() + dt_bias.float())
+
+
+class DeltaCore(nn.Module):
+    """Fused q/k/v projection, depthwise causal conv + SiLU, L2 norm, beta, the kernel."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim = cfg.linear_heads, cfg.linear_head_dim
+        self.block_size = cfg.block_size
+        self.k1 = cfg.conv_size - 1
+        inner = self.heads * self.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * inner, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(3 * inner, cfg.conv_size))  # [C, K]
+        self.beta_proj = nn.Linear(cfg.d_model, self.heads, bias=False)
+
+    def forward(self, x: Tensor, g: Tensor, cache: LinearState | None, pos0: int,
+                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
+        """x [B, T, C]; g [B, H, T, Dk or 1] log-decay -> (o [B, T, H, D], snapshots).
+
+        With a cache, its state and conv tail are read and updated in place (copy_), so a
+        decode batch's views stay valid; `pos0` is the cache length (for snapshots only).
+        """
+        b, t, _ = x.shape
+        projected = self.qkv(x)  # [B, T, 3HD]
+        tail = None if cache is None else cache.conv_tail
+        conv_out, new_tail = causal_conv1d(projected, self.conv_weight, tail)
+        q, k, v = F.silu(conv_out).view(b, t, 3, self.heads, self.head_dim).unbind(2)
+        q, k = l2_normalise(q), l2_normalise(k)  # [B, T, H, D]
+        beta = torch.sigmoid(self.beta_proj(x).float()).transpose(1, 2)  # [B, H, T]
+        state = None if cache is None else cache.state
+        o, final, states = run_delta_rule(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, beta, state,
+            pos0, self.block_size, snapshot_at,
+        )
+        snaps = [LinearState(states[n].clone(), conv_tail_at(projected, tail, pos0, n, self.k1))
+                 for n in snapshot_at]
+        if cache is not None:
+            cache.state.copy_(final)
+            cache.conv_tail.copy_(new_tail)
+        return o.transpose(1, 2), snaps
+
+
+def conv_tail_at(projected: Tensor, tail: Tensor | None, pos0: int, boundary: int,
+                 k_minus_1: int) -> Tensor:
+    """The K - 1 conv inputs just before `boundary`: [B, K-1, C] (zeros before position 0)."""
+    if tail is None:
+        tail = projected.new_zeros(projected.shape[0], k_minus_1, projected.shape[2])
+    joined = torch.cat((tail, projected), dim=1)  # index j is position pos0 - (K-1) + j
+    start = boundary - pos0
+    return joined[:, start : start + k_minus_1].clone()
+
+
+def run_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   state: Tensor | None, pos0: int, block: int,
+                   snapshot_at: Sequence[int]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+    """The kernel over q, k [B, H, T, Dk], v [B, H, T, Dv] starting at position pos0.
+
+    Returns (o [B, H, T, Dv], final state, {boundary: state}) for each requested boundary.
+    """
+    t = q.shape[2]
+    if not snapshot_at:
+        if t == 1:
+            o, final = delta_rule_step(q, k, v, g, beta, state)
+        else:
+            o, final = delta_rule_chunked(q, k, v, g, beta, state, chunk_size=block)
+        return o, final, {}
+    head = min(-pos0 % block, t)
+    states: dict[int, Tensor] = {}
+    outputs = []
+    if head:
+        o, state = delta_rule_chunked(q[:, :, :head], k[:, :, :head], v[:, :, :head],
+                                      g[:, :, :head], beta[:, :, :head], state, chunk_size=block)
+        outputs.append(o)
+        states[pos0 + head] = state
+    if head < t:
+        o, state, ends = delta_rule_chunked(
+            q[:, :, head:], k[:, :, head:], v[:, :, head:], g[:, :, head:], beta[:, :, head:],
+            state, chunk_size=block, return_chunk_states=True,
+        )
+        outputs.append(o)
+        for i in range(ends.shape[2]):
+            states[pos0 + head + (i + 1) * block] = ends[:, :, i]
+    if state is None:
+        raise ValueError(f"run_delta_rule needs T >= 1, got T={t}")
+    return torch.cat(outputs, dim=2), state, {n: states[n] for n in snapshot_at}

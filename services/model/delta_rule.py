@@ -1,0 +1,406 @@
+"""The gated delta rule: the linear-attention recurrence of KDA and Gated DeltaNet layers.
+
+Per head, with state S in R^{Dk x Dv} and for every token t (paper.md section 6.1, following
+flash-linear-attention's naive KDA reference):
+
+    S <- Diag(exp(g_t)) S                      decay the Dk rows (per channel for KDA,
+                                               one scalar per head for Gated DeltaNet)
+    S <- S + beta_t k_t (v_t - S^T k_t)^T      delta-rule write
+    o_t = S^T (q_t * scale)                    scale defaults to Dk ** -0.5
+
+Three entry points compute it: `delta_rule_reference` (token by token, the obvious loop),
+`delta_rule_step` (one decode token) and `delta_rule_chunked` (prefill, matmul-bound).
+
+The chunked form (WY / UT transform, as in the Gated DeltaNet paper, arXiv 2412.06464, and
+fla's chunk kernels). Inside a chunk of C tokens starting from state S0, let G_i be the
+cumulative log-decay from the chunk start through token i (inclusive). Writing
+S_i = Diag(exp(G_i)) (S0 + sum_{j<=i} Diag(exp(-G_j)) k_j u_j^T), the pseudo-values u solve
+the unit lower-triangular system
+
+    (I + A) U = Diag(beta) (V - (K * exp(G)) S0),  A_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)
+
+for j < i, so U = U' - W S0 with [W | U'] = (I + A)^-1 Diag(beta) [K * exp(G) | V]; outputs
+are O = (Q * exp(G)) S0 + P U with P_ij = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and the
+chunk's end state is Diag(exp(G_C)) S0 + (K * exp(G_C - G))^T U. Only that last line runs
+sequentially over chunks; everything else is batched over [B, H, chunks].
+
+Per-channel decays make A and P more than a masked matmul: exp(G_i - G_j) must be split into
+a row factor and a column factor, and exp(-G_j) alone overflows fp32 once a chunk decays by
+more than about e^-88. The split is taken around the per-channel midpoint of G, which is exact
+while a block's decay spans at most e^-160. Steeper blocks are halved (the "secondary
+chunking" of the Kimi Linear paper, section 3.2): rows in the second half against columns in
+the first are one matmul of (x_i * exp(G_i - G_r)) and (y_j * exp(G_r - G_j)), with r the last
+token of the first half, so both exponents are <= 0; each half then starts over, so only
+blocks that are still too steep split further (a single token never is).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+from torch import Tensor
+
+from services.model.config import ModelError
+
+DEFAULT_CHUNK_SIZE = 64
+# exp(80) and exp(-80) are well inside fp32's normal range (about e^-87 .. e^88).
+_MAX_EXPONENT = 80.0
+# Diagonal blocks of (I + A) this wide are inverted by substitution, then merged by doubling.
+_INVERSE_BLOCK = 8
+
+
+class DeltaRuleError(ModelError, ValueError):
+    """An argument of a delta-rule kernel has the wrong shape or value."""
+
+
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None
+) -> None:
+    if q.dim() != 4:
+        raise DeltaRuleError(f"q must be [B, H, T, Dk], got shape {tuple(q.shape)}")
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    expected = {
+        "k": (k, (b, h, t, dk)),
+        "v": (v, (b, h, t, dv)),
+        "beta": (beta, (b, h, t)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise DeltaRuleError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if tuple(g.shape) not in ((b, h, t, dk), (b, h, t, 1)):
+        raise DeltaRuleError(
+            f"g must have shape {(b, h, t, dk)} or {(b, h, t, 1)}, got {tuple(g.shape)}"
+        )
+    if state is not None and tuple(state.shape) != (b, h, dk, dv):
+        raise DeltaRuleError(f"state must have shape {(b, h, dk, dv)}, got {tuple(state.shape)}")
+
+
+def _initial_state(state: Tensor | None, q: Tensor, dv: int) -> Tensor:
+    if state is None:
+        b, h, _, dk = q.shape
+        return torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+    return state.to(torch.float32)
+
+
+def _scale(scale: float | None, dk: int) -> float:
+    return dk**-0.5 if scale is None else scale
+
+
+def _recurrent_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One token in fp32. q, k, g: [B, H, Dk] (g may be [B, H, 1]); v: [B, H, Dv]; beta: [B, H]."""
+    s = s * g.exp()[..., None]  # [B, H, Dk, Dv]
+    residual = v - (k[..., None, :] @ s)[..., 0, :]  # [B, H, Dv]
+    s = s + (beta[..., None] * k)[..., None] * residual[..., None, :]
+    return (q[..., None, :] @ s)[..., 0, :], s
+
+
+def delta_rule_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-by-token gated delta rule.
+
+    q, k: [B, H, T, Dk] (L2-normalised by the caller); v: [B, H, T, Dv]; g: [B, H, T, Dk]
+    per-channel log-decay (KDA) or [B, H, T, 1] per-head (Gated DeltaNet); beta: [B, H, T];
+    state: [B, H, Dk, Dv] or None for zeros. Returns (o [B, H, T, Dv] in v's dtype, final
+    state [B, H, Dk, Dv] fp32).
+    """
+    _check_inputs(q, k, v, g, beta, state)
+    s = _initial_state(state, q, v.shape[-1])
+    qf = q.float() * _scale(scale, q.shape[-1])
+    kf, vf, gf, bf = k.float(), v.float(), g.float(), beta.float()
+    outputs = []
+    for t in range(q.shape[2]):
+        o, s = _recurrent_step(qf[:, :, t], kf[:, :, t], vf[:, :, t], gf[:, :, t], bf[:, :, t], s)
+        outputs.append(o)
+    o_all = torch.stack(outputs, dim=2) if outputs else vf.new_zeros(vf.shape)
+    return o_all.to(v.dtype), s
+
+
+def delta_rule_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One decode step: shapes as `delta_rule_reference` with T == 1. Batched over B."""
+    _check_inputs(q, k, v, g, beta, state)
+    if q.shape[2] != 1:
+        raise DeltaRuleError(f"delta_rule_step takes T == 1, got T={q.shape[2]}")
+    s = _initial_state(state, q, v.shape[-1])
+    qf = q[:, :, 0].float() * _scale(scale, q.shape[-1])
+    o, s = _recurrent_step(
+        qf, k[:, :, 0].float(), v[:, :, 0].float(), g[:, :, 0].float(), beta[:, :, 0].float(), s
+    )
+    return o[:, :, None].to(v.dtype), s
+
+
+def _decayed_products_channel(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
+    """R[m, x, i, j] = sum_d rows[m,x,i,d] cols[m,j,d] exp(G[m,i,d] - G[m,j,d]) for j <= i.
+
+    rows [M, X, C, D], cols [M, C, D], gcum [M, C, D] cumulative log-decay -> [M, X, C, C];
+    entries above the diagonal are unspecified (possibly inf): callers mask them. Blocks whose
+    decay spans at most 2 * _MAX_EXPONENT take one matmul, the others are split.
+    """
+    high, low = gcum.amax(dim=1, keepdim=True), gcum.amin(dim=1, keepdim=True)  # [M, 1, D]
+    steep = (high - low).amax(dim=-1)[:, 0] > 2 * _MAX_EXPONENT  # [M]
+    if not steep.any():
+        return _centred_products(rows, cols, gcum, (high + low) * 0.5)
+    r = rows.new_empty(*rows.shape[:3], rows.shape[2])
+    gentle, steep_at = (~steep).nonzero()[:, 0], steep.nonzero()[:, 0]
+    centre = (high[gentle] + low[gentle]) * 0.5
+    r[gentle] = _centred_products(rows[gentle], cols[gentle], gcum[gentle], centre)
+    r[steep_at] = _split_products(rows[steep_at], cols[steep_at], gcum[steep_at])
+    return r
+
+
+def _centred_products(rows: Tensor, cols: Tensor, gcum: Tensor, centre: Tensor) -> Tensor:
+    """One matmul with exp(G_i - G_j) = exp(G_i - c) exp(c - G_j), c [M, 1, D] the midpoint of
+    G, so no factor exceeds exp(span / 2). Shapes as `_decayed_products_channel`."""
+    m, x, c, d = rows.shape
+    centred = (gcum - centre).exp_()  # [M, C, D]
+    row_scaled = rows * centred[:, None]  # [M, X, C, D]
+    cols_t = (cols / centred).transpose(-1, -2)  # [M, D, C]
+    return (row_scaled.view(m, x * c, d) @ cols_t).view(m, x, c, c)
+
+
+def _split_products(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
+    """As `_decayed_products_channel` for any decay (C >= 2): the lower-left quarter in one
+    matmul split at the boundary r = C/2 - 1, where exp(G_i - G_r) and exp(G_r - G_j) both
+    have exponents <= 0; the two diagonal halves recursively, as one batch."""
+    m, x, c, d = rows.shape
+    b = c // 2
+    r = rows.new_zeros(m, x, c, c)
+    split = gcum[:, b - 1 : b]  # [M, 1, D]
+    lower = rows[:, :, b:] * (gcum[:, b:] - split).exp()[:, None]  # [M, X, b, D]
+    upper_t = (cols[:, :b] * (split - gcum[:, :b]).exp()).transpose(-1, -2)  # [M, D, b]
+    r[:, :, b:, :b] = (lower.reshape(m, x * b, d) @ upper_t).view(m, x, b, b)
+    halves = _decayed_products_channel(
+        torch.cat((rows[:, :, :b], rows[:, :, b:])),
+        torch.cat((cols[:, :b], cols[:, b:])),
+        torch.cat((gcum[:, :b], gcum[:, b:])),
+    )  # [2M, X, b, b]
+    r[:, :, :b, :b] = halves[:m]
+    r[:, :, b:, b:] = halves[m:]
+    return r
+
+
+def _decayed_products_scalar(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
+    """As `_decayed_products_channel` for a per-head decay, gcum [M, C, 1]: a masked matmul."""
+    m, x, c, d = rows.shape
+    decay = (gcum - gcum.transpose(-1, -2)).clamp_(max=0.0).exp_()  # [M, C, C]
+    r = rows.view(m, x * c, d) @ cols.transpose(-1, -2)  # [M, X*C, C]
+    return r.view(m, x, c, c) * decay[:, None]
+
+
+def _invert_small_blocks(a: Tensor) -> Tensor:
+    """(I + A)^-1 for strictly lower A [N, b, b], by forward substitution over rows."""
+    n, b, _ = a.shape
+    t = torch.eye(b, dtype=a.dtype, device=a.device).expand(n, b, b).contiguous()
+    for i in range(1, b):
+        t[:, i, :i] = -(a[:, i : i + 1, :i] @ t[:, :i, :i])[:, 0]
+    return t
+
+
+def _pair_blocks(x: Tensor, block: int) -> Tensor:
+    """View of x [..., C, C] as [..., 2, b, 2, b, C/2b]: the four b x b blocks of each
+    aligned 2b x 2b square on the diagonal (torch.diagonal puts the square index last)."""
+    *lead, c, _ = x.shape
+    n = c // (2 * block)
+    return torch.diagonal(x.view(*lead, n, 2, block, n, 2, block), dim1=-6, dim2=-3)
+
+
+def _unit_lower_inverse(a: Tensor) -> Tensor:
+    """(I + A)^-1 for strictly lower A [M, C, C]: small diagonal blocks by substitution, then
+    doubling, merging [[T11, 0], [A21, T22]] with T21 = -T22 A21 T11. Matmul-bound, unlike a
+    batched triangular solve on CPU (measured 2.5 ms against 8.5 ms at M=256, C=64)."""
+    m, c, _ = a.shape
+    if _tracks_grad(a):
+        # Training: the in-place doubling below is not differentiable; this solve is.
+        eye = torch.eye(c, dtype=a.dtype, device=a.device).expand(m, c, c)
+        solved: Tensor = torch.linalg.solve_triangular(eye + a, eye, upper=False,
+                                                       unitriangular=True)
+        return solved
+    block = min(c, _INVERSE_BLOCK)
+    n = c // block
+    # [M, b, b, C/b] views of the diagonal blocks of a and t.
+    a_small = torch.diagonal(a.view(m, n, block, n, block), dim1=1, dim2=3)
+    t = torch.zeros_like(a)
+    inverse = _invert_small_blocks(a_small.permute(0, 3, 1, 2).reshape(-1, block, block))
+    torch.diagonal(t.view(m, n, block, n, block), dim1=1, dim2=3).copy_(
+        inverse.view(m, n, block, block).permute(0, 2, 3, 1)
+    )
+    while block < c:
+        a_pairs, t_pairs = _pair_blocks(a, block), _pair_blocks(t, block)
+        t11 = t_pairs[:, 0, :, 0].permute(0, 3, 1, 2)  # [M, C/2b, b, b]
+        t22 = t_pairs[:, 1, :, 1].permute(0, 3, 1, 2)
+        a21 = a_pairs[:, 1, :, 0].permute(0, 3, 1, 2)
+        t_pairs[:, 1, :, 0].copy_((-(t22 @ a21 @ t11)).permute(0, 2, 3, 1))
+        block *= 2
+    return t
+
+
+def _to_chunks(x: Tensor, chunk: int) -> Tensor:
+    """[B, H, T, D] (any strides) -> [N*B*H, C, D] fp32, chunk-major (chunk n of every head,
+    then chunk n + 1), zero-padding T up to N*C. One copy."""
+    b, h, t, d = x.shape
+    n, full = -(-t // chunk), t // chunk
+    out = torch.empty(n, b, h, chunk, d, dtype=torch.float32, device=x.device)
+    by_chunk = x[:, :, : full * chunk].unflatten(2, (full, chunk))  # [B, H, full, C, D]
+    out[:full].copy_(by_chunk.permute(2, 0, 1, 3, 4))
+    if full < n:
+        rest = t - full * chunk
+        out[full, :, :, :rest].copy_(x[:, :, full * chunk :])
+        out[full, :, :, rest:].zero_()
+    return out.view(n * b * h, chunk, d)
+
+
+def _tracks_grad(*tensors: Tensor) -> bool:
+    """Training needs autograd, which the preallocated `out=` fast paths do not support."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _from_chunks(
+    o: Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype, scale: float
+) -> Tensor:
+    """Chunk-major o [N*B*H, C, D] -> [B, H, T, D] in dtype, times scale. One copy."""
+    b, h, t, d = shape
+    chunk = o.shape[1]
+    n = o.shape[0] // (b * h)
+    by_chunk = o.view(n, b, h, chunk, d).permute(1, 2, 0, 3, 4)
+    if _tracks_grad(o):
+        out = (by_chunk * scale).reshape(b, h, n * chunk, d).to(dtype)
+        return out[:, :, :t]
+    out = torch.empty(b, h, n * chunk, d, dtype=dtype, device=o.device)
+    torch.mul(by_chunk, scale, out=out.view(b, h, n, chunk, d))
+    return out if n * chunk == t else out[:, :, :t].contiguous()
+
+
+def _intra_chunk(
+    q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-chunk pieces, all chunks at once. q, k: [M, C, Dk]; v: [M, C, Dv];
+    gcum: [M, C, Dk or 1]; beta: [M, C, 1].
+
+    Returns (q_state [M, C, Dk], o_local [M, C, Dv], transition [M, Dk, Dk],
+    inject [M, Dk, Dv]) such that o = o_local + q_state @ S0 (unscaled) and the end state
+    is transition @ S0 + inject.
+    """
+    m, c, dk = k.shape
+    kb = k * beta  # [M, C, Dk]
+    products = _decayed_products_scalar if gcum.shape[-1] == 1 else _decayed_products_channel
+    r = products(torch.stack((kb, q), dim=1), k, gcum)  # [M, 2, C, C]: A, P unmasked
+    decay_in = gcum.exp()  # [M, C, Dk or 1], from the chunk start, <= 1
+    if _tracks_grad(kb, v, decay_in):
+        rhs = torch.cat((kb * decay_in, v * beta), dim=-1)
+    else:
+        rhs = k.new_empty(m, c, dk + v.shape[-1])
+        torch.mul(kb, decay_in, out=rhs[..., :dk])
+        torch.mul(v, beta, out=rhs[..., dk:])
+    solved = _unit_lower_inverse(torch.tril(r[:, 0], -1)) @ rhs  # [M, C, Dk + Dv], [W | U']
+    g_last = gcum[:, -1:]  # [M, 1, Dk or 1]
+    p_solved = torch.tril(r[:, 1]) @ solved  # [M, C, Dk + Dv]
+    k_end = k * (g_last - gcum).exp()  # [M, C, Dk]: k decayed to the chunk end
+    end_solved = k_end.transpose(-1, -2) @ solved  # [M, Dk, Dk + Dv]
+    q_state = torch.mul(q, decay_in).sub_(p_solved[..., :dk])
+    transition = torch.diag_embed(g_last[:, 0].exp().expand(-1, dk)).sub_(end_solved[..., :dk])
+    return q_state, p_solved[..., dk:], transition, end_solved[..., dk:]
+
+
+def _pass_states(transition: Tensor, inject: Tensor, s0: Tensor) -> Tensor:
+    """The only sequential part. transition [N, BH, Dk, Dk], inject [N, BH, Dk, Dv],
+    s0 [BH, Dk, Dv] -> states at every chunk boundary [N + 1, BH, Dk, Dv]."""
+    n = transition.shape[0]
+    if _tracks_grad(transition, inject, s0):
+        chain = [s0]
+        for i in range(n):
+            chain.append(torch.baddbmm(inject[i], transition[i], chain[i]))
+        return torch.stack(chain)
+    states = s0.new_empty(n + 1, *s0.shape)
+    states[0] = s0
+    for i in range(n):
+        torch.baddbmm(inject[i], transition[i], states[i], out=states[i + 1])
+    return states
+
+
+@overload
+def delta_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = ...,
+    scale: float | None = ...,
+    chunk_size: int = ...,
+    return_chunk_states: Literal[False] = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def delta_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = ...,
+    scale: float | None = ...,
+    chunk_size: int = ...,
+    *,
+    return_chunk_states: Literal[True],
+) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+def delta_rule_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_chunk_states: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """Chunk-parallel gated delta rule for prefill; same maths as `delta_rule_reference`.
+
+    Any T >= 1 (the last chunk is zero-padded internally). chunk_size must be a power of two.
+    With return_chunk_states, a third value holds the state after each full chunk:
+    [B, H, T // chunk_size, Dk, Dv] fp32 (the snapshots prefix caching keeps at block ends).
+    """
+    _check_inputs(q, k, v, g, beta, state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise DeltaRuleError(f"chunk_size must be a power of two, got {chunk_size}")
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    n = -(-t // chunk_size)
+    s0 = _initial_state(state, q, dv).reshape(b * h, dk, dv)
+    qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))  # [M, C, D], M = N*B*H
+    # Padded tokens have g = 0, beta = 0 and k = 0: they leave the state untouched.
+    gcum = _to_chunks(g, chunk_size).cumsum_(dim=1)
+    q_state, o_local, transition, inject = _intra_chunk(
+        qc, kc, vc, gcum, _to_chunks(beta[..., None], chunk_size)
+    )
+    states = _pass_states(
+        transition.view(n, b * h, dk, dk), inject.view(n, b * h, dk, dv), s0
+    )  # [N + 1, BH, Dk, Dv]
+    o = torch.baddbmm(o_local, q_state, states[:n].view(-1, dk, dv))  # [M, C, Dv]
+    o = _from_chunks(o, (b, h, t, dv), v.dtype, _scale(scale, dk))
+    final = states[n].view(b, h, dk, dv)
+    if not return_chunk_states:
+        return o, final
+    ends = states[1 : t // chunk_size + 1].view(-1, b, h, dk, dv).permute(1, 2, 0, 3, 4)
+    return o, final, ends.contiguous()

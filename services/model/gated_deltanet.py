@@ -1,0 +1,53 @@
+"""Gated DeltaNet: the gated delta rule with one scalar decay per head (Qwen3-Next's linear
+layer; GDN paper section 3, paper.md 6.3).
+
+q, k, v from short convolutions with SiLU, L2-normalised q and k; alpha = exp(g) with
+g = -exp(A_log) * softplus(W_a x + dt_bias) per head; beta = sigmoid(W_b x); the output is an
+RMSNorm per head times SiLU(W_z x) (Qwen's gated norm), then W_o.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.model.cache import LinearState
+from services.model.config import ModelConfig
+from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.norm import RMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet mixer. State per request: [1, H, Dk, Dv] fp32 plus the conv tail."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d, c = cfg.linear_heads, cfg.linear_head_dim, cfg.d_model
+        self.heads, self.head_dim = h, d
+        self.core = DeltaCore(cfg)
+        self.a_proj = nn.Linear(c, h, bias=False)
+        self.a_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(h))
+        self.z_proj = nn.Linear(c, h * d, bias=False)
+        self.o_norm = RMSNorm(d, cfg.norm_eps)
+        self.o_proj = nn.Linear(h * d, c, bias=False)
+
+    def init_special(self, generator: torch.Generator) -> None:
+        init_decay_params(self.a_log, self.dt_bias, generator)
+
+    def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
+                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
+        """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
+        g = decay(self.a_log, self.a_proj(x), self.dt_bias)  # [B, T, H]
+        o, snaps = self.core(x, g.transpose(1, 2)[..., None], cache, pos0, snapshot_at)
+        gate = F.silu(self.z_proj(x)).view(b, t, h, d)
+        return self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d)), snaps
+
+    def decode(self, x: Tensor, cache: LinearState) -> Tensor:
+        """x [B, 1, C] against a batched LinearState [B, ...], updated in place."""
+        return self.forward(x, cache)[0]

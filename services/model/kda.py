@@ -1,0 +1,55 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a per-channel decay.
+
+Kimi Linear section 4 and fla's KDA layer (paper.md 6.1): q, k, v from short convolutions
+with SiLU, L2-normalised q and k, decay g = -exp(A_log) * softplus(W_f x + dt_bias) through a
+low-rank W_f (rank = gate_rank), beta = sigmoid(W_b x); the output is a head-wise RMSNorm
+times a low-rank sigmoid gate, then W_o.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from services.model.cache import LinearState
+from services.model.config import ModelConfig
+from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.norm import RMSNorm
+
+
+class KDA(nn.Module):
+    """One KDA mixer. State per request: [1, H, Dk, Dv] fp32 plus the conv tail."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d, c, rank = cfg.linear_heads, cfg.linear_head_dim, cfg.d_model, cfg.gate_rank
+        self.heads, self.head_dim = h, d
+        self.core = DeltaCore(cfg)
+        self.f_down = nn.Linear(c, rank, bias=False)
+        self.f_up = nn.Linear(rank, h * d, bias=False)
+        self.a_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(h * d))
+        self.g_down = nn.Linear(c, rank, bias=False)
+        self.g_up = nn.Linear(rank, h * d, bias=False)
+        self.o_norm = RMSNorm(d, cfg.norm_eps)
+        self.o_proj = nn.Linear(h * d, c, bias=False)
+
+    def init_special(self, generator: torch.Generator) -> None:
+        init_decay_params(self.a_log, self.dt_bias, generator)
+
+    def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
+                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
+        """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
+        raw = self.f_up(self.f_down(x)).view(b, t, h, d)
+        g = decay(self.a_log.view(h, 1), raw, self.dt_bias.view(h, d))  # [B, T, H, D]
+        o, snaps = self.core(x, g.transpose(1, 2), cache, pos0, snapshot_at)  # [B, T, H, D]
+        gate = torch.sigmoid(self.g_up(self.g_down(x))).view(b, t, h, d)
+        return self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d)), snaps
+
+    def decode(self, x: Tensor, cache: LinearState) -> Tensor:
+        """x [B, 1, C] against a batched LinearState [B, ...], updated in place."""
+        return self.forward(x, cache)[0]

@@ -1,0 +1,93 @@
+"""Choosing the next token: greedy, or temperature + top-p with a per-request generator."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+from torch import Tensor
+
+from services.model.config import ModelError
+
+
+class SamplingError(ModelError, ValueError):
+    """A sampling parameter is out of range."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """temperature 0 is greedy; seed None draws a fresh seed; generation stops at end-of-text
+    (when stop_on_eos) or after max_new_tokens tokens (the first, from prefill, included)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestSampler:
+    """Draws one request's tokens. Token i is drawn with a generator seeded from (seed, i),
+    so a decode worker in another process continues exactly where the prefill side (which
+    drew token 0) left off, with no generator state to ship."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._generator = None if params.greedy else torch.Generator()
+        self._seed = params.seed
+        if self._generator is not None and self._seed is None:
+            self._seed = self._generator.seed()
+
+    def generator_for(self, index: int) -> torch.Generator | None:
+        if self._generator is None or self._seed is None:
+            return None
+        # A fixed odd multiplier spreads (seed, index) pairs over the 64-bit seed space.
+        return self._generator.manual_seed((self._seed * 0x9E3779B97F4A7C15 + index) % 2**63)
+
+    def sample(self, logits: Tensor, index: int) -> int:
+        """logits [V] of output token number `index` (0 = the one drawn after prefill)."""
+        return sample_token(logits, self.params, self.generator_for(index))
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """probs [V] -> probs restricted to the smallest top set with mass >= top_p, renormalised."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return kept / kept.sum()
+
+
+def sample_token(logits: Tensor, params: SamplingParams,
+                 generator: torch.Generator | None) -> int:
+    """logits [V] -> one token id."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = top_p_filter(probs, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_tokens(logits: Tensor, samplers: Sequence[RequestSampler],
+                  indices: Sequence[int]) -> list[int]:
+    """logits [B, V] -> B token ids (row i is output token number indices[i]); greedy rows
+    share one argmax."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [
+        int(greedy[i]) if s.params.greedy else s.sample(logits[i], indices[i])
+        for i, s in enumerate(samplers)
+    ]
