@@ -1,0 +1,369 @@
+"""The decode worker: imports a request's KV stream, joins it to the running batch, streams
+tokens back.
+
+Two doors per request, opened in either order: the KV arrives as upload lanes from a prefill
+worker (`inbox.receive`, one call per lane; services.kv_stream), the token stream is opened by
+whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode side then:
+
+1. waits (at most `kv_timeout`) until every lane has closed and the first token is known; a
+   lane cut off mid-stream (the prefill worker died) or a stream for another model fails the
+   request at once with an explicit `KVTransferError`;
+2. imports the pieces in a worker thread (checksums and shapes checked per piece) on top of
+   the KV it already holds for the prompt's first `start` tokens (its own prefix cache);
+3. joins the request to the `DecodeBatch`, which one loop task (`run`) steps in a worker
+   thread while requests join and leave between steps (continuous batching);
+4. streams `TokenChunk`s; when the request finishes, keeps its cache (prompt + output) in the
+   prefix store and reports it, so a later turn needs only the new tokens' KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
+
+from mesh.events import EventBus
+from services.kv_stream import KVAssembly, KVInbox, import_pieces
+from services.messages import (
+    DataPathError,
+    DecodeRequest,
+    KVTransferError,
+    RequestError,
+    TokenChunk,
+)
+from services.model.batch import DecodeBatch, StepResult, TokenEvent, finish_reason
+from services.model.cache import RequestCache, dtype_name
+from services.model.config import ModelError
+from services.model.model import HybridLM
+from services.model.sampling import SamplingParams
+from services.prefill import Pacing
+from services.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
+from services.telemetry import Event, RequestPhase
+
+log = logging.getLogger(__name__)
+
+
+class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    cluster: str = ""
+    slots: int = 8  # initial batch capacity (it grows)
+    orphan_timeout: float = 120.0  # KV nobody asked to decode is dropped after this
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise RequestError(f"slots must be >= 1, got {self.slots}")
+
+
+class DecodeStatistics(msgspec.Struct, frozen=True):
+    counters: ClassVar[frozenset[str]] = frozenset(
+        {"requests", "finished", "failed", "tokens", "steps", "pieces_in", "kv_bytes_in",
+         "reused_tokens"}
+    )
+
+    running: int  # in the batch
+    waiting: int  # waiting for KV or importing
+    assemblies: int
+    requests: int
+    finished: int
+    failed: int
+    tokens: int
+    steps: int
+    pieces_in: int
+    kv_bytes_in: int
+    reused_tokens: int
+
+
+@dataclass
+class _Member:
+    request: DecodeRequest
+    cache: RequestCache
+    first_token: int
+    params: SamplingParams
+    send: MemoryObjectSendStream[TokenEvent]
+    output: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    def deliver(self, event: TokenEvent) -> bool:
+        """Hands a token to the reader; False when the reader has gone."""
+        try:
+            self.send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.send.close()
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    tokens: int = 0
+    reused_tokens: int = 0
+
+
+class DecodeWorker:
+    """Continuous-batching decode over `model`; run `run()` in a task group beside it."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        store: PrefixStore,
+        config: DecodeConfig,
+        *,
+        bus: EventBus[Event] | None = None,
+        pacing: Pacing | None = None,
+        report: Callable[[StoreChange], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.config = config
+        self._bus = bus or EventBus()
+        self._pacing = pacing
+        self._report = report
+        self._batch = DecodeBatch(model, slots=config.slots)
+        self._members: dict[str, _Member] = {}
+        self._joining: list[_Member] = []
+        self._leaving: set[str] = set()
+        model_id = (model.cfg.family, model.cfg.config_hash(), dtype_name(model.dtype))
+        self.inbox = KVInbox(config.name, model_id, config.orphan_timeout)
+        self._waiting = 0
+        self._wakeup = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._counts = _Counts()
+
+    @property
+    def busy(self) -> int:
+        """Requests waiting for KV, importing, joining or in the batch."""
+        return self._waiting + len(self._members) + len(self._joining)
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
+        """The request's tokens, chunk by chunk, once its KV is in (steps 1-4 above)."""
+        params = _check_decode(request, self.model.cfg.vocab_size)
+        assembly = self.inbox.claim(request.request_id)
+        self._counts.requests += 1
+        self._enter()
+        try:
+            cache = await self._await_kv(request, assembly)
+            first = assembly.first_token
+            assert first is not None and assembly.opening is not None
+            reason = finish_reason(first, 1, params, self.model.cfg.eos_id)
+            self._phase(request.request_id, "decode")
+            yield TokenChunk(request_id=request.request_id, tokens=[first], index=0,
+                             finish_reason=reason, reused_tokens=assembly.opening.start)
+            if reason is not None:
+                self._keep(request.prompt, cache)
+                self._finish(request.request_id, reason)
+                return
+            async for chunk in self._tokens(request, cache, first, params):
+                yield chunk
+        except BaseException as exc:
+            self._counts.failed += 1
+            self._phase(request.request_id, "failed", f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.inbox.release(request.request_id)
+            self._drop_member(request.request_id)
+            self._leave()
+
+    async def run(self) -> None:
+        """The batch loop: admit joins and leaves, step, hand out tokens; forever."""
+        try:
+            while True:
+                self._admit()
+                if not self._members:
+                    self._wakeup = anyio.Event()
+                    await self._wakeup.wait()
+                    continue
+                await self._step()
+        finally:
+            for member in [*self._members.values(), *self._joining]:
+                member.fail(f"decode worker {self.config.name} stopped")
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def statistics(self) -> DecodeStatistics:
+        batch, inbox = self._batch.statistics(), self.inbox.statistics()
+        return DecodeStatistics(
+            running=len(self._members), waiting=self._waiting + len(self._joining),
+            assemblies=inbox.assemblies, requests=self._counts.requests,
+            finished=self._counts.finished, failed=self._counts.failed,
+            tokens=self._counts.tokens, steps=batch.steps, pieces_in=inbox.pieces,
+            kv_bytes_in=inbox.bytes, reused_tokens=self._counts.reused_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self._batch.check_integrity()
+        if sorted(self._batch.request_ids()) != sorted(self._members):
+            raise RequestError(f"batch {self._batch.request_ids()} != members "
+                               f"{sorted(self._members)}")
+
+    async def _await_kv(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
+        with anyio.move_on_after(request.kv_timeout):
+            await assembly.wait()
+        if assembly.failure is not None:
+            raise assembly.failure
+        if not assembly.ready:
+            raise KVTransferError(
+                f"no complete KV for {request.request_id!r} within kv_timeout="
+                f"{request.kv_timeout} s ({len(assembly.pieces)} pieces arrived)"
+            )
+        return await self._import(request, assembly)
+
+    async def _import(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
+        opening = assembly.opening
+        assert opening is not None
+        if opening.end != len(request.prompt):
+            raise KVTransferError(f"KV of {request.request_id!r} covers {opening.end} tokens, "
+                                  f"the prompt has {len(request.prompt)}")
+        base = self._base(request, opening.start)
+        cache = await anyio.to_thread.run_sync(import_pieces, self.model.cfg, opening.dtype,
+                                               base, assembly.pieces)
+        self._counts.reused_tokens += opening.start
+        return cache
+
+    def _base(self, request: DecodeRequest, start: int) -> RequestCache | None:
+        if start == 0:
+            return None
+        block = self.model.cfg.block_size
+        hashes = prompt_hashes(request.prompt[:start], block)
+        try:
+            return self.store.kv_base(hashes, start // block)
+        except PrefixStoreError as exc:
+            raise KVTransferError(f"KV of {request.request_id!r} starts at token {start}, "
+                                  f"but {exc}") from exc
+
+    async def _tokens(self, request: DecodeRequest, cache: RequestCache, first: int,
+                      params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        send, receive = anyio.create_memory_object_stream[TokenEvent](math.inf)
+        member = _Member(request, cache, first, params, send, [first])
+        self._joining.append(member)
+        self._waiting -= 1
+        self._wakeup.set()
+        try:
+            async with receive:
+                async for event in receive:
+                    yield TokenChunk(request_id=request.request_id, tokens=[event.token],
+                                     index=event.index, finish_reason=event.finish_reason)
+        finally:
+            self._waiting += 1
+        if member.error is not None:
+            raise DataPathError(member.error)
+
+    def _drop_member(self, request_id: str) -> None:
+        """The reader has gone: the loop drops the request between two steps."""
+        if request_id in self._members or any(
+            m.request.request_id == request_id for m in self._joining
+        ):
+            self._leaving.add(request_id)
+            self._wakeup.set()
+
+    def _admit(self) -> None:
+        for member in self._joining:
+            rid = member.request.request_id
+            if rid in self._leaving:
+                member.send.close()
+                continue
+            try:
+                self._batch.join(rid, member.cache, member.first_token, member.params)
+            except ModelError as exc:
+                member.fail(f"{rid!r} could not join the batch: {exc}")
+                continue
+            self._members[rid] = member
+        self._joining.clear()
+        for rid in self._leaving & set(self._members):
+            self._batch.leave(rid)
+            self._members.pop(rid).send.close()
+        self._leaving.clear()
+        self._check_idle()
+
+    async def _step(self) -> None:
+        started = anyio.current_time()
+        batch, context = len(self._batch), self._batch.statistics().tokens_in_cache
+        try:
+            result: StepResult = await anyio.to_thread.run_sync(self._batch.step)
+        except ModelError as exc:
+            log.exception("decode step failed; failing its %d requests", batch)
+            self._fail_all(f"decode step failed: {exc}")
+            return
+        self._counts.tokens += len(result.events)
+        for event in result.events:
+            member = self._members[event.request_id]
+            member.output.append(event.token)
+            if not member.deliver(event):
+                self._leaving.add(event.request_id)
+        for rid, cache in result.finished.items():
+            member = self._members.pop(rid)
+            member.send.close()
+            self._keep(member.request.prompt + member.output, cache)
+            self._finish(rid, result_reason(result, rid))
+        await self._pace(anyio.current_time() - started, batch, context)
+
+    def _fail_all(self, error: str) -> None:
+        for rid, member in list(self._members.items()):
+            self._batch.leave(rid)
+            member.fail(error)
+        self._members.clear()
+
+    async def _pace(self, real_s: float, batch: int, context: int) -> None:
+        if self._pacing is not None:
+            modeled = self._pacing.cost.decode_step_time(batch, context)
+            await anyio.sleep(self._pacing.pacer.remaining(real_s, modeled))
+
+    def _keep(self, tokens: list[int], cache: RequestCache) -> None:
+        """Store the finished cache; it covers the first cache.length tokens."""
+        hashes = prompt_hashes(tokens[: cache.length], self.model.cfg.block_size)
+        change = self.store.store(hashes, cache)
+        if self._report is not None:
+            self._report(change)
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        self._counts.finished += 1
+        self._phase(request_id, "finished", reason)
+
+    def _enter(self) -> None:
+        self._waiting += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+
+    def _leave(self) -> None:
+        self._waiting -= 1
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.busy == 0:
+            self._idle.set()
+
+    def _phase(self, request_id: str, phase: str, detail: str = "") -> None:
+        self._bus.publish(RequestPhase(
+            ts=anyio.current_time(), source=self.config.name, request_id=request_id,
+            phase=phase,  # type: ignore[arg-type]
+            worker=self.config.name, detail=detail,
+        ))
+
+
+def result_reason(result: StepResult, request_id: str) -> str:
+    reason = next(e.finish_reason for e in result.events if e.request_id == request_id)
+    return reason or "length"
+
+
+def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
+    if not request.prompt:
+        raise RequestError("prompt must hold at least one token, got 0")
+    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    if not request.kv_timeout > 0:
+        raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
+    return request.sampling.params()

@@ -1,0 +1,343 @@
+"""The KV stream between a prefill and a decode worker: which pieces go, in what order, and
+how the receiving side puts them back together.
+
+The prefill worker computes the uncached suffix in chunks of tokens (chunked prefill) and, as
+each layer of each chunk finishes, exports one piece (services.model.export): the
+full-attention KV of the chunk's new tokens that the decode side lacks, and, in the last chunk
+only, each linear or window layer's fixed-size state at the prompt's end. Chunks keep the
+last piece small, so little is left to send once the compute is done (layer-wise streaming
+alone leaves a whole full-attention layer, often the largest, for the end).
+
+The decode side's `KVInbox` collects the pieces of all lanes of a request in a `KVAssembly`
+(checking the stream is for its model before any piece), then `import_pieces`
+joins each layer's consecutive full-attention pieces (checksums checked first) and rebuilds
+the cache with the model's `KVImporter` on top of the KV it already holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import AsyncIterator, Mapping
+from itertools import pairwise
+from typing import ClassVar, NamedTuple
+
+import anyio
+import msgspec
+import torch
+
+from services.messages import (
+    DataPathError,
+    KVAccepted,
+    KVChunk,
+    KVClose,
+    KVOpen,
+    KVTransferError,
+    RequestError,
+)
+from services.model.cache import RequestCache, torch_dtype
+from services.model.config import (
+    FULL_ATTENTION_KINDS,
+    ModelConfig,
+    ModelError,
+    kv_bytes,
+    kv_layout,
+)
+from services.model.export import KVImporter, KVImportError, KVPiece, TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+class PieceSpec(NamedTuple):
+    """One piece: a layer's full-attention tokens [start, end), or its state (start == end)."""
+
+    layer: int
+    start: int
+    end: int
+
+
+def chunk_bounds(reused: int, length: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges of the computed suffix [reused, length), cut at multiples of
+    chunk_tokens (0: one chunk)."""
+    if chunk_tokens <= 0:
+        return [(reused, length)]
+    cuts = list(range((reused // chunk_tokens + 1) * chunk_tokens, length, chunk_tokens))
+    edges = [reused, *cuts, length]
+    return list(pairwise(edges))
+
+
+def stream_plan(cfg: ModelConfig, chunks: list[tuple[int, int]],
+                sent_from: int) -> list[list[PieceSpec]]:
+    """Per chunk, the pieces exported as its layers finish, in order.
+
+    The first chunk's full-attention pieces start at `sent_from` (the decode side holds the
+    tokens before it; the prefill side may hold more than it computes), later chunks at
+    their own start; states go once, in the last chunk."""
+    length = chunks[-1][1]
+    plan: list[list[PieceSpec]] = []
+    for index, (start, end) in enumerate(chunks):
+        low = sent_from if index == 0 else max(sent_from, start)
+        pieces = []
+        for layer, kind in enumerate(cfg.layer_kinds):
+            if kind in FULL_ATTENTION_KINDS:
+                if end > low:
+                    pieces.append(PieceSpec(layer, low, end))
+            elif end == length:
+                pieces.append(PieceSpec(layer, length, length))
+        plan.append(pieces)
+    return plan
+
+
+def lane_of(sequence: int, lanes: int) -> int:
+    """Pieces are dealt to lanes in turn, in the order they are produced."""
+    return sequence % lanes
+
+
+class KVAssembly:
+    """One request's incoming KV: the lanes' pieces, the first token, or why it failed."""
+
+    def __init__(self, request_id: str, created: float) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.claimed = False
+        self.opening: KVOpen | None = None
+        self.pieces: dict[tuple[int, int], bytes] = {}  # (layer, start) -> encoded piece
+        self.first_token: int | None = None
+        self.failure: KVTransferError | None = None
+        self._closed: set[int] = set()
+        self._opened: set[int] = set()
+        self._changed = anyio.Event()
+
+    @property
+    def ready(self) -> bool:
+        lanes = self.opening.lanes if self.opening else -1
+        return len(self._closed) == lanes and self.first_token is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.ready or self.failure is not None
+
+    def open_lane(self, opening: KVOpen) -> None:
+        first = self.opening or opening
+        for name in ("start", "end", "lanes", "config_hash", "dtype"):
+            if getattr(first, name) != getattr(opening, name):
+                raise KVTransferError(f"lane {opening.lane} of {self.request_id!r}: {name}="
+                                      f"{getattr(opening, name)!r}, an earlier lane said "
+                                      f"{getattr(first, name)!r}")
+        if not 0 <= opening.lane < opening.lanes or opening.lane in self._opened:
+            raise KVTransferError(f"lane must be a new lane in [0, {opening.lanes}), got "
+                                  f"{opening.lane} for {self.request_id!r}")
+        self.opening = first
+        self._opened.add(opening.lane)
+
+    def add(self, chunk: KVChunk) -> None:
+        key = (chunk.layer, chunk.start)
+        if key in self.pieces:
+            raise KVTransferError(f"piece (layer {chunk.layer}, start {chunk.start}) of "
+                                  f"{self.request_id!r} arrived twice")
+        self.pieces[key] = chunk.data
+
+    def close_lane(self, lane: int) -> None:
+        self._closed.add(lane)
+        self._signal()
+
+    def fail(self, error: KVTransferError) -> None:
+        if self.failure is None:
+            self.failure = error
+        self._signal()
+
+    async def wait(self) -> None:
+        while not self.finished:
+            await self._changed.wait()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+class KVInboxStatistics(msgspec.Struct, frozen=True):
+    counters: ClassVar[frozenset[str]] = frozenset({"lanes", "pieces", "bytes", "failed_lanes"})
+
+    assemblies: int
+    lanes: int
+    pieces: int
+    bytes: int
+    failed_lanes: int
+
+
+class KVInbox:
+    """A decode worker's incoming KV streams: one `KVAssembly` per request, whichever of its
+    lanes or its decode stream comes first. KV that nobody asks to decode is dropped after
+    `orphan_timeout` seconds."""
+
+    def __init__(self, name: str, model: tuple[str, str, str], orphan_timeout: float) -> None:
+        self.name = name
+        self.model = model  # (family, config_hash, dtype) the worker accepts
+        self.orphan_timeout = orphan_timeout
+        self._assemblies: dict[str, KVAssembly] = {}
+        self._counts = dict.fromkeys(("lanes", "pieces", "bytes", "failed_lanes"), 0)
+
+    def expects(self, request_id: str) -> bool:
+        """True when a decode stream for `request_id` is open and waits for its KV."""
+        assembly = self._assemblies.get(request_id)
+        return assembly is not None and assembly.claimed
+
+    async def receive(self, opening: KVOpen, items: AsyncIterator[msgspec.Struct],
+                      peer: str = "?") -> KVAccepted:
+        """One upload lane: check it is for this model, collect its pieces, close it."""
+        assembly = self._assembly(opening.request_id)
+        count = nbytes = 0
+        try:
+            self._check_model(opening)
+            assembly.open_lane(opening)
+            async for item in items:
+                count, nbytes = count + 1, nbytes + self._take(assembly, opening, item)
+            expected = opening.pieces + (opening.lane == 0)
+            if count != expected:
+                raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} ended "
+                                      f"after {count} items, expected {expected}")
+            assembly.close_lane(opening.lane)
+        except BaseException as exc:
+            self._counts["failed_lanes"] += 1
+            assembly.fail(lane_error(exc, opening, peer, count))
+            raise
+        self._counts["lanes"] += 1
+        return KVAccepted(request_id=opening.request_id, lane=opening.lane, pieces=count,
+                          bytes=nbytes)
+
+    def claim(self, request_id: str) -> KVAssembly:
+        """The assembly a decode stream waits on; RequestError if another stream has it."""
+        assembly = self._assembly(request_id)
+        if assembly.claimed:
+            raise RequestError(f"request_id {request_id!r} is already being decoded")
+        assembly.claimed = True
+        return assembly
+
+    def release(self, request_id: str) -> None:
+        self._assemblies.pop(request_id, None)
+
+    def statistics(self) -> KVInboxStatistics:
+        return KVInboxStatistics(assemblies=len(self._assemblies), **self._counts)
+
+    def _check_model(self, opening: KVOpen) -> None:
+        theirs = (opening.family, opening.config_hash, opening.dtype)
+        if theirs != self.model:
+            raise KVTransferError(
+                f"KV stream of {opening.request_id!r} is for model (family, config_hash, "
+                f"dtype)={theirs}, but {self.name} serves {self.model}"
+            )
+
+    def _take(self, assembly: KVAssembly, opening: KVOpen, item: msgspec.Struct) -> int:
+        if isinstance(item, KVChunk):
+            assembly.add(item)
+            self._counts["pieces"] += 1
+            self._counts["bytes"] += len(item.data)
+            return len(item.data)
+        if isinstance(item, KVClose) and opening.lane == 0:
+            assembly.first_token = item.first_token
+            return 0
+        raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} carried an "
+                              f"unexpected {type(item).__name__}")
+
+    def _assembly(self, request_id: str) -> KVAssembly:
+        assembly = self._assemblies.get(request_id)
+        if assembly is None:
+            self._drop_orphans()
+            assembly = KVAssembly(request_id, anyio.current_time())
+            self._assemblies[request_id] = assembly
+        return assembly
+
+    def _drop_orphans(self) -> None:
+        cutoff = anyio.current_time() - self.orphan_timeout
+        for rid in [r for r, a in self._assemblies.items() if not a.claimed and a.created < cutoff]:
+            log.warning("dropping the KV of %r: nobody asked to decode it", rid)
+            del self._assemblies[rid]
+
+
+def lane_error(exc: BaseException, opening: KVOpen, peer: str, count: int) -> KVTransferError:
+    """What a decode stream is told when one of its KV lanes broke."""
+    if isinstance(exc, KVTransferError):
+        return exc
+    return KVTransferError(
+        f"KV lane {opening.lane} of {opening.request_id!r} from {peer} was cut off after "
+        f"{count} of {opening.pieces + (opening.lane == 0)} items: "
+        f"{type(exc).__name__}: {exc or 'cancelled'}"
+    )
+
+
+def expected_kv_bytes(cfg: ModelConfig, length: int, start: int, dtype: str) -> int:
+    """Payload bytes of an export of tokens [start, length): full-attention KV of the new
+    tokens plus every fixed-size state (the pieces' headers come on top)."""
+    return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
+
+
+def stream_failure(
+    group: BaseExceptionGroup[BaseException], request_id: str, peer: str
+) -> Exception | None:
+    """The error that started a failed stream (lane errors over the broken-channel echoes);
+    None when only cancellation is in the group (it must propagate as it is)."""
+    errors = [e for e in leaves(group) if isinstance(e, Exception)]
+    if not errors:
+        return None
+    primary = next((e for e in errors if not isinstance(e, anyio.BrokenResourceError)),
+                   errors[0])
+    if isinstance(primary, DataPathError):
+        return primary
+    return KVTransferError(f"KV stream of {request_id!r} to {peer!r} failed: "
+                           f"{type(primary).__name__}: {primary}")
+
+
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions inside a (nested) exception group, in order."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _tensors(piece: KVPiece) -> list[torch.Tensor]:
+    raw = torch.frombuffer(bytearray(piece.payload), dtype=torch.uint8)
+    out, offset = [], 0
+    for spec in piece.header.tensors:
+        size = spec.nbytes()
+        out.append(raw[offset : offset + size].view(torch_dtype(spec.dtype)).reshape(spec.shape))
+        offset += size
+    return out
+
+
+def merge_pieces(pieces: list[KVPiece]) -> KVPiece:
+    """One full-attention piece from several of one layer over consecutive token ranges
+    (each piece's checksum is checked before its bytes are trusted)."""
+    for piece in pieces:
+        if zlib.crc32(piece.payload) != piece.header.checksum:
+            raise KVImportError("checksum", piece.header.checksum, zlib.crc32(piece.payload),
+                                piece.header.layer)
+    for a, b in pairwise(p.header for p in pieces):
+        if (b.start, b.layer, b.kind) != (a.end, a.layer, "full_attn") or b.kind != a.kind:
+            raise KVImportError("start", a.end, b.start, b.layer)
+    parts = [_tensors(p) for p in pieces]
+    joined = [torch.cat(group, dim=1) for group in zip(*parts, strict=True)]  # [A, n, X] each
+    payload = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                       for t in joined)
+    first, last = pieces[0].header, pieces[-1].header
+    specs = tuple(TensorSpec(s.name, s.dtype, tuple(t.shape))
+                  for s, t in zip(first.tensors, joined, strict=True))
+    header = msgspec.structs.replace(first, end=last.end, tensors=specs,
+                                     payload_bytes=len(payload), checksum=zlib.crc32(payload))
+    return KVPiece(header, payload)
+
+
+def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,
+                  pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+    """The cache rebuilt from a stream's pieces (in a worker thread: it copies tensors);
+    KVTransferError says which piece did not fit."""
+    by_layer: dict[int, list[KVPiece]] = {}
+    try:
+        for layer, start in sorted(pieces):
+            by_layer.setdefault(layer, []).append(KVPiece.from_bytes(pieces[layer, start]))
+        importer = KVImporter(cfg, dtype, base)
+        for group in by_layer.values():
+            importer.add(group[0] if len(group) == 1 else merge_pieces(group))
+        return importer.finish()
+    except ModelError as exc:
+        raise KVTransferError(f"KV rejected: {exc}") from exc

@@ -1,0 +1,88 @@
+"""The `link` service: the emulated line between two clusters, on the mesh.
+
+`prfaas serve link-0` runs `netem.serve_link` with one proxy route per worker of the link's
+receiving cluster (`services.serve.link_routes`, the same table the senders' resolvers use),
+shaped to the topology's bandwidth and delay; the control API (Toxiproxy-style, and
+`/metrics`) listens on options.control_port. A mesh node on the service's own port serves
+the event stream, where a `LinkStats` sample is published every options.stats_interval s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import anyio.abc
+
+from mesh.errors import ConfigError
+from mesh.events import EventBus
+from mesh.topology import LinkSpec
+from mesh.transport import Address
+from netem.control import serve_link
+from netem.proxy import ProxyConfig, ProxyStatistics, Route
+from netem.shaper import LinkParams
+from services.serve import ServiceContext, link_routes, link_service_of, serve_events
+from services.telemetry import Event, LinkStats
+
+log = logging.getLogger(__name__)
+
+
+def link_of_service(ctx: ServiceContext) -> LinkSpec:
+    """The topology link this `link` service emulates."""
+    for link in ctx.topology.links:
+        if link_service_of(ctx.topology, link).name == ctx.name:
+            return link
+    raise ConfigError(f"link service {ctx.name!r} emulates no link of the topology")
+
+
+def proxy_routes(ctx: ServiceContext, link: LinkSpec) -> list[Route]:
+    return [Route(listen_port=r.listen.port, upstream_port=r.upstream.port,
+                  listen_host=r.listen.host, upstream_host=r.upstream.host)
+            for r in link_routes(ctx.topology, link)]
+
+
+def proxy_config(ctx: ServiceContext) -> ProxyConfig:
+    """options.chunk_bytes: the shaping granularity (netem's default suits fast links; a slow
+    demo link wants smaller chunks, or each one holds bytes back for chunk / bandwidth)."""
+    default = ProxyConfig()
+    return ProxyConfig(chunk_bytes=ctx.option("chunk_bytes", default.chunk_bytes))
+
+
+def link_stats(source: str, link: str, stats: ProxyStatistics) -> LinkStats:
+    """A dashboard sample; the egress direction is a -> b (PrfaaS -> PD)."""
+    params, egress = stats.link.params, stats.link.egress
+    return LinkStats(
+        ts=stats.link.time, source=source, link=link,
+        bandwidth_bps=params.bandwidth_bps or 0.0, delay_s=params.delay_s,
+        jitter_s=params.jitter_s, loss=params.loss_rate, up=params.up,
+        throughput_bps=egress.throughput_bps, utilisation=egress.utilisation,
+        queued_bytes=egress.queued_bytes, stalls=egress.stalls,
+    )
+
+
+async def run_link(
+    ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """The `link` runner of `prfaas serve`."""
+    link = link_of_service(ctx)
+    routes = proxy_routes(ctx, link)
+    if not routes:
+        raise ConfigError(f"link {link.name!r}: cluster {link.b!r} has no workers to route to")
+    params = LinkParams(bandwidth_bps=link.bandwidth_bps, delay_s=link.delay_s)
+    bus: EventBus[Event] = EventBus()
+    node = ctx.node()
+    serve_events(node, bus)
+
+    def publish(stats: ProxyStatistics) -> None:
+        bus.publish(link_stats(ctx.name, link.name, stats))
+
+    async with node, anyio.create_task_group() as tg:
+        address = await node.listen()
+        endpoints = await tg.start(lambda task_status: serve_link(
+            routes, params, ctx.option("control_port", 8474), name=link.name,
+            on_stats=publish, stats_interval_s=ctx.option("stats_interval", 1.0),
+            config=proxy_config(ctx), task_status=task_status,
+        ))
+        log.info("link %s: %d routes %s, control %s", link.name, len(routes),
+                 endpoints.routes, endpoints.control)
+        task_status.started(address)

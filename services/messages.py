@@ -1,0 +1,280 @@
+"""The messages the PrfaaS services exchange over the mesh: one module, the whole contract.
+
+Every message is a tagged msgspec Struct; `CODEC_MESSAGES` lists them for the mesh `Codec`
+(with the cache directory's own messages, services.cachedir, and the dashboard events,
+services.telemetry, which travel on the same connections).
+
+A request's life (DESIGN.md section 4): the router (or `prfaas send`) asks the cache
+directory for a `PlanQuery` -> `PlanReply`; it opens a token stream at the decode worker with
+`DecodeRequest` and, at the same time, calls the prefill worker with `PrefillRequest`. The
+prefill worker pushes the KV to the decode worker as upload streams, one per connection
+("lane"): `KVOpen` first, then `KVChunk` items as each layer finishes, and on lane 0 a last
+`KVClose` with the first sampled token; each lane is answered with `KVAccepted`, and the
+prefill call with `PrefillDone`. The decode worker imports the pieces, joins the request to
+its batch and streams `TokenChunk`s back. Workers report their cached blocks to the cache
+directory (`BlocksStored`, `BlocksEvicted`, `WorkerReport`); it asks for a full report with
+`ReportCache` after a restart. Any service streams its dashboard events to a `Subscribe`r.
+
+Errors cross the wire by exception type name (mesh `RemoteError.error`), so the small tree
+below is part of the contract too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from services.cachedir import (
+    BlocksEvicted,
+    BlocksStored,
+    PrefixMatch,
+    PrefixQuery,
+    TransferPlan,
+    WorkerReport,
+)
+from services.prefix import BlockHash
+from services.telemetry import EVENT_TYPES
+
+if TYPE_CHECKING:
+    from services.model.sampling import SamplingParams
+
+Role = Literal["prefill", "decode"]
+
+
+class DataPathError(Exception):
+    """Root of the data path's errors (prefill, decode, KV transfer, launch)."""
+
+
+class RequestError(DataPathError, ValueError):
+    """A request carries an impossible value; the message names the field and the value."""
+
+
+class KVTransferError(DataPathError):
+    """A request's KV did not arrive whole: the stream broke, timed out or does not fit."""
+
+
+class WrongRole(DataPathError):
+    """A worker was asked for work of the role it does not hold (or is draining)."""
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens: greedy when temperature is 0 (services.model.sampling)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+    def params(self) -> SamplingParams:
+        """The model's SamplingParams; SamplingError names a bad value."""
+        # Imported here so that services which never sample (router, ui) need no torch.
+        from services.model.sampling import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, stop_on_eos=self.stop_on_eos,
+        )
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Which model a worker runs: KV moves only between workers with equal config_hash."""
+
+    family: str
+    size: str
+    config_hash: str
+    dtype: str
+    vocab_size: int
+    block_size: int
+    eos_id: int
+    source: str  # "checkpoint PATH" or "random-init seed N"
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Prefill `prompt` and push its KV to `decode_worker`, sending only what it lacks.
+
+    decode_has_tokens: the block-aligned prefix the decode worker already holds (from the
+    cache directory's plan); the full-attention KV before it is not sent. connections: TCP
+    connections (lanes) the KV is striped over. overlap False holds every piece until the
+    compute is done (the one-after-the-other baseline of the overlap benchmark).
+    chunk_tokens: compute (and stream) the suffix in chunks of this many tokens.
+    """
+
+    request_id: str
+    prompt: list[int]
+    decode_worker: str
+    decode_has_tokens: int = 0
+    sampling: Sampling = Sampling()
+    connections: int = 1
+    overlap: bool = True
+    chunk_tokens: int | None = None  # None: the worker's own setting; 0: one chunk
+
+
+class PrefillDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """What a prefill did: tokens computed and reused, bytes sent, and its timings (s)."""
+
+    request_id: str
+    worker: str
+    prompt_tokens: int
+    reused_tokens: int  # resumed from the prefill worker's own prefix cache
+    computed_tokens: int
+    sent_from_token: int  # full-attention KV of tokens [sent_from_token, prompt_tokens) sent
+    kv_bytes: int  # piece bytes (headers + payload) pushed to the decode worker
+    pieces: int
+    lanes: int
+    chunks: int = 1  # token chunks the suffix was computed in
+    first_token: int
+    queue_s: float  # waiting for the worker
+    compute_s: float  # prefill start to last layer done (paced time included)
+    transfer_s: float  # last layer done to the last lane accepted by the decode worker
+    total_s: float  # prefill start to the last lane accepted: "KV fully received"
+
+
+class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Open a token stream for `request_id`; the KV arrives separately from a prefill worker."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: Sampling = Sampling()
+    kv_timeout: float = 60.0
+
+
+class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """New tokens of one request from output index `index` on; the last has finish_reason."""
+
+    request_id: str
+    tokens: list[int]
+    index: int = 0
+    finish_reason: str | None = None
+    # On the first chunk: the tokens whose KV the decode worker already held (not sent).
+    reused_tokens: int = 0
+
+
+class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Starts one lane of a KV upload covering tokens [start, end) of the prompt.
+
+    The model identity lets the decode worker refuse a stream for another model before any
+    piece arrives; `pieces` is how many KVChunk items this lane carries.
+    """
+
+    request_id: str
+    family: str
+    config_hash: str
+    dtype: str
+    start: int
+    end: int
+    pieces: int
+    lane: int = 0
+    lanes: int = 1
+
+
+class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """One exported KV piece (services.model.export: header + payload, crc32): a layer's
+    full-attention KV from token `start` on, or its state (services.kv_stream)."""
+
+    request_id: str
+    layer: int
+    data: bytes
+    start: int = 0
+
+
+class KVClose(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The last item of lane 0: the prefill is done and this is the first sampled token."""
+
+    request_id: str
+    first_token: int
+
+
+class KVAccepted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The decode worker's answer to one finished upload lane."""
+
+    request_id: str
+    lane: int
+    pieces: int
+    bytes: int
+
+
+class SetRole(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Convert a PD worker: stop taking work, drain what it has, then switch."""
+
+    role: Role
+    reason: str = ""
+
+
+class StatusQuery(msgspec.Struct, frozen=True, tag=True):
+    """Ask a worker for its `WorkerState`."""
+
+
+class WorkerState(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """A worker's role and load, as the router's placement needs them."""
+
+    name: str
+    cluster: str
+    role: Role
+    draining: bool
+    queue_depth: int
+    running: int
+    cached_blocks: int
+    model: ModelInfo
+
+
+class PlanQuery(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Ask the cache directory what `target_worker` lacks of the chain `hashes`."""
+
+    hashes: list[BlockHash]
+    target_worker: str
+    source_worker: str | None = None
+
+
+class PlanReply(msgspec.Struct, frozen=True, tag=True):
+    plan: TransferPlan
+
+
+class PrefixReply(msgspec.Struct, frozen=True, tag=True):
+    """The cache directory's answer to a `PrefixQuery`."""
+
+    match: PrefixMatch
+
+
+class ReportCache(msgspec.Struct, frozen=True, tag=True):
+    """The cache directory asks a worker for its full `WorkerReport` (after a restart)."""
+
+
+class Subscribe(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Open a stream of this service's dashboard events (services.telemetry) from now on."""
+
+    maxlen: int = 1024
+
+
+class Echo(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The echo service answers with the same message, `hops` + 1."""
+
+    text: str
+    hops: int = 0
+
+
+CODEC_MESSAGES: tuple[type[msgspec.Struct], ...] = (
+    PrefillRequest,
+    PrefillDone,
+    DecodeRequest,
+    TokenChunk,
+    KVOpen,
+    KVChunk,
+    KVClose,
+    KVAccepted,
+    SetRole,
+    StatusQuery,
+    WorkerState,
+    PlanQuery,
+    PlanReply,
+    PrefixQuery,
+    PrefixReply,
+    ReportCache,
+    BlocksStored,
+    BlocksEvicted,
+    WorkerReport,
+    Subscribe,
+    Echo,
+    *EVENT_TYPES,
+)

@@ -1,0 +1,420 @@
+"""The prefill worker: computes a prompt's uncached suffix and streams its KV as it goes.
+
+One job at a time, in arrival order (prefill saturates the compute). For each job:
+
+1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
+   at a state snapshot, so only the suffix is computed.
+2. Open one upload stream per lane (connection) to the decode worker, then run the model in a
+   worker thread (torch releases the GIL, so the event loop keeps sending), chunk by chunk of
+   tokens. As each layer of a chunk finishes, the thread exports that piece - the
+   full-attention KV the decode worker lacks (tokens from `decode_has_tokens` on), or in the
+   last chunk the fixed-size state at the new end (services.kv_stream) - and hands it to the
+   next lane's sender at once: transfer overlaps compute (paper section 3.3).
+3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
+   worker has accepted every lane ("KV fully received").
+4. Keep the new cache (with snapshots at block boundaries) in the store and report the
+   stored and evicted blocks to the cache directory.
+
+In emulated mode each layer is paced to the hardware profile's modeled time (CostModel, Pacer)
+so the stream looks like that hardware's. Lanes are separate mesh nodes (one TCP connection
+each, the same peer), given by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from mesh.events import EventBus
+from mesh.node import Node
+from services.hardware import CostModel, Pacer
+from services.kv_stream import (
+    PieceSpec,
+    chunk_bounds,
+    expected_kv_bytes,
+    lane_of,
+    stream_failure,
+    stream_plan,
+)
+from services.messages import (
+    KVAccepted,
+    KVChunk,
+    KVClose,
+    KVOpen,
+    KVTransferError,
+    PrefillDone,
+    PrefillRequest,
+    RequestError,
+)
+from services.model.cache import RequestCache
+from services.model.export import export_layer
+from services.model.generate import block_boundaries, prefill
+from services.model.model import HybridLM
+from services.model.sampling import RequestSampler, SamplingParams
+from services.prefix_store import PrefixStore, StoreChange, prompt_hashes
+from services.telemetry import Event, KVFlow, RequestPhase
+
+log = logging.getLogger(__name__)
+
+LaneItem = KVChunk | KVClose
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale."""
+
+    cost: CostModel
+    pacer: Pacer
+
+
+class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    cluster: str = ""
+    snapshot_every: int = 1  # keep a state snapshot every this many blocks
+    chunk_tokens: int = 512  # chunked prefill: tokens per chunk (a block multiple; 0: one)
+    transfer_timeout: float = 120.0  # one upload lane, open to accepted
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every < 1:
+            raise RequestError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
+        if self.chunk_tokens < 0:
+            raise RequestError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if not self.transfer_timeout > 0:
+            raise RequestError(f"transfer_timeout must be > 0, got {self.transfer_timeout}")
+
+
+class PrefillStatistics(msgspec.Struct, frozen=True):
+    counters: ClassVar[frozenset[str]] = frozenset(
+        {"jobs", "failures", "computed_tokens", "reused_tokens", "kv_bytes_sent", "pieces_sent"}
+    )
+
+    queue_depth: int
+    running: int
+    jobs: int
+    failures: int
+    computed_tokens: int
+    reused_tokens: int
+    kv_bytes_sent: int
+    pieces_sent: int
+
+
+@dataclass
+class _Job:
+    request: PrefillRequest
+    hashes: list[int]
+    cache: RequestCache
+    reused: int  # tokens resumed from the store
+    params: SamplingParams
+    lanes: int
+    chunks: list[tuple[int, int]]
+    plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
+    sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt)
+
+
+@dataclass
+class _Counts:
+    jobs: int = 0
+    failures: int = 0
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+
+
+class PrefillWorker:
+    """Runs prefill jobs on `model`, streaming KV over `lanes` (lanes[0] is the worker's node)."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        store: PrefixStore,
+        lanes: Sequence[Node],
+        config: PrefillConfig,
+        *,
+        bus: EventBus[Event] | None = None,
+        pacing: Pacing | None = None,
+        report: Callable[[StoreChange], None] | None = None,
+        link_of: Callable[[str], str | None] = lambda peer: None,
+    ) -> None:
+        if not lanes:
+            raise RequestError("lanes must hold at least the worker's own node, got none")
+        self.model = model
+        self.store = store
+        self.config = config
+        self._lanes = list(lanes)
+        self._bus = bus or EventBus()
+        self._pacing = pacing
+        self._report = report
+        self._link_of = link_of
+        self._slot = anyio.Lock()
+        self._queued = 0
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._counts = _Counts()
+        self._sent = [0, 0]  # pieces, bytes over all jobs
+
+    @property
+    def busy(self) -> int:
+        """Jobs queued or running."""
+        return self._queued + self._running
+
+    async def prefill(self, request: PrefillRequest) -> PrefillDone:
+        """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
+        queued_at = anyio.current_time()
+        job = self._plan(request)
+        self._enter()
+        self._phase(request.request_id, "queued")
+        running = False
+        try:
+            async with self._slot:
+                self._queued, self._running, running = self._queued - 1, self._running + 1, True
+                return await self._run(job, anyio.current_time() - queued_at)
+        except BaseException:
+            self._counts.failures += 1
+            raise
+        finally:
+            self._leave(running)
+
+    async def wait_idle(self) -> None:
+        """Returns once no job is queued or running."""
+        await self._idle.wait()
+
+    def statistics(self) -> PrefillStatistics:
+        return PrefillStatistics(
+            queue_depth=self._queued, running=self._running, jobs=self._counts.jobs,
+            failures=self._counts.failures, computed_tokens=self._counts.computed_tokens,
+            reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sent[1],
+            pieces_sent=self._sent[0],
+        )
+
+    def check_integrity(self) -> None:
+        if min(self._queued, self._running) < 0 or self._running > 1:
+            raise RequestError(f"queued={self._queued}, running={self._running}: one job at "
+                               f"a time, never fewer than none")
+        if self._idle.is_set() != (self.busy == 0):
+            raise RequestError(f"idle flag {self._idle.is_set()} with {self.busy} jobs")
+        self.store.check_integrity()
+
+    def _enter(self) -> None:
+        self._queued += 1
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+
+    def _leave(self, running: bool) -> None:
+        if running:
+            self._running -= 1
+        else:
+            self._queued -= 1
+        if self.busy == 0:
+            self._idle.set()
+
+    def _plan(self, request: PrefillRequest) -> _Job:
+        cfg, length = self.model.cfg, len(request.prompt)
+        _check_request(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
+        hashes = prompt_hashes(request.prompt, cfg.block_size)
+        # At least one token must be computed: its logits give the first output token.
+        cache = self.store.resume(hashes, (length - 1) // cfg.block_size)
+        if cache is None:
+            cache = RequestCache.empty(cfg, self.model.dtype)
+        size = self.config.chunk_tokens if request.chunk_tokens is None else (
+            request.chunk_tokens)
+        if size % cfg.block_size:
+            raise RequestError(f"chunk_tokens must be a multiple of {cfg.block_size}, got {size}")
+        chunks = chunk_bounds(cache.length, length, size)
+        return _Job(request, hashes, cache, cache.length, request.sampling.params(),
+                    request.connections, chunks,
+                    stream_plan(cfg, chunks, request.decode_has_tokens))
+
+    async def _run(self, job: _Job, queue_s: float) -> PrefillDone:
+        """Steps 2-4 of the module docstring, for a job that holds the compute slot."""
+        request = job.request
+        self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
+        self._flow(job, "start", 0)
+        start = anyio.current_time()
+        try:
+            first_token, compute_end = await self._stream(job)
+        except BaseException as exc:
+            self._flow(job, "failed", 0)
+            self._phase(request.request_id, "failed", str(exc))
+            raise
+        done = anyio.current_time()
+        self._flow(job, "done", self.model.cfg.n_layers)
+        self._counts.jobs += 1
+        self._counts.computed_tokens += job.length - job.reused
+        self._counts.reused_tokens += job.reused
+        self._keep(job)
+        return PrefillDone(
+            request_id=request.request_id, worker=self.config.name,
+            prompt_tokens=job.length, reused_tokens=job.reused,
+            computed_tokens=job.length - job.reused, sent_from_token=request.decode_has_tokens,
+            kv_bytes=job.sent[1], pieces=job.sent[0], lanes=job.lanes, chunks=len(job.chunks),
+            first_token=first_token,
+            queue_s=queue_s, compute_s=compute_end - start, transfer_s=done - compute_end,
+            total_s=done - start,
+        )
+
+    async def _stream(self, job: _Job) -> tuple[int, float]:
+        """Computes in a thread while one task per lane sends; (first token, compute end)."""
+        channels = [anyio.create_memory_object_stream[LaneItem](math.inf)
+                    for _ in range(job.lanes)]
+        sends = [send for send, _ in channels]
+        try:
+            async with anyio.create_task_group() as tg:
+                for lane, (_, receive) in enumerate(channels):
+                    tg.start_soon(self._send_lane, job, lane, receive)
+                try:
+                    first_token = await self._compute_and_hand_off(job, sends)
+                    sends[0].send_nowait(KVClose(request_id=job.request.request_id,
+                                                 first_token=first_token))
+                    compute_end = anyio.current_time()
+                finally:
+                    for send in sends:
+                        send.close()
+        except BaseExceptionGroup as group:
+            cause = stream_failure(group, job.request.request_id, job.request.decode_worker)
+            if cause is None:
+                raise
+            raise cause from group
+        return first_token, compute_end
+
+    async def _compute_and_hand_off(
+        self, job: _Job, sends: list[MemoryObjectSendStream[LaneItem]]
+    ) -> int:
+        held: list[tuple[int, KVChunk]] = []
+        sequence = itertools.count()
+
+        def emit(chunk: KVChunk) -> None:
+            lane = lane_of(next(sequence), job.lanes)
+            if job.request.overlap:
+                anyio.from_thread.run_sync(sends[lane].send_nowait, chunk)
+            else:
+                held.append((lane, chunk))
+
+        first_token = await anyio.to_thread.run_sync(self._compute, job, emit)
+        for lane, chunk in held:
+            sends[lane].send_nowait(chunk)
+        return first_token
+
+    def _compute(self, job: _Job, emit: Callable[[KVChunk], None]) -> int:
+        """In a worker thread: prefill the suffix chunk by chunk, emitting each piece as its
+        layer finishes; returns the first token."""
+        cfg, request = self.model.cfg, job.request
+        every = self.config.snapshot_every
+        snapshots = block_boundaries(job.reused, job.length, cfg.block_size, every)
+        pace = self._step_pacer(job)
+        result = None
+        for step, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+            by_layer = {p.layer: p for p in pieces}
+
+            def on_layer(index: int, step: int = step, by_layer: dict[int, PieceSpec] = by_layer,
+                         end: int = end) -> None:
+                spec = by_layer.get(index)
+                if spec is not None:
+                    piece = export_layer(job.cache, index, spec.start, end)
+                    emit(KVChunk(request_id=request.request_id, layer=index, start=spec.start,
+                                 data=piece.to_bytes()))
+                pace(step * cfg.n_layers + index)
+
+            result = prefill(self.model, request.prompt[start:end], job.cache,
+                             snapshot_at=[n for n in snapshots if start < n <= end],
+                             on_layer=on_layer)
+        assert result is not None
+        return RequestSampler(job.params).sample(result.logits, 0)
+
+    def _step_pacer(self, job: _Job) -> Callable[[int], None]:
+        """Emulated mode: (chunk, layer) step k of n may end no earlier than (k+1)/n of the
+        modeled prefill time (CostModel.prefill_time, stretched by the time scale)."""
+        if self._pacing is None:
+            return lambda step: None
+        pacing, steps = self._pacing, self.model.cfg.n_layers * len(job.chunks)
+        modeled = pacing.cost.prefill_time(job.length - job.reused, job.reused)
+        target = modeled * pacing.pacer.time_scale
+        start = time.monotonic()
+
+        def wait(step: int) -> None:
+            if step == steps - 1:
+                pacing.pacer.remaining(time.monotonic() - start, modeled)
+            time.sleep(max(0.0, start + target * (step + 1) / steps - time.monotonic()))
+
+        return wait
+
+    async def _send_lane(
+        self, job: _Job, lane: int, items: MemoryObjectReceiveStream[LaneItem]
+    ) -> None:
+        request, cfg = job.request, self.model.cfg
+        opening = KVOpen(
+            request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
+            dtype=job.cache.dtype_name, start=request.decode_has_tokens, end=job.length,
+            pieces=len(range(lane, sum(map(len, job.plan)), job.lanes)), lane=lane,
+            lanes=job.lanes,
+        )
+        node, peer = self._lanes[lane], request.decode_worker
+        async with items, node.stream_to(peer, opening,
+                                         timeout=self.config.transfer_timeout) as sink:
+            async for item in items:
+                await sink.send(item)
+                if isinstance(item, KVChunk):
+                    self._count_sent(job, len(item.data))
+                    self._flow(job, "progress", job.sent[0])
+        if not isinstance(sink.result, KVAccepted):
+            raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
+                                  f"with {sink.result!r}, expected KVAccepted")
+
+    def _count_sent(self, job: _Job, nbytes: int) -> None:
+        job.sent[0] += 1
+        job.sent[1] += nbytes
+        self._sent[0] += 1
+        self._sent[1] += nbytes
+
+    def _keep(self, job: _Job) -> None:
+        change = self.store.store(job.hashes, job.cache)
+        if self._report is not None:
+            self._report(change)
+
+    def _flow(self, job: _Job, phase: str, layers_done: int) -> None:
+        cfg, request = self.model.cfg, job.request
+        self._bus.publish(KVFlow(
+            ts=anyio.current_time(), source=self.config.name, request_id=request.request_id,
+            src=self.config.name, dst=request.decode_worker,
+            via_link=self._link_of(request.decode_worker),
+            phase=phase,  # type: ignore[arg-type]
+            layers_done=layers_done, layers_total=cfg.n_layers, bytes_done=job.sent[1],
+            bytes_total=expected_kv_bytes(cfg, job.length, request.decode_has_tokens,
+                                          job.cache.dtype_name),
+            incremental=request.decode_has_tokens > 0,
+            tokens_sent=job.length - request.decode_has_tokens,
+        ))
+
+    def _phase(self, request_id: str, phase: str, detail: str = "") -> None:
+        self._bus.publish(RequestPhase(
+            ts=anyio.current_time(), source=self.config.name, request_id=request_id,
+            phase=phase,  # type: ignore[arg-type]
+            worker=self.config.name, detail=detail,
+        ))
+
+
+def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: int) -> None:
+    length = len(request.prompt)
+    if length < 1:
+        raise RequestError(f"prompt must hold at least one token, got {length}")
+    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    has = request.decode_has_tokens
+    if has % block or not 0 <= has < length:
+        raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "
+                           f"got {has}")
+    if not 1 <= request.connections <= max_lanes:
+        raise RequestError(f"connections must be in [1, {max_lanes}], got "
+                           f"{request.connections}")

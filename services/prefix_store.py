@@ -1,0 +1,266 @@
+"""A worker's own prefix cache: request caches indexed by their block hash chain, LRU by bytes.
+
+Each entry is one `RequestCache` (full-attention KV of its tokens, plus state snapshots at
+block boundaries) and the hash chain of its full blocks (services.prefix). Because a block
+hash names its whole prefix, an entry holding hash h at block i holds every block before it,
+so "how many leading blocks of this prompt do I hold" is a search over the chain.
+
+Two lengths matter (as in the cache directory): blocks *held* (KV reusable as a base for an
+import: the decode side) and blocks *resumable* (held and ending at a state snapshot: where a
+prefill can restart computing). Entries are evicted least recently used first when their
+bytes exceed the budget; an entry whose chain a newer entry extends is folded into it (its
+snapshots move over). Every change comes back as the cache directory's own messages
+(`BlocksStored`, `BlocksEvicted`), ready to cast. Pure state, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from services.cachedir import BlockRun, BlocksEvicted, BlocksStored, Role, WorkerReport
+from services.model.cache import RequestCache, StateSnapshot
+from services.prefix import block_hashes
+
+MIB = 2**20
+
+
+class PrefixStoreError(ValueError):
+    """A store operation got a chain or cache that does not fit; names the value."""
+
+
+def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The hash chain of `tokens`' full blocks, as every service computes it (seed 0)."""
+    if not tokens:
+        return []
+    return block_hashes(list(tokens), block_size)
+
+
+class PrefixStoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    budget_bytes: int = 256 * MIB
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0:
+            raise PrefixStoreError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
+
+
+class LocalMatch(msgspec.Struct, frozen=True):
+    """Leading blocks of a chain this store holds, and those it can resume computing from."""
+
+    held: int
+    resumable: int
+
+
+class StoreChange(msgspec.Struct, frozen=True):
+    """What one `store` did, as messages for the cache directory (None / [] when nothing)."""
+
+    stored: BlocksStored | None
+    evicted: list[BlocksEvicted]
+
+
+class PrefixStoreStatistics(msgspec.Struct, frozen=True):
+    entries: int
+    blocks: int  # distinct block hashes held
+    snapshots: int
+    bytes: int
+    budget_bytes: int
+    stores: int
+    folded: int  # entries merged into a newer entry extending them
+    evictions: int  # entries evicted for the budget
+    blocks_evicted: int
+    hits: int  # resume / base lookups that found something
+    misses: int
+
+
+@dataclass
+class _Entry:
+    id: int
+    hashes: tuple[int, ...]
+    cache: RequestCache
+    nbytes: int
+
+    @property
+    def snapshot_blocks(self) -> frozenset[int]:
+        """Block counts n with a snapshot at n * block_size."""
+        block = self.cache.cfg.block_size
+        return frozenset(length // block for length in self.cache.snapshots)
+
+
+def _entry_bytes(cache: RequestCache) -> int:
+    stats = cache.statistics()
+    return stats.allocated_bytes + stats.snapshot_bytes
+
+
+class PrefixStore:
+    """Prefix caches of one worker, within `config.budget_bytes`."""
+
+    def __init__(self, worker: str, block_size: int, config: PrefixStoreConfig | None = None):
+        self.worker = worker
+        self.block_size = block_size
+        self.config = config or PrefixStoreConfig()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._by_hash: dict[int, dict[int, int]] = {}  # hash -> {entry id: block index}
+        self._next_id = 0
+        self._bytes = 0
+        self._counts = dict.fromkeys(("stores", "folded", "evictions", "blocks_evicted",
+                                      "hits", "misses"), 0)
+
+    def match(self, hashes: Sequence[int]) -> LocalMatch:
+        held = self._held(hashes)
+        return LocalMatch(held, self._resumable(hashes, held)[0])
+
+    def resume(self, hashes: Sequence[int], max_blocks: int) -> RequestCache | None:
+        """A fresh cache at the longest resumable prefix of at most `max_blocks` blocks."""
+        held = min(self._held(hashes), max_blocks)
+        blocks, entry = self._resumable(hashes, held)
+        if entry is None:
+            self._counts["misses"] += 1
+            return None
+        self._touch(entry)
+        return entry.cache.resume_point(blocks * self.block_size)
+
+    def kv_base(self, hashes: Sequence[int], blocks: int) -> RequestCache:
+        """A (shared, read-only) cache holding the KV of the chain's first `blocks` blocks."""
+        if blocks < 1 or blocks > len(hashes):
+            raise PrefixStoreError(f"blocks must be in [1, {len(hashes)}], got {blocks}")
+        holders = self._by_hash.get(hashes[blocks - 1], {})
+        if not holders:
+            self._counts["misses"] += 1
+            raise PrefixStoreError(
+                f"worker {self.worker!r} holds no KV for the first {blocks} blocks "
+                f"(holds {self._held(hashes)})"
+            )
+        entry = self._entries[next(iter(holders))]
+        self._touch(entry)
+        return entry.cache
+
+    def store(self, hashes: Sequence[int], cache: RequestCache) -> StoreChange:
+        """Keep `cache` (now owned by the store) under `hashes`, its full blocks' chain."""
+        self._check_chain(hashes, cache)
+        if not hashes:
+            return StoreChange(None, [])
+        if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
+            cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
+        for old in [e for e in self._entries.values() if self._extends(hashes, e)]:
+            self._fold(old, cache)
+        entry = _Entry(self._next_id, tuple(hashes), cache, _entry_bytes(cache))
+        self._next_id += 1
+        if entry.nbytes > self.config.budget_bytes:
+            return StoreChange(None, [])
+        self._add(entry)
+        self._counts["stores"] += 1
+        evicted = self._evict_over_budget(keep=entry.id)
+        return StoreChange(BlocksStored(self.worker, [self._run(entry)]), evicted)
+
+    def report(self, cluster: str, role: Role) -> WorkerReport:
+        """Every entry's chain: the full report the cache directory rebuilds itself from."""
+        return WorkerReport(self.worker, cluster, role,
+                            [self._run(e) for e in self._entries.values()])
+
+    def statistics(self) -> PrefixStoreStatistics:
+        return PrefixStoreStatistics(
+            entries=len(self._entries),
+            blocks=len(self._by_hash),
+            snapshots=sum(len(e.cache.snapshots) for e in self._entries.values()),
+            bytes=self._bytes,
+            budget_bytes=self.config.budget_bytes,
+            **self._counts,
+        )
+
+    def check_integrity(self) -> None:
+        index: dict[int, dict[int, int]] = {}
+        for entry in self._entries.values():
+            if entry.cache.length < len(entry.hashes) * self.block_size:
+                raise PrefixStoreError(f"entry {entry.id}: cache length {entry.cache.length} "
+                                       f"< {len(entry.hashes)} blocks")
+            entry.cache.check_integrity()
+            for i, h in enumerate(entry.hashes):
+                index.setdefault(h, {})[entry.id] = i
+        if index != self._by_hash:
+            raise PrefixStoreError("hash index does not match the entries")
+        total = sum(e.nbytes for e in self._entries.values())
+        if total != self._bytes or total > max(self.config.budget_bytes, 0):
+            raise PrefixStoreError(f"bytes {self._bytes} != {total} or over the budget")
+
+    def _held(self, hashes: Sequence[int]) -> int:
+        """Leading blocks held: held-ness only shrinks along a chain, so binary search."""
+        low, high = 0, len(hashes)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._by_hash.get(hashes[mid - 1]):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _resumable(self, hashes: Sequence[int], held: int) -> tuple[int, _Entry | None]:
+        for blocks in range(held, 0, -1):
+            for entry_id in self._by_hash[hashes[blocks - 1]]:
+                entry = self._entries[entry_id]
+                if blocks in entry.snapshot_blocks:
+                    self._counts["hits"] += 1
+                    return blocks, entry
+        return 0, None
+
+    def _check_chain(self, hashes: Sequence[int], cache: RequestCache) -> None:
+        full = cache.length // self.block_size
+        if len(hashes) != full:
+            raise PrefixStoreError(f"hashes must name the cache's {full} full blocks, "
+                                   f"got {len(hashes)}")
+
+    def _extends(self, hashes: Sequence[int], old: _Entry) -> bool:
+        n = len(old.hashes)
+        return n <= len(hashes) and hashes[n - 1] == old.hashes[-1]
+
+    def _fold(self, old: _Entry, cache: RequestCache) -> None:
+        """The new cache holds all of `old`'s blocks: take its snapshots, drop it quietly."""
+        for length, snapshot in old.cache.snapshots.items():
+            if length <= len(old.hashes) * self.block_size:
+                cache.snapshots.setdefault(length, snapshot)
+        self._remove(old)
+        self._counts["folded"] += 1
+
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.id] = entry
+        for i, h in enumerate(entry.hashes):
+            self._by_hash.setdefault(h, {})[entry.id] = i
+        self._bytes += entry.nbytes
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._entries[entry.id]
+        for h in entry.hashes:
+            holders = self._by_hash[h]
+            del holders[entry.id]
+            if not holders:
+                del self._by_hash[h]
+        self._bytes -= entry.nbytes
+
+    def _touch(self, entry: _Entry) -> None:
+        self._entries.move_to_end(entry.id)
+
+    def _evict_over_budget(self, keep: int) -> list[BlocksEvicted]:
+        gone: list[int] = []
+        snapshots_gone: list[int] = []
+        while self._bytes > self.config.budget_bytes:
+            victim = next(e for e in self._entries.values() if e.id != keep)
+            self._remove(victim)
+            self._counts["evictions"] += 1
+            for n, h in enumerate(victim.hashes, start=1):
+                if h not in self._by_hash:
+                    gone.append(h)
+                elif n in victim.snapshot_blocks and not self._snapshot_left(h, n):
+                    snapshots_gone.append(h)
+        self._counts["blocks_evicted"] += len(gone)
+        out = [BlocksEvicted(self.worker, gone)] if gone else []
+        if snapshots_gone:
+            out.append(BlocksEvicted(self.worker, snapshots_gone, snapshots_only=True))
+        return out
+
+    def _snapshot_left(self, block_hash: int, blocks: int) -> bool:
+        return any(blocks in self._entries[i].snapshot_blocks for i in self._by_hash[block_hash])
+
+    def _run(self, entry: _Entry) -> BlockRun:
+        return BlockRun(list(entry.hashes), sorted(n - 1 for n in entry.snapshot_blocks))

@@ -1,0 +1,328 @@
+"""A worker process: one model, one prefix cache, a prefill and a decode engine, one role.
+
+`run_worker` is what `prfaas serve` runs for services of kind "prefill" and "decode". The
+process loads the model once (the shipped checkpoint, or a random-init model of the named
+family with a fixed seed: every worker of a topology builds the same weights) and serves
+whichever role it holds; a PD-cluster worker switches role when told (`SetRole`: stop taking
+new work, drain, switch, re-report its cache), so the router's long-term loop can rebalance.
+It reports its cached blocks to the cache directory as they change, and its whole cache when
+it starts, when the directory asks (`ReportCache`) and after a report was lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import msgspec
+import torch
+
+from mesh.errors import ConfigError, MeshError
+from mesh.events import EventBus
+from mesh.mailbox import Mailbox
+from mesh.node import Node, NodeConfig
+from mesh.server import Context
+from mesh.transport import Address
+from services.cachedir import WorkerReport
+from services.decode import DecodeConfig, DecodeWorker
+from services.hardware import CostModel, Pacer
+from services.messages import (
+    DecodeRequest,
+    KVAccepted,
+    KVOpen,
+    ModelInfo,
+    PrefillDone,
+    PrefillRequest,
+    ReportCache,
+    Role,
+    SetRole,
+    StatusQuery,
+    WorkerState,
+    WrongRole,
+)
+from services.model.cache import dtype_name
+from services.model.config import family_config
+from services.model.model import HybridLM, build_model
+from services.prefill import Pacing, PrefillConfig, PrefillWorker
+from services.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
+from services.serve import ServiceContext, link_of_peer, serve_events, serve_metrics
+from services.telemetry import Event, RoleChanged, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+CacheMessage = msgspec.Struct
+
+
+def checkpoint_path(option: str, family: str, size: str) -> Path | None:
+    """The weights file to load: an explicit path, the shipped kimi-linear checkpoint when
+    "auto" finds it (default size only), or None for a random-init model."""
+    if option == "none":
+        return None
+    if option != "auto":
+        return Path(option)
+    from services.model.train import DEFAULT_CHECKPOINT
+
+    if (family, size) == ("kimi-linear", "default") and DEFAULT_CHECKPOINT.is_file():
+        return DEFAULT_CHECKPOINT
+    return None
+
+
+def load_model(ctx: ServiceContext) -> tuple[HybridLM, str]:
+    """The model named by the service's options, and where its weights came from (every
+    worker of a topology must end up with the same weights: same file, or same seed)."""
+    family = ctx.option("family", "kimi-linear")
+    size = ctx.option("size", "default")
+    seed = ctx.option("seed", 0)
+    path = checkpoint_path(ctx.option("checkpoint", "auto"), family, size)
+    if path is None:
+        log.info("no checkpoint for %s/%s: random init with seed %d", family, size, seed)
+        cfg = family_config(family, size)
+        return build_model(cfg, seed=seed, dtype=ctx.option("dtype", "float32")), (
+            f"random-init seed {seed}")
+    from services.model.train import load_checkpoint
+
+    model, cfg, _ = load_checkpoint(path)
+    if (cfg.family, cfg.size) != (family, size):
+        raise ConfigError(f"service {ctx.name!r}: checkpoint {str(path)!r} holds "
+                          f"{cfg.family}/{cfg.size}, options say {family}/{size}")
+    assert isinstance(model, HybridLM)
+    return model, f"checkpoint {path}"
+
+
+def model_info(model: HybridLM, source: str) -> ModelInfo:
+    cfg = model.cfg
+    return ModelInfo(family=cfg.family, size=cfg.size, config_hash=cfg.config_hash(),
+                     dtype=dtype_name(model.dtype), vocab_size=cfg.vocab_size,
+                     block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
+
+
+def serve_prefill(node: Node, worker: PrefillWorker,
+                  admit: Callable[[], None] = lambda: None) -> None:
+    """Registers the prefill handler on `node`; `admit` raises when the worker may not take
+    new prefill work (its role gate)."""
+
+    @node.handles(PrefillRequest)
+    async def on_prefill(request: PrefillRequest, ctx: Context) -> PrefillDone:
+        admit()
+        return await worker.prefill(request)
+
+
+def serve_decode(node: Node, worker: DecodeWorker,
+                 admit: Callable[[], None] = lambda: None) -> None:
+    """Registers the decode handlers on `node`; `admit` raises when the worker may not take
+    new decode work (its role gate). KV for a request already being decoded always gets in."""
+
+    @node.accepts_stream(KVOpen)
+    async def on_kv(opening: KVOpen, items: Mailbox[msgspec.Struct], ctx: Context) -> KVAccepted:
+        if not worker.inbox.expects(opening.request_id):
+            admit()
+        return await worker.inbox.receive(opening, items, ctx.peer)
+
+    @node.serves_stream(DecodeRequest)
+    async def on_decode(
+        request: DecodeRequest, ctx: Context
+    ) -> AsyncGenerator[msgspec.Struct, None]:
+        admit()
+        async for chunk in worker.decode(request):
+            yield chunk
+
+
+class CacheReporter:
+    """Casts cache changes to the directory in order; after a lost cast, a full report first."""
+
+    def __init__(
+        self, node: Node, cachedir: str | None, full: Callable[[], WorkerReport]
+    ) -> None:
+        self._node = node
+        self._cachedir = cachedir
+        self._full = full
+        self._queue: deque[CacheMessage] = deque()
+        self._wakeup = anyio.Event()
+        self._stale = True  # the directory may not know us yet: start with a full report
+
+    def submit(self, change: StoreChange) -> None:
+        if self._cachedir is not None:
+            if change.stored is not None:
+                self._queue.append(change.stored)
+            self._queue.extend(change.evicted)
+            self._wakeup.set()
+
+    def resync(self) -> None:
+        """Send the whole cache next (the role changed, or the directory asked)."""
+        self._stale = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        self._wakeup.set()  # report the whole cache at once: the directory may be new
+        while self._cachedir is not None:
+            await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            await self._deliver()
+
+    async def _deliver(self) -> None:
+        assert self._cachedir is not None
+        try:
+            if self._stale:
+                self._queue.clear()  # the full report covers them
+                await self._node.cast(self._cachedir, self._full(), timeout=5.0)
+                self._stale = False
+            while self._queue:
+                await self._node.cast(self._cachedir, self._queue[0], timeout=5.0)
+                self._queue.popleft()
+        except MeshError as exc:
+            self._stale = True
+            log.warning("cache report to %s lost (%s); a full report follows", self._cachedir,
+                        exc)
+
+
+class WorkerService:
+    """The role gate and the glue around the prefill and decode engines of one process."""
+
+    def __init__(self, ctx: ServiceContext, model: HybridLM, source: str) -> None:
+        self.ctx = ctx
+        self.name = ctx.name
+        self.cluster = ctx.spec.cluster
+        self.cluster_kind = ctx.topology.cluster(self.cluster).kind if self.cluster else ""
+        self.role: Role = "decode" if ctx.spec.kind == "decode" else "prefill"
+        self.draining = False
+        self.info = model_info(model, source)
+        self.bus: EventBus[Event] = EventBus()
+        self.node = ctx.node()
+        lane_config = NodeConfig(max_concurrency=1)
+        lanes = ctx.option("connections", 4)
+        self.lanes = [self.node] + [ctx.node(f"{self.name}#{k}", lane_config)
+                                    for k in range(1, lanes)]
+        budget = int(ctx.option("cache_mib", 256.0) * MIB)
+        self.store = PrefixStore(self.name, model.cfg.block_size, PrefixStoreConfig(
+            budget_bytes=budget))
+        cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
+        self.reporter = CacheReporter(self.node, cachedir, self.report)
+        pacing = self._pacing()
+        self.prefill = PrefillWorker(
+            model, self.store, self.lanes,
+            PrefillConfig(name=self.name, cluster=self.cluster,
+                          snapshot_every=ctx.option("snapshot_every", 1),
+                          chunk_tokens=ctx.option("chunk_tokens", 512)),
+            bus=self.bus, pacing=pacing, report=self.reporter.submit,
+            link_of=link_of_peer(ctx.topology, self.cluster),
+        )
+        self.decode = DecodeWorker(
+            model, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
+                                            slots=ctx.option("slots", 8)),
+            bus=self.bus, pacing=pacing, report=self.reporter.submit,
+        )
+        self._register()
+
+    def _pacing(self) -> Pacing | None:
+        if self.ctx.mode != "emulated":
+            return None
+        profile = self.ctx.option("profile", "cpu")
+        return Pacing(CostModel.load(profile), Pacer(self.ctx.time_scale))
+
+    def _register(self) -> None:
+        serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"))
+        serve_decode(self.node, self.decode, lambda: self._admit("decode"))
+        serve_events(self.node, self.bus)
+
+        @self.node.handles(StatusQuery)
+        async def on_status(msg: StatusQuery, ctx: Context) -> WorkerState:
+            return self.state()
+
+        @self.node.handles(SetRole)
+        async def on_set_role(msg: SetRole, ctx: Context) -> WorkerState:
+            await self.switch(msg.role, msg.reason or f"asked by {ctx.peer}")
+            return self.state()
+
+        @self.node.handles(ReportCache)
+        async def on_report(msg: ReportCache, ctx: Context) -> WorkerReport:
+            return self.report()
+
+    def _admit(self, role: Role) -> None:
+        if self.role != role or self.draining:
+            state = f"{self.role}{' (draining)' if self.draining else ''}"
+            raise WrongRole(f"{self.name} holds role {state}, cannot take {role} work")
+
+    async def switch(self, role: Role, reason: str) -> None:
+        """Stop taking work, let what is queued and running finish, then take `role`."""
+        if role == self.role and not self.draining:
+            return
+        if self.cluster_kind != "pd":
+            raise WrongRole(f"only PD-cluster workers switch roles; {self.name} is in cluster "
+                            f"{self.cluster!r} of kind {self.cluster_kind!r}")
+        if self.draining:
+            raise WrongRole(f"{self.name} is already switching to {self.role}")
+        old, self.draining = self.role, True
+        self._publish_status()
+        try:
+            await self.prefill.wait_idle()
+            await self.decode.wait_idle()
+        finally:
+            self.draining = False
+        self.role = role
+        self.bus.publish(RoleChanged(ts=anyio.current_time(), source=self.name,
+                                     worker=self.name, old=old, new=role, reason=reason))
+        self.reporter.resync()
+
+    def report(self) -> WorkerReport:
+        return self.store.report(self.cluster, self.role)
+
+    def state(self) -> WorkerState:
+        prefill, decode = self.prefill.statistics(), self.decode.statistics()
+        return WorkerState(
+            name=self.name, cluster=self.cluster, role=self.role, draining=self.draining,
+            queue_depth=prefill.queue_depth + decode.waiting,
+            running=prefill.running + decode.running,
+            cached_blocks=self.store.statistics().blocks, model=self.info,
+        )
+
+    def _publish_status(self) -> None:
+        state = self.state()
+        self.bus.publish(WorkerStatus(
+            ts=anyio.current_time(), source=self.name, worker=self.name, cluster=self.cluster,
+            role="draining" if self.draining else self.role, queue_depth=state.queue_depth,
+            running=state.running, busy=state.running > 0, cached_blocks=state.cached_blocks,
+        ))
+
+    async def _publish_status_every(self, interval: float) -> None:
+        while True:
+            self._publish_status()
+            await anyio.sleep(interval)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with AsyncExitStack() as stack:
+            for node in self.lanes:
+                await stack.enter_async_context(node)
+            address = await self.node.listen()
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            tg.start_soon(self.decode.run)
+            tg.start_soon(self.reporter.run)
+            tg.start_soon(self._publish_status_every, self.ctx.option("status_interval", 1.0))
+            tg.start_soon(serve_metrics, self.ctx, {
+                "node": self.node.statistics, "prefill": self.prefill.statistics,
+                "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
+                "events": self.bus.statistics,
+            })
+            log.info("%s serving role %s with %s %s (%s)", self.name, self.role,
+                     self.info.family, self.info.size, self.info.source)
+            task_status.started(address)
+            await anyio.sleep_forever()
+
+
+async def run_worker(
+    ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """The `prefill` / `decode` runner of `prfaas serve`."""
+    threads = ctx.option("threads", 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    model, source = await anyio.to_thread.run_sync(load_model, ctx)
+    service = WorkerService(ctx, model, source)
+    ctx.expose(ctx.name, service)
+    await service.run(task_status=task_status)

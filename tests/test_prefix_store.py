@@ -1,0 +1,167 @@
+"""PrefixStore: held and resumable prefixes, resume equals recompute, folding, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.cachedir import BlockRun, BlocksEvicted
+from services.model.cache import RequestCache
+from services.model.config import family_config
+from services.model.generate import block_boundaries, prefill
+from services.model.model import HybridLM, build_model
+from services.prefix import block_hashes_reference
+from services.prefix_store import (
+    LocalMatch,
+    PrefixStore,
+    PrefixStoreConfig,
+    PrefixStoreError,
+    prompt_hashes,
+)
+
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridLM:
+    return build_model(family_config("kimi-linear", "tiny"), seed=0)
+
+
+def tokens(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
+
+
+def cached(model: HybridLM, ids: list[int], snapshots: bool = True) -> RequestCache:
+    at = block_boundaries(0, len(ids), BLOCK) if snapshots else []
+    return prefill(model, ids, snapshot_at=at).cache
+
+
+def test_prompt_hashes_cover_full_blocks_only() -> None:
+    ids = tokens(200)
+    assert prompt_hashes(ids, BLOCK) == block_hashes_reference(ids, BLOCK)
+    assert len(prompt_hashes(ids, BLOCK)) == 3
+    assert prompt_hashes([], BLOCK) == []
+
+
+def test_store_reports_blocks_and_matches_prefixes(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(200)
+    change = store.store(prompt_hashes(ids, BLOCK), cached(model, ids))
+    store.check_integrity()
+    assert change.stored is not None and change.evicted == []
+    assert change.stored.runs == [BlockRun(prompt_hashes(ids, BLOCK), [0, 1, 2])]
+    assert store.match(prompt_hashes(ids + tokens(64, 1), BLOCK)) == LocalMatch(3, 3)
+    other = ids[:BLOCK] + tokens(BLOCK, 2)
+    assert store.match(prompt_hashes(other, BLOCK)) == LocalMatch(1, 1)
+    assert store.match(prompt_hashes(tokens(128, 3), BLOCK)) == LocalMatch(0, 0)
+
+
+def test_resume_then_prefill_equals_full_prefill(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(200)
+    store.store(prompt_hashes(ids, BLOCK), cached(model, ids))
+    longer = ids[:150] + tokens(70, 4)
+    resumed = store.resume(prompt_hashes(longer, BLOCK), max_blocks=(len(longer) - 1) // BLOCK)
+    assert resumed is not None and resumed.length == 128
+    tail = prefill(model, longer[128:], resumed)
+    whole = prefill(model, longer)
+    torch.testing.assert_close(tail.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    assert store.resume(prompt_hashes(longer, BLOCK), max_blocks=0) is None
+    store.check_integrity()
+
+
+def test_resume_stops_at_the_last_snapshot(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(192)
+    cache = prefill(model, ids, snapshot_at=[64]).cache  # no snapshot at 128 (192 is its end)
+    store.store(prompt_hashes(ids, BLOCK), cache)
+    probe = prompt_hashes(ids[:128] + tokens(64, 5), BLOCK)
+    assert store.match(probe) == LocalMatch(2, 1)
+    resumed = store.resume(probe, max_blocks=2)
+    assert resumed is not None and resumed.length == 64
+
+
+def test_kv_base_holds_the_prefix_or_says_why(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(130)
+    cache = cached(model, ids, snapshots=False)
+    store.store(prompt_hashes(ids, BLOCK), cache)
+    base = store.kv_base(prompt_hashes(ids, BLOCK), 2)
+    assert base is cache and base.length == 130
+    with pytest.raises(PrefixStoreError, match="holds no KV for the first 2 blocks"):
+        store.kv_base(prompt_hashes(tokens(130, 6), BLOCK), 2)
+    with pytest.raises(PrefixStoreError, match="blocks must be in"):
+        store.kv_base(prompt_hashes(ids, BLOCK), 3)
+
+
+def test_an_extension_folds_the_older_entry_and_keeps_its_snapshots(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(140)
+    store.store(prompt_hashes(ids, BLOCK), cached(model, ids))
+    resumed = store.resume(prompt_hashes(ids, BLOCK), 2)
+    assert resumed is not None
+    longer = ids + tokens(60, 7)
+    prefill(model, longer[128:], resumed)  # no snapshots of its own
+    change = store.store(prompt_hashes(longer, BLOCK), resumed)
+    store.check_integrity()
+    stats = store.statistics()
+    assert (stats.entries, stats.folded, stats.blocks) == (1, 1, 3)
+    assert change.stored is not None and change.stored.runs[0].snapshot_at == [0, 1]
+    assert store.match(prompt_hashes(longer, BLOCK)) == LocalMatch(3, 2)
+    report = store.report("pd", "decode")
+    assert (report.worker, report.cluster, report.role, len(report.runs)) == (
+        "w", "pd", "decode", 1)
+
+
+def entry_bytes(model: HybridLM, n: int) -> int:
+    store = PrefixStore("probe", BLOCK)
+    ids = tokens(n, 9)
+    store.store(prompt_hashes(ids, BLOCK), cached(model, ids))
+    return store.statistics().bytes
+
+
+def test_lru_eviction_within_the_budget(model: HybridLM) -> None:
+    size = entry_bytes(model, 128)
+    store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=2 * size + size // 2))
+    a, b, c = tokens(128, 1), tokens(128, 2), tokens(128, 3)
+    for ids in (a, b):
+        assert store.store(prompt_hashes(ids, BLOCK), cached(model, ids)).evicted == []
+    assert store.resume(prompt_hashes(a, BLOCK), 1) is not None  # a is now most recent
+    change = store.store(prompt_hashes(c, BLOCK), cached(model, c))
+    store.check_integrity()
+    assert change.evicted == [BlocksEvicted("w", prompt_hashes(b, BLOCK))]
+    assert store.match(prompt_hashes(b, BLOCK)) == LocalMatch(0, 0)
+    assert store.match(prompt_hashes(a, BLOCK)) == LocalMatch(2, 2)
+    assert store.statistics().evictions == 1
+
+
+def test_eviction_reports_snapshots_only_for_blocks_still_held(model: HybridLM) -> None:
+    size = entry_bytes(model, 128)
+    store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=size + size // 2))
+    x = tokens(128, 1)
+    y = x[:BLOCK] + tokens(BLOCK, 2)
+    store.store(prompt_hashes(x, BLOCK), cached(model, x))
+    change = store.store(prompt_hashes(y, BLOCK), prefill(model, y, snapshot_at=[128]).cache)
+    hx, hy = prompt_hashes(x, BLOCK), prompt_hashes(y, BLOCK)
+    assert change.evicted == [BlocksEvicted("w", [hx[1]]),
+                              BlocksEvicted("w", [hx[0]], snapshots_only=True)]
+    assert store.match(hy) == LocalMatch(2, 2)
+    assert store.match(hx) == LocalMatch(1, 0)
+    store.check_integrity()
+
+
+def test_an_entry_over_the_whole_budget_is_not_kept(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=1000))
+    ids = tokens(128)
+    change = store.store(prompt_hashes(ids, BLOCK), cached(model, ids))
+    assert (change.stored, change.evicted) == (None, [])
+    assert store.statistics().entries == 0
+
+
+def test_store_refuses_a_chain_that_does_not_fit_the_cache(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(130)
+    with pytest.raises(PrefixStoreError, match="must name the cache's 2 full blocks, got 1"):
+        store.store(prompt_hashes(ids, BLOCK)[:1], cached(model, ids))
+    with pytest.raises(PrefixStoreError, match="budget_bytes must be >= 0, got -1"):
+        PrefixStoreConfig(budget_bytes=-1)

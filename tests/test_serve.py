@@ -1,0 +1,209 @@
+"""`prfaas serve`: options, routes through links, the default topology, runners, the event
+stream, the echo service in this process and as a launched child."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mesh.errors import ConfigError
+from mesh.events import EventBus
+from mesh.node import Node
+from mesh.topology import parse_topology
+from mesh.transport import Address, TcpTransport
+from services.messages import Echo, Subscribe
+from services.serve import (
+    LaunchError,
+    ServiceContext,
+    default_topology,
+    in_process,
+    launch,
+    link_of_peer,
+    link_routes,
+    resolve_from,
+    runner_for,
+    serve_events,
+    serve_main,
+)
+from services.telemetry import Event, WorkerStatus
+from services.worker import WorkerService
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+TOPOLOGY = parse_topology(f"""
+[[clusters]]
+name = "prfaas"
+kind = "prfaas"
+options = {{ family = "mimo", seed = 3, threads = 1 }}
+[[clusters]]
+name = "pd"
+kind = "pd"
+[[services]]
+name = "p"
+kind = "prefill"
+cluster = "prfaas"
+port = 7001
+options = {{ seed = 4, cache_mib = 64 }}
+[[services]]
+name = "q"
+kind = "prefill"
+cluster = "pd"
+port = 7002
+[[services]]
+name = "d"
+kind = "decode"
+cluster = "pd"
+port = 7003
+[[services]]
+name = "wan"
+kind = "link"
+port = 7004
+options = {{ proxy_base_port = 7300, control_port = 7005 }}
+[[services]]
+name = "echo"
+kind = "echo"
+port = {free_port()}
+[[links]]
+name = "wan"
+a = "prfaas"
+b = "pd"
+bandwidth_bps = 1e9
+""")
+
+
+def context(name: str) -> ServiceContext:
+    return ServiceContext(TOPOLOGY, TOPOLOGY.service(name))
+
+
+def test_options_come_from_the_service_then_its_cluster() -> None:
+    ctx = context("p")
+    assert ctx.option("seed", 0) == 4
+    assert ctx.option("family", "kimi-linear") == "mimo"
+    assert ctx.option("cache_mib", 256.0) == 64.0
+    assert ctx.option("slots", 8) == 8
+    with pytest.raises(ConfigError, match="option family='mimo' must be a int"):
+        ctx.option("family", 0)
+
+
+def test_cross_cluster_peers_go_through_the_link_and_lanes_share_an_address() -> None:
+    routes = link_routes(TOPOLOGY, TOPOLOGY.links[0])
+    assert [(r.service, r.listen.port, r.upstream.port) for r in routes] == [
+        ("q", 7300, 7002), ("d", 7301, 7003)]
+    from_prfaas = resolve_from(TOPOLOGY, "prfaas")
+    assert from_prfaas("d") == from_prfaas("d#2") == Address("127.0.0.1", 7301)
+    assert from_prfaas("p") == Address("127.0.0.1", 7001)
+    assert resolve_from(TOPOLOGY, "pd")("d") == Address("127.0.0.1", 7003)
+    assert link_of_peer(TOPOLOGY, "prfaas")("d#1") == "wan"
+    assert link_of_peer(TOPOLOGY, "pd")("d") is None
+
+
+def test_the_default_topology_is_the_designs() -> None:
+    topology = default_topology()
+    kinds = {s.name: (s.kind, s.cluster, s.port) for s in topology.services}
+    assert kinds["prfaas-prefill-0"] == ("prefill", "prfaas", 7110)
+    assert kinds["pd-prefill-0"] == ("prefill", "pd", 7120)
+    assert kinds["pd-decode-0"] == ("decode", "pd", 7130)
+    assert kinds["cachedir"][0] == "cachedir" and kinds["link-0"][0] == "link"
+    assert [(c.name, c.kind) for c in topology.clusters] == [("prfaas", "prfaas"), ("pd", "pd")]
+    assert resolve_from(topology, "prfaas")("pd-decode-0") == Address("127.0.0.1", 7201)
+    link = topology.service("link-0").options
+    assert (link["control_port"], link["proxy_base_port"]) == (8474, 7200)
+
+
+def test_unknown_kinds_and_names_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="service kind must be one of"):
+        runner_for("teapot")
+    assert serve_main(["no-such-service"]) == 2
+    assert "service 'no-such-service' is not in the topology" in capsys.readouterr().err
+
+
+@pytest.mark.trio
+async def test_echo_and_the_event_stream_over_tcp() -> None:
+    async with in_process(TOPOLOGY, ["echo"], transport=TcpTransport()) as mesh:
+        address = mesh.addresses["echo"]
+        node = Node("client", mesh.client().codec, TcpTransport(), {"echo": address})
+        async with node:
+            with trio.fail_after(10):
+                assert await node.call("echo", Echo(text="hi", hops=1), Echo) == Echo(
+                    text="hi", hops=2)
+
+
+@pytest.mark.trio
+async def test_subscribers_see_events_published_after_they_asked(memory_hub: object) -> None:
+    async with in_process(TOPOLOGY, []) as mesh:
+        bus: EventBus[Event] = EventBus()
+        server = Node("events", mesh.client().codec, mesh.transport, {"events": Address("e", 1)})
+        serve_events(server, bus)
+        event = WorkerStatus(ts=1.0, source="w", worker="w", cluster="pd", role="decode",
+                             queue_depth=0, running=1, busy=True, cached_blocks=2)
+        async with server, Node("ui", mesh.client().codec, mesh.transport,
+                                {"events": Address("e", 1)}) as client:
+            await server.listen(Address("e", 1))
+            with trio.fail_after(10):
+                async with client.open_stream("events", Subscribe(maxlen=4)) as events:
+                    while bus.statistics().subscribers == 0:
+                        await trio.sleep(0.01)
+                    bus.publish(event)
+                    assert await events.__anext__() == event
+
+
+@pytest.mark.trio
+@pytest.mark.slow
+async def test_launch_runs_prfaas_serve_children(tmp_path: Path) -> None:
+    port = free_port()
+    path = tmp_path / "topology.toml"
+    path.write_text(f'[[services]]\nname = "echo"\nkind = "echo"\nport = {port}\n'
+                    f'[[services]]\nname = "broken"\nkind = "teapot"\nport = {port + 1}\n')
+    backend = ["--backend", os.environ.get("PRFAAS_E2E_BACKEND", "uvloop")]
+    with launch(path, ["echo"], extra_args=backend, log_dir=tmp_path,
+                ready_timeout=60) as children:
+        node = Node("client", context("p").codec, TcpTransport(),
+                    {"echo": Address("127.0.0.1", port)})
+        async with node:
+            with trio.fail_after(10):
+                assert (await node.call("echo", Echo(text="x"), Echo)).hops == 1
+        assert children["echo"].poll() is None
+    assert children["echo"].poll() is not None
+    with pytest.raises(LaunchError, match="'broken' exited with code 2 before ready"), \
+            launch(path, ["broken"], ready_timeout=60):
+        pass
+
+
+@pytest.mark.trio
+async def test_a_worker_serves_its_statistics_at_metrics() -> None:
+    port = free_port()
+    topology = parse_topology(f"""
+[[clusters]]
+name = "pd"
+kind = "pd"
+[[services]]
+name = "d"
+kind = "decode"
+cluster = "pd"
+port = 1
+options = {{ family = "qwen-next", size = "tiny", checkpoint = "none", metrics_port = {port} }}
+""")
+    async with in_process(topology, ["d"]) as mesh:
+        assert isinstance(mesh.services["d"], WorkerService)
+        async with httpx.AsyncClient() as http:
+            with trio.fail_after(20):
+                while True:
+                    try:
+                        response = await http.get(f"http://127.0.0.1:{port}/metrics")
+                        break
+                    except httpx.ConnectError:
+                        await trio.sleep(0.05)
+    assert response.status_code == 200
+    assert 'prfaas_decode_finished_total{service="d"} 0.0' in response.text
+    assert "prfaas_prefix_cache_budget_bytes" in response.text
