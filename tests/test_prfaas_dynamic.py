@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from services.hardware import CostModel
-from services.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy
+from services.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy, _toward
 from services.policies.roles import RoleConfig
 from services.policy import (
     ClusterState,
@@ -84,8 +84,11 @@ def test_bandwidth_cut_raises_t_and_offloading_falls_then_recovers() -> None:
     assert any("congested (link utilisation" in m.reason for m in cut_moves)
     assert during < before - 0.25
     link.rate_bps = NOMINAL
-    run(policy, link, rng, 250, 60)
-    after, _ = run(policy, link, rng, 310, 100)
+    _, back = run(policy, link, rng, 250, 40)
+    # Back within 15 % of its start within 40 s of the bandwidth's return.
+    assert policy.threshold == pytest.approx(t0, rel=0.15)
+    assert any("link calm" in m.reason for m in back)
+    after, _ = run(policy, link, rng, 290, 100)
     assert policy.threshold == pytest.approx(t0, rel=0.15)
     assert after == pytest.approx(before, abs=0.08)
 
@@ -163,6 +166,82 @@ def test_queue_surges_move_t_in_opposite_directions() -> None:
     (down,) = other.tick(0.0, pd_state(pd_queue=3))  # 3 workers x 3 queued = 9 >= 8
     assert isinstance(down, SetThreshold) and "PD prefill queue 9" in down.reason
     assert down.new == pytest.approx(t0 / 1.25)
+
+
+def raised_policy(now: int = 0, **options: object) -> PrfaasDynamicPolicy:
+    """A quiet policy whose t a congested link pushed to 1.25^4 of its start by `now` + 15."""
+    policy = quiet_policy(smoothing_s=0.0, **options)
+    for second in range(now, now + 16):
+        policy.observe(link(second, 0.95))
+        policy.tick(second, ClusterState())
+    return policy
+
+
+def test_brief_pd_queue_spikes_do_not_hold_back_recovery() -> None:
+    t0 = quiet_policy().threshold
+    assert t0 is not None
+    policy = raised_policy()
+    assert policy.threshold == pytest.approx(1.25**4 * t0)
+    moves = []
+    for now in range(16, 56):
+        policy.observe(link(now, 0.1))
+        spike = 4 if now % 3 == 0 else 0  # 3 workers x 4 = 12 >= surge, one tick in three
+        moves += policy.tick(now, pd_state(pd_queue=spike))
+    # Calm from 16: moves at 26, 31, 36 (halfway in log space, then one step): 2.44 ->
+    # 1.56 -> 1.25 -> 1, where one step a dwell would have needed four.
+    thresholds = [m for m in moves if isinstance(m, SetThreshold)]
+    assert len(thresholds) == len(moves)
+    assert [m.new for m in thresholds] == pytest.approx([1.25**2 * t0, 1.25 * t0, t0])
+    assert all("link calm for 10 s" in m.reason for m in thresholds)
+    stats = policy.statistics()
+    # The spikes are seen (their average is near surge / 2) but never restart the calm timer.
+    assert stats.calm_since == 16 and stats.queue_pd > 2
+
+
+def test_recovery_waits_while_the_side_it_would_load_is_busy() -> None:
+    policy = raised_policy()
+    t_high = policy.threshold
+    for now in range(16, 60):  # PrfaaS queue 6 >= surge / 2: no slack to take more
+        policy.observe(link(now, 0.1))
+        assert policy.tick(now, pd_state(prfaas_queue=6)) == []
+    assert policy.threshold == t_high
+    for now in range(60, 80):  # the queue drains; its average falls under 4 within 5 s
+        policy.observe(link(now, 0.1))
+        if moves := policy.tick(now, pd_state()):
+            break
+    assert 60 < now <= 66 and isinstance(moves[0], SetThreshold)
+    assert t_high is not None and moves[0].new == pytest.approx(t_high / 1.25**2)
+
+
+def test_a_noisy_link_and_noisy_queues_move_nothing() -> None:
+    policy, rng = quiet_policy(), random.Random(5)
+    t0 = policy.threshold
+    assert t0 is not None
+    actions = []
+    for now in range(600):
+        # Raw samples cross both watermarks every few seconds; queues spike past the surge.
+        policy.observe(link(now, min(1.0, max(0.0, rng.gauss(0.45, 0.25)))))
+        spikes = [12 * (rng.random() < 0.1) for _ in range(2)]
+        actions += policy.tick(now, pd_state(prfaas_queue=spikes[0], pd_queue=spikes[1] // 3))
+        policy.check_integrity()
+    assert actions == [] and policy.threshold == t0
+    # A surge that persists is one: the PD queue held at 12 lowers t within 10 s.
+    for now in range(600, 610):
+        policy.observe(link(now, 0.3))
+        actions += policy.tick(now, pd_state(pd_queue=4))
+    (fall,) = actions
+    assert isinstance(fall, SetThreshold) and "PD prefill queue" in fall.reason
+    assert fall.new == pytest.approx(t0 / 1.25)
+
+
+def test_a_recovery_move_is_halfway_in_log_space_at_least_a_step_never_past() -> None:
+    assert _toward(10_000.0, 100.0, 1.25) == pytest.approx(1_000.0)
+    assert _toward(100.0, 10_000.0, 1.25) == pytest.approx(1_000.0)
+    assert _toward(120.0, 100.0, 1.25) == pytest.approx(100.0)
+    assert _toward(200.0, 100.0, 1.25) == pytest.approx(141.42, rel=1e-4)
+    assert _toward(140.0, 100.0, 1.25) == pytest.approx(112.0)  # halfway is under one step
+    assert _toward(math.inf, 100.0, 1.25) == math.inf  # from "offload nothing": one step
+    assert _toward(0.0, 100.0, 1.25) == pytest.approx(1.25)
 
 
 def test_override_pins_t_against_both_loops() -> None:

@@ -3,21 +3,27 @@
 t starts where the planner puts it: `solve_threshold` (Eq. 7) on the configured hardware
 profiles, cluster shape and an initial length distribution (default: the paper's workload).
 
-Short-term loop (every `tick`). Signals, as the paper lists them: PrfaaS egress utilisation
-(averaged over `smoothing_s`, so one long transfer on a slow link is not congestion), PrfaaS
-queue depth and transfer stalls. The re-search of t ("model t") uses the *recent* incremental
-lengths (a window of what `decide` saw) and the *current* effective bandwidth:
-B_eff = B_out * (link rate now / nominal rate) * (1 - headroom), times `stall_derate` while
-stalls are recent. Three moves, at most one per `dwell_s`, each only if t changes by more
-than `min_rel_change`:
+Short-term loop (every `tick`). Signals, as the paper lists them: PrfaaS egress utilisation,
+queue depths and transfer stalls. Utilisation is averaged over `smoothing_s` and both queue
+depths over `queue_smoothing_s` (exponential averages on the caller's clock), so one long
+transfer on a slow link, or a burst of arrivals, is not congestion; a sustained excess is.
+The re-search of t ("model t") uses the *recent* incremental lengths (a window of what
+`decide` saw) and the *current* effective bandwidth: B_eff = B_out * (link rate now /
+nominal rate) * (1 - headroom), times `stall_derate` while stalls are recent. Three moves, at
+most one per `dwell_s`, each only if t changes by more than `min_rel_change`:
 - congested (utilisation >= high watermark, new stalls, or PrfaaS queue >= surge): t may only
   rise, to max(model t, step * t). The step makes t rise even when the model sees no reason
   (its profile or the traffic is off), because what the link measures wins over the model.
-- PD prefill queue >= surge while the link is quiet: t may only fall, to min(model, t / step).
-- calm for `calm_s` (utilisation <= low watermark, no stalls, both queues < surge / 2): one
-  step (at most x or / `step`) toward the model t, either way. This is how t comes back after
-  a cut: react at once, recover gradually (as TCP does), so a brief lull cannot undo it.
-Between the watermarks nothing moves: that gap is the hysteresis.
+- PD prefill queue >= surge while the link is calm and the PrfaaS queue < surge / 2: t may
+  only fall, to min(model t, t / step).
+- the link calm for `calm_s` (utilisation <= low watermark, no stall for `calm_s`): t moves
+  toward the model t, halfway in log space and at least one step (never past it). Only the
+  link starts or resets this timer; the queues only veto a direction: t does not fall while
+  the PrfaaS queue is >= surge / 2 (PrfaaS has no slack to take more), nor rise while the PD
+  queue is (PD has none). This is how t comes back after a cut: react at once, recover once
+  the link has been calm for a while, quickly but without overshooting the model.
+Between the watermarks nothing moves, and a queue must fall to half the surge before it stops
+vetoing: those gaps are the hysteresis.
 
 Long-term loop (every `roles.period_s`; services/policies/roles.py): compare the mean queue
 per PD prefill worker with the mean queue per decode worker over the period (the paper:
@@ -27,12 +33,21 @@ first), then re-solve t for the new N_p / N_d (Eq. 8 restored by measurement, Eq
 solver). Nothing is converted while a worker is still draining; t is solved for the shape the
 pending conversion will leave.
 
-The paper gives no watermark, step or period (paper.md section 3.4 "What is missing"). Ours:
-0.8 leaves 20 % of the link for bursts and cache transfers (the brief's example), 0.5 leaves
-a 0.3 gap so one move of t cannot carry utilisation across both marks; 1.25 per 5 s reaches a
-10x change in about 50 s, yet each move waits for one long prefill (1.8 s at 32K on H200,
-Table 5) to show its effect first; 60 s for roles, since conversions drain and react to
-"gradual and often periodic" change. All are options.
+The paper gives no watermark, step, average or period (paper.md section 3.4 "What is
+missing"). Ours: 0.8 leaves 20 % of the link for bursts and cache transfers (the brief's
+example), 0.5 leaves a 0.3 gap so one move of t cannot carry utilisation across both marks.
+A step of 1.25 per 5 s reaches a 10x rise in about 50 s, yet each move waits for one long
+prefill (1.8 s at 32K on H200, Table 5) to show its effect first. The averages' 10 s spans
+several such prefills and a few Poisson arrivals at the paper's rates (about 3 req/s), so a
+burst or one slow transfer moves an average by a fraction of its size. `calm_s` = 10 s, one
+averaging time, asks the link to be calm for longer than any such burst before t recovers.
+Halving the log distance per move recovers from 10x away to within 15 % in four moves
+(10 -> 3.2 -> 1.8 -> 1.33 -> 1.07), the last three 5 s apart; with the ~7 s the utilisation
+average needs to fall from 1 to 0.5 and the 10 s calm, t is back about 32 s after the link
+(the tests ask for 40 s). One step at a time took ten moves and, as long as PD queue spikes
+restarted the calm timer, over 100 s.
+60 s for roles, since conversions drain and react to "gradual and often periodic" change. All
+are options.
 """
 
 from __future__ import annotations
@@ -97,6 +112,7 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     min_samples: int = 50
     link_nominal_bps: float = 0.0  # 0: the highest link rate seen so far
     smoothing_s: float = 10.0  # time constant of the utilisation average (0: raw samples)
+    queue_smoothing_s: float = 10.0  # ... of the queue depth averages (0: raw depths)
     roles: RoleConfig = RoleConfig()
 
     def __post_init__(self) -> None:
@@ -105,7 +121,7 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                 raise PolicyError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("abundant_below", "high_watermark", "low_watermark", "headroom",
                      "stall_derate", "min_rel_change", "dwell_s", "calm_s", "link_nominal_bps",
-                     "smoothing_s"):
+                     "smoothing_s", "queue_smoothing_s"):
             check_watermark(name, getattr(self, name))
         if self.low_watermark > self.high_watermark:
             raise PolicyError(f"low_watermark must be <= high_watermark={self.high_watermark}, "
@@ -129,13 +145,37 @@ class DynamicStatistics(PolicyStatistics, frozen=True):
     n_prfaas: int  # the shape t is solved for
     n_p: int
     n_d: int
+    utilisation: float  # the short-term loop's averages (module docstring)
+    queue_prfaas: float
+    queue_pd: float
+    calm_since: float | None  # when the link became calm; None while it is not
+
+
+class Ewma:
+    """Exponential average over a time constant `tau_s` on the caller's clock; it starts at
+    its first sample, and a `tau_s` of 0 follows the raw samples."""
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.value = 0.0
+        self._at: float | None = None
+
+    def update(self, now: float, sample: float) -> float:
+        if self._at is None or self.tau_s == 0.0:
+            self.value = sample
+        else:
+            weight = 1.0 - math.exp(-max(now - self._at, 0.0) / self.tau_s)
+            self.value += weight * (sample - self.value)
+        self._at = now
+        return self.value
 
 
 class _Signals(msgspec.Struct, frozen=True):
-    utilisation: float
+    utilisation: float  # averaged over smoothing_s
     new_stalls: bool
-    queue_prfaas: int
-    queue_pd: int
+    queue_prfaas: float  # averaged over queue_smoothing_s
+    queue_pd: float
+    calm: bool  # the link: utilisation <= low watermark, no stall for calm_s
 
 
 class PrfaasDynamicPolicy(PolicyBase):
@@ -157,7 +197,8 @@ class PrfaasDynamicPolicy(PolicyBase):
         self._shape = ClusterShape(cfg.n_prfaas, cfg.n_p, cfg.n_d)
         self._window: deque[float] = deque(maxlen=cfg.window)
         self._link: LinkSample | None = None
-        self._utilisation = 0.0
+        self._utilisation = Ewma(cfg.smoothing_s)
+        self._queues = (Ewma(cfg.queue_smoothing_s), Ewma(cfg.queue_smoothing_s))
         self._nominal_bps = cfg.link_nominal_bps
         self._stalls_seen: int | None = None
         self._last_stall = self._last_change = -math.inf
@@ -184,19 +225,10 @@ class PrfaasDynamicPolicy(PolicyBase):
     def observe(self, feedback: Feedback) -> None:
         super().observe(feedback)
         if isinstance(feedback, LinkSample):
-            self._utilisation = self._smoothed(feedback)
+            self._utilisation.update(feedback.now, feedback.utilisation)
             self._link = feedback
             if self.config.link_nominal_bps == 0.0:
                 self._nominal_bps = max(self._nominal_bps, feedback.bandwidth_bps)
-
-    def _smoothed(self, sample: LinkSample) -> float:
-        """Exponential average of utilisation over `smoothing_s`: one long transfer fills a
-        slow link for seconds without being congestion; a sustained excess is."""
-        previous = self._link
-        if previous is None or self.config.smoothing_s == 0.0:
-            return sample.utilisation
-        weight = 1.0 - math.exp(-max(sample.now - previous.now, 0.0) / self.config.smoothing_s)
-        return self._utilisation + weight * (sample.utilisation - self._utilisation)
 
     def lengths(self) -> LengthDistribution:
         """What t is solved on: the recent window (modeled tokens), or the initial guess."""
@@ -235,6 +267,7 @@ class PrfaasDynamicPolicy(PolicyBase):
         return actions
 
     def _signals(self, now: float, state: ClusterState) -> _Signals:
+        cfg = self.config
         link = self._link
         new_stalls = False
         if link is not None:
@@ -242,17 +275,15 @@ class PrfaasDynamicPolicy(PolicyBase):
                 new_stalls = True
                 self._last_stall = now
             self._stalls_seen = link.stalls
-        queues = [sum(w.queue for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
-        return _Signals(self._utilisation, new_stalls, queues[0], queues[1])
+        depths = [sum(w.queue for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
+        prfaas, pd = (self._queues[i].update(now, depths[i]) for i in (0, 1))
+        utilisation = self._utilisation.value
+        calm = utilisation <= cfg.low_watermark and now - self._last_stall >= cfg.calm_s
+        return _Signals(utilisation, new_stalls, prfaas, pd, calm)
 
-    def _quiet(self, now: float, s: _Signals) -> bool:
-        """The PrfaaS side has slack: low utilisation, no recent stalls, a short queue."""
-        cfg = self.config
-        return (s.utilisation <= cfg.low_watermark and now - self._last_stall >= cfg.calm_s
-                and s.queue_prfaas < cfg.queue_surge / 2)
-
-    def _update_calm(self, now: float, s: _Signals, quiet: bool) -> None:
-        if not (quiet and s.queue_pd < self.config.queue_surge / 2):
+    def _update_calm(self, now: float, calm: bool) -> None:
+        """The calm timer: only the link starts or resets it (module docstring)."""
+        if not calm:
             self._calm_since = None
         elif self._calm_since is None:
             self._calm_since = now
@@ -266,14 +297,16 @@ class PrfaasDynamicPolicy(PolicyBase):
         if s.new_stalls:
             causes.append("transfer stalls")
         if s.queue_prfaas >= cfg.queue_surge:
-            causes.append(f"PrfaaS queue {s.queue_prfaas} >= {cfg.queue_surge}")
+            causes.append(f"PrfaaS queue {s.queue_prfaas:.3g} >= {cfg.queue_surge}")
         return "short-term: congested (" + ", ".join(causes) + ")" if causes else None
 
     def _short_term(self, now: float, state: ClusterState) -> list[Action]:
+        """1. read the signals, 2. keep the calm timer, 3. hold still while the link is down
+        or within `dwell_s` of the last move, 4. rise on congestion, 5. fall on a PD surge
+        over a calm link, 6. else recover toward the model once calm for `calm_s`."""
         cfg = self.config
         s = self._signals(now, state)
-        quiet = self._quiet(now, s)
-        self._update_calm(now, s, quiet)
+        self._update_calm(now, s.calm)
         link_down = self._link is not None and not self._link.up
         if link_down or now - self._last_change < cfg.dwell_s:
             return []
@@ -281,16 +314,22 @@ class PrfaasDynamicPolicy(PolicyBase):
         if congestion is not None:
             raised = max(self._solve(now), _scaled(self._t, cfg.step))
             return self._move(now, raised, congestion, rise=True)
-        if s.queue_pd >= cfg.queue_surge and quiet:
+        if s.queue_pd >= cfg.queue_surge and s.calm and s.queue_prfaas < cfg.queue_surge / 2:
             lowered = min(self._solve(now), _scaled(self._t, 1.0 / cfg.step))
-            return self._move(now, lowered, f"short-term: PD prefill queue {s.queue_pd} >= "
-                              f"{cfg.queue_surge}, link quiet", fall=True)
+            return self._move(now, lowered, f"short-term: PD prefill queue {s.queue_pd:.3g} >= "
+                              f"{cfg.queue_surge}, link calm", fall=True)
         if self._calm_since is not None and now - self._calm_since >= cfg.calm_s:
-            toward = min(max(self._solve(now), _scaled(self._t, 1.0 / cfg.step)),
-                         _scaled(self._t, cfg.step))
-            return self._move(now, toward, f"short-term: calm for {cfg.calm_s:g} s, one step "
-                              "toward the model's t")
+            return self._recover(now, s)
         return []
+
+    def _recover(self, now: float, s: _Signals) -> list[Action]:
+        """One move toward the model's t, unless the side it would load has no slack."""
+        model, half = self._solve(now), self.config.queue_surge / 2
+        if (model < self._t and s.queue_prfaas >= half) or (model > self._t and s.queue_pd >= half):
+            return []
+        toward = _toward(self._t, model, self.config.step)
+        return self._move(now, toward, f"short-term: link calm for {self.config.calm_s:g} s, "
+                          "halfway toward the model's t")
 
     def _move(self, now: float, new: float, why: str, *, rise: bool = False,
               fall: bool = False, force: bool = False) -> list[Action]:
@@ -318,8 +357,10 @@ class PrfaasDynamicPolicy(PolicyBase):
             problems.append(f"window holds {len(self._window)} > {self.config.window}")
         if any(not (math.isfinite(x) and x >= 0) for x in self._window):
             problems.append("window holds a length that is not finite and >= 0")
-        if not self._utilisation >= 0.0:
-            problems.append(f"smoothed utilisation {self._utilisation!r} is not >= 0")
+        for name, average in (("utilisation", self._utilisation), ("PrfaaS queue",
+                              self._queues[0]), ("PD queue", self._queues[1])):
+            if not average.value >= 0.0:
+                problems.append(f"smoothed {name} {average.value!r} is not >= 0")
         return problems
 
     def statistics(self) -> DynamicStatistics:
@@ -327,12 +368,24 @@ class PrfaasDynamicPolicy(PolicyBase):
         return DynamicStatistics(
             **base, solves=self._solves, window=len(self._window),
             conversions=self._roles.conversions, n_prfaas=self._shape.n_prfaas,
-            n_p=self._shape.n_p, n_d=self._shape.n_d)
+            n_p=self._shape.n_p, n_d=self._shape.n_d, utilisation=self._utilisation.value,
+            queue_prfaas=self._queues[0].value, queue_pd=self._queues[1].value,
+            calm_since=self._calm_since)
 
 
 def _scaled(t: float, factor: float) -> float:
     """t times factor; a t of 0 (or -inf: PrfaaS takes all) rises from 1 token."""
     return (t if t > 0 else 1.0) * factor if factor > 1 else t * factor
+
+
+def _toward(t: float, target: float, step: float) -> float:
+    """One recovery move from t to target: halfway in log space, at least a factor `step`,
+    never past target (t or target 0 or infinite: one step, as `_scaled` takes it)."""
+    if not (0 < t < math.inf and 0 < target < math.inf):
+        return min(max(target, _scaled(t, 1.0 / step)), _scaled(t, step))
+    if target < t:
+        return max(target, min(math.sqrt(t * target), t / step))
+    return min(target, max(math.sqrt(t * target), t * step))
 
 
 def _far_enough(old: float, new: float, min_rel_change: float) -> bool:

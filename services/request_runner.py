@@ -1,0 +1,120 @@
+"""Runs one placed request over the mesh, from its prefill to its last token.
+
+The prefill call (`PrefillRequest` to the prefill worker, which streams the KV the decode
+worker lacks straight to it) runs beside the decode worker's token stream (`DecodeRequest`);
+the tokens go through a `TextAssembler` into the request's outbox. The first error either
+side meets is the request's (`UpstreamFailed`) and cancels the other; cancelling the
+request's scope (the client left) aborts the decode stream at its worker and gives up the
+prefill call. Counting and events of the request's end are the scheduler's
+(services/scheduler.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+
+from mesh.errors import MeshError
+from mesh.events import EventBus
+from mesh.node import Node
+from services.messages import DecodeRequest, PrefillDone, PrefillRequest, TokenChunk
+from services.model.tokenizer import TokenizerLike
+from services.router_errors import UpstreamFailed
+from services.router_requests import Finished, RequestHandle
+from services.router_workers import WorkerTable
+from services.telemetry import Event, RequestPhase
+from services.text_assembler import TextAssembler
+
+if TYPE_CHECKING:
+    from services.scheduler import SchedulerConfig
+
+Phase = Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]
+
+
+class RequestRunner:
+    """Runs placed requests (module docstring); `phase` publishes a request's progress."""
+
+    def __init__(self, node: Node, workers: WorkerTable, tokenizer: TokenizerLike,
+                 config: SchedulerConfig, events: EventBus[Event],
+                 clock: Callable[[], float]) -> None:
+        self.node, self.workers, self.tokenizer = node, workers, tokenizer
+        self.config, self.events, self.clock = config, events, clock
+
+    async def run(self, handle: RequestHandle) -> Finished:
+        """1. call the prefill worker beside, 2. read the decode worker's tokens into the
+        outbox until a finish reason, 3. the first error either side met, else the result."""
+        p = handle.placement
+        assembler = TextAssembler(self.tokenizer, handle.request.stop)
+        self.phase(p.request_id, "prefill", p.prefill_worker, f"cluster {p.cluster}")
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._prefill, handle, group.cancel_scope)
+            reason = await self._decode(handle, assembler, group.cancel_scope)
+        if handle.error is not None:
+            raise handle.error
+        handle.outbox.put(assembler.finish())
+        if reason is None:
+            raise UpstreamFailed(f"decode on {p.decode_worker} ended request {p.request_id} "
+                                 "without a finish reason")
+        cached = handle.prefill.reused_tokens if handle.prefill else p.cached_tokens
+        return Finished(finish_reason=reason, prompt_tokens=p.prompt_tokens,
+                        completion_tokens=assembler.tokens, cached_tokens=cached)
+
+    def _prefill_request(self, handle: RequestHandle) -> PrefillRequest:
+        p, request = handle.placement, handle.request
+        lanes = min(self.config.connections, self.workers.lanes(p.prefill_worker))
+        return PrefillRequest(
+            request_id=p.request_id, prompt=request.prompt, decode_worker=p.decode_worker,
+            decode_has_tokens=p.decode_has_tokens, sampling=request.sampling,
+            connections=lanes if p.cluster == "prfaas" else 1)
+
+    async def _prefill(self, handle: RequestHandle, scope: anyio.CancelScope) -> None:
+        worker = handle.placement.prefill_worker
+        try:
+            handle.prefill = await self.node.call(worker, self._prefill_request(handle),
+                                                  PrefillDone,
+                                                  timeout=self.config.request_timeout_s)
+        except MeshError as exc:
+            handle.error = handle.error or UpstreamFailed(f"prefill on {worker} failed: {exc}")
+            scope.cancel()
+        finally:
+            self.workers.prefilled(worker)
+
+    async def _decode(self, handle: RequestHandle, assembler: TextAssembler,
+                      scope: anyio.CancelScope) -> str | None:
+        """Feeds the decode worker's token stream to the outbox; its finish reason."""
+        p, cfg = handle.placement, self.config
+        decode = DecodeRequest(request_id=p.request_id, prompt=handle.request.prompt,
+                               sampling=handle.request.sampling, kv_timeout=cfg.kv_timeout_s)
+        try:
+            async with self.node.open_stream(p.decode_worker, decode,
+                                             timeout=cfg.request_timeout_s) as chunks:
+                async for chunk in chunks:
+                    assert isinstance(chunk, TokenChunk)
+                    reason = self._take(handle, chunk, assembler)
+                    if reason is not None:
+                        return reason
+        except MeshError as exc:
+            handle.error = handle.error or UpstreamFailed(
+                f"decode on {p.decode_worker} failed: {exc}")
+            scope.cancel()
+        return None
+
+    def _take(self, handle: RequestHandle, chunk: TokenChunk,
+              assembler: TextAssembler) -> str | None:
+        """Feeds one chunk to the outbox; the finish reason once the request is done."""
+        if handle.first_token_at == 0.0 and chunk.tokens:
+            handle.first_token_at = self.clock()
+            self.phase(chunk.request_id, "decode", handle.placement.decode_worker)
+        room = handle.request.sampling.max_tokens - assembler.tokens
+        handle.outbox.put(assembler.push(chunk.tokens[:room]))
+        if assembler.stopped:
+            return "stop"
+        if assembler.tokens >= handle.request.sampling.max_tokens:
+            return chunk.finish_reason or "length"
+        return chunk.finish_reason
+
+    def phase(self, request_id: str, phase: Phase, worker: str, detail: str = "") -> None:
+        self.events.publish(RequestPhase(ts=self.clock(), source="router", request_id=request_id,
+                                         phase=phase, worker=worker, detail=detail))

@@ -1,0 +1,367 @@
+"""The router's HTTP surface: the OpenAI-compatible API and the admin API, a thin Quart app.
+
+    POST /v1/completions, /v1/chat/completions   stream true/false (server-sent events as
+                                                 OpenAI sends them), usage, prfaas field
+    GET  /v1/models, /health, /metrics
+    POST /admin/policy {"policy"}, /admin/threshold {"t"}, /admin/workload {"action", "rate",
+         "kind"}, /admin/workers/{name}/role {"role"}, /admin/workers/{name}/drain
+    GET  /admin/state
+
+Every response to a generation carries header `x-prfaas-cluster` and, in its body (the final
+chunk when streaming), `prfaas: {"request_id", "cluster", "cached_tokens", ...}`. Errors of
+the OpenAI API are OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`);
+errors of the admin API are `{"error": message, "status": code}`, as the link's control API
+answers (the dashboard reads both). A client that disconnects cancels its request: Quart
+closes the response generator, whose `finally` cancels the scheduler's task for it.
+
+The router's other parts: services/scheduler.py places and starts requests
+(request_runner.py runs one, router_requests.py is its handle), router_workers.py is the
+worker table, router_admin.py the control loops and admin actions, router_link.py the link
+samples, router_load.py the demo load, router_responses.py the bodies and server-sent
+events, router_metrics.py /metrics; the OpenAI contract is openai_schema.py (requests),
+openai_responses.py, router_errors.py and text_assembler.py.
+
+Quart is asyncio-only (shared/research/stack.md G6): `run_router` refuses the trio backend
+and serves with `hypercorn.asyncio.serve` and a shutdown trigger. Everything else (the
+scheduler, the control loops, the demo workload) is anyio and runs on trio in the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import httpx
+import hypercorn.asyncio
+import msgspec
+import sniffio
+from hypercorn.config import Config as HypercornConfig
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
+
+from mesh.errors import ConfigError
+from mesh.transport import Address
+from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
+from services.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Limits,
+    chat_generation,
+    completion_generation,
+    decode_request,
+)
+from services.policies import create_policy
+from services.router_admin import ControlConfig, RouterControl
+from services.router_errors import RouterError
+from services.router_link import http_link_probe, link_url
+from services.router_load import DemoWorkload, WorkloadConfig, corpus_tokens
+from services.router_metrics import SchedulerCollector
+from services.router_responses import Kind, Responder, stream_events
+from services.router_workers import WorkerTable
+from services.scheduler import Scheduler, SchedulerConfig
+from services.serve import ServiceContext, serve_events
+
+log = logging.getLogger(__name__)
+
+CLUSTER_HEADER = "x-prfaas-cluster"
+_json = msgspec.json.Encoder()
+
+
+def _json_response(body: object, status: int = 200) -> Response:
+    return Response(_json.encode(body), status=status, mimetype="application/json")
+
+
+class PolicyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    policy: str
+
+
+class ThresholdBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    t: float | None
+
+
+class WorkloadBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    action: Literal["start", "stop"]
+    rate: float = 2.0
+    kind: str = "mixed"
+
+
+class RoleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["prefill", "decode"]
+
+
+class AdminError(Exception):
+    """An admin request that cannot be served; answered as {"error", "status"}."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RouterApp:
+    """The Quart app over one scheduler, its control plane and its demo workload."""
+
+    def __init__(self, scheduler: Scheduler, control: RouterControl, workload: DemoWorkload,
+                 limits: Limits) -> None:
+        self.scheduler, self.control, self.workload = scheduler, control, workload
+        self.limits = limits
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SchedulerCollector(scheduler))
+        self.app = Quart(__name__)
+        # Streams last as long as generation does; Quart's default cuts them at 60 s.
+        self.app.config["RESPONSE_TIMEOUT"] = None
+        self._routes()
+
+    def _routes(self) -> None:
+        app = self.app
+        app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
+        app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
+        app.add_url_rule("/v1/models", view_func=self.models, methods=["GET"])
+        app.add_url_rule("/health", view_func=self.health, methods=["GET"])
+        app.add_url_rule("/metrics", view_func=self.metrics, methods=["GET"])
+        app.add_url_rule("/admin/state", view_func=self.state, methods=["GET"])
+        app.add_url_rule("/admin/policy", view_func=self.set_policy, methods=["POST"])
+        app.add_url_rule("/admin/threshold", view_func=self.set_threshold, methods=["POST"])
+        app.add_url_rule("/admin/workload", view_func=self.set_workload, methods=["POST"])
+        app.add_url_rule("/admin/workers/<name>/role", view_func=self.set_role,
+                         methods=["POST"])
+        app.add_url_rule("/admin/workers/<name>/drain", view_func=self.drain,
+                         methods=["POST"])
+        app.register_error_handler(RouterError, self._router_error)
+        app.register_error_handler(AdminError, self._admin_error)
+        app.register_error_handler(HTTPException, self._http_error)
+        app.register_error_handler(Exception, self._internal_error)
+
+    async def completions(self) -> Response:
+        body = decode_request(await request.get_data(True, False, False), CompletionRequest)
+        generation = completion_generation(body, self.scheduler.tokenizer, self.limits)
+        return await self._generate("completion", generation)
+
+    async def chat(self) -> Response:
+        body = decode_request(await request.get_data(True, False, False), ChatCompletionRequest)
+        generation = chat_generation(body, self.scheduler.tokenizer, self.limits)
+        return await self._generate("chat", generation)
+
+    async def _generate(self, kind: Kind, generation: GenerationRequest) -> Response:
+        handle = await self.scheduler.submit(generation)
+        responder = Responder(kind, handle, generation.model)
+        headers = {CLUSTER_HEADER: handle.placement.cluster,
+                   "x-request-id": handle.placement.request_id}
+        if generation.stream:
+            response = Response(stream_events(responder, generation), mimetype="text/event-stream",
+                                headers={**headers, "cache-control": "no-cache"})
+            response.timeout = None
+            return response
+        try:
+            text, finished = await handle.collect()
+        finally:
+            handle.cancel()
+        response = _json_response(responder.whole(generation.echo_text + text, finished))
+        response.headers.update(headers)
+        return response
+
+    async def models(self) -> Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "prfaas"}
+                for name in self.limits.models]
+        return _json_response({"object": "list", "data": data})
+
+    async def health(self) -> Response:
+        workers = self.scheduler.workers.statistics()
+        status = "ok" if workers.up == len(workers.workers) else "degraded"
+        return _json_response({"status": status, "workers": len(workers.workers),
+                               "workers_up": workers.up,
+                               "inflight": len(self.scheduler.active())})
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), mimetype=CONTENT_TYPE_LATEST)
+
+    def _state(self) -> Response:
+        workload = msgspec.to_builtins(self.workload.statistics())
+        return _json_response({**self.control.state(), "workload": workload})
+
+    async def state(self) -> Response:
+        return self._state()
+
+    async def _admin_body(self, kind: type[msgspec.Struct]) -> Any:
+        try:
+            body = await request.get_data(True, False, False)
+            return msgspec.json.decode(body or b"{}", type=kind)
+        except msgspec.DecodeError as exc:
+            raise AdminError(400, f"bad request body: {exc}") from exc
+
+    async def set_policy(self) -> Response:
+        body: PolicyBody = await self._admin_body(PolicyBody)
+        self.control.set_policy(body.policy)
+        return self._state()
+
+    async def set_threshold(self) -> Response:
+        body: ThresholdBody = await self._admin_body(ThresholdBody)
+        self.control.set_threshold(body.t)
+        return self._state()
+
+    async def set_workload(self) -> Response:
+        body: WorkloadBody = await self._admin_body(WorkloadBody)
+        if body.action == "start":
+            self.workload.start(body.rate, body.kind)
+        else:
+            self.workload.stop()
+        return self._state()
+
+    async def set_role(self, name: str) -> Response:
+        body: RoleBody = await self._admin_body(RoleBody)
+        self.control.convert(name, body.role, f"converted to {body.role} from the admin API")
+        return self._state()
+
+    async def drain(self, name: str) -> Response:
+        self.control.drain(name)
+        return self._state()
+
+    async def _router_error(self, error: RouterError) -> Response:
+        if request.path.startswith("/admin/"):
+            return _json_response({"error": error.message, "status": error.status},
+                                  error.status)
+        return _json_response(error.body(), error.status)
+
+    async def _admin_error(self, error: AdminError) -> Response:
+        return _json_response({"error": str(error), "status": error.status}, error.status)
+
+    async def _http_error(self, error: HTTPException) -> Response:
+        status = error.code or 500
+        message = f"{request.method} {request.path}: {error.name}"
+        if request.path.startswith("/admin/"):
+            return _json_response({"error": message, "status": status}, status)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return _json_response({"error": {"message": message, "type": kind, "param": None,
+                                         "code": None}}, status)
+
+    async def _internal_error(self, error: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path,
+                      exc_info=error)
+        body = RouterError(f"internal error: {type(error).__name__}: {error}").body()
+        return _json_response(body, 500)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket for hypercorn (port 0: an ephemeral one; read it from the socket)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_http(app: Quart, sock: socket.socket, stop: anyio.Event) -> None:
+    """Serves `app` on `sock` until `stop` is set (asyncio only; the caller sets `stop` in a
+    `finally`, so a cancelled router still shuts hypercorn down in order)."""
+    config = HypercornConfig()
+    # hypercorn closes the socket it serves; it gets a duplicate, we close ours.
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    with anyio.CancelScope(shield=True):
+        await hypercorn.asyncio.serve(app, config, shutdown_trigger=stop.wait)
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The router service's options in the topology (all optional)."""
+
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    policy: str = "prfaas"
+    # Router tokens per paper token: scales t (19.4K in the paper), prfaas-dynamic's model
+    # and the demo workload's lengths to the small model.
+    scale: float = 1 / 32
+    # The prefix rule: the data path has no cross-cluster cache transfer yet, so by default
+    # each cluster's cache counts alone ("scarce", and a decision's reason says so where the
+    # abundant rule would have pulled a remote cache); "auto" lets link utilisation choose.
+    bandwidth: Literal["auto", "scarce", "abundant"] = "scarce"
+    max_context: int = 4096
+    max_inflight: int = 64
+    block_size: int = 64  # must equal the workers' model block size
+    connections: int = 4
+    tick_s: float = 1.0
+    model: str = "prfaas"
+    tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
+
+    def __post_init__(self) -> None:
+        for name in ("scale", "max_context", "max_inflight", "block_size", "connections",
+                     "tick_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"router option {name} must be > 0, got "
+                                  f"{getattr(self, name)!r}")
+
+    def policy_options(self) -> dict[str, dict[str, object]]:
+        t = 19400.0 * self.scale
+        return {"prfaas": {"threshold": t, "bandwidth": self.bandwidth},
+                "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
+                "dynamo": {"max_local_prefill_length": round(t)}}
+
+    def scheduler_config(self) -> SchedulerConfig:
+        pinned = tuple(name for name, options in self.policy_options().items()
+                       if options.get("bandwidth") == "scarce")
+        return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
+                               connections=self.connections, scarce_pinned=pinned)
+
+
+def router_config(options: Mapping[str, object]) -> RouterConfig:
+    try:
+        return msgspec.convert(dict(options), RouterConfig)
+    except (msgspec.ValidationError, ConfigError) as exc:
+        raise ConfigError(f"router options: {exc}") from exc
+
+
+def build_scheduler(ctx: ServiceContext, config: RouterConfig) -> Scheduler:
+    """The router's scheduler over the topology's workers, its policy from `config`."""
+    tokenizer: TokenizerLike = ByteTokenizer() if config.tokenizer == "byte" else load_default()
+    policy = create_policy(config.policy, config.policy_options().get(config.policy))
+    return Scheduler(ctx.node(), policy, WorkerTable.from_topology(ctx.topology), tokenizer,
+                     config.scheduler_config())
+
+
+async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = (
+        anyio.TASK_STATUS_IGNORED)) -> None:
+    """The `router` runner of `prfaas serve` (asyncio or uvloop backend).
+
+    1. build the scheduler, the demo workload and the HTTP app; 2. listen on the mesh and
+    start the scheduler; 3. run the control loop's first tick (it refuses workers of another
+    block size) and keep it ticking; 4. serve HTTP until cancelled, then stop hypercorn.
+    """
+    if sniffio.current_async_library() != "asyncio":
+        raise ConfigError("the router needs --backend uvloop or asyncio (Quart is asyncio-only, "
+                          "stack.md G6), not trio")
+    config = router_config(ctx.spec.options)
+    scheduler = build_scheduler(ctx, config)
+    serve_events(scheduler.node, scheduler.events)
+    workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
+        scale=config.scale, max_prompt=config.max_context - 64))
+    limits = Limits(max_context=config.max_context, models=(config.model,))
+    stop, url = anyio.Event(), link_url(ctx.topology)
+    async with httpx.AsyncClient(timeout=2.0) as client, scheduler.node, \
+            anyio.create_task_group() as group:
+        control = RouterControl(scheduler, ControlConfig(tick_s=config.tick_s),
+                                link_probe=http_link_probe(client, url) if url else None,
+                                policy_options=config.policy_options())
+        app = RouterApp(scheduler, control, workload, limits)
+        with listen(config.http_host, config.http_port) as sock:
+            address = await scheduler.node.listen()
+            await group.start(scheduler.run)
+            await group.start(control.run)
+            group.start_soon(workload.run)
+            group.start_soon(serve_http, app.app, sock, stop)
+            log.info("router: OpenAI API on http://%s:%d/v1, policy %s", config.http_host,
+                     sock.getsockname()[1], config.policy)
+            task_status.started(address)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()

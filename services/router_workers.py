@@ -1,0 +1,269 @@
+"""The router's table of workers: what it knows of each prefill and decode worker.
+
+Per worker: its cluster, its current role, whether it is draining or converting, whether it
+answers, and the loads the router itself counts (it sees every request): a prefill worker's
+queue is its requests not yet prefilled; a decode worker's running count is its open token
+streams. The scheduler asks it for placement candidates; the control loops
+(services/router_admin.py) keep it current with `poll` and act on its entries.
+
+A worker whose model has another KV block size than the router's is refused at its first
+status poll (`ModelMismatch`): prefix hashes would never match and the cached lengths the
+router sends (`decode_has_tokens`) would point mid-block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from mesh.errors import ConfigError, MeshError
+from mesh.node import Node
+from mesh.topology import Topology
+from services.cachedir import PrefixMatch
+from services.messages import Role, StatusQuery, WorkerState
+from services.placement import WorkerLoad
+from services.policy import Cluster, ClusterState
+from services.policy import WorkerState as PolicyWorker
+from services.router_errors import NotFound
+
+if TYPE_CHECKING:
+    from services.router_requests import Placement
+
+log = logging.getLogger(__name__)
+
+WORKER_KINDS = ("prefill", "decode")
+DEFAULT_LANES = 4  # a worker's `connections` option when the topology gives none (worker.py)
+
+
+class ModelMismatch(ConfigError):
+    """A worker runs a model whose KV block size differs from the router's `block_size`."""
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker as the topology gives it: name, cluster, the cluster's kind, first role."""
+
+    name: str
+    cluster: str
+    kind: Cluster
+    role: Role
+    lanes: int = DEFAULT_LANES  # connections it may stripe one KV stream over (`connections`)
+
+
+class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker as GET /admin/state shows it."""
+
+    name: str
+    cluster: str
+    kind: Cluster
+    role: str  # "prefill", "decode" or "draining"
+    up: bool
+    converting: bool
+    queue: int  # prefills sent and not done (prefill) / reported queue (decode)
+    running: int  # open token streams (decode) / reported running (prefill)
+
+
+class WorkerTableStatistics(msgspec.Struct, frozen=True):
+    workers: tuple[WorkerView, ...]
+
+    @property
+    def up(self) -> int:
+        return sum(w.up for w in self.workers)
+
+
+@dataclass
+class WorkerEntry:
+    spec: WorkerSpec
+    role: Role
+    draining: bool = False  # the router sends it nothing new
+    converting: bool = False
+    up: bool = True  # optimistic until a status poll fails
+    prefills: int = 0
+    decodes: int = 0
+    polled: WorkerState | None = None
+
+    @property
+    def serving(self) -> bool:
+        remote_draining = self.polled is not None and self.polled.draining
+        return self.up and not (self.draining or self.converting or remote_draining)
+
+    @property
+    def shown_role(self) -> str:
+        return "draining" if self.draining or self.converting else self.role
+
+
+class WorkerTable:
+    """Every prefill and decode worker the router may use (module docstring)."""
+
+    def __init__(self, specs: Sequence[WorkerSpec]) -> None:
+        self._workers: dict[str, WorkerEntry] = {}
+        for spec in specs:
+            if spec.name in self._workers:
+                raise ConfigError(f"worker {spec.name!r} is listed twice")
+            if spec.role == "decode" and spec.kind != "pd":
+                raise ConfigError(f"decode worker {spec.name!r} must be in a PD cluster, "
+                                 f"got kind {spec.kind!r}")
+            self._workers[spec.name] = WorkerEntry(spec, spec.role)
+
+    @classmethod
+    def from_topology(cls, topology: Topology) -> WorkerTable:
+        """Services of kind prefill/decode; a cluster's kind ("prfaas" or "pd") tells which."""
+        specs = []
+        for service in topology.services:
+            if service.kind in WORKER_KINDS:
+                kind = topology.cluster(service.cluster).kind or service.cluster
+                if kind not in ("prfaas", "pd"):
+                    raise ConfigError(f"worker {service.name!r}: cluster {service.cluster!r} "
+                                     f"must be of kind prfaas or pd, got {kind!r}")
+                options = {**topology.cluster(service.cluster).options, **service.options}
+                lanes = options.get("connections", DEFAULT_LANES)
+                specs.append(WorkerSpec(name=service.name, cluster=service.cluster,
+                                        kind=kind, role=service.kind,  # type: ignore[arg-type]
+                                        lanes=int(lanes)))
+        return cls(specs)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._workers)
+
+    def get(self, name: str) -> WorkerEntry:
+        worker = self._workers.get(name)
+        if worker is None:
+            raise NotFound(f"no worker named {name!r}; known: {', '.join(self._workers)}",
+                           param="name")
+        return worker
+
+    def _serving(self, kind: Cluster, role: Role) -> list[WorkerEntry]:
+        return [w for w in self._workers.values()
+                if w.spec.kind == kind and w.role == role and w.serving]
+
+    @staticmethod
+    def _blocks(match: PrefixMatch | None) -> dict[str, tuple[int, int]]:
+        if match is None:
+            return {}
+        return {w.worker: (w.blocks_held, w.blocks_resumable) for w in match.workers}
+
+    def prefill_candidates(self, kind: Cluster, match: PrefixMatch | None,
+                           block_size: int) -> list[WorkerLoad]:
+        """Serving prefill workers of `kind`; their cached prefix is what they can resume."""
+        blocks = self._blocks(match)
+        return [WorkerLoad(name=w.spec.name, role="prefill", queue=w.prefills,
+                           cached_prefix_tokens=blocks.get(w.spec.name, (0, 0))[1] * block_size)
+                for w in self._serving(kind, "prefill")]
+
+    def decode_candidates(self, match: PrefixMatch | None,
+                          block_size: int) -> list[WorkerLoad]:
+        """Serving decode workers; their cached prefix is the KV they hold."""
+        blocks = self._blocks(match)
+        return [WorkerLoad(name=w.spec.name, role="decode", running=w.decodes,
+                           cached_prefix_tokens=blocks.get(w.spec.name, (0, 0))[0] * block_size)
+                for w in self._serving("pd", "decode")]
+
+    def resumable_blocks(self, kind: Cluster, match: PrefixMatch | None) -> int:
+        """The longest prefix a serving prefill worker of `kind` can resume from (blocks)."""
+        blocks = self._blocks(match)
+        return max((blocks.get(w.spec.name, (0, 0))[1] for w in self._serving(kind, "prefill")),
+                   default=0)
+
+    def lanes(self, name: str) -> int:
+        return self.get(name).spec.lanes
+
+    def held_blocks(self, name: str, match: PrefixMatch | None) -> int:
+        return self._blocks(match).get(name, (0, 0))[0]
+
+    def prefill_queue(self, kind: Cluster) -> int:
+        return sum(w.prefills for w in self._workers.values()
+                   if w.spec.kind == kind and w.role == "prefill")
+
+    def has_prefill(self, kind: Cluster) -> bool:
+        return bool(self._serving(kind, "prefill"))
+
+    def dispatched(self, prefill: str, decode: str) -> None:
+        self._workers[prefill].prefills += 1
+        self._workers[decode].decodes += 1
+
+    def prefilled(self, prefill: str) -> None:
+        self._workers[prefill].prefills -= 1
+
+    def released(self, decode: str) -> None:
+        self._workers[decode].decodes -= 1
+
+    async def poll(self, node: Node, timeout: float, block_size: int) -> None:
+        """Asks every worker for its state at once; one that does not answer is down.
+
+        Raises ModelMismatch if a worker's model has a KV block size other than `block_size`
+        (the router's): it is refused before any request is placed by its report.
+        """
+        async with anyio.create_task_group() as group:
+            for worker in self._workers.values():
+                group.start_soon(self._poll_one, node, worker, timeout)
+        check_block_size(self._workers.values(), block_size)
+
+    async def _poll_one(self, node: Node, worker: WorkerEntry, timeout: float) -> None:
+        try:
+            state = await node.call(worker.spec.name, StatusQuery(), WorkerState,
+                                    timeout=timeout)
+        except MeshError as exc:
+            if worker.up:
+                log.warning("worker %s is down: %s", worker.spec.name, exc)
+            worker.up = False
+            return
+        if not worker.up:
+            log.info("worker %s is back", worker.spec.name)
+        worker.up, worker.polled = True, state
+        if not worker.converting:
+            worker.role = state.role
+
+    def state(self) -> ClusterState:
+        """The workers as the policy's control loops see them."""
+        return ClusterState(workers=tuple(
+            PolicyWorker(name=w.spec.name, cluster=w.spec.kind,
+                         role="draining" if w.draining or w.converting else w.role,
+                         queue=w.prefills if w.role == "prefill" else _polled_queue(w),
+                         running=w.decodes if w.role == "decode" else 0)
+            for w in self._workers.values()))
+
+    def statistics(self) -> WorkerTableStatistics:
+        return WorkerTableStatistics(workers=tuple(_view(w) for w in self._workers.values()))
+
+    def check_integrity(self, active: Sequence[Placement]) -> None:
+        for worker in self._workers.values():
+            name = worker.spec.name
+            decodes = sum(p.decode_worker == name for p in active)
+            if worker.prefills < 0 or worker.decodes != decodes:
+                raise AssertionError(f"worker {name}: prefills {worker.prefills}, decodes "
+                                     f"{worker.decodes} != {decodes} open streams")
+            if worker.prefills > sum(p.prefill_worker == name for p in active):
+                raise AssertionError(f"worker {name}: {worker.prefills} prefills in flight "
+                                     "exceed its active requests")
+
+
+def _view(w: WorkerEntry) -> WorkerView:
+    return WorkerView(name=w.spec.name, cluster=w.spec.cluster, kind=w.spec.kind,
+                      role=w.shown_role, up=w.up, converting=w.converting,
+                      queue=w.prefills if w.role == "prefill" else _polled_queue(w),
+                      running=w.decodes if w.role == "decode" else _polled_running(w))
+
+
+def _polled_queue(worker: WorkerEntry) -> int:
+    return worker.polled.queue_depth if worker.polled else 0
+
+
+def _polled_running(worker: WorkerEntry) -> int:
+    return worker.polled.running if worker.polled else 0
+
+
+def check_block_size(workers: Iterable[WorkerEntry], block_size: int) -> None:
+    """ModelMismatch naming every polled worker whose model block size is not `block_size`."""
+    wrong = [f"{w.spec.name} runs {w.polled.model.family}/{w.polled.model.size} with block_size "
+             f"{w.polled.model.block_size}" for w in workers
+             if w.polled is not None and w.polled.model.block_size != block_size]
+    if wrong:
+        raise ModelMismatch(f"the router's block_size is {block_size}, but worker "
+                            f"{'; '.join(wrong)}: prefix hashes and cached lengths would not "
+                            "match; set the router option block_size to the workers' model "
+                            "block size")

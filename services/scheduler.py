@@ -1,0 +1,367 @@
+"""The router's scheduler: places each request and runs it over the mesh to its last token.
+
+One request, in `submit` (before any byte goes to the client, so errors keep their status):
+1. admission: at most `max_inflight` requests at once, else `QueueFull` (429);
+2. prefix block hashes of the prompt (services.prefix), then the cache directory's longest
+   cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not answer
+   in time the request goes on as if nothing were cached, and that is counted);
+3. the policy decides the cluster (services.policy), placement picks the prefill worker in it
+   and the decode worker in the PD cluster (services.placement), and the decision is
+   published as a `RoutingDecision` with every input and the reason.
+Then a task owned by the scheduler runs it (`_serve`, with services/request_runner.py): it
+opens the decode worker's token stream (`DecodeRequest`) and calls the prefill worker
+(`PrefillRequest`, which names the decode worker and the prefix it already holds, so only the
+KV it lacks is sent), and feeds the tokens through a `TextAssembler` into the request's outbox
+(services/router_requests.py). Cancelling the handle (the client left) cancels the task: the
+decode stream is aborted at its worker (an Abort frame), and the prefill call is given up.
+
+The control loops (services/router_admin.py) feed it link samples (`observe_link`) and
+keep its worker table (services/router_workers.py: roles, draining, liveness) current.
+
+The data path has no cross-cluster cache transfer yet, so the router pins the policies that
+take a prefix rule to the scarce one (`scarce_pinned`); where the abundant rule would have
+pulled another cluster's longer cache, the decision's reason says so (`note_scarce_pin`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from mesh.errors import ConfigError, MeshError
+from mesh.events import EventBus
+from mesh.node import Node
+from services.cachedir import PrefixMatch, PrefixQuery
+from services.messages import PrefixReply
+from services.model.tokenizer import TokenizerLike
+from services.openai_schema import GenerationRequest
+from services.placement import PlacementError, choose_decode_worker, choose_prefill_worker
+from services.policies.prfaas import threshold_rule
+from services.policy import (
+    Decision,
+    LinkSample,
+    Policy,
+    RequestFinished,
+    RouteInputs,
+    decision_event,
+    format_tokens,
+)
+from services.prefix import block_hashes
+from services.request_runner import RequestRunner
+from services.router_errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
+from services.router_requests import Finished, Placement, RequestHandle, RequestIds
+from services.router_workers import WorkerTable
+from services.telemetry import Event, RequestDone
+
+log = logging.getLogger(__name__)
+
+NO_CACHE_TRANSFER = "cross-cluster cache transfer is not in the data path"
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds and deadlines (seconds on the scheduler's clock)."""
+
+    block_size: int = 64  # the model's KV block: prefix hashes must match the workers'
+    max_inflight: int = 64
+    cachedir: str = "cachedir"
+    lookup_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    kv_timeout_s: float = 60.0
+    # KV lanes for a cross-cluster prefill, at most the worker's own (1 within a cluster)
+    connections: int = 4
+    stall_window_s: float = 30.0
+    # Policies the router pinned to the scarce prefix rule because of NO_CACHE_TRANSFER
+    scarce_pinned: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_inflight", "connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("lookup_timeout_s", "request_timeout_s", "kv_timeout_s", "stall_window_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True):
+    admitted: int
+    rejected_full: int
+    rejected_no_worker: int
+    completed: int
+    failed: int
+    cancelled: int
+    inflight: int
+    to_prfaas: int
+    to_pd: int
+    lookup_failures: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class _Counts:
+    admitted: int = 0
+    rejected_full: int = 0
+    rejected_no_worker: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    to_prfaas: int = 0
+    lookup_failures: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def note_scarce_pin(inputs: RouteInputs, decision: Decision) -> Decision:
+    """`decision`, its reason saying what the pinned scarce rule gave up, if anything: where
+    the abundant rule (best cache anywhere) would have pulled another cluster's cache."""
+    if not decision.bandwidth_scarce or decision.threshold is None:
+        return decision
+    abundant = threshold_rule(inputs, decision.threshold, scarce=False)
+    if not abundant.cross_cluster_cache_transfer:
+        return decision
+    own, source = ((inputs.cached_prfaas, "pd") if abundant.cluster == "prfaas"
+                   else (inputs.cached_pd, "prfaas"))
+    where = "PrfaaS" if abundant.cluster == "prfaas" else "PD prefill"
+    note = (f"; scarce rule pinned, since {NO_CACHE_TRANSFER}: the abundant rule would prefill "
+            f"l = {format_tokens(abundant.incremental_len)} on {where}, pulling "
+            f"{format_tokens(abundant.resume_prefix - own)} cached tokens from {source}")
+    return msgspec.structs.replace(decision, reason=decision.reason + note)
+
+
+class Scheduler:
+    """Places and runs requests over `node`; run `run()` in a task group to serve."""
+
+    def __init__(
+        self,
+        node: Node,
+        policy: Policy,
+        workers: WorkerTable,
+        tokenizer: TokenizerLike,
+        config: SchedulerConfig | None = None,
+        *,
+        bus: EventBus[Event] | None = None,
+        clock: Callable[[], float] = anyio.current_time,
+    ) -> None:
+        self.node = node
+        self.policy = policy
+        self.workers = workers
+        self.config = config or SchedulerConfig()
+        self.events: EventBus[Event] = bus or EventBus()
+        self.clock = clock
+        self.tokenizer = tokenizer
+        self._link: LinkSample | None = None
+        self._stall_history: deque[tuple[float, int]] = deque()
+        self._active: dict[str, RequestHandle] = {}
+        self._group: anyio.abc.TaskGroup | None = None
+        self._ids = RequestIds()
+        self._counts = _Counts()
+        self._directory_answers = True
+        self._placing = 0
+        self._runner = RequestRunner(node, workers, tokenizer, self.config, self.events, clock)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Owns every request task until cancelled."""
+        async with anyio.create_task_group() as group:
+            self._group = group
+            try:
+                task_status.started()
+                await anyio.sleep_forever()
+            finally:
+                self._group = None
+
+    def spawn(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs `work` in the scheduler's task group (admin actions that outlive a call)."""
+        self._running().start_soon(work)
+
+    async def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Places `request` and starts it; QueueFull / NoWorkerAvailable before it starts."""
+        group = self._running()
+        started = self.clock()
+        self._admit()
+        self._placing += 1
+        try:
+            handle = RequestHandle(await self._place(request), request)
+        finally:
+            self._placing -= 1
+        handle.started = started
+        self._active[handle.placement.request_id] = handle
+        self.workers.dispatched(handle.placement.prefill_worker, handle.placement.decode_worker)
+        self._counts.admitted += 1
+        group.start_soon(self._serve, handle)
+        return handle
+
+    def _admit(self) -> None:
+        # Requests still being placed count too: placing awaits the cache directory.
+        if len(self._active) + self._placing >= self.config.max_inflight:
+            self._counts.rejected_full += 1
+            raise QueueFull(f"{len(self._active) + self._placing} requests in flight, the "
+                            f"router's limit (max_inflight={self.config.max_inflight}); retry "
+                            "later", code="queue_full")
+
+    async def _place(self, request: GenerationRequest) -> Placement:
+        request_id = self._ids.next()
+        match = await self._lookup(block_hashes(request.prompt, self.config.block_size))
+        inputs = self._inputs(request_id, len(request.prompt), match)
+        decision = self._decide(inputs)
+        prefill, decode = self._choose_workers(decision, match)
+        self._counts.to_prfaas += decision.cluster == "prfaas"
+        self.events.publish(decision_event(
+            inputs, decision, policy=self.policy.name, prefill_worker=prefill,
+            decode_worker=decode, ts=self.clock()))
+        self._runner.phase(request_id, "queued", prefill, decision.reason)
+        return Placement(
+            request_id=request_id, cluster=decision.cluster, prefill_worker=prefill,
+            decode_worker=decode, prompt_tokens=len(request.prompt),
+            cached_tokens=decision.resume_prefix, decision=decision,
+            decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size)
+
+    def _decide(self, inputs: RouteInputs) -> Decision:
+        decision = self.policy.decide(inputs)
+        if self.policy.name in self.config.scarce_pinned:
+            return note_scarce_pin(inputs, decision)
+        return decision
+
+    def _choose_workers(self, decision: Decision, match: PrefixMatch | None) -> tuple[str, str]:
+        bs = self.config.block_size
+        try:
+            return (choose_prefill_worker(
+                        self.workers.prefill_candidates(decision.cluster, match, bs)),
+                    choose_decode_worker(self.workers.decode_candidates(match, bs)))
+        except PlacementError as exc:
+            self._counts.rejected_no_worker += 1
+            raise NoWorkerAvailable(f"no worker can serve this request: {exc}",
+                                    code="no_worker") from exc
+
+    async def _lookup(self, hashes: list[int]) -> PrefixMatch | None:
+        if not hashes:
+            return None
+        try:
+            reply = await self.node.call(self.config.cachedir, PrefixQuery(hashes), PrefixReply,
+                                         timeout=self.config.lookup_timeout_s)
+        except MeshError as exc:
+            self._counts.lookup_failures += 1
+            # Logged once per outage: every request fails the same way while it lasts.
+            if self._directory_answers:
+                log.warning("cache directory lookups fail, routing as uncached: %s", exc)
+            self._directory_answers = False
+            return None
+        self._directory_answers = True
+        return reply.match
+
+    def _inputs(self, request_id: str, total: int, match: PrefixMatch | None) -> RouteInputs:
+        bs = self.config.block_size
+        link = self._link
+        return RouteInputs(
+            request_id=request_id, total_len=total,
+            cached_prfaas=min(total, self.workers.resumable_blocks("prfaas", match) * bs),
+            cached_pd=min(total, self.workers.resumable_blocks("pd", match) * bs),
+            link_utilisation=link.utilisation if link else 0.0,
+            link_stalls=self._recent_stalls(),
+            queue_prfaas=self.workers.prefill_queue("prfaas"),
+            queue_pd=self.workers.prefill_queue("pd"),
+            prfaas_available=self.workers.has_prefill("prfaas") and (link is None or link.up),
+            now=self.clock())
+
+    async def _serve(self, handle: RequestHandle) -> None:
+        """Runs one request to its end; its failure is the request's, never the router's."""
+        try:
+            with handle.scope:
+                handle.result = await self._runner.run(handle)
+        except RouterError as exc:
+            handle.error = exc
+        except MeshError as exc:
+            handle.error = UpstreamFailed(f"request {handle.placement.request_id}: {exc}")
+        except Exception as exc:
+            log.exception("request %s failed in the router", handle.placement.request_id)
+            handle.error = RouterError(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._finish(handle)
+
+    def _finish(self, handle: RequestHandle) -> None:
+        p = handle.placement
+        del self._active[p.request_id]
+        self.workers.released(p.decode_worker)
+        cancelled = handle.result is None and handle.error is None
+        error = UpstreamFailed(f"request {p.request_id} was cancelled") if cancelled \
+            else handle.error
+        self._count(handle.result, cancelled)
+        handle.outbox.close(handle.result, error)
+        self._publish_done(handle, cancelled)
+        self.policy.observe(RequestFinished(
+            request_id=p.request_id, cluster=p.cluster, now=self.clock(),
+            ok=handle.result is not None, incremental_len=p.decision.incremental_len))
+
+    def _count(self, result: Finished | None, cancelled: bool) -> None:
+        c = self._counts
+        if cancelled:
+            c.cancelled += 1
+        elif result is None:
+            c.failed += 1
+        else:
+            c.completed += 1
+            c.prompt_tokens += result.prompt_tokens
+            c.completion_tokens += result.completion_tokens
+            c.cached_tokens += result.cached_tokens
+
+    def _publish_done(self, handle: RequestHandle, cancelled: bool) -> None:
+        p, result, now = handle.placement, handle.result, self.clock()
+        ttft = handle.first_token_at - handle.started if handle.first_token_at else 0.0
+        e2e = now - handle.started
+        out = result.completion_tokens if result else 0
+        tpot = (e2e - ttft) / (out - 1) if out > 1 and ttft else 0.0
+        error = "cancelled" if cancelled else (handle.error.message if handle.error else "")
+        self._runner.phase(p.request_id, "finished" if result else "failed", p.decode_worker, error)
+        self.events.publish(RequestDone(
+            ts=now, source="router", request_id=p.request_id, cluster=p.cluster, ttft_s=ttft,
+            tpot_s=tpot, e2e_s=e2e, prompt_tokens=p.prompt_tokens, output_tokens=out,
+            cached_tokens=result.cached_tokens if result else 0, ok=result is not None,
+            error=error))
+
+    def _running(self) -> anyio.abc.TaskGroup:
+        if self._group is None:
+            raise NoWorkerAvailable("the router's scheduler is not running")
+        return self._group
+
+    def observe_link(self, sample: LinkSample) -> None:
+        self._link = sample
+        self._stall_history.append((sample.now, sample.stalls))
+        while self._stall_history and \
+                self._stall_history[0][0] < sample.now - self.config.stall_window_s:
+            self._stall_history.popleft()
+        self.policy.observe(sample)
+
+    def _recent_stalls(self) -> int:
+        if not self._stall_history:
+            return 0
+        return self._stall_history[-1][1] - self._stall_history[0][1]
+
+    def active(self) -> list[Placement]:
+        return [h.placement for h in self._active.values()]
+
+    def statistics(self) -> SchedulerStatistics:
+        c = self._counts
+        return SchedulerStatistics(
+            admitted=c.admitted, rejected_full=c.rejected_full,
+            rejected_no_worker=c.rejected_no_worker, completed=c.completed, failed=c.failed,
+            cancelled=c.cancelled, inflight=len(self._active), to_prfaas=c.to_prfaas,
+            to_pd=c.admitted - c.to_prfaas, lookup_failures=c.lookup_failures,
+            prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+            cached_tokens=c.cached_tokens)
+
+    def check_integrity(self) -> None:
+        c = self._counts
+        done = c.completed + c.failed + c.cancelled
+        if c.admitted != done + len(self._active):
+            raise AssertionError(f"admitted {c.admitted} != finished {done} + in flight "
+                                 f"{len(self._active)}")
+        self.workers.check_integrity(self.active())

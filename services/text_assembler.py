@@ -1,0 +1,86 @@
+"""Streamed token ids to text deltas: UTF-8 completed, cut at the first stop string.
+
+`TextAssembler` holds back an incomplete UTF-8 character and any tail that may still become a
+stop string; `assemble_reference` is the slow reference (decode everything, cut at the first
+stop) it is tested equal to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.model.tokenizer import TokenizerLike
+
+_REPLACEMENT = "\ufffd"
+
+
+class TextAssembler:
+    """Token ids in, text deltas out: UTF-8 completed, cut at the first stop string.
+
+    Decoding follows vLLM's incremental detokenizer idea: re-decode only the tokens since the
+    last clean character boundary and emit the new suffix.
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to text already taken
+        self._read = 0
+        self._held = ""  # text that may still begin a stop string
+        self.stopped = False
+        self.tokens = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The text these ids add that is safe to send; "" once a stop string was found."""
+        if self.stopped:
+            return ""
+        self.tokens += len(ids)
+        self._ids.extend(ids)
+        return self._cut(self._decode_new(final=False))
+
+    def finish(self) -> str:
+        """Whatever is still held back (called when generation ends)."""
+        if self.stopped:
+            return ""
+        text = self._cut(self._decode_new(final=True))
+        if not self.stopped:
+            text, self._held = text + self._held, ""
+        return text
+
+    def _decode_new(self, final: bool) -> str:
+        seen = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        full = self._tokenizer.decode(self._ids[self._prefix:])
+        if full.endswith(_REPLACEMENT) and not final:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(seen):]
+
+    def _cut(self, new: str) -> str:
+        text = self._held + new
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return text[:min(hits)]
+        keep = _stop_prefix_len(text, self._stop)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best
+
+
+def assemble_reference(tokenizer: TokenizerLike, ids: Sequence[int],
+                       stop: Sequence[str] = ()) -> tuple[str, bool]:
+    """Slow reference of TextAssembler: decode all ids, cut at the earliest stop string."""
+    text = tokenizer.decode(list(ids))
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)

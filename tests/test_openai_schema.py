@@ -1,0 +1,139 @@
+"""The OpenAI requests: validation naming the parameter, normalisation, chat template."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
+from services.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Limits,
+    chat_generation,
+    completion_generation,
+    decode_request,
+    render_chat,
+)
+from services.router_errors import ContextTooLong, InvalidRequest, NotFound
+
+BPE: Tokenizer = load_default()
+BYTES = ByteTokenizer()
+LIMITS = Limits(max_context=64, models=("prfaas", "kimi-linear"))
+
+
+def completion(**fields: object) -> CompletionRequest:
+    return decode_request(msgspec.json.encode({"model": "prfaas", **fields}), CompletionRequest)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "seed": "one"}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"usage": True}}, "stream_options.usage"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "suffix": "!"}, "suffix"),
+    ({"prompt": 5}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "colour": "red"}, "colour"),
+])
+def test_bad_completion_fields_name_their_parameter(fields: dict[str, object],
+                                                    param: str) -> None:
+    with pytest.raises(InvalidRequest) as error:
+        completion(**fields)
+    assert error.value.param == param and error.value.status == 400
+    assert param.split(".")[0] in error.value.message
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user"}, None),
+    ({"content": "x"}, "messages[0].role"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": "u"}]},
+     "messages[0].content[0].type"),
+    ({"role": "user", "content": "x", "mood": "calm"}, "messages[0].mood"),
+])
+def test_bad_chat_messages_name_the_field(message: dict[str, object],
+                                          param: str | None) -> None:
+    body = msgspec.json.encode({"model": "prfaas", "messages": [message]})
+    if param is None:
+        request = decode_request(body, ChatCompletionRequest)
+        assert request.messages[0].text() == ""
+        return
+    with pytest.raises(InvalidRequest) as error:
+        decode_request(body, ChatCompletionRequest)
+    assert error.value.param == param
+
+
+def test_not_json_and_not_an_object() -> None:
+    for body in (b"", b"{", b"[1]", b'"text"'):
+        with pytest.raises(InvalidRequest):
+            decode_request(body, CompletionRequest)
+
+
+def test_completion_defaults_follow_openai_and_accept_token_prompts() -> None:
+    generation = completion_generation(completion(prompt="Hello"), BPE, LIMITS)
+    assert generation.prompt == BPE.encode("Hello")
+    sampling = generation.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p) == (16, 1.0, 1.0)
+    assert sampling.stop_on_eos and not generation.stream and generation.stop == ()
+    as_ids = completion_generation(completion(prompt=[[5, 6, 7]], max_tokens=3, seed=9,
+                                              stop="x", ignore_eos=True), BPE, LIMITS)
+    assert as_ids.prompt == [5, 6, 7] and as_ids.sampling.seed == 9
+    assert as_ids.stop == ("x",) and not as_ids.sampling.stop_on_eos
+    echoed = completion_generation(completion(prompt=["Hi there"], echo=True), BPE, LIMITS)
+    assert echoed.echo_text == "Hi there"
+    usage = completion_generation(completion(prompt="a", stream=True,
+                                             stream_options={"include_usage": True}),
+                                  BPE, LIMITS)
+    assert usage.stream and usage.include_usage
+
+
+def test_context_and_model_limits() -> None:
+    with pytest.raises(ContextTooLong) as long:
+        completion_generation(completion(prompt=list(range(1, 65))), BPE, LIMITS)
+    assert (long.value.param, long.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(ContextTooLong) as room:
+        completion_generation(completion(prompt=[1] * 60, max_tokens=5), BPE, LIMITS)
+    assert room.value.param == "max_tokens"
+    fits = completion_generation(completion(prompt=[1] * 60, max_tokens=4), BPE, LIMITS)
+    assert fits.sampling.max_tokens == 4
+    assert completion_generation(completion(prompt=[1] * 60), BPE, LIMITS).sampling.max_tokens \
+        == 4
+    with pytest.raises(NotFound) as model:
+        completion_generation(decode_request(b'{"model": "gpt", "prompt": "x"}',
+                                             CompletionRequest), BPE, LIMITS)
+    assert (model.value.status, model.value.param) == (404, "model")
+    with pytest.raises(InvalidRequest, match="token ids"):
+        completion_generation(completion(prompt=[1, 99999]), BPE, LIMITS)
+
+
+def test_chat_template_and_generation() -> None:
+    messages = [ChatMessage(role="system", content="Be brief."),
+                ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}]),  # type: ignore[list-item]
+                ChatMessage(role="assistant", content=" Hello."),
+                ChatMessage(role="developer", content="Rule."),
+                ChatMessage(role="tool", content="42")]
+    messages[1] = msgspec.convert({"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                  ChatMessage)
+    assert render_chat(messages) == ("System: Be brief.\nUser: Hi\nAssistant: Hello.\n"
+                                     "System: Rule.\nTool: 42\nAssistant:")
+    body = msgspec.json.encode({"model": "kimi-linear", "messages": [{"role": "user",
+                                                                      "content": "Hi"}]})
+    generation = chat_generation(decode_request(body, ChatCompletionRequest), BYTES, LIMITS)
+    assert generation.prompt == BYTES.encode("User: Hi\nAssistant:")
+    assert generation.sampling.max_tokens == 64 - len(generation.prompt)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["user", "system"]), st.text(max_size=20)),
+                min_size=1, max_size=4), st.text(max_size=20), st.text(max_size=20))
+def test_a_next_turn_extends_the_previous_prompt_and_its_answer(
+        turns: list[tuple[str, str]], answer: str, new: str) -> None:
+    messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
+    following = [*messages, ChatMessage(role="assistant", content=answer),
+                 ChatMessage(role="user", content=new)]
+    assert render_chat(following).startswith(render_chat(messages) + answer)

@@ -1,0 +1,50 @@
+"""A request's handle and outbox: text as the client takes it, the result, the error, ids."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from router_fakes import DONE, placed_handle
+
+from services.router_errors import UpstreamFailed
+from services.router_requests import RequestIds
+
+
+@pytest.mark.trio
+async def test_text_accumulates_until_taken_then_the_result(
+        autojump_clock: trio.testing.MockClock) -> None:
+    request = placed_handle()
+    request.outbox.put("a")
+    request.outbox.put("")  # nothing to wake the reader for
+    request.outbox.put("b")
+    assert await request.__anext__() == "ab"
+
+    async def writer() -> None:
+        await trio.sleep(1.0)
+        request.outbox.put("c")
+        request.outbox.close(DONE)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        text, result = await request.collect()
+    assert (text, result) == ("c", DONE) and request.result == DONE
+
+
+@pytest.mark.trio
+async def test_a_failed_request_raises_its_error_after_its_text() -> None:
+    request = placed_handle()
+    request.outbox.put("partial")
+    request.outbox.close(None, UpstreamFailed("decode on d failed"))
+    assert await request.__anext__() == "partial"
+    with pytest.raises(UpstreamFailed, match="decode on d failed"):
+        await request.__anext__()
+    request.cancel()
+    assert request.scope.cancel_called
+
+
+def test_request_ids_are_unique_and_differ_between_routers() -> None:
+    one, two = RequestIds(), RequestIds()
+    ids = [one.next() for _ in range(100)]
+    assert len(set(ids)) == 100 and ids[0].startswith("req-") and ids[0].endswith("-1")
+    assert two.next() != ids[0]

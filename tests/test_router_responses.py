@@ -1,0 +1,64 @@
+"""Response bodies and server-sent events of one generation, from a request's handle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from router_fakes import DONE, placed_handle
+
+from services.messages import Sampling
+from services.openai_schema import GenerationRequest
+from services.router_errors import UpstreamFailed
+from services.router_requests import RequestHandle
+from services.router_responses import Kind, Responder, stream_events
+
+
+async def events(kind: Kind, request: RequestHandle, **generation: Any) -> list[Any]:
+    body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2), **generation)
+    raw = b"".join([chunk async for chunk in stream_events(Responder(kind, request, "m"),
+                                                           body)])
+    frames = raw.decode().split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data: ") for f in frames[:-1])
+    return [f.removeprefix("data: ") for f in frames[:-1]]
+
+
+@pytest.mark.trio
+async def test_a_chat_stream_is_role_text_finish_usage_done() -> None:
+    request = placed_handle()
+    request.outbox.put("hi")
+    request.outbox.close(DONE)
+    data = await events("chat", request, include_usage=True)
+    assert data[-1] == "[DONE]"
+    role, text, final, usage = (msgspec.json.decode(d) for d in data[:-1])
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert text["choices"][0]["delta"] == {"content": "hi"} and "prfaas" not in text
+    assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                   "finish_reason": "length"}
+    assert final["prfaas"]["decode_worker"] == "d" and final["id"] == "chatcmpl-r"
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+    assert request.scope.cancel_called  # the stream's end releases the request
+
+
+@pytest.mark.trio
+async def test_an_error_mid_stream_is_an_error_event() -> None:
+    request = placed_handle()
+    request.outbox.put("par")
+    request.outbox.close(None, UpstreamFailed("prefill on p failed"))
+    data = await events("completion", request, echo_text="ABC")
+    texts = [msgspec.json.decode(d) for d in data]
+    assert [t["choices"][0]["text"] for t in texts[:2]] == ["ABC", "par"]
+    assert texts[2] == {"error": {"message": "prefill on p failed", "type": "upstream_error",
+                                  "param": None, "code": None}}
+
+
+@pytest.mark.trio
+async def test_whole_bodies_carry_usage_and_placement() -> None:
+    body = Responder("completion", placed_handle(), "m").whole("ok", DONE)
+    decoded = msgspec.json.decode(msgspec.json.encode(body))
+    assert decoded["object"] == "text_completion" and decoded["choices"][0]["text"] == "ok"
+    assert decoded["usage"]["completion_tokens"] == 2 and decoded["prfaas"]["cluster"] == "pd"
+    chat = msgspec.json.decode(msgspec.json.encode(
+        Responder("chat", placed_handle(), "m").whole("ok", DONE)))
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ok"}

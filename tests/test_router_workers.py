@@ -1,0 +1,116 @@
+"""The router's worker table: topology, candidates, counted loads, integrity, block size."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from router_fakes import INFO, TOPOLOGY
+
+from mesh.errors import ConfigError
+from mesh.topology import parse_topology
+from services.cachedir import PrefixMatch, WorkerMatch
+from services.messages import WorkerState
+from services.policies.prfaas import threshold_rule
+from services.policy import RouteInputs
+from services.router_errors import NotFound
+from services.router_requests import Placement
+from services.router_workers import (
+    ModelMismatch,
+    WorkerEntry,
+    WorkerSpec,
+    WorkerTable,
+    check_block_size,
+)
+
+MATCH = PrefixMatch(n_blocks=4, clusters=[], workers=[
+    WorkerMatch(worker="prfaas-prefill-0", cluster="prfaas", role="prefill", blocks_held=4,
+                blocks_resumable=3),
+    WorkerMatch(worker="pd-decode-0", cluster="pd", role="decode", blocks_held=2,
+                blocks_resumable=0)])
+
+
+def table() -> WorkerTable:
+    return WorkerTable.from_topology(parse_topology(TOPOLOGY))
+
+
+def test_from_topology_reads_kinds_roles_and_lanes() -> None:
+    workers = table()
+    assert workers.names == ["prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
+    assert workers.get("prfaas-prefill-0").spec.kind == "prfaas"
+    assert workers.lanes("pd-decode-0") == 4  # no `connections` option: the default
+    with pytest.raises(NotFound) as missing:
+        workers.get("ghost")
+    assert missing.value.status == 404 and "ghost" in missing.value.message
+
+
+def test_bad_tables_name_the_worker() -> None:
+    spec = WorkerSpec(name="w", cluster="pd", kind="pd", role="prefill")
+    with pytest.raises(ConfigError, match="'w' is listed twice"):
+        WorkerTable([spec, spec])
+    with pytest.raises(ConfigError, match="decode worker 'x' must be in a PD cluster"):
+        WorkerTable([WorkerSpec(name="x", cluster="p", kind="prfaas", role="decode")])
+
+
+def test_candidates_carry_cached_prefixes_and_counted_loads() -> None:
+    workers = table()
+    workers.dispatched("prfaas-prefill-0", "pd-decode-0")
+    [prfaas] = workers.prefill_candidates("prfaas", MATCH, 16)
+    assert (prfaas.name, prfaas.queue, prfaas.cached_prefix_tokens) == ("prfaas-prefill-0",
+                                                                       1, 48)
+    [decode] = workers.decode_candidates(MATCH, 16)
+    assert (decode.running, decode.cached_prefix_tokens) == (1, 32)
+    assert workers.resumable_blocks("prfaas", MATCH) == 3
+    assert workers.resumable_blocks("pd", MATCH) == 0
+    assert workers.held_blocks("pd-decode-0", MATCH) == 2
+    assert workers.prefill_queue("prfaas") == 1 and workers.prefill_queue("pd") == 0
+    workers.prefilled("prfaas-prefill-0")
+    workers.released("pd-decode-0")
+    assert workers.prefill_queue("prfaas") == 0
+    workers.check_integrity([])
+
+
+def test_integrity_counts_open_streams_against_active_requests() -> None:
+    workers = table()
+    workers.dispatched("pd-prefill-0", "pd-decode-0")
+    with pytest.raises(AssertionError, match="1 prefills in flight exceed its active"):
+        workers.check_integrity([])
+    inputs = RouteInputs(request_id="r", total_len=10)
+    placement = Placement(request_id="r", cluster="pd", prefill_worker="pd-prefill-0",
+                          decode_worker="pd-decode-0", prompt_tokens=10, cached_tokens=0,
+                          decode_has_tokens=0, decision=threshold_rule(inputs, 100, True))
+    workers.check_integrity([placement])
+    workers.prefilled("pd-prefill-0")
+    workers.prefilled("pd-prefill-0")
+    with pytest.raises(AssertionError, match="prefills -1"):
+        workers.check_integrity([placement])
+
+
+def test_draining_and_down_workers_are_not_candidates() -> None:
+    workers = table()
+    workers.get("pd-prefill-0").draining = True
+    assert not workers.has_prefill("pd") and workers.has_prefill("prfaas")
+    workers.get("pd-decode-0").up = False
+    assert workers.decode_candidates(None, 16) == []
+    views = {v.name: v for v in workers.statistics().workers}
+    assert views["pd-prefill-0"].role == "draining" and not views["pd-decode-0"].up
+    assert workers.statistics().up == 2
+    assert {w.name: w.role for w in workers.state().workers}["pd-prefill-0"] == "draining"
+
+
+def polled(block_size: int) -> WorkerEntry:
+    entry = WorkerEntry(WorkerSpec(name="pd-decode-0", cluster="pd", kind="pd", role="decode"),
+                        "decode")
+    entry.polled = WorkerState(name="pd-decode-0", cluster="pd", role="decode", draining=False,
+                               queue_depth=0, running=0, cached_blocks=0,
+                               model=msgspec.structs.replace(INFO, block_size=block_size))
+    return entry
+
+
+def test_block_size_check_names_both_values() -> None:
+    check_block_size([polled(64)], 64)
+    check_block_size([WorkerEntry(polled(32).spec, "decode")], 64)  # never polled: unknown
+    with pytest.raises(ModelMismatch) as wrong:
+        check_block_size([polled(64), polled(32)], 64)
+    assert str(wrong.value).startswith("the router's block_size is 64, but worker pd-decode-0 "
+                                       "runs fake/tiny with block_size 32")
+    assert isinstance(wrong.value, ConfigError)

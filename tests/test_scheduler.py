@@ -1,0 +1,172 @@
+"""The scheduler on virtual time: admission, cache-aware placement, decisions and their reasons.
+
+Over the fake-but-honest mesh of tests/router_fakes.py.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import trio
+import trio.testing
+from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
+
+from services.policies.prfaas import threshold_rule
+from services.policy import RouteInputs
+from services.router_errors import NoWorkerAvailable, QueueFull
+from services.scheduler import SchedulerConfig, note_scarce_pin
+from services.telemetry import RequestDone
+
+
+@pytest.mark.trio
+async def test_one_request_streams_tokens_and_reports_everything(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        prompt = list(range(1, 41))
+        handle = await mesh.scheduler.submit(generation(prompt, max_tokens=5))
+        text, result = await handle.collect()
+        expected = "".join(chr(fake_token(prompt, i) - 1) for i in range(5))
+        assert text == expected
+        assert result.finish_reason == "length"
+        assert (result.prompt_tokens, result.completion_tokens) == (40, 5)
+        events = await mesh.take_events()
+        [decision] = decisions(events)
+        assert decision.request_id == handle.placement.request_id
+        assert (decision.cluster, decision.prefill_worker, decision.decode_worker) == (
+            "pd", "pd-prefill-0", "pd-decode-0")
+        assert decision.total_len == 40 and decision.incremental_len == 40
+        assert decision.threshold == 19400.0 and "PD prefill" in decision.reason
+        [done] = [e for e in events if isinstance(e, RequestDone)]
+        assert done.ok and done.output_tokens == 5 and done.ttft_s > 0
+        assert done.tpot_s == pytest.approx(mesh.timing.decode_step_s, rel=0.01)
+        mesh.scheduler.check_integrity()
+        assert mesh.scheduler.statistics().completed == 1
+
+
+@pytest.mark.trio
+async def test_long_prompts_offload_and_short_ones_stay(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
+        short = await mesh.scheduler.submit(generation(range(1, 50)))
+        long = await mesh.scheduler.submit(generation(range(1, 300)))
+        await short.collect()
+        await long.collect()
+        by_id = {d.request_id: d for d in decisions(await mesh.take_events())}
+        assert by_id[short.placement.request_id].cluster == "pd"
+        offloaded = by_id[long.placement.request_id]
+        assert offloaded.cluster == "prfaas" and offloaded.prefill_worker == "prfaas-prefill-0"
+        assert "> t = 100" in offloaded.reason
+        [prefill] = mesh.workers["prfaas-prefill-0"].prefills
+        assert prefill.connections == 2 and prefill.decode_worker == "pd-decode-0"
+        assert mesh.workers["pd-prefill-0"].prefills[0].connections == 1
+
+
+@pytest.mark.trio
+async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Scarce bandwidth: each cluster's cache counts alone (no cross-cluster cache transfer).
+    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"}) as mesh:
+        first = list(range(1, 201))
+        handle = await mesh.scheduler.submit(generation(first, max_tokens=8))
+        answer, _ = await handle.collect()
+        await anyio.sleep(1.0)  # the user reads; the workers' cache reports land meanwhile
+        second = first + [ord(c) + 1 for c in answer] + list(range(60, 90))
+        handle2 = await mesh.scheduler.submit(generation(second))
+        _, result = await handle2.collect()
+        one, two = decisions(await mesh.take_events())
+        assert one.cached_prfaas == one.cached_pd == 0
+        assert two.cluster == "prfaas" and two.total_len == len(second)
+        # The PrfaaS worker resumes from its whole first prompt's full blocks.
+        assert two.cached_prfaas == 192
+        assert result.cached_tokens == 192
+        # The decode worker held the first turn (prompt + answer): only the rest crossed.
+        assert handle2.placement.decode_has_tokens == 208
+        decode = mesh.workers["pd-decode-0"]
+        assert decode.kv_bytes[handle2.placement.request_id] == len(second) - 208
+
+
+@pytest.mark.trio
+async def test_a_pinned_scarce_rule_says_which_remote_cache_it_leaves_unused(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, connections=2, scarce_pinned=("prfaas",))
+    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"},
+                         config=config) as mesh:
+        first = list(range(1, 201))
+        answer, _ = await (await mesh.scheduler.submit(generation(first, max_tokens=8))
+                           ).collect()
+        await anyio.sleep(1.0)
+        second = first + [ord(c) + 1 for c in answer] + list(range(60, 90))
+        await (await mesh.scheduler.submit(generation(second))).collect()
+        one, two = decisions(await mesh.take_events())
+        assert "pinned" not in one.reason  # nothing cached anywhere: nothing given up
+        # Scarce: l = 238 > t on PrfaaS, resuming its own 192; the abundant rule would count
+        # those 192 (l = 46 <= t) and prefill on PD, pulling them across the link.
+        assert (two.cluster, two.incremental_len, two.cached_prfaas) == ("prfaas", 238, 192)
+        assert two.reason.endswith(
+            "; scarce rule pinned, since cross-cluster cache transfer is not in the data "
+            "path: the abundant rule would prefill l = 46 on PD prefill, pulling 192 cached "
+            "tokens from prfaas")
+
+
+def test_the_note_is_only_for_decisions_the_abundant_rule_would_make_otherwise() -> None:
+    scarce = threshold_rule(RouteInputs(request_id="r", total_len=40_000, cached_pd=30_000),
+                            19_400, scarce=True)
+    # The PD cache is the longest already: the abundant rule pulls nothing either.
+    assert note_scarce_pin(RouteInputs(request_id="r", total_len=40_000, cached_pd=30_000),
+                           scarce) == scarce
+    inputs = RouteInputs(request_id="r", total_len=60_000, cached_prfaas=1_000,
+                         cached_pd=15_000)
+    noted = note_scarce_pin(inputs, threshold_rule(inputs, 19_400, scarce=True))
+    assert noted.reason.endswith("prefill l = 45,000 on PrfaaS, pulling 14,000 cached tokens "
+                                 "from pd")
+    abundant = threshold_rule(inputs, 19_400, scarce=False)
+    assert note_scarce_pin(inputs, abundant) == abundant  # not scarce: nothing to say
+
+
+@pytest.mark.trio
+async def test_queue_full_and_no_worker_are_refused_before_starting(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, max_inflight=2)
+    async with fake_mesh(config=config) as mesh:
+        handles = [await mesh.scheduler.submit(generation(range(1, 20))) for _ in range(2)]
+        with pytest.raises(QueueFull) as full:
+            await mesh.scheduler.submit(generation(range(1, 20)))
+        assert full.value.status == 429 and "max_inflight=2" in full.value.message
+        for handle in handles:
+            await handle.collect()
+        outcomes: list[str] = []
+
+        async def one() -> None:
+            try:
+                await (await mesh.scheduler.submit(generation(range(1, 20)))).collect()
+                outcomes.append("done")
+            except QueueFull:
+                outcomes.append("full")
+
+        # Submitted at once, all placing (awaiting the cache directory) together.
+        async with anyio.create_task_group() as group:
+            for _ in range(5):
+                group.start_soon(one)
+        assert sorted(outcomes) == ["done", "done", "full", "full", "full"]
+        assert mesh.scheduler.policy.statistics().finished == 4
+        mesh.workers["pd-decode-0"].hung = True
+        await mesh.control.tick()
+        with pytest.raises(NoWorkerAvailable) as none:
+            await mesh.scheduler.submit(generation(range(1, 20)))
+        assert none.value.status == 503 and "decode" in none.value.message
+        assert mesh.scheduler.statistics().rejected_no_worker == 1
+        view = {w.name: w for w in mesh.scheduler.workers.statistics().workers}
+        assert not view["pd-decode-0"].up and view["pd-prefill-0"].up
+
+
+
+@pytest.mark.trio
+async def test_an_unreachable_cache_directory_means_uncached_not_failed(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, cachedir="no-such-cachedir")
+    async with fake_mesh(config=config) as mesh:
+        _, result = await (await mesh.scheduler.submit(generation(range(1, 40)))).collect()
+        assert result.finish_reason == "length"
+        assert mesh.scheduler.statistics().lookup_failures == 1
+
+
