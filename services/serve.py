@@ -18,9 +18,9 @@ import argparse
 import importlib
 import logging
 import os
-import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -257,6 +257,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the router's link probe alone would fill the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         text = DEFAULT_TOPOLOGY_PATH.read_text(encoding="utf-8")
         topology = load_topology(args.topology, text)
@@ -382,18 +384,27 @@ def launch(
 
 def _wait_ready(name: str, child: subprocess.Popen[str], deadline: float,
                 log: Path | None) -> None:
-    assert child.stdout is not None
-    while True:
-        left = deadline - time.monotonic()
-        readable, _, _ = select.select([child.stdout], [], [], max(0.0, left))
-        if not readable:
-            raise LaunchError(f"service {name!r} did not get ready in time{_tail(log)}")
-        line = child.stdout.readline()
-        if not line:
-            raise LaunchError(f"service {name!r} exited with code {child.wait()} before "
+    # A thread drains the child's stdout for its whole life (a full pipe would block it) and
+    # flags the ready line; select() on a buffered text pipe misses lines read ahead.
+    ready = threading.Event()
+    threading.Thread(target=_watch_stdout, args=(name, child, ready), daemon=True).start()
+    while not ready.wait(timeout=0.05):
+        if child.poll() is not None:
+            raise LaunchError(f"service {name!r} exited with code {child.returncode} before "
                               f"ready{_tail(log)}")
-        if line.startswith(f"ready {name} "):
-            return
+        if time.monotonic() > deadline:
+            raise LaunchError(f"service {name!r} did not get ready in time{_tail(log)}")
+
+
+def _watch_stdout(name: str, child: subprocess.Popen[str], ready: threading.Event) -> None:
+    assert child.stdout is not None
+    try:
+        for line in child.stdout:
+            if line.startswith(f"ready {name} "):
+                ready.set()
+    except ValueError:
+        # `_stop_all` closed the pipe under us: the child is gone, nothing is left to read.
+        return
 
 
 def _tail(log: Path | None, lines: int = 5) -> str:

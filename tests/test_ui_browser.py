@@ -1,7 +1,9 @@
 """The dashboard in Debian's chromium (Playwright): it fills, it controls, it stays responsive.
 
-Run alone with `pytest -m browser tests/test_ui_browser.py -s` to see the measured numbers.
-Screenshots go to test-output/.
+The first test drives the real default mesh (every service a `prfaas serve` process); the
+load test measures the page under the synthetic mesh at 50 requests a second. Run alone with
+`pytest -m browser tests/test_ui_browser.py -s` to see the measured numbers. Screenshots go
+to test-output/, with the mesh's service logs in test-output/mesh-logs/.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ui_fixtures import browser as ui_fixtures
 
 from ui.demo_model import SyntheticConfig
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 if not shutil.which(ui_fixtures.CHROMIUM):
     pytest.skip("Debian's chromium is not installed (make browser)", allow_module_level=True)
@@ -31,12 +33,12 @@ def page_errors() -> list[str]:
     return []
 
 
-def open_page(page: Page, url: str, errors: list[str]) -> None:
+def open_page(page: Page, url: str, errors: list[str], mode: str = "live") -> None:
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.goto(url)
     page.wait_for_function(
-        "document.getElementById('mode').textContent === 'live'", timeout=WAIT_MS
+        "mode => document.getElementById('mode').textContent === mode", arg=mode, timeout=WAIT_MS
     )
 
 
@@ -72,47 +74,56 @@ def browser_page(browser: Any) -> Page:
     return page
 
 
-def test_dashboard_fills_controls_the_link_and_replays(
+# Chart points of the page's model whose `field` holds a value (not a gap).
+POINTS_WITH = (
+    "field => window.prfaasDashboard.model.series.toArray()"
+    ".filter(p => p[field] !== null && p[field] > 0).length"
+)
+
+
+def points_with(page: Page, field: str) -> int:
+    return int(page.evaluate(POINTS_WITH, field))
+
+
+def test_real_mesh_fills_the_dashboard_and_the_link_obeys_it(
     browser_page: Page, page_errors: list[str]
 ) -> None:
+    """Issue 6: the default mesh's real services, a small workload from the page."""
     page = browser_page
-    config = SyntheticConfig(seed=7, running=False, bandwidth_bps=25e9)
-    with ui_fixtures.default_mesh(config) as mesh:
+    with ui_fixtures.default_mesh() as mesh:
         open_page(page, mesh.url, page_errors)
-        wait_until(page, "document.querySelectorAll('#topology .chip').length === 6")
+        # Every worker reports itself, and the link its samples.
+        wait_until(page, "document.querySelectorAll('#topology .chip').length === 3")
+        wait_until(page, "document.getElementById('topbar-link').textContent === 'up · 200 Mbps'")
         assert count(page, "#decisions-body tr") == 0  # no workload yet
 
-        # Run a small workload from the page.
-        page.fill("#ctl-rate", "4")
+        # A small workload from the page: the router's demo load (POST /admin/workload).
+        page.fill("#ctl-rate", "1")
         page.click("#ctl-start")
-        wait_until(page, "document.querySelectorAll('#decisions-body tr').length >= 8")
+        wait_until(page, "document.querySelectorAll('#decisions-body tr').length >= 4")
         wait_until(page, "document.querySelectorAll('[data-testid=kv-flow]').length >= 1")
-        for chart in ("ttft", "throughput", "egress", "offload"):
-            wait_until(
-                page,
-                "id => Number(document.querySelector(`[data-testid=chart-${id}]`)"
-                ".dataset.points) >= 4",
-                chart,
-            )
+        state = httpx.get(f"{mesh.router_url}/admin/state").json()
+        assert state["workload"]["running"] and state["workload"]["rate"] == 1
+        # The charts get points: finished requests' TTFT and throughput, the link's egress.
+        for field in ("ttft_p50_s", "throughput_rps", "egress_gbps"):
+            wait_until(page, f"() => ({POINTS_WITH})({json.dumps(field)}) >= 3")
 
-        # Slide the bandwidth down to 2 Gbps: the real link takes it and reports it back.
-        set_range(page, "#ctl-bandwidth", 575)
+        # Slide the bandwidth down to 20 Mbps: the link takes it and reports it back.
+        set_range(page, "#ctl-bandwidth", 75)
         wait_until(
             page,
             "document.querySelector('[data-testid=link-bandwidth]')"
-            ".textContent.startsWith('2.00 Gbps')",
+            ".textContent.startsWith('20 Mbps')",
         )
-        assert httpx.get(f"{mesh.link_url}/link").json()["bandwidth_bps"] == 2e9
-        wait_until(page, "document.getElementById('topbar-link').textContent === 'up · 2.00 Gbps'")
+        assert httpx.get(f"{mesh.link_url}/link").json()["bandwidth_bps"] == 20e6
+        wait_until(page, "document.getElementById('topbar-link').textContent === 'up · 20 Mbps'")
         assert "ok" in (page.text_content("#ctl-status") or "")
 
-        # A finished offloaded request's waterfall, once the charts hold some history; the
-        # slower link keeps a transfer in flight for the screenshot.
-        wait_until(
-            page, "Number(document.querySelector('[data-testid=chart-ttft]').dataset.points) >= 15"
-        )
-        # dispatch_event, not click: a click would scroll the row (and the page) into view.
-        page.dispatch_event("#decisions-body tr[data-cluster=prfaas] >> nth=-1", "click")
+        # A finished offloaded request's waterfall once the charts hold some history; the
+        # slower link keeps a transfer in flight for the screenshot (docs/dashboard.png).
+        wait_until(page, f"() => ({POINTS_WITH})('ttft_p50_s') >= 15")
+        finished = "#decisions-body tr[data-cluster=prfaas]"
+        page.dispatch_event(f"{finished} >> nth=-1", "click")  # no scrolling, unlike click
         wait_until(page, "document.querySelector('[data-testid=waterfall-decode]') !== null")
         wait_until(
             page,
@@ -121,10 +132,11 @@ def test_dashboard_fills_controls_the_link_and_replays(
         )
         ui_fixtures.OUTPUT.mkdir(exist_ok=True)
         page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard.png"), full_page=True)
+        assert points_with(page, "offload") >= 1  # some prefill went to the PrfaaS cluster
 
         # Filter the table by cluster.
-        page.select_option("#filter-cluster", "pd")
         rows = "[...document.querySelectorAll('#decisions-body tr')]"
+        page.select_option("#filter-cluster", "pd")
         wait_until(page, f"{rows}.length > 0 && {rows}.every(r => r.dataset.cluster === 'pd')")
         page.select_option("#filter-cluster", "")
 
@@ -141,6 +153,8 @@ def test_dashboard_fills_controls_the_link_and_replays(
         page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard-replay.png"))
         page.click("#replay-live")
         wait_until(page, "document.getElementById('mode').textContent === 'live'")
+        stopped = httpx.post(f"{mesh.router_url}/admin/workload", json={"action": "stop"})
+        assert stopped.status_code == 200
     assert page_errors == []
 
 
@@ -208,8 +222,8 @@ def test_fifty_requests_a_second_keep_the_page_responsive_and_bounded(
         output_min=16,
         output_max=64,
     )
-    with ui_fixtures.default_mesh(config) as mesh:
-        open_page(page, mesh.url, page_errors)
+    with ui_fixtures.synthetic_mesh(config) as mesh:
+        open_page(page, mesh.url, page_errors, mode="simulated")
         # Warm up until the table and the charts reach their steady size, then measure over
         # the next 5000 events (about seven seconds).
         wait_until(page, "window.prfaasDashboard.model.events >= 1500")

@@ -1,4 +1,7 @@
-"""`python -m ui [--demo]`: the dashboard alone (what `prfaas serve ui` runs)."""
+"""`python -m ui [--simulated]`: the dashboard alone (the offline demo, or recorded logs only).
+
+The dashboard of the real mesh is `prfaas serve ui`.
+"""
 
 import sys
 

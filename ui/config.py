@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from ui.errors import UiConfigError
@@ -11,6 +13,9 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Bounds, windows and names the dashboard needs; every bound keeps memory fixed."""
 
     title: str = "PrfaaS mesh"
+    # What the page's mode badge says while live events flow: "simulated" when the source is
+    # the synthetic demo (ui.demo), so nobody mistakes it for the real mesh.
+    live_mode: Literal["live", "simulated"] = "live"
     # Clusters whose prefill counts as offloaded (the PrfaaS side of the link).
     prfaas_clusters: tuple[str, ...] = ("prfaas",)
     max_decisions: int = 200  # routing decisions kept for a page that connects mid-run

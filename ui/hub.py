@@ -224,7 +224,8 @@ class EventHub:
         return self._seq
 
     def snapshot(self) -> Snapshot:
-        return self.state.snapshot(self._seq, self.mode)
+        mode = self.config.live_mode if self.mode == "live" else self.mode
+        return self.state.snapshot(self._seq, mode)
 
     def statistics(self) -> HubStatistics:
         feeds = self._feeds

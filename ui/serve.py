@@ -1,7 +1,10 @@
-"""`serve_ui`: the dashboard served by hypercorn inside anyio, and the `prfaas serve ui` entry.
+"""`serve_ui`: the dashboard served by hypercorn inside anyio, and its standalone entry.
 
 Live it runs on asyncio with uvloop; tests run it on trio. The listening socket is bound here
 (port 0 picks a free one) and reported through `task_status`, so a caller knows where to look.
+On the real mesh the dashboard is `prfaas serve ui` (services/ui_feed.py feeds it every
+service's events); `ui_main` (`python -m ui`) is the dashboard alone: the offline demo with
+`--simulated`, else recorded logs only.
 """
 
 from __future__ import annotations
@@ -83,10 +86,11 @@ async def serve_ui(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prfaas serve ui", description="the live dashboard")
+    parser = argparse.ArgumentParser(prog="python -m ui", description="the dashboard alone")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--demo", action="store_true", help="feed it the synthetic mesh")
+    parser.add_argument("--simulated", "--demo", action="store_true", dest="simulated",
+                        help="offline demo: feed it a synthetic mesh (the page says 'simulated')")
     parser.add_argument("--link-url", default=DEFAULT_LINK_URL, help="the link's control API")
     parser.add_argument("--router-url", default=DEFAULT_ROUTER_URL, help="the router's admin API")
     parser.add_argument("--replay-dir", type=Path, action="append", default=[])
@@ -96,15 +100,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def ui_main(argv: Sequence[str] | None = None) -> int:
-    """`prfaas serve ui [--demo]`: without --demo it has no live source until the mesh is wired."""
+    """`python -m ui [--simulated]`: the synthetic mesh, or (without it) recorded logs only;
+    the dashboard of the real mesh is `prfaas serve ui`."""
     from ui.demo import synthetic_demo
     from ui.demo_model import SyntheticConfig
 
     args = _parser().parse_args(argv)
     source: EventSource
     controls: ControlClient
-    if args.demo:
+    config = DashboardConfig()
+    if args.simulated:
         source, controls = synthetic_demo(SyntheticConfig(seed=args.seed, rate=args.rate))
+        config = DashboardConfig(live_mode="simulated")
     else:
         source, controls = NoSource(), HttpControlClient.connect(args.link_url, args.router_url)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -114,7 +121,8 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
         async with anyio.create_task_group() as tasks:
             dirs = tuple(args.replay_dir)
             tasks.start_soon(
-                partial(serve_ui, replay_dirs=dirs), args.host, args.port, source, controls
+                partial(serve_ui, config=config, replay_dirs=dirs),
+                args.host, args.port, source, controls,
             )
             # SIGTERM (honcho) and SIGINT end it in order: streams closed, server drained.
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -28,6 +28,7 @@ from ui.config import DashboardConfig
 from ui.series import SeriesAggregator, SeriesPoint
 
 Mode = Literal["live", "replay"]
+PageMode = Literal["live", "simulated", "replay"]  # the page's badge (DashboardConfig.live_mode)
 K = TypeVar("K")
 # A request passes through about six phases; more means a misbehaving source, not more detail.
 MAX_PHASES = 32
@@ -60,7 +61,7 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a page needs to draw the current state; `seq` is the last event it includes."""
 
     seq: int
-    mode: Mode
+    mode: PageMode
     config: PageConfig
     policy: str | None
     threshold: float | None
@@ -166,7 +167,7 @@ class DashboardState:
         phases = list(record.phases)
         return RequestView(request_id, record.decision, phases, record.flow, record.done)
 
-    def snapshot(self, seq: int, mode: Mode) -> Snapshot:
+    def snapshot(self, seq: int, mode: PageMode) -> Snapshot:
         config = self.config
         return Snapshot(
             seq=seq,

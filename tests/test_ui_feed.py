@@ -1,0 +1,370 @@
+"""services/ui_feed.py: the dashboard's feed of every service's events, and the `ui` runner.
+
+The feed tests run peers and the feed in one trio loop over an in-memory network on virtual
+time: events of several peers merge, a peer that is late, restarts, or misbehaves costs only
+its own stream. The runner test serves the dashboard over real HTTP, fed by an in-process
+link service, and moves the link's bandwidth through the dashboard's control.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import pytest
+import trio
+
+from mesh.errors import ConfigError
+from mesh.events import EventBus
+from mesh.node import Node
+from mesh.server import Context
+from mesh.topology import parse_topology
+from mesh.transport import Address, MemoryHub, MemoryTransport
+from mesh.wire import Codec
+from services.messages import CODEC_MESSAGES, Echo, Subscribe
+from services.serve import default_topology, in_process, runner_for, serve_events, serve_main
+from services.telemetry import AnyEvent, Event, WorkerStatus
+from services.ui_feed import (
+    FeedConfig,
+    MeshFeed,
+    dashboard_config,
+    event_peers,
+    link_control_url,
+    router_http_url,
+    run_ui,
+)
+
+ADDRESSES = {name: Address(name, 1) for name in ("a", "b", "c", "dash")}
+FAST = FeedConfig(retry_min_s=0.1, retry_max_s=0.8)
+
+
+def status(worker: str, ts: float) -> WorkerStatus:
+    return WorkerStatus(ts=ts, source=worker, worker=worker, cluster="pd", role="prefill",
+                        queue_depth=0, running=0, busy=False, cached_blocks=0)
+
+
+def node(hub: MemoryHub, name: str) -> Node:
+    return Node(name, Codec(CODEC_MESSAGES), MemoryTransport(hub), ADDRESSES)
+
+
+class Peer:
+    """A service as the feed sees one: a node serving its bus's events at its address."""
+
+    def __init__(self, hub: MemoryHub, name: str) -> None:
+        self.hub, self.name = hub, name
+        self.bus: EventBus[Event] = EventBus()
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        peer = node(self.hub, self.name)
+        serve_events(peer, self.bus)
+        async with peer:
+            await peer.listen()
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def subscribed(self) -> None:
+        """Returns once the feed's subscription is open (events published before are lost)."""
+        while self.bus.statistics().subscribers == 0:
+            await trio.sleep(0.05)
+
+
+class Collector:
+    def __init__(self, refuse: Callable[[AnyEvent], bool] = lambda event: False) -> None:
+        self.events: list[AnyEvent] = []
+        self._refuse = refuse
+
+    def publish(self, event: AnyEvent) -> None:
+        if self._refuse(event):
+            raise ValueError(f"refused {event.source}")
+        self.events.append(event)
+
+    async def wait_for(self, count: int) -> None:
+        while len(self.events) < count:
+            await trio.sleep(0.05)
+
+
+async def start(group: anyio.abc.TaskGroup, *peers: Peer) -> list[anyio.CancelScope]:
+    """Starts each peer in its own cancel scope (cancel one to stop that peer)."""
+    scopes = []
+    for peer in peers:
+        scope = anyio.CancelScope()
+        scopes.append(scope)
+
+        async def run(peer: Peer = peer, scope: anyio.CancelScope = scope, *,
+                      task_status: anyio.abc.TaskStatus[None]) -> None:
+            with scope:
+                await peer.serve(task_status=task_status)
+
+        await group.start(run)
+    return scopes
+
+
+async def feed_running(group: anyio.abc.TaskGroup, hub: MemoryHub, peers: list[str],
+                       collector: Collector, config: FeedConfig = FAST) -> MeshFeed:
+    dash = node(hub, "dash")
+    feed = MeshFeed(dash, peers, config)
+
+    async def run() -> None:
+        async with dash:
+            await feed.run(collector.publish)
+
+    group.start_soon(run)
+    return feed
+
+
+@pytest.mark.trio
+async def test_events_of_every_peer_are_merged(autojump_clock: trio.abc.Clock) -> None:
+    hub, collector = MemoryHub(), Collector()
+    a, b = Peer(hub, "a"), Peer(hub, "b")
+    async with anyio.create_task_group() as group:
+        await start(group, a, b)
+        feed = await feed_running(group, hub, ["a", "b"], collector)
+        with trio.fail_after(10):
+            await a.subscribed()
+            await b.subscribed()
+            for i in range(5):
+                a.bus.publish(status("a", i))
+                b.bus.publish(status("b", i))
+            await collector.wait_for(10)
+        stats = feed.statistics()
+        group.cancel_scope.cancel()
+    by_source = {s: [e.ts for e in collector.events if e.source == s] for s in ("a", "b")}
+    assert by_source == {"a": [0, 1, 2, 3, 4], "b": [0, 1, 2, 3, 4]}  # each in its order
+    assert (stats.connected, stats.events, stats.failures, stats.rejected) == (2, 10, 0, 0)
+    assert [(p.peer, p.connects, p.events) for p in stats.peers] == [("a", 1, 5), ("b", 1, 5)]
+
+
+async def restart(group: anyio.abc.TaskGroup, feed: MeshFeed, scope: anyio.CancelScope,
+                  peer: Peer) -> tuple[Peer, float]:
+    """Stops `peer` (its node closes every connection) and starts it again as a new process
+    would, bus and all; the new peer, and how long the feed took to subscribe to it."""
+    scope.cancel()
+    index = [p.peer for p in feed.statistics().peers].index(peer.name)
+    while feed.statistics().peers[index].connected:
+        await trio.sleep(0.01)
+    down = trio.current_time()
+    again = Peer(peer.hub, peer.name)
+    await start(group, again)
+    await again.subscribed()
+    return again, trio.current_time() - down
+
+
+@pytest.mark.trio
+async def test_a_late_and_a_restarting_peer_are_followed_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hub, collector = MemoryHub(), Collector()
+    a, late = Peer(hub, "a"), Peer(hub, "b")
+    async with anyio.create_task_group() as group:
+        (scope_a,) = await start(group, a)
+        feed = await feed_running(group, hub, ["a", "b"], collector)
+        with trio.fail_after(30):
+            await a.subscribed()
+            await trio.sleep(3)  # b is not up: its attempts fail and back off
+            late_stats = feed.statistics().peers[1]
+            assert not late_stats.connected
+            assert "cannot connect" in feed.last_error("b")
+            # Attempts at 0, 0.1, 0.3, 0.7, 1.5, 2.3 s: doubling from retry_min_s to retry_max_s.
+            assert 5 <= late_stats.failures <= 7
+            (scope_b,) = await start(group, late)
+            await late.subscribed()
+            late.bus.publish(status("b", 1))
+            await collector.wait_for(1)
+
+            a, _ = await restart(group, feed, scope_a, a)
+            a.bus.publish(status("a", 2))
+            await collector.wait_for(2)
+            # b's stream lived longer than the longest backoff: a restart is followed at once,
+            # not after the retry_max_s its failures had grown the backoff to.
+            await trio.sleep(1)
+            late, took = await restart(group, feed, scope_b, late)
+            assert took <= FAST.retry_min_s + 0.05
+            late.bus.publish(status("b", 3))
+            await collector.wait_for(3)
+        first, second = feed.statistics().peers
+        group.cancel_scope.cancel()
+    assert [(e.source, e.ts) for e in collector.events] == [("b", 1), ("a", 2), ("b", 3)]
+    assert (first.connects, second.connects) == (2, 2)
+    assert first.failures >= 1 and second.connected and first.connected
+
+
+class Stray(Peer):
+    """A peer whose event stream carries something that is not an event, then an event."""
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        peer = node(self.hub, self.name)
+
+        @peer.serves_stream(Subscribe)
+        async def on_subscribe(msg: Subscribe, ctx: Context) -> Any:
+            yield Echo(text="not an event")
+            yield status(self.name, 7)
+            await anyio.sleep_forever()
+
+        async with peer:
+            await peer.listen()
+            task_status.started()
+            await anyio.sleep_forever()
+
+
+class Deaf(Peer):
+    """A peer that listens but serves no event stream: every Subscribe fails."""
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with node(self.hub, self.name) as peer:
+            await peer.listen()
+            task_status.started()
+            await anyio.sleep_forever()
+
+
+@pytest.mark.trio
+async def test_bad_peers_and_refused_events_cost_only_themselves(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hub = MemoryHub()
+    collector = Collector(refuse=lambda event: event.ts < 0)
+    good, stray, deaf = Peer(hub, "a"), Stray(hub, "b"), Deaf(hub, "c")
+    async with anyio.create_task_group() as group:
+        await start(group, good, stray, deaf)
+        feed = await feed_running(group, hub, ["a", "b", "c"], collector)
+        with trio.fail_after(30):
+            await good.subscribed()
+            good.bus.publish(status("a", -1))  # the dashboard refuses this one
+            good.bus.publish(status("a", 1))
+            await collector.wait_for(2)
+            await trio.sleep(5)  # the deaf peer keeps failing meanwhile
+        a, b, c = feed.statistics().peers
+        errors = {peer: feed.last_error(peer) for peer in "abc"}
+        group.cancel_scope.cancel()
+    assert sorted((e.source, e.ts) for e in collector.events) == [("a", 1), ("b", 7)]
+    assert (a.events, a.rejected, a.connected) == (1, 1, True)
+    assert "event refused" in errors["a"]
+    assert (b.events, b.rejected, b.connected) == (1, 1, True)
+    assert "Echo" in errors["b"]
+    # Each of its streams opens, then fails at once; the retries back off all the same.
+    assert (c.events, c.connected) == (0, False) and c.connects == c.failures
+    assert 5 <= c.failures <= 5 / FAST.retry_max_s + 4 and "Subscribe" in errors["c"]
+
+
+def test_config_errors_name_the_parameter() -> None:
+    with pytest.raises(ConfigError, match="maxlen must be >= 1, got 0"):
+        FeedConfig(maxlen=0)
+    with pytest.raises(ConfigError, match=r"retry_min_s <= retry_max_s, got 2\.0 and 1\.0"):
+        FeedConfig(retry_min_s=2.0, retry_max_s=1.0)
+    with pytest.raises(ConfigError, match="at least one peer"):
+        MeshFeed(node(MemoryHub(), "dash"), [])
+    with pytest.raises(ConfigError, match="peer must be one of \\['a'\\], got 'z'"):
+        MeshFeed(node(MemoryHub(), "dash"), ["a"]).last_error("z")
+
+
+def test_the_default_topology_feeds_the_dashboard_from_every_publishing_service() -> None:
+    topology = default_topology()
+    assert event_peers(topology) == ["router", "cachedir", "prfaas-prefill-0", "pd-prefill-0",
+                                     "pd-decode-0", "link-0"]
+    assert link_control_url(topology) == "http://127.0.0.1:8474"
+    assert router_http_url(topology) == "http://127.0.0.1:8000"
+    assert dashboard_config(topology).prfaas_clusters == ("prfaas",)
+    bare = parse_topology('[[services]]\nname = "ui"\nkind = "ui"\nport = 7150\n')
+    assert (link_control_url(bare), router_http_url(bare), event_peers(bare)) == (None, None, [])
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def poll(client: httpx.AsyncClient, path: str, done: Callable[[Any], bool]) -> Any:
+    while True:
+        body = (await client.get(path)).json()
+        if done(body):
+            return body
+        await trio.sleep(0.1)
+
+
+@pytest.fixture
+async def dashboard_with_a_link() -> AsyncIterator[tuple[httpx.AsyncClient, str, str]]:
+    """`ui` and `link` runners in this loop: the mesh in memory, their HTTP on real ports."""
+    ui_port, control, proxy, metrics = free_ports(4)
+    topology = parse_topology(f"""
+[[clusters]]
+name = "prfaas"
+kind = "prfaas"
+[[clusters]]
+name = "pd"
+[[services]]
+name = "d"
+kind = "decode"
+cluster = "pd"
+port = 1
+[[services]]
+name = "link-0"
+kind = "link"
+port = 2
+options = {{ control_port = {control}, proxy_base_port = {proxy}, stats_interval = 0.2 }}
+[[services]]
+name = "ui"
+kind = "ui"
+port = 3
+options = {{ http_port = {ui_port}, metrics_port = {metrics} }}
+[[links]]
+name = "link-0"
+a = "prfaas"
+b = "pd"
+bandwidth_bps = 1e9
+""")
+    # The decode worker never starts: the dashboard must go on without it.
+    async with in_process(topology, ["link-0", "ui"]), httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{ui_port}", timeout=5) as client:
+        yield client, f"http://127.0.0.1:{control}", f"http://127.0.0.1:{metrics}/metrics"
+
+
+@pytest.mark.trio
+async def test_the_ui_runner_shows_the_link_and_moves_its_bandwidth(
+    dashboard_with_a_link: tuple[httpx.AsyncClient, str, str],
+) -> None:
+    client, link_url, metrics_url = dashboard_with_a_link
+    with trio.fail_after(60):
+        snapshot = await poll(client, "/api/snapshot", lambda s: len(s["links"]) == 1)
+        assert snapshot["mode"] == "live"
+        assert snapshot["links"][0]["bandwidth_bps"] == 1e9
+        answer = await client.post("/api/control/link", json={"bandwidth_bps": 2e9})
+        assert answer.status_code == 200 and answer.json()["bandwidth_bps"] == 2e9
+        await poll(client, "/api/snapshot", lambda s: s["links"][0]["bandwidth_bps"] == 2e9)
+        async with httpx.AsyncClient() as direct:
+            assert (await direct.get(f"{link_url}/link")).json()["bandwidth_bps"] == 2e9
+            # The feed's statistics: the link's stream is up, the absent worker's is not.
+            text = (await direct.get(metrics_url)).text
+        assert 'prfaas_ui_feed_peers_connected{peer="link-0",service="ui"} 1.0' in text
+        assert 'prfaas_ui_feed_peers_connected{peer="d",service="ui"} 0.0' in text
+        assert 'prfaas_ui_feed_peers_failures_total{peer="d",service="ui"}' in text
+        # No router in this topology: its controls answer 503, naming it.
+        refused = await client.post("/api/control/workload", json={"action": "start"})
+        assert refused.status_code == 503 and "router" in refused.json()["error"]
+
+
+def test_snapshot_mode_says_simulated_for_the_synthetic_source() -> None:
+    from ui.config import DashboardConfig
+    from ui.hub import EventHub
+
+    assert EventHub(DashboardConfig()).snapshot().mode == "live"
+    hub = EventHub(DashboardConfig(live_mode="simulated"))
+    assert hub.snapshot().mode == "simulated"
+    hub.reset("replay")
+    assert msgspec.to_builtins(hub.snapshot())["mode"] == "replay"
+
+
+def test_prfaas_serve_runs_the_mesh_dashboard_and_simulates_only_the_ui(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert runner_for("ui") is run_ui
+    assert serve_main(["cachedir", "--simulated"]) == 2
+    assert "--simulated is for the dashboard (kind 'ui'), not 'cachedir'" in capsys.readouterr().err
