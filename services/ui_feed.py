@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import ClassVar, cast
@@ -44,11 +45,13 @@ Publish = Callable[[AnyEvent], None]
 
 class FeedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """maxlen: events a service buffers for us before it drops its oldest (Subscribe);
-    retry_min_s / retry_max_s: the backoff between attempts to (re)open a peer's stream."""
+    retry_min_s / retry_max_s: the backoff between attempts to (re)open a peer's stream;
+    wall_clock: restamp events from the monotonic clock to wall time (see `MeshFeed`)."""
 
     maxlen: int = 4096
     retry_min_s: float = 0.25
     retry_max_s: float = 4.0
+    wall_clock: bool = True
 
     def __post_init__(self) -> None:
         if self.maxlen < 1:
@@ -106,11 +109,16 @@ class MeshFeed:
     """The dashboard's `EventSource` over a mesh: one `Subscribe` stream per peer, merged.
 
     The node must be running (`async with node:`) while `run` runs; it needs no listener.
+    Live services stamp events with anyio's clock, which on asyncio and uvloop is the
+    machine-wide CLOCK_MONOTONIC: one offset turns every service's stamps into wall time, so
+    the page can show times of day (trio's clock has a per-process offset: run live services
+    on asyncio or uvloop).
     """
 
     def __init__(self, node: Node, peers: Iterable[str], config: FeedConfig | None = None):
         self.node = node
         self.config = config or FeedConfig()
+        self._wall_offset = time.time() - time.monotonic() if self.config.wall_clock else 0.0
         self._peers = {peer: _PeerState(peer) for peer in peers}
         if not self._peers:
             raise ConfigError("MeshFeed needs at least one peer to subscribe to, got none")
@@ -155,6 +163,8 @@ class MeshFeed:
             state.rejected += 1
             state.last_error = f"sent a {type(item).__name__}, not an event"
             return
+        if self._wall_offset:
+            item = msgspec.structs.replace(item, ts=item.ts + self._wall_offset)
         try:
             publish(cast(AnyEvent, item))  # EVENT_TYPES are AnyEvent's members
         except (ValueError, TypeError, KeyError) as exc:

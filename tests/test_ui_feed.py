@@ -9,6 +9,7 @@ link service, and moves the link's bandwidth through the dashboard's control.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ from services.ui_feed import (
 )
 
 ADDRESSES = {name: Address(name, 1) for name in ("a", "b", "c", "dash")}
-FAST = FeedConfig(retry_min_s=0.1, retry_max_s=0.8)
+FAST = FeedConfig(retry_min_s=0.1, retry_max_s=0.8, wall_clock=False)
 
 
 def status(worker: str, ts: float) -> WorkerStatus:
@@ -368,3 +369,21 @@ def test_prfaas_serve_runs_the_mesh_dashboard_and_simulates_only_the_ui(
     assert runner_for("ui") is run_ui
     assert serve_main(["cachedir", "--simulated"]) == 2
     assert "--simulated is for the dashboard (kind 'ui'), not 'cachedir'" in capsys.readouterr().err
+
+
+@pytest.mark.trio
+async def test_monotonic_stamps_become_wall_time(autojump_clock: trio.abc.Clock) -> None:
+    hub, collector = MemoryHub(), Collector()
+    peer = Peer(hub, "a")
+    async with anyio.create_task_group() as group:
+        await start(group, peer)
+        await feed_running(group, hub, ["a"], collector, FeedConfig(wall_clock=True))
+        with trio.fail_after(10):
+            await peer.subscribed()
+            stamped_at = time.monotonic()
+            peer.bus.publish(status("a", stamped_at))
+            await collector.wait_for(1)
+        group.cancel_scope.cancel()
+    # The event says when it happened as a time of day, whatever the service's clock.
+    assert abs(collector.events[0].ts - time.time()) < 5.0
+    assert collector.events[0].ts > stamped_at + 1e6
