@@ -9,10 +9,12 @@ the blocking source. Every proxied number has a direct (no proxy) baseline from 
 
 Last, the data path's overlap (issue 4): a PrfaaS prefill worker and a PD decode worker as
 `prfaas serve` processes with the link between them, set so that moving a prompt's KV takes
-about as long as computing it (compute paced to the H200 profile, emulated mode, so that
-the host's noise does not swing it). overlap_ratio = (prefill start to KV fully received, streamed
-while computing) / (the same with every piece held until the compute is done), both measured
-here, median of the runs; layer-wise streaming alone (one chunk) is shown beside it.
+about as long as computing it (compute paced to the H200 profile, emulated mode, so that the
+host's noise does not swing it). overlap_ratio = (prefill start to KV fully received, streamed
+while computing) / (compute alone + the same KV through the link alone: the run with every
+piece held until the compute is done), measured in the same run, median of the runs;
+layer-wise streaming alone (one chunk) is shown beside it, then the timeline of one more
+streamed run (`--overlap-only` runs this part alone).
 
 The last line is one JSON object.
 """
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +183,7 @@ name = "prefill"
 kind = "prefill"
 cluster = "prfaas"
 port = {p0}
-options = {{ {model}, profile = "h200", chunk_tokens = {chunk} }}
+options = {{ {model}, profile = "h200", chunk_tokens = {chunk}, connections = {lanes} }}
 [[services]]
 name = "decode"
 kind = "decode"
@@ -191,7 +194,7 @@ options = {{ {model}, profile = "h20" }}
 name = "link"
 kind = "link"
 port = {p2}
-options = {{ control_port = {p3}, proxy_base_port = {p4}, chunk_bytes = 8192 }}
+options = {{ control_port = {p3}, proxy_base_port = {p4}, chunk_bytes = 4096 }}
 [[links]]
 name = "link"
 a = "prfaas"
@@ -200,10 +203,28 @@ bandwidth_bps = 1e12
 delay_s = 0.001
 """
 
+# The tiny kimi-linear model: its fixed-size KDA state is 31.5 KB against 128 B of MLA latent
+# per token (246 tokens' worth), the default model's 657 KB against 1 KB (657 tokens' worth),
+# so at 8K tokens the state that can only leave at the end is 2.9 % of the KV here and 7.4 %
+# with the default model (measured once at time scale 30: ratio 0.540 against a floor of
+# 0.544; its real CPU compute, about 14 s per 8K prompt, makes a run take minutes).
+# threads = 1: two intra-op threads on a shared 2-core host stall each other (measured: a
+# paced 3.8 s prefill took 8.8 s), so the compute would overrun its pace.
+OVERLAP_SIZE = "tiny"
+OVERLAP_MODEL = (f'family = "kimi-linear", size = "{OVERLAP_SIZE}", checkpoint = "none", '
+                 f"threads = 1")
 
-OVERLAP_MODEL = 'family = "kimi-linear", size = "tiny", checkpoint = "none"'
-# Modeled H200 prefill of 2048 (4096) tokens is about 0.48 (0.57) s, stretched 8x (12x): well
-# above the real compute of the tiny model, so the paced time is what counts.
+
+@dataclass(frozen=True)
+class OverlapSetup:
+    """Modeled H200 prefill of 8192 tokens is 0.74 s; stretched 8x it is well above the real
+    compute of the tiny model (about 1.5 s with one thread on a loaded host)."""
+
+    length: int = 8192
+    chunk: int = 128  # tokens per chunk: the KV left to send once the compute ends
+    scale: float = 8.0
+    runs: int = 3
+    lanes: int = 2
 
 
 def free_ports(count: int) -> list[int]:
@@ -214,8 +235,43 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-async def _overlap_runs(topology_path: Path, control: int, length: int, runs: int,
-                        paced_s: float) -> dict[str, list[Any]]:
+@dataclass
+class Timeline:
+    """One streamed run: the prefill's KVFlow events and the link's egress byte count."""
+
+    flows: list[Any] = field(default_factory=list)
+    link: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes through)
+
+
+async def _watch(node: Any, control: int, timeline: Timeline) -> None:
+    """Collects the prefill's events and polls the link every 50 ms, until cancelled. All
+    clocks are CLOCK_MONOTONIC here (asyncio and uvloop loops)."""
+    import anyio
+
+    from services.messages import Subscribe
+    from services.telemetry import KVFlow
+
+    async def events() -> None:
+        async with node.open_stream("prefill", Subscribe(maxlen=8192), timeout=3600) as items:
+            async for item in items:
+                if isinstance(item, KVFlow):
+                    timeline.flows.append(item)
+
+    async def link() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                reply = await client.get(f"http://127.0.0.1:{control}/link")
+                egress = reply.json()["statistics"]["link"]["egress"]["bytes_out"]
+                timeline.link.append((anyio.current_time(), int(egress)))
+                await anyio.sleep(0.05)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(events)
+        tg.start_soon(link)
+
+
+async def _overlap_runs(topology_path: Path, control: int, setup: OverlapSetup,
+                        paced_s: float) -> dict[str, Any]:
     import anyio
 
     from mesh.node import Node
@@ -227,28 +283,71 @@ async def _overlap_runs(topology_path: Path, control: int, length: int, runs: in
 
     topology = load_topology(topology_path, "")
     node = Node("bench", Codec(CODEC_MESSAGES), TcpTransport(), topology.address)
-    sampling = Sampling(max_tokens=1)
     salt = iter(range(1, 10_000))
-    out: dict[str, list[Any]] = {"overlapped": [], "held": [], "one_chunk": []}
+    out: dict[str, Any] = {"overlapped": [], "held": [], "one_chunk": []}
 
     async def one(overlap: bool, chunk_tokens: int | None = None) -> Any:
         s = next(salt)
-        prompt = [(i * 7 + s * 131) % 500 + 1 for i in range(length)]
+        prompt = [(i * 7 + s * 131) % 500 + 1 for i in range(setup.length)]
         result = await drive_request(node, prompt, prefill_worker="prefill", decode_worker="decode",
-                                     request_id=f"overlap-{s}", sampling=sampling,
-                                     overlap=overlap, chunk_tokens=chunk_tokens)
-        return result.prefill
+                                     request_id=f"overlap-{s}", sampling=Sampling(max_tokens=1),
+                                     connections=setup.lanes, overlap=overlap,
+                                     chunk_tokens=chunk_tokens, timeout=600)
+        return result
 
     async with node:
-        kv_bytes = (await one(True)).kv_bytes  # also the warm-up: first-use costs
+        kv_bytes = (await one(True)).prefill.kv_bytes  # also the warm-up: first-use costs
         rate = kv_bytes * 8 / paced_s
         await anyio.to_thread.run_sync(lambda: set_link(control, bandwidth_bps=rate))
-        out["calibration"] = [paced_s, kv_bytes, rate]
-        for _ in range(runs):
-            out["overlapped"].append(await one(True))
-            out["held"].append(await one(False))
-            out["one_chunk"].append(await one(True, 0))
+        out["calibration"] = (paced_s, kv_bytes, rate)
+        for _ in range(setup.runs):
+            out["overlapped"].append((await one(True)).prefill)
+            out["held"].append((await one(False)).prefill)
+            out["one_chunk"].append((await one(True, 0)).prefill)
+        # One more streamed run, watched (the polling would disturb the measured ones).
+        timeline = Timeline()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch, node, control, timeline)
+            await anyio.sleep(0.3)  # the subscription is in place
+            out["watched"] = await one(True)
+            await anyio.sleep(0.1)  # the last link sample
+            tg.cancel_scope.cancel()
+        out["timeline"] = timeline
     return out
+
+
+def _crossing(points: list[tuple[float, int]], level: float) -> float:
+    return next((t for t, value in points if value >= level), float("nan"))
+
+
+def print_timeline(out: dict[str, Any], setup: OverlapSetup) -> None:
+    """When the watched run's KV was released to the lanes and through the link, and where
+    the tail after the compute comes from."""
+    from services.model.config import family_config, kv_layout
+
+    watched, timeline = out["watched"], out["timeline"]
+    done = watched.prefill
+    flows = [f for f in timeline.flows if f.request_id == done.request_id]
+    start = next(f.ts for f in flows if f.phase == "start")
+    sent = [(f.ts - start, f.bytes_done) for f in flows if f.phase == "progress"]
+    base = max((b for t, b in timeline.link if t <= start), default=timeline.link[0][1])
+    through = [(t - start, b - base) for t, b in timeline.link]
+    wire = through[-1][1]
+    print(f"\ntimeline of one more streamed run (s from prefill start; compute ends at "
+          f"{done.compute_s:.2f}, KV fully received at {done.total_s:.2f}):")
+    print(f"{'share of the KV':<18}{'released to lanes':>19}{'through the link':>18}")
+    for share in (0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+        print(f"{share:>16.0%}  {_crossing(sent, share * done.kv_bytes):>17.2f}"
+              f"{_crossing(through, share * wire):>18.2f}")
+    print(f"first token at the client {watched.ttft_s - done.queue_s - done.total_s:.3f} s "
+          f"after the KV was fully received (the decode worker's import and first reply)")
+    layout = kv_layout(family_config("kimi-linear", OVERLAP_SIZE), "float32")
+    state = layout.fixed / (layout.fixed + layout.per_token * setup.length)
+    last = setup.chunk / setup.length * (1 - state)
+    print(f"left for after the compute: the fixed-size states ({state:.1%} of the KV, final "
+          f"only at the end) and the last chunk ({last:.1%}); with transfer = compute the "
+          f"ratio cannot go below about (1 + {state + last:.3f}) / 2 = "
+          f"{(1 + state + last) / 2:.3f}")
 
 
 def measure_overlap(quick: bool) -> float:
@@ -260,43 +359,57 @@ def measure_overlap(quick: bool) -> float:
     from services.hardware import CostModel
     from services.serve import launch
 
-    length, runs, chunk, scale = (2048, 2, 128, 8.0) if quick else (4096, 3, 256, 12.0)
-    paced_s = CostModel.load("h200").prefill_time(length) * scale
+    setup = OverlapSetup(runs=1, scale=6.0) if quick else OverlapSetup()
+    paced_s = CostModel.load("h200").prefill_time(setup.length) * setup.scale
     ports = free_ports(5)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "topology.toml"
         path.write_text(OVERLAP_TOPOLOGY.format(p0=ports[0], p1=ports[1], p2=ports[2],
-                                                p3=ports[3], p4=ports[4], chunk=chunk,
-                                                model=OVERLAP_MODEL))
-        paced = ["--mode", "emulated", "--time-scale", str(scale)]
+                                                p3=ports[3], p4=ports[4], chunk=setup.chunk,
+                                                lanes=setup.lanes, model=OVERLAP_MODEL))
+        paced = ["--mode", "emulated", "--time-scale", str(setup.scale)]
         with launch(path, ["link", "prefill", "decode"], extra_args=paced, log_dir=Path(tmp)):
-            out = anyio.run(_overlap_runs, path, ports[3], length, runs, paced_s)
+            out = anyio.run(_overlap_runs, path, ports[3], setup, paced_s)
+    return print_overlap(out, setup)
+
+
+def print_overlap(out: dict[str, Any], setup: OverlapSetup) -> float:
     compute, kv_bytes, rate = out["calibration"]
-    print(f"\noverlap: kimi-linear tiny, compute paced to H200 x {scale} (emulated mode: "
-          f"steady on a shared host), {length}-token prompts, chunks of {chunk} tokens, "
-          f"{kv_bytes / 1e6:.2f} MB of KV each;\nlink set to {rate / 1e6:.2f} Mbit/s so that "
-          f"transfer ~ paced compute ({compute:.2f} s); median of {runs}")
-    print("ratio = total / (that run's compute + the transfer alone, measured after the "
-          "compute in the held run)")
+    held = out["held"]
+    serial = [p.compute_s + p.transfer_s for p in held]
+    print(f"\noverlap: kimi-linear {OVERLAP_SIZE}, compute paced to H200 x {setup.scale} "
+          f"(emulated mode: steady on a shared host), {setup.length}-token prompts, chunks of "
+          f"{setup.chunk} "
+          f"tokens, {kv_bytes / 1e6:.2f} MB of KV each over {setup.lanes} lanes;\nlink set to "
+          f"{rate / 1e6:.2f} Mbit/s so that transfer ~ paced compute ({compute:.2f} s); median "
+          f"of {setup.runs}")
+    alone = (statistics.median(p.compute_s for p in held),
+             statistics.median(p.transfer_s for p in held))
+    print(f"serial baseline (the held run): compute alone {alone[0]:.2f} s, then the same KV "
+          f"through the link alone {alone[1]:.2f} s")
+    print("ratio = total / (compute alone + transfer alone), each run against the held run "
+          "next to it")
     print(f"{'mode':<36}{'compute s':>10}{'after s':>9}{'total s':>9}{'ratio':>7}")
-    alone = [p.transfer_s for p in out["held"]]
     ratio = 0.0
     for name, key in (("held until computed (baseline)", "held"),
                       ("streamed, chunked (layer x chunk)", "overlapped"),
                       ("streamed, layer-wise only", "one_chunk")):
         rows = out[key]
-        ratios = [p.total_s / (p.compute_s + t) for p, t in zip(rows, alone, strict=True)]
+        ratios = [p.total_s / s for p, s in zip(rows, serial, strict=True)]
         print(f"{name:<36}{statistics.median(p.compute_s for p in rows):>10.2f}"
               f"{statistics.median(p.transfer_s for p in rows):>9.2f}"
               f"{statistics.median(p.total_s for p in rows):>9.2f}"
-              f"{statistics.median(ratios):>7.2f}")
+              f"{statistics.median(ratios):>7.3f}   runs: "
+              + " ".join(f"{r:.3f}" for r in ratios))
         ratio = statistics.median(ratios) if key == "overlapped" else ratio
+    print_timeline(out, setup)
     return round(ratio, 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short run (about 15 s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="short run (its overlap part alone: about 40 s)")
     parser.add_argument("--backend", default="uvloop", choices=["uvloop", "asyncio", "trio"])
     parser.add_argument("--overlap-only", action="store_true",
                         help="only the data path's overlap measurement")

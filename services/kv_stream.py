@@ -1,12 +1,16 @@
-"""The KV stream between a prefill and a decode worker: which pieces go, in what order, and
-how the receiving side puts them back together.
+"""The KV stream between a prefill and a decode worker: which pieces go, in what order, when,
+on which lane, and how the receiving side puts them back together.
 
 The prefill worker computes the uncached suffix in chunks of tokens (chunked prefill) and, as
 each layer of each chunk finishes, exports one piece (services.model.export): the
 full-attention KV of the chunk's new tokens that the decode side lacks, and, in the last chunk
-only, each linear or window layer's fixed-size state at the prompt's end. Chunks keep the
-last piece small, so little is left to send once the compute is done (layer-wise streaming
-alone leaves a whole full-attention layer, often the largest, for the end).
+only, each linear or window layer's fixed-size state at the prompt's end. `release` deals the
+pieces to the lanes in turn as they come, in emulated mode once the modeled hardware has
+finished their layer (`step_ends`). Chunks keep the last piece small, so little is left to send
+once the compute is done: with transfer as long as compute, the time to "KV fully received"
+is about (1 + tail) / 2 of compute-then-transfer, tail being the states' and the last chunk's
+share of the bytes (layer-wise streaming alone leaves a whole full-attention layer, often the
+largest, for the end).
 
 The decode side's `KVInbox` collects the pieces of all lanes of a request in a `KVAssembly`
 (checking the stream is for its model before any piece), then `import_pieces`
@@ -16,15 +20,17 @@ the cache with the model's `KVImporter` on top of the KV it already holds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from itertools import pairwise
 from typing import ClassVar, NamedTuple
 
 import anyio
 import msgspec
 import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from services.messages import (
     DataPathError,
@@ -88,9 +94,60 @@ def stream_plan(cfg: ModelConfig, chunks: list[tuple[int, int]],
     return plan
 
 
+def step_ends(chunks: list[tuple[int, int]], n_layers: int,
+              prefill_time: Callable[[int, int], float]) -> list[float]:
+    """When each (chunk, layer) step of a paced prefill ends, in modeled seconds from its
+    start: step k = chunk * n_layers + layer; a piece may leave once its step has ended.
+
+    `prefill_time(new, cached)` is the modeled time of the whole suffix (CostModel): its
+    length-dependent part is charged per chunk (a later chunk attends to a longer prefix),
+    the fixed part spread evenly over the new tokens, each chunk's time evenly over layers."""
+    reused, length = chunks[0][0], chunks[-1][1]
+    fixed = prefill_time(0, reused)
+    new = max(1, length - reused)
+
+    def until(token: int) -> float:
+        done = token - reused
+        return prefill_time(done, reused) - fixed + fixed * done / new
+
+    ends: list[float] = []
+    for start, end in chunks:
+        low, high = until(start), until(end)
+        ends.extend(low + (high - low) * (layer + 1) / n_layers for layer in range(n_layers))
+    return ends
+
+
 def lane_of(sequence: int, lanes: int) -> int:
     """Pieces are dealt to lanes in turn, in the order they are produced."""
     return sequence % lanes
+
+
+Computed = tuple[int, KVChunk]  # (step, piece): step = chunk * n_layers + layer
+
+
+async def release(pieces: MemoryObjectReceiveStream[Computed],
+                  lanes: Sequence[MemoryObjectSendStream[KVChunk | KVClose]],
+                  ends: Sequence[float], *, hold: bool = False) -> float:
+    """Deals each computed piece to the next lane once its step has ended (`ends`, on the
+    loop's clock; none: at once), or holds them all until the compute is done (`hold`: the
+    one-after-the-other baseline). Returns when the compute is done: the last piece in, and
+    the last step ended."""
+    held: list[tuple[int, KVChunk]] = []
+    sequence = itertools.count()
+    async for step, chunk in pieces:
+        if ends:
+            await anyio.sleep_until(ends[step])
+        lane = lane_of(next(sequence), len(lanes))
+        if hold:
+            held.append((lane, chunk))
+        else:
+            lanes[lane].send_nowait(chunk)
+    if ends:
+        await anyio.sleep_until(ends[-1])
+    compute_end = anyio.current_time()
+    for lane, chunk in held:
+        lanes[lane].send_nowait(chunk)
+    return compute_end
 
 
 class KVAssembly:

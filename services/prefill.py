@@ -4,31 +4,33 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
 
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
    at a state snapshot, so only the suffix is computed.
-2. Open one upload stream per lane (connection) to the decode worker, then run the model in a
-   worker thread (torch releases the GIL, so the event loop keeps sending), chunk by chunk of
-   tokens. As each layer of a chunk finishes, the thread exports that piece - the
-   full-attention KV the decode worker lacks (tokens from `decode_has_tokens` on), or in the
-   last chunk the fixed-size state at the new end (services.kv_stream) - and hands it to the
-   next lane's sender at once: transfer overlaps compute (paper section 3.3).
+2. Open one upload stream per lane (connection) to the decode worker; compute the suffix in
+   chunks of tokens through the `ComputeRunner` (a worker thread: the loop keeps sending). As
+   each layer of a chunk finishes, its piece - the full-attention KV the decode worker lacks
+   (tokens from `decode_has_tokens` on), or in the last chunk the fixed-size state at the new
+   end (services.kv_stream) - goes to the loop, which deals it to the next lane: transfer
+   overlaps compute (paper section 3.3).
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
    worker has accepted every lane ("KV fully received").
 4. Keep the new cache (with snapshots at block boundaries) in the store and report the
    stored and evicted blocks to the cache directory.
 
-In emulated mode each layer is paced to the hardware profile's modeled time (CostModel, Pacer)
-so the stream looks like that hardware's. Lanes are separate mesh nodes (one TCP connection
-each, the same peer), given by the caller.
+Emulated mode (CostModel, Pacer): the real compute runs ahead, and each piece is released
+when the modeled hardware finishes its (chunk, layer) step (`kv_stream.step_ends`, stretched
+by the time scale), never earlier; the compute ends at the last step's modeled end. These
+waits are sleeps on the loop's clock: they hold neither the compute nor the senders, and on a
+virtual clock (`InlineRunner`) a run is exact. Lanes are separate mesh nodes (one TCP
+connection each, the same peer), given by the caller.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from functools import partial
+from typing import ClassVar, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -38,10 +40,12 @@ from mesh.events import EventBus
 from mesh.node import Node
 from services.hardware import CostModel, Pacer
 from services.kv_stream import (
+    Computed,
     PieceSpec,
     chunk_bounds,
     expected_kv_bytes,
-    lane_of,
+    release,
+    step_ends,
     stream_failure,
     stream_plan,
 )
@@ -66,6 +70,37 @@ from services.telemetry import Event, KVFlow, RequestPhase
 log = logging.getLogger(__name__)
 
 LaneItem = KVChunk | KVClose
+T = TypeVar("T")
+
+
+class ComputeRunner(Protocol):
+    """Where the model compute runs, and how it hands a piece back to the event loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T: ...
+
+    def to_loop(self, call: Callable[[], object]) -> None: ...
+
+
+class ThreadRunner:
+    """The live default: compute in a worker thread, pieces handed over to the loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(compute)
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        anyio.from_thread.run_sync(call)
+
+
+class InlineRunner:
+    """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
+    the compute then takes no time and only the pacing does, so runs are deterministic.
+    Tests and simulation only."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        call()
 
 
 @dataclass(frozen=True)
@@ -146,6 +181,7 @@ class PrefillWorker:
         pacing: Pacing | None = None,
         report: Callable[[StoreChange], None] | None = None,
         link_of: Callable[[str], str | None] = lambda peer: None,
+        runner: ComputeRunner | None = None,
     ) -> None:
         if not lanes:
             raise RequestError("lanes must hold at least the worker's own node, got none")
@@ -157,6 +193,7 @@ class PrefillWorker:
         self._pacing = pacing
         self._report = report
         self._link_of = link_of
+        self._runner = runner or ThreadRunner()
         self._slot = anyio.Lock()
         self._queued = 0
         self._running = 0
@@ -265,7 +302,7 @@ class PrefillWorker:
         )
 
     async def _stream(self, job: _Job) -> tuple[int, float]:
-        """Computes in a thread while one task per lane sends; (first token, compute end)."""
+        """Computes while one task per lane sends; (first token, compute end)."""
         channels = [anyio.create_memory_object_stream[LaneItem](math.inf)
                     for _ in range(job.lanes)]
         sends = [send for send, _ in channels]
@@ -274,10 +311,9 @@ class PrefillWorker:
                 for lane, (_, receive) in enumerate(channels):
                     tg.start_soon(self._send_lane, job, lane, receive)
                 try:
-                    first_token = await self._compute_and_hand_off(job, sends)
+                    first_token, compute_end = await self._compute_and_release(job, sends)
                     sends[0].send_nowait(KVClose(request_id=job.request.request_id,
                                                  first_token=first_token))
-                    compute_end = anyio.current_time()
                 finally:
                     for send in sends:
                         send.close()
@@ -288,43 +324,49 @@ class PrefillWorker:
             raise cause from group
         return first_token, compute_end
 
-    async def _compute_and_hand_off(
+    async def _compute_and_release(
         self, job: _Job, sends: list[MemoryObjectSendStream[LaneItem]]
-    ) -> int:
-        held: list[tuple[int, KVChunk]] = []
-        sequence = itertools.count()
+    ) -> tuple[int, float]:
+        """Runs the compute beside the release of its pieces; (first token, compute end)."""
+        start = anyio.current_time()
+        computed, pieces = anyio.create_memory_object_stream[Computed](math.inf)
+        first: list[int] = []
+        async with anyio.create_task_group() as tg, pieces:
+            tg.start_soon(self._compute_task, job, computed, first)
+            ends = self._step_ends(job, start)
+            compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
+        return first[0], compute_end
 
-        def emit(chunk: KVChunk) -> None:
-            lane = lane_of(next(sequence), job.lanes)
-            if job.request.overlap:
-                anyio.from_thread.run_sync(sends[lane].send_nowait, chunk)
-            else:
-                held.append((lane, chunk))
+    async def _compute_task(self, job: _Job, computed: MemoryObjectSendStream[Computed],
+                            first: list[int]) -> None:
+        def emit(step: int, chunk: KVChunk) -> None:
+            self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
 
-        first_token = await anyio.to_thread.run_sync(self._compute, job, emit)
-        for lane, chunk in held:
-            sends[lane].send_nowait(chunk)
-        return first_token
+        async with computed:
+            began = anyio.current_time()
+            first.append(await self._runner.run(partial(self._compute, job, emit)))
+            if self._pacing is not None:
+                modeled = self._pacing.cost.prefill_time(job.length - job.reused, job.reused)
+                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
 
-    def _compute(self, job: _Job, emit: Callable[[KVChunk], None]) -> int:
-        """In a worker thread: prefill the suffix chunk by chunk, emitting each piece as its
+    def _compute(self, job: _Job, emit: Callable[[int, KVChunk], None]) -> int:
+        """Through the runner: prefill the suffix chunk by chunk, emitting each piece as its
         layer finishes; returns the first token."""
         cfg, request = self.model.cfg, job.request
         every = self.config.snapshot_every
         snapshots = block_boundaries(job.reused, job.length, cfg.block_size, every)
-        pace = self._step_pacer(job)
         result = None
-        for step, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+        for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
             by_layer = {p.layer: p for p in pieces}
 
-            def on_layer(index: int, step: int = step, by_layer: dict[int, PieceSpec] = by_layer,
-                         end: int = end) -> None:
-                spec = by_layer.get(index)
+            def on_layer(layer: int, first_step: int = index * cfg.n_layers,
+                         by_layer: dict[int, PieceSpec] = by_layer, end: int = end) -> None:
+                spec = by_layer.get(layer)
                 if spec is not None:
-                    piece = export_layer(job.cache, index, spec.start, end)
-                    emit(KVChunk(request_id=request.request_id, layer=index, start=spec.start,
-                                 data=piece.to_bytes()))
-                pace(step * cfg.n_layers + index)
+                    piece = export_layer(job.cache, layer, spec.start, end)
+                    emit(first_step + layer, KVChunk(request_id=request.request_id,
+                                                     layer=layer, start=spec.start,
+                                                     data=piece.to_bytes()))
 
             result = prefill(self.model, request.prompt[start:end], job.cache,
                              snapshot_at=[n for n in snapshots if start < n <= end],
@@ -332,22 +374,13 @@ class PrefillWorker:
         assert result is not None
         return RequestSampler(job.params).sample(result.logits, 0)
 
-    def _step_pacer(self, job: _Job) -> Callable[[int], None]:
-        """Emulated mode: (chunk, layer) step k of n may end no earlier than (k+1)/n of the
-        modeled prefill time (CostModel.prefill_time, stretched by the time scale)."""
+    def _step_ends(self, job: _Job, start: float) -> list[float]:
+        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
         if self._pacing is None:
-            return lambda step: None
-        pacing, steps = self._pacing, self.model.cfg.n_layers * len(job.chunks)
-        modeled = pacing.cost.prefill_time(job.length - job.reused, job.reused)
-        target = modeled * pacing.pacer.time_scale
-        start = time.monotonic()
-
-        def wait(step: int) -> None:
-            if step == steps - 1:
-                pacing.pacer.remaining(time.monotonic() - start, modeled)
-            time.sleep(max(0.0, start + target * (step + 1) / steps - time.monotonic()))
-
-        return wait
+            return []
+        scale = self._pacing.pacer.time_scale
+        modeled = step_ends(job.chunks, self.model.cfg.n_layers, self._pacing.cost.prefill_time)
+        return [start + scale * end for end in modeled]
 
     async def _send_lane(
         self, job: _Job, lane: int, items: MemoryObjectReceiveStream[LaneItem]
