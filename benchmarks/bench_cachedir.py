@@ -26,7 +26,8 @@ from itertools import count
 
 import msgspec
 
-from services.cachedir import CacheDirectory, PrefixQuery
+from services.cachedir import CacheDirectory
+from services.cachedir_messages import PrefixQuery
 from services.prefix import chain_from_ids
 
 N_WORKERS = 32

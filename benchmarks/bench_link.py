@@ -357,7 +357,7 @@ def measure_overlap(quick: bool) -> float:
     import anyio
 
     from services.hardware import CostModel
-    from services.serve import launch
+    from services.launch import launch
 
     setup = OverlapSetup(runs=1, scale=6.0) if quick else OverlapSetup()
     paced_s = CostModel.load("h200").prefill_time(setup.length) * setup.scale

@@ -13,6 +13,7 @@ JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers)
     GET|POST|DELETE /proxies/{name}/toxics/{toxic}
     POST /reset                    every toxic removed, link up
     GET  /metrics                  Prometheus text, from `LinkProxy.statistics()`
+                                   (netem.link_metrics)
 
 Toxics are views of the one set of link parameters, so they apply to the whole link (both
 shaped directions) whatever their `stream`; only toxicity 1 is accepted. Toxiproxy's
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,14 +38,12 @@ import sniffio
 from anyio.abc import TaskStatus
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
+from netem.link_metrics import LinkCollector
 from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route, listen_tcp
 from netem.shaper import LinkError, LinkParamError, LinkParams, LinkShaper, check_number
 
@@ -306,65 +305,6 @@ def create_control_app(proxy: LinkProxy, *, name: str = "link") -> Starlette:
     ]
     handlers = {LinkParamError: _control_error, ControlError: _control_error}
     return Starlette(routes=routes, exception_handlers=handlers)
-
-
-# DirectionStatistics field -> (metric name after "prfaas_link_", kind).
-_DIRECTION_METRICS = {
-    "bytes_in": ("bytes_in", "counter"),
-    "bytes_out": ("bytes_out", "counter"),
-    "bytes_dropped": ("bytes_dropped", "counter"),
-    "queued_bytes": ("queued_bytes", "gauge"),
-    "throughput_bps": ("throughput_bits_per_second", "gauge"),
-    "utilisation": ("utilisation_ratio", "gauge"),
-    "stalls": ("stalls", "counter"),
-    "stall_s": ("stall_seconds", "counter"),
-}
-
-
-def _link_values(stats: ProxyStatistics) -> list[tuple[str, str, float]]:
-    params = stats.link.params
-    return [
-        ("up", "gauge", float(params.up)),
-        ("bandwidth_bits_per_second", "gauge", params.bandwidth_bps or 0.0),
-        ("delay_seconds", "gauge", params.delay_s),
-        ("jitter_seconds", "gauge", params.jitter_s),
-        ("loss_ratio", "gauge", params.loss_rate),
-        ("outages", "counter", stats.link.outages),
-        ("down_seconds", "counter", stats.link.down_s),
-        ("connections_open", "gauge", stats.connections_open),
-        ("connections", "counter", stats.connections_total),
-        ("upstream_failures", "counter", stats.upstream_failures),
-        ("connection_errors", "counter", stats.connection_errors),
-    ]
-
-
-def _family(name: str, kind: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
-    full = f"prfaas_link_{name}"
-    doc = f"Link {name.replace('_', ' ')} (netem.proxy.ProxyStatistics)."
-    if kind == "counter":
-        return CounterMetricFamily(full, doc, labels=labels)
-    return GaugeMetricFamily(full, doc, labels=labels)
-
-
-class LinkCollector(Collector):
-    """Prometheus view of `ProxyStatistics`, read at every scrape (nothing cached)."""
-
-    def __init__(self, statistics: Callable[[], ProxyStatistics], link: str) -> None:
-        self._statistics = statistics
-        self._link = link
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._statistics()
-        for field, (name, kind) in _DIRECTION_METRICS.items():
-            family = _family(name, kind, ["link", "direction"])
-            for direction in ("egress", "ingress"):
-                value = getattr(getattr(stats.link, direction), field)
-                family.add_metric([self._link, direction], float(value))
-            yield family
-        for name, kind, value in _link_values(stats):
-            family = _family(name, kind, ["link"])
-            family.add_metric([self._link], float(value))
-            yield family
 
 
 class LinkEndpoints(msgspec.Struct, frozen=True):

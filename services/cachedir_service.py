@@ -21,10 +21,10 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.server import Context
 from mesh.transport import Address
-from services.cachedir import (
+from services.cachedir import CacheDirectory
+from services.cachedir_messages import (
     BlocksEvicted,
     BlocksStored,
-    CacheDirectory,
     CacheDirectoryStatistics,
     CacheEvent,
     PrefixQuery,

@@ -42,7 +42,7 @@ from services.model.cache import RequestCache, dtype_name
 from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
-from services.prefill import Pacing
+from services.prefill_compute import Pacing
 from services.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 from services.telemetry import Event, RequestPhase
 

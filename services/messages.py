@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from services.cachedir import (
+from services.cachedir_messages import (
     BlocksEvicted,
     BlocksStored,
     PrefixMatch,

@@ -5,22 +5,15 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
    at a state snapshot, so only the suffix is computed.
 2. Open one upload stream per lane (connection) to the decode worker; compute the suffix in
-   chunks of tokens through the `ComputeRunner` (a worker thread: the loop keeps sending). As
-   each layer of a chunk finishes, its piece - the full-attention KV the decode worker lacks
-   (tokens from `decode_has_tokens` on), or in the last chunk the fixed-size state at the new
-   end (services.kv_stream) - goes to the loop, which deals it to the next lane: transfer
-   overlaps compute (paper section 3.3).
+   chunks of tokens through `PrefillCompute` (services.prefill_compute), which hands each
+   finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
+   compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
    worker has accepted every lane ("KV fully received").
 4. Keep the new cache (with snapshots at block boundaries) in the store and report the
    stored and evicted blocks to the cache directory.
 
-Emulated mode (CostModel, Pacer): the real compute runs ahead, and each piece is released
-when the modeled hardware finishes its (chunk, layer) step (`kv_stream.step_ends`, stretched
-by the time scale), never earlier; the compute ends at the last step's modeled end. These
-waits are sleeps on the loop's clock: they hold neither the compute nor the senders, and on a
-virtual clock (`InlineRunner`) a run is exact. Lanes are separate mesh nodes (one TCP
-connection each, the same peer), given by the caller.
+Lanes are separate mesh nodes (one TCP connection each, the same peer), given by the caller.
 """
 
 from __future__ import annotations
@@ -28,27 +21,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from typing import ClassVar, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from mesh.events import EventBus
 from mesh.node import Node
-from services.hardware import CostModel, Pacer
-from services.kv_stream import (
-    Computed,
-    PieceSpec,
-    chunk_bounds,
-    expected_kv_bytes,
-    release,
-    step_ends,
-    stream_failure,
-    stream_plan,
-)
+from services.kv_stream import chunk_bounds, expected_kv_bytes, stream_failure, stream_plan
 from services.messages import (
     KVAccepted,
     KVChunk,
@@ -60,55 +42,19 @@ from services.messages import (
     RequestError,
 )
 from services.model.cache import RequestCache
-from services.model.export import export_layer
-from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
-from services.model.sampling import RequestSampler, SamplingParams
+from services.prefill_compute import (
+    ComputeRunner,
+    LaneItem,
+    Pacing,
+    PrefillCompute,
+    PrefillJob,
+    ThreadRunner,
+)
 from services.prefix_store import PrefixStore, StoreChange, prompt_hashes
 from services.telemetry import Event, KVFlow, RequestPhase
 
 log = logging.getLogger(__name__)
-
-LaneItem = KVChunk | KVClose
-T = TypeVar("T")
-
-
-class ComputeRunner(Protocol):
-    """Where the model compute runs, and how it hands a piece back to the event loop."""
-
-    async def run(self, compute: Callable[[], T]) -> T: ...
-
-    def to_loop(self, call: Callable[[], object]) -> None: ...
-
-
-class ThreadRunner:
-    """The live default: compute in a worker thread, pieces handed over to the loop."""
-
-    async def run(self, compute: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(compute)
-
-    def to_loop(self, call: Callable[[], object]) -> None:
-        anyio.from_thread.run_sync(call)
-
-
-class InlineRunner:
-    """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
-    the compute then takes no time and only the pacing does, so runs are deterministic.
-    Tests and simulation only."""
-
-    async def run(self, compute: Callable[[], T]) -> T:
-        return compute()
-
-    def to_loop(self, call: Callable[[], object]) -> None:
-        call()
-
-
-@dataclass(frozen=True)
-class Pacing:
-    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale."""
-
-    cost: CostModel
-    pacer: Pacer
 
 
 class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -143,23 +89,6 @@ class PrefillStatistics(msgspec.Struct, frozen=True):
 
 
 @dataclass
-class _Job:
-    request: PrefillRequest
-    hashes: list[int]
-    cache: RequestCache
-    reused: int  # tokens resumed from the store
-    params: SamplingParams
-    lanes: int
-    chunks: list[tuple[int, int]]
-    plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
-    sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
-
-    @property
-    def length(self) -> int:
-        return len(self.request.prompt)
-
-
-@dataclass
 class _Counts:
     jobs: int = 0
     failures: int = 0
@@ -190,10 +119,10 @@ class PrefillWorker:
         self.config = config
         self._lanes = list(lanes)
         self._bus = bus or EventBus()
-        self._pacing = pacing
         self._report = report
         self._link_of = link_of
-        self._runner = runner or ThreadRunner()
+        self._compute = PrefillCompute(model, config.snapshot_every, runner or ThreadRunner(),
+                                       pacing)
         self._slot = anyio.Lock()
         self._queued = 0
         self._running = 0
@@ -256,7 +185,7 @@ class PrefillWorker:
         if self.busy == 0:
             self._idle.set()
 
-    def _plan(self, request: PrefillRequest) -> _Job:
+    def _plan(self, request: PrefillRequest) -> PrefillJob:
         cfg, length = self.model.cfg, len(request.prompt)
         _check_request(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
         hashes = prompt_hashes(request.prompt, cfg.block_size)
@@ -269,11 +198,11 @@ class PrefillWorker:
         if size % cfg.block_size:
             raise RequestError(f"chunk_tokens must be a multiple of {cfg.block_size}, got {size}")
         chunks = chunk_bounds(cache.length, length, size)
-        return _Job(request, hashes, cache, cache.length, request.sampling.params(),
-                    request.connections, chunks,
-                    stream_plan(cfg, chunks, request.decode_has_tokens))
+        return PrefillJob(request, hashes, cache, cache.length, request.sampling.params(),
+                          request.connections, chunks,
+                          stream_plan(cfg, chunks, request.decode_has_tokens))
 
-    async def _run(self, job: _Job, queue_s: float) -> PrefillDone:
+    async def _run(self, job: PrefillJob, queue_s: float) -> PrefillDone:
         """Steps 2-4 of the module docstring, for a job that holds the compute slot."""
         request = job.request
         self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
@@ -301,7 +230,7 @@ class PrefillWorker:
             total_s=done - start,
         )
 
-    async def _stream(self, job: _Job) -> tuple[int, float]:
+    async def _stream(self, job: PrefillJob) -> tuple[int, float]:
         """Computes while one task per lane sends; (first token, compute end)."""
         channels = [anyio.create_memory_object_stream[LaneItem](math.inf)
                     for _ in range(job.lanes)]
@@ -311,7 +240,7 @@ class PrefillWorker:
                 for lane, (_, receive) in enumerate(channels):
                     tg.start_soon(self._send_lane, job, lane, receive)
                 try:
-                    first_token, compute_end = await self._compute_and_release(job, sends)
+                    first_token, compute_end = await self._compute.compute_and_release(job, sends)
                     sends[0].send_nowait(KVClose(request_id=job.request.request_id,
                                                  first_token=first_token))
                 finally:
@@ -324,66 +253,8 @@ class PrefillWorker:
             raise cause from group
         return first_token, compute_end
 
-    async def _compute_and_release(
-        self, job: _Job, sends: list[MemoryObjectSendStream[LaneItem]]
-    ) -> tuple[int, float]:
-        """Runs the compute beside the release of its pieces; (first token, compute end)."""
-        start = anyio.current_time()
-        computed, pieces = anyio.create_memory_object_stream[Computed](math.inf)
-        first: list[int] = []
-        async with anyio.create_task_group() as tg, pieces:
-            tg.start_soon(self._compute_task, job, computed, first)
-            ends = self._step_ends(job, start)
-            compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
-        return first[0], compute_end
-
-    async def _compute_task(self, job: _Job, computed: MemoryObjectSendStream[Computed],
-                            first: list[int]) -> None:
-        def emit(step: int, chunk: KVChunk) -> None:
-            self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
-
-        async with computed:
-            began = anyio.current_time()
-            first.append(await self._runner.run(partial(self._compute, job, emit)))
-            if self._pacing is not None:
-                modeled = self._pacing.cost.prefill_time(job.length - job.reused, job.reused)
-                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
-
-    def _compute(self, job: _Job, emit: Callable[[int, KVChunk], None]) -> int:
-        """Through the runner: prefill the suffix chunk by chunk, emitting each piece as its
-        layer finishes; returns the first token."""
-        cfg, request = self.model.cfg, job.request
-        every = self.config.snapshot_every
-        snapshots = block_boundaries(job.reused, job.length, cfg.block_size, every)
-        result = None
-        for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
-            by_layer = {p.layer: p for p in pieces}
-
-            def on_layer(layer: int, first_step: int = index * cfg.n_layers,
-                         by_layer: dict[int, PieceSpec] = by_layer, end: int = end) -> None:
-                spec = by_layer.get(layer)
-                if spec is not None:
-                    piece = export_layer(job.cache, layer, spec.start, end)
-                    emit(first_step + layer, KVChunk(request_id=request.request_id,
-                                                     layer=layer, start=spec.start,
-                                                     data=piece.to_bytes()))
-
-            result = prefill(self.model, request.prompt[start:end], job.cache,
-                             snapshot_at=[n for n in snapshots if start < n <= end],
-                             on_layer=on_layer)
-        assert result is not None
-        return RequestSampler(job.params).sample(result.logits, 0)
-
-    def _step_ends(self, job: _Job, start: float) -> list[float]:
-        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
-        if self._pacing is None:
-            return []
-        scale = self._pacing.pacer.time_scale
-        modeled = step_ends(job.chunks, self.model.cfg.n_layers, self._pacing.cost.prefill_time)
-        return [start + scale * end for end in modeled]
-
     async def _send_lane(
-        self, job: _Job, lane: int, items: MemoryObjectReceiveStream[LaneItem]
+        self, job: PrefillJob, lane: int, items: MemoryObjectReceiveStream[LaneItem]
     ) -> None:
         request, cfg = job.request, self.model.cfg
         opening = KVOpen(
@@ -404,18 +275,18 @@ class PrefillWorker:
             raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
                                   f"with {sink.result!r}, expected KVAccepted")
 
-    def _count_sent(self, job: _Job, nbytes: int) -> None:
+    def _count_sent(self, job: PrefillJob, nbytes: int) -> None:
         job.sent[0] += 1
         job.sent[1] += nbytes
         self._sent[0] += 1
         self._sent[1] += nbytes
 
-    def _keep(self, job: _Job) -> None:
+    def _keep(self, job: PrefillJob) -> None:
         change = self.store.store(job.hashes, job.cache)
         if self._report is not None:
             self._report(change)
 
-    def _flow(self, job: _Job, phase: str, layers_done: int) -> None:
+    def _flow(self, job: PrefillJob, phase: str, layers_done: int) -> None:
         cfg, request = self.model.cfg, job.request
         self._bus.publish(KVFlow(
             ts=anyio.current_time(), source=self.config.name, request_id=request.request_id,

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.cachedir import BlockRun, BlocksEvicted, BlocksStored, Role, WorkerReport
+from services.cachedir_messages import BlocksEvicted, BlocksStored, Role, WorkerReport
 from services.model.cache import RequestCache, StateSnapshot
 from services.prefix import block_hashes
+from services.prefix_tree import BlockRun
 
 MIB = 2**20
 

@@ -24,7 +24,7 @@ import msgspec
 from mesh.errors import ConfigError, MeshError
 from mesh.node import Node
 from mesh.topology import Topology
-from services.cachedir import PrefixMatch
+from services.cachedir_messages import PrefixMatch
 from services.messages import Role, StatusQuery, WorkerState
 from services.placement import WorkerLoad
 from services.policy import Cluster, ClusterState

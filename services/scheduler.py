@@ -38,7 +38,7 @@ import msgspec
 from mesh.errors import ConfigError, MeshError
 from mesh.events import EventBus
 from mesh.node import Node
-from services.cachedir import PrefixMatch, PrefixQuery
+from services.cachedir_messages import PrefixMatch, PrefixQuery
 from services.messages import PrefixReply
 from services.model.tokenizer import TokenizerLike
 from services.openai_schema import GenerationRequest

@@ -28,7 +28,7 @@ from mesh.mailbox import Mailbox
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address
-from services.cachedir import WorkerReport
+from services.cachedir_messages import WorkerReport
 from services.decode import DecodeConfig, DecodeWorker
 from services.hardware import CostModel, Pacer
 from services.messages import (
@@ -48,7 +48,8 @@ from services.messages import (
 from services.model.cache import dtype_name
 from services.model.config import family_config
 from services.model.model import HybridLM, build_model
-from services.prefill import Pacing, PrefillConfig, PrefillWorker
+from services.prefill import PrefillConfig, PrefillWorker
+from services.prefill_compute import Pacing
 from services.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
 from services.serve import ServiceContext, link_of_peer, serve_events, serve_metrics
 from services.telemetry import Event, RoleChanged, WorkerStatus

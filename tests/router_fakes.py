@@ -26,7 +26,7 @@ from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from netem.control import apply_link_update
 from netem.shaper import Direction, LinkParams, LinkShaper
-from services.cachedir import BlockRun, BlocksStored
+from services.cachedir_messages import BlocksStored
 from services.cachedir_service import CacheDirService
 from services.messages import (
     CODEC_MESSAGES,
@@ -51,6 +51,7 @@ from services.policies import create_policy
 from services.policies.prfaas import threshold_rule
 from services.policy import LinkSample, RouteInputs
 from services.prefix import block_hashes
+from services.prefix_tree import BlockRun
 from services.router_admin import ControlConfig, RouterControl
 from services.router_requests import Finished, Placement, RequestHandle
 from services.router_workers import WorkerTable

@@ -6,23 +6,17 @@ import itertools
 import random
 from collections.abc import Callable
 
-import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.cachedir import (
-    BlockRun,
-    BlocksEvicted,
+from services.cachedir import CacheDirectory
+from services.cachedir_messages import (
     BlocksStored,
-    CacheDirectory,
     CacheDirectoryStatistics,
-    CacheEvent,
-    ChainError,
     ClusterMatch,
     PrefixMatch,
-    PrefixQuery,
     Role,
     TransferPlan,
     UnknownWorkerError,
@@ -30,6 +24,7 @@ from services.cachedir import (
     WorkerReport,
 )
 from services.prefix import MAX_HASH, chain_from_ids
+from services.prefix_tree import BlockRun, ChainError
 
 
 def _universe(n_nodes: int, seed: int) -> tuple[list[int | None], list[list[int]]]:
@@ -279,30 +274,6 @@ def _single_block(worker: str, node: int) -> WorkerReport:
 
 TestDirectoryMachine = DirectoryMachine.TestCase
 TestDirectoryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-
-
-def test_messages_round_trip_msgpack() -> None:
-    run = BlockRun([0, MAX_HASH, 7], [2], first=3, parent=MAX_HASH - 1)
-    messages: list[object] = [
-        run,
-        BlocksStored("w0", [run, BlockRun([5])]),
-        BlocksEvicted("w0", [MAX_HASH], snapshots_only=True),
-        WorkerReport("w0", "pd", "decode", [run]),
-        PrefixQuery([1, 2, MAX_HASH], role="prefill"),
-        PrefixMatch(3, [WorkerMatch("w0", "pd", "decode", 2, 1)], [ClusterMatch("pd", 2, 1, "w0")]),
-        TransferPlan(3, "w0", 1, 0, "w1", 3, True, [1, 2], True),
-        CacheEvent("stored", "w0", "pd", 3, 1, 9, 1.5),
-        CacheDirectory({"w0": "pd"}).statistics(),
-    ]
-    for message in messages:
-        encoded = msgspec.msgpack.encode(message)
-        assert msgspec.msgpack.decode(encoded, type=type(message)) == message
-    report = BlocksStored | BlocksEvicted | WorkerReport
-    for message in messages[1:4]:
-        assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=report) == message
-    too_big = msgspec.msgpack.encode(BlocksEvicted("w", [MAX_HASH + 1]))
-    with pytest.raises(msgspec.ValidationError, match=r"\$.hashes\[0\]"):
-        msgspec.msgpack.decode(too_big, type=BlocksEvicted)
 
 
 def _deep_directory() -> tuple[CacheDirectory, list[int]]:

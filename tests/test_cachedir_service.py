@@ -9,12 +9,12 @@ import trio
 
 from mesh.node import Node
 from mesh.topology import parse_topology
-from services.cachedir import PrefixQuery
+from services.cachedir_messages import PrefixQuery
 from services.cachedir_service import CacheDirService
+from services.launch import InProcessMesh, in_process
 from services.messages import PlanQuery, PlanReply, PrefixReply, Sampling, Subscribe
 from services.prefix_store import prompt_hashes
 from services.send import decode_has_tokens, drive_request
-from services.serve import InProcessMesh, in_process
 from services.telemetry import CacheActivity
 from services.worker import WorkerService
 

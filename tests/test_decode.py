@@ -14,6 +14,7 @@ import trio.testing
 from mesh.errors import RemoteError
 from mesh.topology import parse_topology
 from services.decode import DecodeWorker
+from services.launch import in_process
 from services.messages import (
     DecodeRequest,
     KVChunk,
@@ -28,7 +29,6 @@ from services.model.config import family_config
 from services.model.generate import generate
 from services.model.model import HybridLM, build_model
 from services.send import drive_request
-from services.serve import in_process
 from services.worker import WorkerService, checkpoint_path
 
 MAX = 12

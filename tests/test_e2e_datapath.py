@@ -28,12 +28,12 @@ from mesh.node import Node
 from mesh.topology import Topology, load_topology, parse_topology
 from mesh.transport import TcpTransport
 from mesh.wire import Codec
+from services.launch import in_process, launch
 from services.messages import CODEC_MESSAGES, Sampling, Subscribe
 from services.model.config import family_config, kv_bytes_split
 from services.model.generate import generate
 from services.model.model import build_model
 from services.send import decode_has_tokens, drive_request, link_egress_bytes
-from services.serve import in_process, launch
 from services.telemetry import KVFlow
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,7 @@ import msgspec
 import pytest
 
 from mesh.wire import Call, Codec
-from services.cachedir import (
-    BlockRun,
+from services.cachedir_messages import (
     BlocksEvicted,
     BlocksStored,
     ClusterMatch,
@@ -40,6 +39,7 @@ from services.messages import (
     WorkerState,
 )
 from services.model.sampling import SamplingError
+from services.prefix_tree import BlockRun
 from services.telemetry import KVFlow
 
 INFO = ModelInfo(family="kimi-linear", size="tiny", config_hash="0123456789abcdef",

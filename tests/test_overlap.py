@@ -44,7 +44,8 @@ from services.model.cache import dtype_name
 from services.model.config import family_config, kv_layout
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
-from services.prefill import InlineRunner, Pacing, PrefillConfig, PrefillWorker
+from services.prefill import PrefillConfig, PrefillWorker
+from services.prefill_compute import InlineRunner, Pacing
 from services.prefix_store import PrefixStore
 
 LENGTH = 4096

@@ -16,6 +16,7 @@ from mesh.node import Node
 from mesh.server import Context
 from mesh.topology import parse_topology
 from services.kv_stream import expected_kv_bytes
+from services.launch import InProcessMesh, in_process
 from services.messages import (
     KVAccepted,
     KVChunk,
@@ -30,7 +31,6 @@ from services.model.config import family_config
 from services.model.export import KVPiece, import_cache
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
-from services.serve import InProcessMesh, in_process
 from services.worker import WorkerService
 
 TOPOLOGY = parse_topology("""

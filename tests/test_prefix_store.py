@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cachedir import BlockRun, BlocksEvicted
+from services.cachedir_messages import BlocksEvicted
 from services.model.cache import RequestCache
 from services.model.config import family_config
 from services.model.generate import block_boundaries, prefill
@@ -18,6 +18,7 @@ from services.prefix_store import (
     PrefixStoreError,
     prompt_hashes,
 )
+from services.prefix_tree import BlockRun
 
 BLOCK = 64
 

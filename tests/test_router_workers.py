@@ -8,7 +8,7 @@ from router_fakes import INFO, TOPOLOGY
 
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
-from services.cachedir import PrefixMatch, WorkerMatch
+from services.cachedir_messages import PrefixMatch, WorkerMatch
 from services.messages import WorkerState
 from services.policies.prfaas import threshold_rule
 from services.policy import RouteInputs

@@ -1,11 +1,9 @@
 """`prfaas serve`: options, routes through links, the default topology, runners, the event
-stream, the echo service in this process and as a launched child."""
+stream, the echo service in this process."""
 
 from __future__ import annotations
 
-import os
 import socket
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,13 +14,11 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.topology import parse_topology
 from mesh.transport import Address, TcpTransport
+from services.launch import in_process
 from services.messages import Echo, Subscribe
 from services.serve import (
-    LaunchError,
     ServiceContext,
     default_topology,
-    in_process,
-    launch,
     link_of_peer,
     link_routes,
     resolve_from,
@@ -156,28 +152,6 @@ async def test_subscribers_see_events_published_after_they_asked(memory_hub: obj
                         await trio.sleep(0.01)
                     bus.publish(event)
                     assert await events.__anext__() == event
-
-
-@pytest.mark.trio
-@pytest.mark.slow
-async def test_launch_runs_prfaas_serve_children(tmp_path: Path) -> None:
-    port = free_port()
-    path = tmp_path / "topology.toml"
-    path.write_text(f'[[services]]\nname = "echo"\nkind = "echo"\nport = {port}\n'
-                    f'[[services]]\nname = "broken"\nkind = "teapot"\nport = {port + 1}\n')
-    backend = ["--backend", os.environ.get("PRFAAS_E2E_BACKEND", "uvloop")]
-    with launch(path, ["echo"], extra_args=backend, log_dir=tmp_path,
-                ready_timeout=60) as children:
-        node = Node("client", context("p").codec, TcpTransport(),
-                    {"echo": Address("127.0.0.1", port)})
-        async with node:
-            with trio.fail_after(10):
-                assert (await node.call("echo", Echo(text="x"), Echo)).hops == 1
-        assert children["echo"].poll() is None
-    assert children["echo"].poll() is not None
-    with pytest.raises(LaunchError, match="'broken' exited with code 2 before ready"), \
-            launch(path, ["broken"], ready_timeout=60):
-        pass
 
 
 @pytest.mark.trio

@@ -26,8 +26,9 @@ from mesh.server import Context
 from mesh.topology import parse_topology
 from mesh.transport import Address, MemoryHub, MemoryTransport
 from mesh.wire import Codec
+from services.launch import in_process
 from services.messages import CODEC_MESSAGES, Echo, Subscribe
-from services.serve import default_topology, in_process, runner_for, serve_events, serve_main
+from services.serve import default_topology, runner_for, serve_events, serve_main
 from services.telemetry import AnyEvent, Event, WorkerStatus
 from services.ui_feed import (
     FeedConfig,

@@ -3,7 +3,7 @@
 `topology_text` copies the embedded default topology (services/topology.toml) with every port
 moved to a free one and the workers on the tiny random-init model (one torch thread each), so
 the whole mesh starts in seconds on two cores; `real_mesh` launches its services, dashboard
-included, as child processes (services.serve.launch) and stops them all on the way out.
+included, as child processes (services.launch.launch) and stops them all on the way out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.topology import Options, Scalar, Topology, load_topology
-from services.serve import WORKER_KINDS, default_topology, launch
+from services.launch import launch
+from services.serve import WORKER_KINDS, default_topology
 
 # Services the dashboard shows; echo proves the runtime only.
 MESH_SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0",

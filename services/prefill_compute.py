@@ -1,0 +1,164 @@
+"""The prefill worker's compute side: where the model runs, and the loop that computes a job's
+uncached suffix chunk by chunk while releasing each finished layer's piece to the upload lanes.
+
+The compute runs through a `ComputeRunner` (a worker thread live, so the loop keeps sending).
+As each layer of a chunk finishes, its piece - the full-attention KV the decode worker lacks
+(tokens from `decode_has_tokens` on), or in the last chunk the fixed-size state at the new end
+(services.kv_stream) - goes to the loop, which deals it to the next lane: transfer overlaps
+compute (paper section 3.3).
+
+Emulated mode (CostModel, Pacer): the real compute runs ahead, and each piece is released
+when the modeled hardware finishes its (chunk, layer) step (`kv_stream.step_ends`, stretched
+by the time scale), never earlier; the compute ends at the last step's modeled end. These
+waits are sleeps on the loop's clock: they hold neither the compute nor the senders, and on a
+virtual clock (`InlineRunner`) a run is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from services.hardware import CostModel, Pacer
+from services.kv_stream import Computed, PieceSpec, release, step_ends
+from services.messages import KVChunk, KVClose, PrefillRequest
+from services.model.cache import RequestCache
+from services.model.export import export_layer
+from services.model.generate import block_boundaries, prefill
+from services.model.model import HybridLM
+from services.model.sampling import RequestSampler, SamplingParams
+
+LaneItem = KVChunk | KVClose
+T = TypeVar("T")
+
+
+class ComputeRunner(Protocol):
+    """Where the model compute runs, and how it hands a piece back to the event loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T: ...
+
+    def to_loop(self, call: Callable[[], object]) -> None: ...
+
+
+class ThreadRunner:
+    """The live default: compute in a worker thread, pieces handed over to the loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(compute)
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        anyio.from_thread.run_sync(call)
+
+
+class InlineRunner:
+    """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
+    the compute then takes no time and only the pacing does, so runs are deterministic.
+    Tests and simulation only."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        call()
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale."""
+
+    cost: CostModel
+    pacer: Pacer
+
+
+@dataclass
+class PrefillJob:
+    """One planned prefill: the request, its cache resumed from the store, and its stream plan."""
+
+    request: PrefillRequest
+    hashes: list[int]
+    cache: RequestCache
+    reused: int  # tokens resumed from the store
+    params: SamplingParams
+    lanes: int
+    chunks: list[tuple[int, int]]
+    plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
+    sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt)
+
+
+class PrefillCompute:
+    """Computes one job at a time on `model` through `runner`, paced when `pacing` is given."""
+
+    def __init__(self, model: HybridLM, snapshot_every: int, runner: ComputeRunner,
+                 pacing: Pacing | None = None) -> None:
+        self.model = model
+        self._snapshot_every = snapshot_every
+        self._runner = runner
+        self._pacing = pacing
+
+    async def compute_and_release(
+        self, job: PrefillJob, sends: list[MemoryObjectSendStream[LaneItem]]
+    ) -> tuple[int, float]:
+        """Runs the compute beside the release of its pieces; (first token, compute end)."""
+        start = anyio.current_time()
+        computed, pieces = anyio.create_memory_object_stream[Computed](math.inf)
+        first: list[int] = []
+        async with anyio.create_task_group() as tg, pieces:
+            tg.start_soon(self._compute_task, job, computed, first)
+            ends = self._step_ends(job, start)
+            compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
+        return first[0], compute_end
+
+    async def _compute_task(self, job: PrefillJob, computed: MemoryObjectSendStream[Computed],
+                            first: list[int]) -> None:
+        def emit(step: int, chunk: KVChunk) -> None:
+            self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
+
+        async with computed:
+            began = anyio.current_time()
+            first.append(await self._runner.run(partial(self._compute, job, emit)))
+            if self._pacing is not None:
+                modeled = self._pacing.cost.prefill_time(job.length - job.reused, job.reused)
+                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
+
+    def _compute(self, job: PrefillJob, emit: Callable[[int, KVChunk], None]) -> int:
+        """Through the runner: prefill the suffix chunk by chunk, emitting each piece as its
+        layer finishes; returns the first token."""
+        cfg, request = self.model.cfg, job.request
+        snapshots = block_boundaries(job.reused, job.length, cfg.block_size,
+                                     self._snapshot_every)
+        result = None
+        for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+            by_layer = {p.layer: p for p in pieces}
+
+            def on_layer(layer: int, first_step: int = index * cfg.n_layers,
+                         by_layer: dict[int, PieceSpec] = by_layer, end: int = end) -> None:
+                spec = by_layer.get(layer)
+                if spec is not None:
+                    piece = export_layer(job.cache, layer, spec.start, end)
+                    emit(first_step + layer, KVChunk(request_id=request.request_id,
+                                                     layer=layer, start=spec.start,
+                                                     data=piece.to_bytes()))
+
+            result = prefill(self.model, request.prompt[start:end], job.cache,
+                             snapshot_at=[n for n in snapshots if start < n <= end],
+                             on_layer=on_layer)
+        assert result is not None
+        return RequestSampler(job.params).sample(result.logits, 0)
+
+    def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
+        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
+        if self._pacing is None:
+            return []
+        scale = self._pacing.pacer.time_scale
+        modeled = step_ends(job.chunks, self.model.cfg.n_layers, self._pacing.cost.prefill_time)
+        return [start + scale * end for end in modeled]
