@@ -23,6 +23,7 @@ from services.model.cache import LinearState
 from services.model.config import ModelConfig
 from services.model.conv import causal_conv1d
 from services.model.delta_rule import delta_rule_chunked, delta_rule_step
+from services.model.delta_rule_train import delta_rule_trainable
 
 
 def l2_normalise(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -105,6 +106,11 @@ def run_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     Returns (o [B, H, T, Dv], final state, {boundary: state}) for each requested boundary.
     """
     t = q.shape[2]
+    if torch.is_grad_enabled() and q.requires_grad:
+        # Training: the serving kernel's backward can overflow on steep decays.
+        with torch.autocast(q.device.type, enabled=False):
+            o, final = delta_rule_trainable(q, k, v, g, beta, state)
+        return o, final, {}
     if not snapshot_at:
         if t == 1:
             o, final = delta_rule_step(q, k, v, g, beta, state)
