@@ -1,26 +1,35 @@
 """Wire benchmark: the mesh over loopback TCP against raw blocking sockets, in the same run.
 
-Three servers run as subprocesses (so sender and receiver each get a core, as in a real
-deployment): a raw blocking-socket server, a mesh node on trio, a mesh node on asyncio+uvloop.
+Three servers run as subprocesses: a raw blocking-socket server, a mesh node on trio, a mesh
+node on asyncio+uvloop. By default they are pinned to one CPU and the client to another, so
+sender and receiver each get a core, as in a deployment and as stack.md measured (raw round
+trip about 96 us). Left to itself the kernel often puts both ends of a round trip on one core;
+the round trip then costs no cross-CPU wake-ups (raw about 22 us) and its time is simply the
+CPU work of both sides: `--pin same` measures that case on purpose.
 The client (this process) measures, for each:
   bulk   1 MiB frames: raw `sendall` of encoded frames vs `node.stream_to` items; GB/s
   small  ~200-byte messages: raw, one `sendall` each; mesh, `node.cast` (batched by the outbox)
-  rtt    ~200-byte request/reply: raw send+recv vs `node.call`; microseconds per round trip
-  bare anyio rtt: the same bytes echoed by plain anyio streams in the mesh server's process
-         (no mesh), i.e. the event loop's own share of the mesh round trip
+  rtt    ~200-byte request/reply: raw send+recv vs `node.call`; microseconds per round trip,
+         wall time and CPU time (client process + server process, from /proc/<pid>/schedstat)
+  bare rtt: the same bytes echoed, no mesh, in the mesh server's process, through anyio's
+         socket streams and through the mesh's own (mesh.tcp): the event loop's share of the
+         mesh round trip, and the floor under it
 Both sides encode and decode every message with msgspec (the raw side with a plain length
 prefix and the same message Structs). Each figure is the median of several repetitions taken
-in turns, since the 2-vCPU host has slow windows (stack.md G12). Every process runs with
+in turns, since the 2-vCPU host has slow windows (stack.md G12). The two sides of a round
+trip run one after the other, so its wall time is about the CPU time of both plus wake-ups;
+CPU time is less disturbed by other load on the host than wall time. Every process runs with
 MALLOC_TOP_PAD_=64 MiB: without it glibc trims and regrows the heap per received chunk
 (stack.md G3). The last line printed is one JSON object.
 
-    .venv/bin/python benchmarks/bench_wire.py [--quick]
+    .venv/bin/python benchmarks/bench_wire.py [--quick] [--pin cross|same|none]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -84,6 +93,33 @@ def frame(body: bytes) -> bytes:
 
 def frame_of(msg: msgspec.Struct) -> bytes:
     return frame(msgspec.msgpack.encode(msg))
+
+
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU used so far by process `pid` (Linux schedstat; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as stats:
+            return int(stats.read().split()[0]) / 1e9
+    except (OSError, ValueError):
+        return math.nan
+
+
+class RoundTripClock:
+    """Wall time, this process's CPU and the server process's CPU since creation."""
+
+    def __init__(self, server: int) -> None:
+        self.server = server
+        self.wall = time.perf_counter()
+        self.client_cpu = time.process_time()
+        self.server_cpu = process_cpu(server)
+
+    def per(self, n: int) -> dict[str, float]:
+        """Each figure divided by `n` round trips (seconds)."""
+        return {
+            "rtt": (time.perf_counter() - self.wall) / n,
+            "rtt_cpu_client": (time.process_time() - self.client_cpu) / n,
+            "rtt_cpu_server": (process_cpu(self.server) - self.server_cpu) / n,
+        }
 
 
 # Raw blocking-socket side ----------------------------------------------------------------
@@ -155,13 +191,13 @@ class RawClient:
         assert self.read() == Count(n)
         return n / (time.perf_counter() - start)
 
-    def rtt(self, n: int) -> float:
+    def rtt(self, n: int, server: int) -> dict[str, float]:
         msg = msgspec.structs.replace(small(0), kind="rtt")
-        start = time.perf_counter()
+        clock = RoundTripClock(server)
         for _ in range(n):
             self.send(msg)
             self.read()
-        return (time.perf_counter() - start) / n
+        return clock.per(n)
 
 
 def serve_raw() -> None:
@@ -204,7 +240,7 @@ def mesh_server_node() -> Node:
 
 
 async def echo(stream: anyio.abc.ByteStream) -> None:
-    """Bare anyio echo, no mesh: the event loop's own share of the round trip."""
+    """Bare echo, no mesh: the event loop's own share of the round trip."""
     async with stream:
         while True:
             try:
@@ -215,11 +251,14 @@ async def echo(stream: anyio.abc.ByteStream) -> None:
 
 async def serve_mesh() -> None:
     node = mesh_server_node()
-    async with node, await anyio.create_tcp_listener(local_host=HOST) as listener:
+    fast = await TcpTransport().listen(Address(HOST, 0))
+    async with node, fast.listener, await anyio.create_tcp_listener(local_host=HOST) as listener:
         address = await node.listen(Address(HOST, 0))
         echo_port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        print(address.port, echo_port, flush=True)
-        await listener.serve(echo)
+        print(address.port, echo_port, fast.address.port, flush=True)
+        async with anyio.create_task_group() as group:
+            group.start_soon(fast.listener.serve, echo)
+            await listener.serve(echo)
 
 
 async def mesh_bulk(node: Node, frames: int) -> float:
@@ -239,17 +278,17 @@ async def mesh_small(node: Node, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-async def mesh_rtt(node: Node, n: int) -> float:
+async def mesh_rtt(node: Node, n: int, server: int) -> dict[str, float]:
     msg = msgspec.structs.replace(small(0), kind="rtt")
-    start = time.perf_counter()
+    clock = RoundTripClock(server)
     for _ in range(n):
         await node.call("server", msg)
-    return (time.perf_counter() - start) / n
+    return clock.per(n)
 
 
-async def anyio_rtt(port: int, n: int) -> float:
+async def echo_rtt(stream: anyio.abc.ByteStream, n: int) -> float:
     frame = frame_of(small(0))
-    async with await anyio.connect_tcp(HOST, port) as stream:
+    async with stream:
         start = time.perf_counter()
         for _ in range(n):
             await stream.send(frame)
@@ -259,33 +298,48 @@ async def anyio_rtt(port: int, n: int) -> float:
         return (time.perf_counter() - start) / n
 
 
-async def mesh_round(ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
+async def mesh_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
     peers = {"server": Address(HOST, ports[0])}
     node = Node("client", Codec(MESSAGES), TcpTransport(), peers, NodeConfig(call_timeout=600))
     async with node:
-        await mesh_rtt(node, 200)
+        await mesh_rtt(node, 200, server)
         return {
             "bulk": await mesh_bulk(node, sizes["bulk"]),
             "small": await mesh_small(node, sizes["small"]),
-            "rtt": await mesh_rtt(node, sizes["rtt"]),
-            "anyio_rtt": await anyio_rtt(ports[1], sizes["rtt"]),
+            **await mesh_rtt(node, sizes["rtt"], server),
+            "anyio_rtt": await echo_rtt(await anyio.connect_tcp(HOST, ports[1]), sizes["rtt"]),
+            "fast_rtt": await echo_rtt(
+                await TcpTransport().connect(Address(HOST, ports[2])), sizes["rtt"]
+            ),
         }
 
 
-def raw_round(ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
+def raw_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
     client = RawClient(ports[0])
     try:
-        client.rtt(200)
+        client.rtt(200, server)
         return {
             "bulk": client.bulk(sizes["bulk"]),
             "small": client.small(sizes["small"]),
-            "rtt": client.rtt(sizes["rtt"]),
+            **client.rtt(sizes["rtt"], server),
         }
     finally:
         client.sock.close()
 
 
 # Driver ----------------------------------------------------------------------------------
+
+
+def pin(mode: str, servers: list[int]) -> str:
+    """Puts this process and the servers on CPUs; a line saying where (or why not)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if mode == "none" or len(cpus) < 2:
+        return "not pinned: the kernel places the processes"
+    client_cpu, server_cpu = cpus[0], cpus[1] if mode == "cross" else cpus[0]
+    os.sched_setaffinity(0, {client_cpu})
+    for pid in servers:
+        os.sched_setaffinity(pid, {server_cpu})
+    return f"pinned: client on CPU {client_cpu}, servers on CPU {server_cpu}"
 
 
 def start_server(role: str) -> tuple[subprocess.Popen[str], list[int]]:
@@ -297,19 +351,20 @@ def start_server(role: str) -> tuple[subprocess.Popen[str], list[int]]:
     return proc, [int(port) for port in proc.stdout.readline().split()]
 
 
-def measure(rounds: int, sizes: dict[str, int]) -> dict[str, dict[str, float]]:
+def measure(rounds: int, sizes: dict[str, int], placement: str) -> dict[str, dict[str, float]]:
     procs = {role: start_server(role) for role in ("raw", "trio", "uvloop")}
+    print(pin(placement, [proc.pid for proc, _ in procs.values()]))
     runs: dict[str, list[dict[str, float]]] = {role: [] for role in procs}
-    takers: dict[str, Callable[[list[int]], dict[str, float]]] = {
-        "raw": lambda ports: raw_round(ports, sizes),
-        "trio": lambda ports: run(mesh_round, ports, sizes, backend="trio"),
-        "uvloop": lambda ports: run(mesh_round, ports, sizes, backend="uvloop"),
+    takers: dict[str, Callable[[int, list[int]], dict[str, float]]] = {
+        "raw": lambda pid, ports: raw_round(pid, ports, sizes),
+        "trio": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="trio"),
+        "uvloop": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="uvloop"),
     }
     try:
         # Take the paths in turns, so that a slow spell of the host hits all of them alike.
         for _ in range(rounds):
-            for role, (_, ports) in procs.items():
-                runs[role].append(takers[role](ports))
+            for role, (proc, ports) in procs.items():
+                runs[role].append(takers[role](proc.pid, ports))
     finally:
         for proc, _ in procs.values():
             proc.terminate()
@@ -320,31 +375,55 @@ def measure(rounds: int, sizes: dict[str, int]) -> dict[str, dict[str, float]]:
     }
 
 
+def rtt_cpu(m: dict[str, float]) -> float:
+    return m["rtt_cpu_client"] + m["rtt_cpu_server"]
+
+
+def label(role: str) -> str:
+    return "raw blocking sockets" if role == "raw" else f"mesh on {role}"
+
+
+def us(m: dict[str, float], key: str) -> str:
+    return f"{m[key] * 1e6:.1f}" if key in m else "-"
+
+
 def report(medians: dict[str, dict[str, float]], quick: bool) -> dict[str, Any]:
     raw = medians["raw"]
-    print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'small msg/s':>13}"
-          f"{'rtt us':>9}{'ratio':>7}{'bare anyio rtt us':>19}")
+    print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'small msg/s':>13}")
     for role, m in medians.items():
-        label = "raw blocking sockets" if role == "raw" else f"mesh on {role}"
-        bare = f"{m['anyio_rtt'] * 1e6:>19.1f}" if "anyio_rtt" in m else f"{'-':>19}"
-        print(f"{label:<22}{m['bulk'] / 1e9:>10.2f}{m['bulk'] / raw['bulk']:>7.2f}"
-              f"{m['small']:>13,.0f}{m['rtt'] * 1e6:>9.1f}{m['rtt'] / raw['rtt']:>7.2f}{bare}")
+        print(f"{label(role):<22}{m['bulk'] / 1e9:>10.2f}{m['bulk'] / raw['bulk']:>7.2f}"
+              f"{m['small']:>13,.0f}")
+    print(f"\n{'path':<22}{'rtt us':>8}{'ratio':>7}{'cpu us (cli+srv)':>20}{'ratio':>7}"
+          f"{'bare anyio echo':>17}{'bare mesh.tcp echo':>20}")
+    for role, m in medians.items():
+        cpu = f"{rtt_cpu(m) * 1e6:.1f} ({us(m, 'rtt_cpu_client')}+{us(m, 'rtt_cpu_server')})"
+        print(f"{label(role):<22}{m['rtt'] * 1e6:>8.1f}{m['rtt'] / raw['rtt']:>7.2f}{cpu:>20}"
+              f"{rtt_cpu(m) / rtt_cpu(raw):>7.2f}{us(m, 'anyio_rtt'):>17}{us(m, 'fast_rtt'):>20}")
     result: dict[str, Any] = {"bench": "wire", "quick": quick}
     for backend in ("trio", "uvloop"):
         m = medians[backend]
         result[f"bulk_ratio_{backend}"] = round(m["bulk"] / raw["bulk"], 3)
         result[f"rtt_ratio_{backend}"] = round(m["rtt"] / raw["rtt"], 3)
+        result[f"rtt_cpu_ratio_{backend}"] = round(rtt_cpu(m) / rtt_cpu(raw), 3)
         result[f"{backend}_anyio_echo_rtt_us"] = round(m["anyio_rtt"] * 1e6, 1)
+        result[f"{backend}_fast_echo_rtt_us"] = round(m["fast_rtt"] * 1e6, 1)
     for role, m in medians.items():
         result[f"{role}_gbytes_per_s"] = round(m["bulk"] / 1e9, 3)
         result[f"{role}_small_msgs_per_s"] = round(m["small"])
         result[f"{role}_rtt_us"] = round(m["rtt"] * 1e6, 1)
+        result[f"{role}_rtt_cpu_client_us"] = round(m["rtt_cpu_client"] * 1e6, 1)
+        result[f"{role}_rtt_cpu_server_us"] = round(m["rtt_cpu_server"] * 1e6, 1)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short run (about 15 s)")
+    parser.add_argument(
+        "--pin", choices=["cross", "same", "none"], default="cross",
+        help="cross (default): client and servers on two different CPUs, each side its own "
+        "core as in a deployment; same: all on one CPU; none: wherever the kernel puts them",
+    )
     parser.add_argument("--serve", choices=["raw", "trio", "uvloop"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve == "raw":
@@ -360,8 +439,8 @@ def main() -> None:
                   {**os.environ, "MALLOC_TOP_PAD_": MALLOC_PAD})
     sizes = ({"bulk": 256, "small": 20_000, "rtt": 2_000} if args.quick
              else {"bulk": 1024, "small": 100_000, "rtt": 10_000})
-    medians = measure(3 if args.quick else 5, sizes)
-    print(json.dumps(report(medians, args.quick)))
+    medians = measure(3 if args.quick else 5, sizes, args.pin)
+    print(json.dumps({**report(medians, args.quick), "pin": args.pin}))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ from mesh.errors import ConfigError
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bounds and default deadlines of one node (seconds on anyio's clock).
 
-    mailbox_size: requests queued before the readers wait (and push back on the peers);
-    max_concurrency: handlers running at once (1 gives strict one-at-a-time actor order);
+    mailbox_size: requests queued before the readers wait (and push back on the peers); a
+    unary request that finds the mailbox empty and a handler free skips it and runs in its
+    connection's reader task (mesh.server);
+    max_concurrency: handlers running at once, however they were started (1 gives strict
+    one-at-a-time actor order);
     stream_buffer: items queued per open stream; call_timeout: the default deadline of
     call/cast/streams; receive_size: bytes asked of the socket per read; send_buffer: bytes
     queued per connection before deferred senders wait.

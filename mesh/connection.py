@@ -18,8 +18,9 @@ import anyio
 import anyio.abc
 import msgspec
 
-from mesh.errors import HandshakeError, PeerGone
+from mesh.errors import HandshakeError, MeshError, PeerGone
 from mesh.outbox import STREAM_ERRORS, Outbox
+from mesh.tcp import AsyncioSocketStream
 from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello
 
 RECEIVE_SIZE = 1024 * 1024
@@ -70,6 +71,9 @@ class Connection:
         self._outbox = Outbox(stream, peer, send_buffer, on_deadline)
         self._closed = False
         self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = 0
+        self._route: Callable[[Envelope], None] | None = None
+        # A frame error met while delivering directly, raised by the next `receive`.
+        self._failure: MeshError | None = None
 
     @property
     def peer(self) -> str:
@@ -94,19 +98,53 @@ class Connection:
         frame = self._codec.encode(envelope)
         self._frames_out += 1
         self._bytes_out += len(frame)
-        await self._outbox.put(frame, urgent=urgent, deadline=deadline)
+        if not (urgent and self._outbox.put_nowait(frame)):
+            await self._outbox.put(frame, urgent=urgent, deadline=deadline)
 
     async def run_writer(self) -> None:
         """Writes deferred frames in batches; run it beside the reader for the connection's life."""
         await self._outbox.run()
 
+    def deliver_directly(self, route: Callable[[Envelope], None] | None) -> bool:
+        """Lets frames skip the task that calls `receive`, where the stream allows it.
+
+        On asyncio TCP streams each chunk that arrives while nothing waits to be received
+        is parsed in the event loop's callback and its frames handed to `route`, which must
+        not block; a MeshError it raises comes out of the next `receive`. None turns this
+        off. False where the stream cannot (trio, memory): all frames come via `receive`.
+        """
+        if not isinstance(self._stream, AsyncioSocketStream):
+            return False
+        self._route = route
+        self._stream.deliver_to(None if route is None else self._consume)
+        return True
+
+    def _consume(self, data: bytes) -> bool:
+        route = self._route
+        if route is None or self._ready or self._failure is not None:
+            return False
+        try:
+            for envelope in self._parser.feed(data):
+                self._frames_in += 1
+                route(envelope)
+        except MeshError as exc:
+            # Queue the chunk after all: that wakes the reader, and `receive` raises this.
+            self._failure = exc
+            return False
+        self._bytes_in += len(data)
+        return True
+
     async def receive(self) -> Envelope:
         """The next envelope; PeerGone at end of stream, FrameDecodeError on garbage."""
         while not self._ready:
+            if self._failure is not None:
+                raise self._failure
             try:
                 data = await self._stream.receive(self._receive_size)
             except STREAM_ERRORS as exc:
                 raise PeerGone(f"connection from {self.peer} ended: {exc!r}") from exc
+            if self._failure is not None:
+                raise self._failure
             self._bytes_in += len(data)
             self._ready.extend(self._parser.feed(data))
         self._frames_in += 1

@@ -15,12 +15,20 @@ import itertools
 import math
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Protocol
 
 import anyio
 
-from mesh.errors import DeadlineExceeded
-from mesh.mailbox import Mailbox
+from mesh.errors import DeadlineExceeded, MeshError
+
+
+class Expiring(Protocol):
+    """A wait the watch can fail: a reply Mailbox, or a client's PendingCall."""
+
+    @property
+    def open(self) -> bool: ...
+
+    def fail(self, error: MeshError) -> None: ...
 
 
 class deadline_scope:
@@ -60,20 +68,21 @@ class DeadlineWatch:
     def __init__(self, on_expiry: Callable[[], None] | None = None) -> None:
         self.expired = 0
         self._on_expiry = on_expiry
-        self._heap: list[tuple[float, int, Mailbox[Any], str]] = []
+        self._heap: list[tuple[float, int, Expiring, str]] = []
         self._order = itertools.count()
         self._next_wake = math.inf
         self._changed: anyio.Event | None = None
         self._compact_above = 1024
 
-    def watch(self, deadline: float, mailbox: Mailbox[Any], what: str) -> None:
+    def watch(self, deadline: float, mailbox: Expiring, what: str) -> None:
         """Fails `mailbox` at `deadline` unless it is closed or ended by then."""
-        if math.isinf(deadline):
+        if deadline == math.inf:
             return
         heapq.heappush(self._heap, (deadline, next(self._order), mailbox, what))
         if deadline < self._next_wake and self._changed is not None:
             self._changed.set()
-        self._compact()
+        if len(self._heap) > self._compact_above:
+            self._compact()
 
     def check_integrity(self) -> None:
         """Asserts the heap order (tests call it after each operation)."""
@@ -102,7 +111,6 @@ class DeadlineWatch:
     def _compact(self) -> None:
         # Finished waits stay in the heap until their deadline; sweep them out whenever the
         # heap has doubled since the last sweep (amortised O(1) per registration).
-        if len(self._heap) > self._compact_above:
-            self._heap = [entry for entry in self._heap if entry[2].open]
-            heapq.heapify(self._heap)
-            self._compact_above = max(1024, 2 * len(self._heap))
+        self._heap = [entry for entry in self._heap if entry[2].open]
+        heapq.heapify(self._heap)
+        self._compact_above = max(1024, 2 * len(self._heap))

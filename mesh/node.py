@@ -22,6 +22,7 @@ connections are dialled on first use, cached per peer, and redialled after a los
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -31,20 +32,22 @@ import anyio
 import anyio.abc
 import msgspec
 
+from mesh import native
 from mesh.client import ClientSession, StreamReader, StreamSink, unwrap
 from mesh.config import NodeConfig
 from mesh.connection import Connection, ConnectionStatistics, add_traffic, server_handshake
 from mesh.errors import ConfigError, MeshError, UnexpectedReply
-from mesh.mailbox import Mailbox, MailboxStatistics
-from mesh.peers import Peers
-from mesh.server import (
+from mesh.handlers import (
     Handlers,
     Request,
-    ServerSession,
     StreamHandler,
     UnaryHandler,
     UploadHandler,
 )
+from mesh.mailbox import Mailbox, MailboxStatistics
+from mesh.peers import Peers
+from mesh.server import ServerSession
+from mesh.slots import Slots, SlotStatistics
 from mesh.transport import Address, Transport
 from mesh.wire import Codec
 
@@ -62,7 +65,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     counters: ClassVar[frozenset[str]] = frozenset(
         {"requests_in", "handler_errors", "deadlines_in", "calls_out", "casts_out",
          "streams_out", "deadlines_out", "stray_frames", "connection_errors",
-         "frames_in", "frames_out", "bytes_in", "bytes_out"}
+         "frames_in", "frames_out", "bytes_in", "bytes_out", "requests_eager",
+         "requests_handed_off"}
     )
 
     name: str
@@ -83,7 +87,12 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     bytes_in: int
     bytes_out: int
     mailbox: MailboxStatistics
+    handlers: SlotStatistics
     connections: tuple[ConnectionStatistics, ...]
+    # Requests run by a connection's reader task (mesh.server's eager path), and how many of
+    # those suspended and so got a task of their own; the rest went through the mailbox.
+    requests_eager: int = 0
+    requests_handed_off: int = 0
 
 
 class Node:
@@ -106,10 +115,13 @@ class Node:
         self._peers = Peers(name, codec, transport, resolver, self.config)
         self._handlers = Handlers(codec.messages)
         self._mailbox: Mailbox[Request] = Mailbox(self.config.mailbox_size)
+        self._slots = Slots(self.config.max_concurrency)
         self._stack: AsyncExitStack | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._servers: set[ServerSession] = set()
         self._retired = ConnectionStatistics("retired", 0, 0, 0, 0)
+        # anyio's clock until the node runs, then the loop's own (same time, no lookup).
+        self.now: Callable[[], float] = anyio.current_time
 
     def handles(self, message: type[M]) -> Callable[[UnaryHandler[M]], UnaryHandler[M]]:
         """Registers `async def h(msg, ctx) -> reply | None` for `call` and `cast`."""
@@ -141,6 +153,7 @@ class Node:
     async def __aenter__(self) -> Node:
         if self._stack is not None:
             raise MeshError(f"node {self.name!r} is already running")
+        self.now = native.clock()
         self._stack = AsyncExitStack()
         self._group = await self._stack.enter_async_context(anyio.create_task_group())
         self._group.start_soon(self._peers.watch.run)
@@ -209,10 +222,13 @@ class Node:
 
         `timeout` in seconds (default `config.call_timeout`; `math.inf` for none).
         """
-        deadline = self._deadline(timeout)
+        seconds = self._timeout(timeout)
+        deadline = self.now() + seconds
         self._peers.counts.calls += 1
-        session = await self._session(peer, deadline)
-        answer = await session.call(message, deadline, f"call {type(message).__name__} to {peer}")
+        session = self._peers.live(peer) or await self._session(peer, deadline)
+        relative = None if seconds == math.inf else seconds
+        what = f"call {type(message).__name__} to {peer}"
+        answer = await session.call(message, deadline, relative, what)
         result = unwrap(answer, peer)
         if expect is not None and not isinstance(result, expect):
             got = type(result).__name__
@@ -282,12 +298,16 @@ class Node:
             bytes_in=sum(c.bytes_in for c in total),
             bytes_out=sum(c.bytes_out for c in total),
             mailbox=self._mailbox.statistics(),
+            handlers=self._slots.statistics(),
             connections=tuple(links),
+            requests_eager=counts.eager,
+            requests_handed_off=counts.handed_off,
         )
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the mailbox, every connection and the deadline watch."""
         self._mailbox.check_integrity()
+        self._slots.check_integrity()
         self._peers.watch.check_integrity()
         for session in self._peers.sessions():
             session.conn.check_integrity()
@@ -301,10 +321,13 @@ class Node:
         return self._group
 
     def _deadline(self, timeout: float | None) -> float:
+        return self.now() + self._timeout(timeout)
+
+    def _timeout(self, timeout: float | None) -> float:
         seconds = self.config.call_timeout if timeout is None else timeout
         if not seconds >= 0:
             raise ConfigError(f"timeout must be >= 0 seconds, got {timeout}")
-        return anyio.current_time() + seconds
+        return seconds
 
     async def _session(self, peer: str, deadline: float) -> ClientSession:
         group = self._running(f"talking to {peer!r}")
@@ -312,7 +335,11 @@ class Node:
 
     async def _work(self) -> None:
         async for request in self._mailbox:
-            await self._handlers.run(request)
+            await self._slots.take()
+            try:
+                await self._handlers.run(request)
+            finally:
+                self._slots.give()
 
     async def _accept(self, listener: anyio.abc.Listener[anyio.abc.ByteStream]) -> None:
         async with listener:
@@ -332,7 +359,10 @@ class Node:
             with anyio.CancelScope(shield=True):
                 await conn.aclose()
             return
-        session = ServerSession(self, conn, self._mailbox, self._handlers.counts)
+        group = self._running("serving")
+        session = ServerSession(
+            self, conn, self._mailbox, self._handlers, self._slots, group.start_soon
+        )
         self._servers.add(session)
         try:
             await session.run(config.stream_buffer)

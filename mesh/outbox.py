@@ -4,8 +4,11 @@ Two ways out, one order:
 
 * urgent frames (calls, replies, stream ends) are written at once by the sending task when
   nothing else is queued or being written: no hand-off to another task, so request/reply
-  latency stays at one socket write. A frame cut in half by a cancellation would
-  desynchronise the peer's parser, so such a cancellation breaks the connection instead.
+  latency stays at one socket write. On streams that can write without waiting (mesh.tcp)
+  this is a plain call (`put_nowait`), and whatever the socket does not take at once waits
+  at the head of the queue for the writer task. Elsewhere the sender awaits the write; a
+  frame cut in half by a cancellation would desynchronise the peer's parser, so such a
+  cancellation breaks the connection instead.
 * deferred frames (casts, stream items) are queued and the sender returns; the writer task
   (`run`) joins small queued frames into one write of up to BATCH_BYTES, so a burst of small
   messages costs one system call per batch, not per message (stack.md 3a: batching takes
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -28,13 +32,25 @@ import anyio.lowlevel
 
 from mesh.deadlines import deadline_scope
 from mesh.errors import PeerGone
+from mesh.native import checkpoint_if_cancelled
 
-Frame = bytes | bytearray
+Frame = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class SendsNowait(Protocol):
+    """A stream that can write part or all of a buffer at once, without waiting."""
+
+    def send_nowait(self, data: Frame) -> int: ...
 
 STREAM_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 BATCH_BYTES = 256 * 1024
 # Frames this big are written alone: joining them would copy more than it saves.
 BIG_FRAME = 64 * 1024
+
+
+async def _no_checkpoint() -> None:
+    """Stands in for the check on loops that need none (mesh.native)."""
 
 
 class _Signal:
@@ -75,6 +91,9 @@ class Outbox:
         self._writer_running = False
         self._work = _Signal()
         self._drained = _Signal()
+        # The loop's own checkpoint, looked up on first use (anyio's looks it up every time).
+        self._checkpoint: Callable[[], Awaitable[None]] | None = None
+        self._send_nowait = stream.send_nowait if isinstance(stream, SendsNowait) else None
 
     @property
     def queued_bytes(self) -> int:
@@ -84,6 +103,31 @@ class Outbox:
         """Asserts the queue accounting (tests call it after each operation)."""
         assert self._queued == sum(len(frame) for frame in self._queue), "queued bytes drifted"
         assert self._queued >= 0
+
+    def put_nowait(self, frame: Frame) -> bool:
+        """Writes an urgent frame now, without waiting, when nothing is ahead of it.
+
+        False (nothing done) where that cannot be: call `put`. The part of the frame the
+        socket does not take at once is queued first in line for the writer task.
+        """
+        send = self._send_nowait
+        if send is None or not self._writer_running or self._writing or self._queue:
+            return False
+        if self.broken is not None:
+            raise self.broken
+        if len(frame) >= BIG_FRAME:
+            return False
+        try:
+            sent = send(frame)
+        except STREAM_ERRORS as exc:
+            self.broken = PeerGone(f"send to {self.peer} failed: {exc!r}")
+            raise self.broken from exc
+        if sent < len(frame):
+            rest = memoryview(frame)[sent:]
+            self._queue.append(rest)
+            self._queued += len(rest)
+            self._work.fire()
+        return True
 
     async def put(self, frame: Frame, *, urgent: bool, deadline: float = math.inf) -> None:
         """Writes or queues `frame` after every frame put before it; PeerGone once broken.
@@ -113,15 +157,28 @@ class Outbox:
         # No shield (a cancel scope costs as much as the write): a cancel that lands before
         # the write is harmless, and one that lands inside it (only when a write blocks)
         # may have cut the frame, so the connection is broken rather than desynchronised.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        if self._checkpoint is None:
+            self._checkpoint = checkpoint_if_cancelled() or _no_checkpoint
+        if self._checkpoint is not _no_checkpoint:
+            await self._checkpoint()
+        self._writing = True
         try:
-            await self._write([frame])
+            # Streams take any buffer (typed bytes); a frame is never reused once sent (G8).
+            await self._stream.send(frame)  # type: ignore[arg-type]
+        except STREAM_ERRORS as exc:
+            self.broken = PeerGone(f"send to {self.peer} failed: {exc!r}")
+            raise self.broken from exc
         except anyio.get_cancelled_exc_class():
             self.broken = PeerGone(f"send to {self.peer} was cancelled part-way")
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
             raise
-        self._work.fire()
+        finally:
+            self._writing = False
+            self._drained.fire()
+        if self._queue:
+            # Frames deferred while we wrote: the writer skipped them and waits to be told.
+            self._work.fire()
 
     async def run(self) -> None:
         """The writer task: flushes queued frames until the connection breaks or is closed."""

@@ -71,6 +71,11 @@ class Peers:
         except KeyError as exc:
             raise UnknownPeer(f"peer {peer!r} is not known to node {self.name!r}") from exc
 
+    def live(self, peer: str) -> ClientSession | None:
+        """The session to `peer` if one is open now (the common case, without an await)."""
+        session = self._sessions.get(peer)
+        return session if session is not None and session.alive else None
+
     async def session(
         self, peer: str, deadline: float, group: anyio.abc.TaskGroup
     ) -> ClientSession:

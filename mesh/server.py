@@ -1,203 +1,123 @@
-"""The serving side: typed handlers, and the sessions that feed them requests.
+"""The serving side: the sessions that read accepted connections and feed their handlers.
 
-A `ServerSession` reads one accepted connection. New requests (`Call`, `Cast`, `Open`, `Push`)
-go into the node's bounded mailbox, each with its own cancel scope (deadline from the caller's
-relative timeout); stream items go straight to that upload's own mailbox, so a handler that
-waits for items never waits behind the node mailbox. The node's worker tasks take requests
-from the mailbox and run them through `Handlers.run`: a handler that raises is logged with
-its context (peer, message type, correlation id) and the waiting peer gets a `Fail`; the
-service keeps serving everyone else. When a connection ends, its requests are cancelled and
-its uploads fail with `PeerGone`.
+A `ServerSession` reads one accepted connection. A new request reaches its handler by one of
+two paths, and either way at most `max_concurrency` handlers of the node run at once
+(mesh.slots):
+
+* eager: a unary `Call` or `Cast` is run by the reader task itself when nothing waits in the
+  node's mailbox and a handler slot is free. Most control handlers finish without
+  suspending, and then the reply is written by the task that read the request: no hand-off,
+  no task, no cancel scope (on the 2-vCPU host those were most of a small round trip's CPU;
+  benchmarks/bench_wire.py). If the handler does suspend, the reader task becomes the
+  request's own task (mesh.eager tells us at the first suspension): its cancel scope,
+  entered once per reader, takes the request's deadline and answers aborts, and a new
+  reader task takes over the connection. So a slow handler never holds back the requests
+  behind it, as before.
+* queued: streams, uploads, and unary requests that find the mailbox non-empty or every slot
+  busy go into the node's bounded mailbox, each with its own cancel scope (deadline from the
+  caller's relative timeout); the node's workers run them in order. A full mailbox makes the
+  reader wait, which pushes back on the peer.
+
+Stream items go straight to their upload's own mailbox, so a handler waiting for items never
+waits behind the node mailbox. When a connection ends, its calls and streams are cancelled
+and its uploads fail with `PeerGone`; casts, which nobody waits for, run to their end.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing, nullcontext
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
 from mesh.connection import Connection
-from mesh.errors import ConfigError, FrameDecodeError, FrameTooLarge, PeerGone, StreamAborted
+from mesh.errors import FrameDecodeError, FrameTooLarge, MeshError, PeerGone, StreamAborted
+from mesh.handlers import (
+    Context,
+    HandlerCounts,
+    Handlers,
+    Request,
+    StreamHandler,
+    UnaryHandler,
+    UploadHandler,
+)
 from mesh.mailbox import Mailbox
-from mesh.wire import Abort, Call, Cast, End, Envelope, Fail, Item, Open, Push, Reply
+from mesh.slots import Slots
+from mesh.wire import Abort, Call, Cast, End, Envelope, Item, Open, Push
 
 if TYPE_CHECKING:
     from mesh.node import Node
 
+__all__ = [
+    "Context",
+    "HandlerCounts",
+    "Handlers",
+    "Request",
+    "ServerSession",
+    "StreamHandler",
+    "UnaryHandler",
+    "UploadHandler",
+]
+
 log = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=msgspec.Struct)
+# Starts a task (a task group's `start_soon`).
+Spawn = Callable[[Callable[[], Coroutine[Any, Any, None]]], object]
 
 
-@dataclass(frozen=True, slots=True)
-class Context:
-    """What a handler knows about the request it serves."""
+class _Reader:
+    """One reader task's cancel scope, and the request it turned into the task of, if any."""
 
-    node: Node
-    peer: str
-    id: int
-    deadline: float
+    __slots__ = ("request", "scope")
 
-
-UnaryHandler = Callable[[M, Context], Awaitable[msgspec.Struct | None]]
-StreamHandler = Callable[[M, Context], AsyncGenerator[msgspec.Struct, None]]
-UploadHandler = Callable[[M, Mailbox[msgspec.Struct], Context], Awaitable[msgspec.Struct | None]]
-
-
-@dataclass(slots=True)
-class Request:
-    """One inbound request, from its arrival until its handler is done."""
-
-    session: ServerSession
-    envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]
-    # None for casts: nobody waits for them, so nothing needs to stop them early.
-    scope: anyio.CancelScope | None
-    uploads: Mailbox[msgspec.Struct] | None = None
-    aborted: bool = False
-
-    @property
-    def id(self) -> int:
-        return 0 if isinstance(self.envelope, Cast) else self.envelope.id
-
-    @property
-    def body(self) -> msgspec.Struct:
-        body: msgspec.Struct = self.envelope.body
-        return body
-
-
-@dataclass
-class HandlerCounts:
-    """Mutable counters behind NodeStatistics (owned by one node)."""
-
-    requests: int = 0
-    handler_errors: int = 0
-    deadlines: int = 0
-    connection_errors: int = 0
-    stray_frames: int = 0
-
-
-@dataclass
-class Handlers:
-    """The node's handler table: one handler per message type, of one of three kinds."""
-
-    messages: tuple[type[msgspec.Struct], ...]
-    unary: dict[type[Any], UnaryHandler[Any]] = field(default_factory=dict)
-    streams: dict[type[Any], StreamHandler[Any]] = field(default_factory=dict)
-    uploads: dict[type[Any], UploadHandler[Any]] = field(default_factory=dict)
-    counts: HandlerCounts = field(default_factory=HandlerCounts)
-
-    def add(self, table: dict[type[Any], Any], message: type[Any], handler: object) -> None:
-        if message not in self.messages:
-            raise ConfigError(f"message type {message.__name__} is not in the node's codec")
-        if any(message in t for t in (self.unary, self.streams, self.uploads)):
-            raise ConfigError(f"message type {message.__name__} already has a handler")
-        table[message] = handler
-
-    async def run(self, request: Request) -> None:
-        """Runs one request's handler and answers the peer; never raises for handler bugs."""
-        self.counts.requests += 1
-        try:
-            with request.scope or nullcontext():
-                await self._dispatch(request)
-        except StreamAborted as exc:
-            await _answer(request, Abort(request.id, str(exc)))
-        except Exception as exc:
-            if isinstance(exc, PeerGone) and request.session.conn.closed:
-                log.info("client %s left during request %d", request.session.peer, request.id)
-                return
-            self.counts.handler_errors += 1
-            log.exception(
-                "handler for %s from %s (id %d) failed",
-                type(request.body).__name__, request.session.peer, request.id,
-            )
-            await _answer(request, Fail(request.id, type(exc).__name__, str(exc)))
-        else:
-            scope = request.scope
-            if scope is not None and scope.cancelled_caught and not request.aborted:
-                self.counts.deadlines += 1
-                detail = f"{type(request.body).__name__} handler passed its deadline"
-                await _answer(request, Fail(request.id, "DeadlineExceeded", detail))
-        finally:
-            request.session.finish(request)
-
-    async def _dispatch(self, request: Request) -> None:
-        envelope, kind = request.envelope, type(request.body)
-        session = request.session
-        deadline = math.inf if request.scope is None else request.scope.deadline
-        ctx = Context(session.node, session.peer, request.id, deadline)
-        if isinstance(envelope, Call | Cast) and kind in self.unary:
-            result = await self.unary[kind](request.body, ctx)
-            if isinstance(envelope, Call):
-                await _answer(request, Reply(request.id, result))
-        elif isinstance(envelope, Open) and kind in self.streams:
-            async with aclosing(self.streams[kind](request.body, ctx)) as items:
-                async for item in items:
-                    await request.session.conn.send(Item(request.id, item), urgent=False)
-            await _answer(request, End(request.id))
-        elif isinstance(envelope, Push) and kind in self.uploads:
-            assert request.uploads is not None
-            result = await self.uploads[kind](request.body, request.uploads, ctx)
-            await _answer(request, Reply(request.id, result))
-        else:
-            want = type(envelope).__name__
-            raise LookupError(f"no {want} handler for message type {kind.__name__}")
-
-
-async def _answer(request: Request, envelope: Envelope) -> None:
-    """Sends an answer unless the peer has gone or abandoned the request."""
-    if isinstance(request.envelope, Cast) or request.aborted or request.session.conn.closed:
-        if isinstance(envelope, Fail):
-            log.warning("unanswered failure for %s: %s", request.session.peer, envelope)
-        return
-    try:
-        await request.session.conn.send(envelope)
-    except PeerGone as exc:
-        log.info("answer to %s (id %d) lost: %s", request.session.peer, request.id, exc)
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        self.scope = scope
+        self.request: Request | None = None
 
 
 class ServerSession:
-    """One accepted connection: routes its frames into the node's mailbox and uploads."""
+    """One accepted connection: runs or queues its requests, and feeds its uploads."""
 
     def __init__(
-        self, node: Node, conn: Connection, mailbox: Mailbox[Request], counts: HandlerCounts
+        self,
+        node: Node,
+        conn: Connection,
+        mailbox: Mailbox[Request],
+        handlers: Handlers,
+        slots: Slots,
+        spawn: Spawn,
     ) -> None:
         self.node = node
         self.conn = conn
+        self.peer = conn.peer
         self._mailbox = mailbox
-        self._counts = counts
+        self._handlers = handlers
+        self._counts = handlers.counts
+        self._slots = slots
+        # Starts reader tasks in the node's group: a reader may turn into a cast's handler,
+        # which should run to its end even after this session is over.
+        self._spawn = spawn
+        self._upload_buffer = 1
+        self._ended = anyio.Event()
         self._active: dict[int, Request] = {}
 
-    @property
-    def peer(self) -> str:
-        return self.conn.peer
-
     async def run(self, upload_buffer: int) -> None:
-        """Reads until the peer leaves or sends garbage; a bad frame ends this session only."""
+        """Serves until the peer leaves or sends garbage; a bad frame ends this session only."""
+        self._upload_buffer = upload_buffer
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(self.conn.run_writer)
-                await self._read(upload_buffer)
+                self._spawn(self._read)
+                await self._ended.wait()
                 group.cancel_scope.cancel()
         finally:
+            self._ended.set()
             self._fail_all(PeerGone(f"client {self.peer} disconnected"))
             with anyio.CancelScope(shield=True):
                 await self.conn.aclose()
-
-    async def _read(self, upload_buffer: int) -> None:
-        try:
-            while True:
-                await self._route(await self.conn.receive(), upload_buffer)
-        except PeerGone as exc:
-            log.info("client %s left: %s", self.peer, exc)
-        except (FrameDecodeError, FrameTooLarge) as exc:
-            self._counts.connection_errors += 1
-            log.warning("dropping client %s after a bad frame: %s", self.peer, exc)
 
     def check_integrity(self) -> None:
         for id, request in self._active.items():
@@ -210,29 +130,86 @@ class ServerSession:
         if request.uploads is not None:
             request.uploads.close()
 
-    async def _route(self, envelope: Envelope, upload_buffer: int) -> None:
+    async def _read(self) -> None:
+        """A reader task: routes frames until the connection ends or it becomes a handler's."""
+        with anyio.CancelScope() as scope:
+            reader = _Reader(scope)
+            await self._route_all(reader)
+        if reader.request is not None and scope.cancelled_caught:
+            await self._handlers.expired(reader.request)
+
+    async def _route_all(self, reader: _Reader) -> None:
+        try:
+            while True:
+                envelope = await self.conn.receive()
+                if isinstance(envelope, Call | Cast) and self._eager(envelope):
+                    if await self._run_eagerly(envelope, reader):
+                        return
+                else:
+                    await self._route(envelope)
+        except PeerGone as exc:
+            log.info("client %s left: %s", self.peer, exc)
+        except (FrameDecodeError, FrameTooLarge) as exc:
+            self._counts.connection_errors += 1
+            log.warning("dropping client %s after a bad frame: %s", self.peer, exc)
+        self._ended.set()
+
+    def _eager(self, envelope: Call[Any] | Cast[Any]) -> bool:
+        """Whether to run this request here: a unary handler, nothing queued, a free slot."""
+        return (
+            type(envelope.body) in self._handlers.unary
+            and self._mailbox.empty
+            and self._slots.try_take()
+        )
+
+    async def _run_eagerly(self, envelope: Call[Any] | Cast[Any], reader: _Reader) -> bool:
+        """Runs the handler in this task; True if it suspended (then this task is its own)."""
+        try:
+            if isinstance(envelope, Call):
+                self._check_new_id(envelope.id)
+            request = Request(self, envelope, self._deadline(envelope))
+            await self._handlers.run_eagerly(request, partial(self._hand_off, request, reader))
+        finally:
+            self._slots.give()
+        return reader.request is not None
+
+    def _hand_off(self, request: Request, reader: _Reader) -> None:
+        """The handler suspended: this task becomes its own; a new one reads the connection."""
+        self._counts.handed_off += 1
+        reader.request = request
+        if isinstance(request.envelope, Call):
+            reader.scope.deadline = request.deadline
+            request.scope = reader.scope
+            self._active[request.envelope.id] = request
+        self._spawn(self._read)
+
+    async def _route(self, envelope: Envelope) -> None:
         if isinstance(envelope, Call | Cast | Open | Push):
-            await self._admit(envelope, upload_buffer)
+            await self._admit(envelope)
         elif isinstance(envelope, Item | End | Abort):
             await self._deliver(envelope)
         else:
             raise FrameDecodeError(f"{self.peer} sent {type(envelope).__name__} to a server")
 
-    async def _admit(
-        self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any], buffer: int
-    ) -> None:
+    async def _admit(self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]) -> None:
         if isinstance(envelope, Cast):
-            await self._mailbox.put(Request(self, envelope, None))
+            await self._mailbox.put(Request(self, envelope, math.inf))
             return
-        if envelope.id in self._active:
-            raise FrameDecodeError(f"{self.peer} reused active request id {envelope.id}")
-        timeout = envelope.timeout
-        deadline = math.inf if timeout is None else anyio.current_time() + timeout
-        request = Request(self, envelope, anyio.CancelScope(deadline=deadline))
+        self._check_new_id(envelope.id)
+        request = Request(self, envelope, self._deadline(envelope))
+        request.scope = anyio.CancelScope(deadline=request.deadline)
         if isinstance(envelope, Push):
-            request.uploads = Mailbox(buffer)
+            request.uploads = Mailbox(self._upload_buffer)
         self._active[envelope.id] = request
         await self._mailbox.put(request)
+
+    def _check_new_id(self, id: int) -> None:
+        if id in self._active:
+            raise FrameDecodeError(f"{self.peer} reused active request id {id}")
+
+    def _deadline(self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]) -> float:
+        timeout = None if isinstance(envelope, Cast) else envelope.timeout
+        return math.inf if timeout is None else self.node.now() + timeout
 
     async def _deliver(self, envelope: Item[Any] | End | Abort) -> None:
         request = self._active.get(envelope.id)
@@ -254,7 +231,7 @@ class ServerSession:
         elif not await request.uploads.put(envelope.body):
             self._counts.stray_frames += 1
 
-    def _fail_all(self, reason: PeerGone) -> None:
+    def _fail_all(self, reason: MeshError) -> None:
         for request in self._active.values():
             request.aborted = True
             if request.scope is not None:

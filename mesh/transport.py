@@ -6,7 +6,8 @@ real loopback/LAN TCP (`TcpTransport`, anyio sockets) or entirely inside one eve
 one is what tests and the virtual-time simulation use: it does no real I/O, so trio's
 MockClock can jump freely (stack.md G1).
 
-Both give anyio `ByteStream`s; framing lives above, in `mesh.connection`.
+Both give anyio `ByteStream`s; framing lives above, in `mesh.connection`. The TCP streams are
+mesh.tcp's, which skip the scheduler passes anyio's own socket streams spend per operation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
+from mesh import tcp
 from mesh.errors import ConfigError
 from mesh.mailbox import Mailbox
 
@@ -59,17 +61,15 @@ class Transport(Protocol):
 
 @dataclass(frozen=True)
 class TcpTransport:
-    """Real TCP through anyio; Nagle off (anyio's default) for request/reply latency."""
+    """Real TCP (mesh.tcp streams, on trio or asyncio); Nagle off for request/reply latency."""
 
     async def connect(self, address: Address) -> anyio.abc.ByteStream:
-        return await anyio.connect_tcp(address.host, address.port)
+        return await tcp.connect(address.host, address.port)
 
     async def listen(self, address: Address) -> BoundListener:
-        listener = await anyio.create_tcp_listener(
-            local_host=address.host, local_port=address.port, reuse_port=False
-        )
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        return BoundListener(listener, Address(address.host, port))
+        await anyio.lowlevel.checkpoint()
+        listener = tcp.TcpListener.bind(address.host, address.port)
+        return BoundListener(listener, Address(address.host, listener.port))
 
 
 class MemoryByteStream(anyio.abc.ByteStream):

@@ -183,7 +183,8 @@ class Codec:
         """The envelope in one frame body (without its length prefix)."""
         try:
             envelope: Envelope = self._decoder.decode(body)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # msgspec lets a tag string that is not UTF-8 through as UnicodeDecodeError.
             raise FrameDecodeError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
         return envelope
 
@@ -215,6 +216,11 @@ class FrameParser:
 
     def feed(self, data: bytes | bytearray) -> list[Envelope]:
         """Consumes `data`, which must not change afterwards (pieces of it are held)."""
+        if not self._missing and not self._header and len(data) > HEADER_SIZE:
+            # The common case of request/reply: the chunk is exactly one whole frame.
+            size = int.from_bytes(data[:HEADER_SIZE], "big")
+            if size == len(data) - HEADER_SIZE and size <= self._codec.max_frame:
+                return [self._codec.decode(memoryview(data)[HEADER_SIZE:])]
         view = memoryview(data)
         out: list[Envelope] = []
         pos = 0

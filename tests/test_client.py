@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -16,7 +17,7 @@ from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
 from mesh.mailbox import Mailbox
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
-from mesh.transport import Address, MemoryHub, MemoryTransport
+from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from mesh.wire import Codec
 
 
@@ -261,3 +262,53 @@ async def test_peer_dying_during_a_call_is_peer_gone(
         with pytest.raises(PeerGone):
             await cli.call("srv", Nap(1000), timeout=100)
         assert trio.current_time() == pytest.approx(1)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("trio", {}), id="trio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    backend: tuple[str, dict[str, Any]] = request.param
+    return backend
+
+
+def tcp_server(address: Address) -> Node:
+    node = Node("srv", CODEC, TcpTransport(), {"srv": address})
+
+    @node.handles(Nap)
+    async def on_nap(msg: Nap, ctx: Context) -> Count:
+        await anyio.sleep(msg.seconds)
+        return Count(int(msg.seconds * 1000))
+
+    @node.serves_stream(Count)
+    async def count_to(msg: Count, ctx: Context) -> AsyncGenerator[Count, None]:
+        for n in range(msg.n):
+            yield Count(n)
+
+    return node
+
+
+@pytest.mark.anyio
+async def test_calls_beside_and_after_a_download_over_tcp() -> None:
+    # On asyncio, answers skip the reader task only while no stream is open: this crosses
+    # that line both ways with calls in flight.
+    srv = tcp_server(Address("127.0.0.1", 0))
+    async with srv:
+        address = await srv.listen(Address("127.0.0.1", 0))
+        async with Node("cli", CODEC, TcpTransport(), {"srv": address}) as cli:
+            assert await cli.call("srv", Nap(0), timeout=10) == Count(0)
+            # Fewer items than the stream buffer: unread ones must not hold up the answers.
+            async with cli.open_stream("srv", Count(40), timeout=10) as items:
+                got = [await items.__anext__()]
+                async with anyio.create_task_group() as group:
+                    for ms in (0, 1, 2):
+                        group.start_soon(cli.call, "srv", Nap(ms / 1000), None)
+                got += [item async for item in items]
+            replies = [await cli.call("srv", Nap(0), timeout=10) for _ in range(20)]
+            cli.check_integrity()
+            assert cli.statistics().waiting_calls == 0
+    assert got == [Count(n) for n in range(40)]
+    assert replies == [Count(0)] * 20

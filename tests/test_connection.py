@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
+import anyio.abc
 import msgspec
 import pytest
 import trio
 
 from mesh.connection import Connection, client_handshake, server_handshake
-from mesh.errors import HandshakeError, PeerGone
-from mesh.transport import memory_pipe
-from mesh.wire import Call, Codec, Fail, Hello, Reply
+from mesh.errors import FrameDecodeError, HandshakeError, PeerGone
+from mesh.transport import Address, TcpTransport, memory_pipe
+from mesh.wire import Call, Codec, Envelope, Fail, Hello, Reply
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
@@ -84,3 +88,59 @@ async def test_receive_after_peer_closed_is_peer_gone() -> None:
     with pytest.raises(PeerGone, match="send to"):
         await client.send(Reply(1, None))
     assert client.closed
+
+
+def test_memory_streams_have_no_direct_delivery() -> None:
+    client, _ = connected()
+    assert not client.deliver_directly(lambda envelope: None)
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    # Direct delivery is asyncio's (mesh.tcp); uvloop is the live default.
+    return ("asyncio", {"use_uvloop": True})
+
+
+async def tcp_connections() -> tuple[Connection, Connection]:
+    bound = await TcpTransport().listen(Address("127.0.0.1", 0))
+    accepted: list[anyio.abc.ByteStream] = []
+
+    async def keep(stream: anyio.abc.ByteStream) -> None:
+        accepted.append(stream)
+
+    async with bound.listener, anyio.create_task_group() as group:
+        group.start_soon(bound.listener.serve, keep)
+        client = await TcpTransport().connect(bound.address)
+        with anyio.fail_after(5):
+            while not accepted:
+                await anyio.sleep(0)
+        group.cancel_scope.cancel()
+    return Connection(client, CODEC), Connection(accepted[0], CODEC)
+
+
+@pytest.mark.anyio
+async def test_direct_delivery_skips_receive_and_reports_errors_through_it() -> None:
+    client, server = await tcp_connections()
+    got: list[Envelope] = []
+
+    def route(envelope: Envelope) -> None:
+        if isinstance(envelope, Reply) and envelope.id == 0:
+            raise FrameDecodeError("reply 0 is not allowed here")
+        got.append(envelope)
+
+    assert server.deliver_directly(route)
+    await client.send(Reply(1, Ping(1)))
+    await client.send(Reply(2, Ping(2)))
+    with anyio.fail_after(5):
+        while len(got) < 2:
+            await anyio.sleep(0)
+    assert got == [Reply(1, Ping(1)), Reply(2, Ping(2))]
+    assert server.statistics().frames_in == 2
+    # A frame the route refuses ends direct delivery: the next receive raises its error.
+    await client.send(Reply(0, None))
+    with anyio.fail_after(5), pytest.raises(FrameDecodeError, match="reply 0"):
+        await server.receive()
+    # Off again: frames come through receive.
+    server.deliver_directly(None)
+    await client.aclose()
+    await server.aclose()

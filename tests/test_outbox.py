@@ -156,3 +156,56 @@ async def test_cancel_before_a_write_leaves_the_connection_whole() -> None:
     assert outbox.broken is None and stream.writes == []
     await outbox.put(b"next", urgent=True)
     assert stream.writes == [b"next"]
+
+
+class NowaitStream(RecordingStream):
+    """Takes at most `room` bytes per immediate write, like a socket with a small buffer."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.nowait: list[bytes] = []
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        if self.fail:
+            raise anyio.BrokenResourceError
+        taken = bytes(data[: self.room])
+        self.nowait.append(taken)
+        self.writes.append(taken)
+        return len(taken)
+
+
+@pytest.mark.trio
+async def test_put_nowait_writes_at_once_and_the_rest_waits_first_in_line() -> None:
+    stream = NowaitStream(room=4)
+    outbox = Outbox(stream, "peer", limit=1000)
+    # No writer task yet: nobody would finish a partial write, so the caller must `put`.
+    assert not outbox.put_nowait(b"early")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outbox.put_nowait(b"abcdefghij")
+        assert stream.nowait == [b"abcd"]
+        outbox.check_integrity()
+        assert outbox.queued_bytes == 6
+        # Something is queued now: later frames queue behind it, in order.
+        assert not outbox.put_nowait(b"next")
+        await outbox.put(b"next", urgent=True)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"abcdefghijnext"
+    assert outbox.queued_bytes == 0
+
+
+@pytest.mark.trio
+async def test_put_nowait_on_a_broken_stream_breaks_the_outbox() -> None:
+    stream = NowaitStream(room=100)
+    stream.fail = True
+    outbox = Outbox(stream, "peer", limit=1000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(PeerGone, match="send to peer failed"):
+            outbox.put_nowait(b"lost")
+        nursery.cancel_scope.cancel()
+    assert outbox.broken is not None

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mesh.connection import Connection, client_handshake
 from mesh.errors import FrameDecodeError, RemoteError
-from mesh.node import Node
+from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
 from mesh.wire import HEADER_SIZE, Codec
@@ -201,3 +201,124 @@ def _decodes(body: bytes) -> bool:
     except FrameDecodeError:
         return False
     return True
+
+
+class Slow(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+class Note(msgspec.Struct, frozen=True, tag=True):
+    text: str
+
+
+EAGER_CODEC = Codec([Ping, Pong, Slow, Note])
+
+
+def eager_service(
+    transport: Transport, log: list[str], release: trio.Event, config: NodeConfig | None = None
+) -> Node:
+    """`Ping` answers at once; `Slow` and `Note` suspend until `release` (or a 1 s nap)."""
+    node = Node("svc", EAGER_CODEC, transport, {"svc": Address("svc", 1)}, config)
+    running = [0]
+
+    @node.handles(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> Pong:
+        return Pong(msg.n)
+
+    @node.handles(Slow)
+    async def on_slow(msg: Slow, ctx: Context) -> Pong:
+        running[0] += 1
+        log.append(f"start {msg.n} ({running[0]} running)")
+        try:
+            if msg.n < 0:
+                await release.wait()
+            else:
+                await trio.sleep(1)
+        except trio.Cancelled:
+            log.append(f"cancelled {msg.n}")
+            raise
+        finally:
+            running[0] -= 1
+        log.append(f"end {msg.n}")
+        return Pong(msg.n)
+
+    @node.handles(Note)
+    async def on_note(msg: Note, ctx: Context) -> None:
+        await release.wait()
+        log.append(f"note {msg.text} done")
+
+    return node
+
+
+@pytest.mark.trio
+async def test_a_suspended_handler_gets_its_own_task_and_blocks_nothing(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    transport = MemoryTransport(memory_hub)
+    log: list[str] = []
+    release = trio.Event()
+    svc = eager_service(transport, log, release)
+    peers = {"svc": Address("svc", 1)}
+    async with svc, Node("cli", EAGER_CODEC, transport, peers) as cli:
+        await svc.listen()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cli.call, "svc", Slow(-1))
+            await trio.testing.wait_all_tasks_blocked()
+            # The slow call holds a task of its own; the connection reads on.
+            assert await cli.call("svc", Ping(5)) == Pong(5)
+            stats = svc.statistics()
+            assert (stats.requests_eager, stats.requests_handed_off) == (2, 1)
+            assert (stats.handlers.busy, stats.mailbox.put) == (1, 0)
+            svc.check_integrity()
+            release.set()
+        assert log == ["start -1 (1 running)", "end -1"]
+        assert svc.statistics().handlers.busy == 0
+
+
+@pytest.mark.trio
+async def test_a_client_leaving_cancels_its_calls_but_not_its_casts(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    transport = MemoryTransport(memory_hub)
+    log: list[str] = []
+    release = trio.Event()
+    svc = eager_service(transport, log, release)
+    async with svc:
+        await svc.listen()
+        async with Node("cli", EAGER_CODEC, transport, {"svc": Address("svc", 1)}) as cli:
+            await cli.cast("svc", Note("kept"))
+            with trio.move_on_after(0.5):
+                await cli.call("svc", Slow(-2))
+        # The client is gone: its call's handler was cancelled, its cast's runs on.
+        await trio.testing.wait_all_tasks_blocked()
+        assert log == ["start -2 (1 running)", "cancelled -2"]
+        release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert log[-1] == "note kept done"
+        svc.check_integrity()
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+@pytest.mark.trio
+async def test_max_concurrency_bounds_eager_and_queued_handlers_together(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, limit: int
+) -> None:
+    transport = MemoryTransport(memory_hub)
+    log: list[str] = []
+    svc = eager_service(transport, log, trio.Event(), NodeConfig(max_concurrency=limit))
+    peers = {"svc": Address("svc", 1)}
+    async with svc, Node("a", EAGER_CODEC, transport, peers) as a:
+        await svc.listen()
+        async with Node("b", EAGER_CODEC, transport, peers) as b, trio.open_nursery() as nursery:
+            for n in range(6):
+                nursery.start_soon((a if n % 2 else b).call, "svc", Slow(n))
+        svc.check_integrity()
+        stats = svc.statistics()
+    starts = [line for line in log if line.startswith("start")]
+    assert len(starts) == 6
+    assert max(int(line.split("(")[1][0]) for line in starts) == limit
+    assert stats.handlers.high_water == limit
+    if limit == 1:
+        # One at a time: every start is followed by its own end.
+        order = [line.split()[1] for line in starts]
+        assert log == [line for n in order for line in (f"start {n} (1 running)", f"end {n}")]

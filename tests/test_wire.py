@@ -176,6 +176,25 @@ def test_undecodable_frame_raises_frame_decode_error() -> None:
         parser.feed(len(body).to_bytes(HEADER_SIZE, "big") + body)
 
 
+
+def test_a_tag_that_is_not_utf8_is_a_decode_error() -> None:
+    # msgspec reports this one as UnicodeDecodeError; the codec makes it a FrameDecodeError.
+    body = b"\x91\xa5\x00\x00\x00\x00\x80"
+    with pytest.raises(FrameDecodeError, match="undecodable frame"):
+        codec().parser().feed(len(body).to_bytes(HEADER_SIZE, "big") + body)
+
+
+def test_chunks_of_exactly_one_frame_take_the_fast_path_and_match_the_reference() -> None:
+    c = codec(max_frame=2000)
+    parser = c.parser()
+    for envelope in ENVELOPES:
+        frame = bytes(c.encode(envelope))
+        assert parser.feed(frame) == parse_frames_reference(c, frame)[0] == [envelope]
+    too_big = (3000).to_bytes(HEADER_SIZE, "big") + b"\x00" * 3000
+    with pytest.raises(FrameTooLarge):
+        parser.feed(too_big)
+
+
 @st.composite
 def stream_and_cuts(draw: st.DrawFn) -> tuple[list[Envelope], bytes, list[int]]:
     envelopes = draw(st.lists(st.sampled_from(ENVELOPES), max_size=12))

@@ -1,0 +1,172 @@
+"""mesh.tcp: the fast TCP streams keep anyio's stream semantics on trio and on asyncio."""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+import trio
+
+from mesh import tcp
+from mesh.tcp import FAIR_READS, READ_BUFFER, TrioSocketStream
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("trio", {}), id="trio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param(("asyncio", {}), id="asyncio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    backend: tuple[str, dict[str, Any]] = request.param
+    return backend
+
+
+def tcp_socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected loopback TCP sockets (blocking, as the tests hand them over)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname())
+        right, _ = listener.accept()
+    return left, right
+
+
+async def connected_pair() -> tuple[anyio.abc.ByteStream, anyio.abc.ByteStream]:
+    left, right = tcp_socket_pair()
+    return await tcp.wrap_socket(left), await tcp.wrap_socket(right)
+
+
+async def read_exactly(stream: anyio.abc.ByteStream, size: int) -> bytes:
+    got = bytearray()
+    while len(got) < size:
+        got += await stream.receive(1 << 20)
+    return bytes(got)
+
+
+@pytest.mark.anyio
+async def test_bulk_bytes_arrive_whole_and_in_order() -> None:
+    rng = random.Random(7)
+    payload = rng.randbytes(6 * 1024 * 1024 + 13)
+    left, right = await connected_pair()
+    async with left, right, anyio.create_task_group() as group:
+
+        async def write() -> None:
+            pos = 0
+            while pos < len(payload):
+                size = rng.choice([1, 100, 70_000, 1 << 20])
+                await left.send(payload[pos : pos + size])
+                pos += size
+
+        group.start_soon(write)
+        assert await read_exactly(right, len(payload)) == payload
+
+
+@pytest.mark.anyio
+async def test_end_of_stream_after_the_data_and_the_other_half_still_works() -> None:
+    left, right = await connected_pair()
+    async with left, right:
+        await left.send(b"last words")
+        await left.send_eof()
+        assert await read_exactly(right, 10) == b"last words"
+        with pytest.raises(anyio.EndOfStream):
+            await right.receive()
+        await right.send(b"reply")
+        assert await left.receive() == b"reply"
+
+
+@pytest.mark.anyio
+async def test_closing_wakes_a_waiting_reader_and_later_calls_fail() -> None:
+    left, right = await connected_pair()
+    failures: list[type[BaseException]] = []
+
+    async def reader() -> None:
+        try:
+            await right.receive()
+        except (anyio.ClosedResourceError, anyio.EndOfStream) as exc:
+            failures.append(type(exc))
+
+    async with left, anyio.create_task_group() as group:
+        group.start_soon(reader)
+        await anyio.wait_all_tasks_blocked()
+        await right.aclose()
+    assert failures in ([anyio.ClosedResourceError], [anyio.EndOfStream])
+    with pytest.raises(anyio.ClosedResourceError):
+        await right.send(b"x")
+    with pytest.raises(anyio.ClosedResourceError):
+        await right.receive()
+
+
+@pytest.mark.anyio
+async def test_a_reset_by_the_peer_breaks_the_stream() -> None:
+    left, right = tcp_socket_pair()
+    right_stream = await tcp.wrap_socket(right)
+    # An abortive close: the peer's kernel answers further traffic with a reset.
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    left.close()
+    with pytest.raises((anyio.BrokenResourceError, anyio.EndOfStream)):
+        await right_stream.receive()
+    with pytest.raises(anyio.BrokenResourceError):
+        for _ in range(100):
+            await right_stream.send(b"x" * 65536)
+    await right_stream.aclose()
+
+
+@pytest.mark.trio
+async def test_a_reader_that_never_waits_still_lets_other_tasks_run() -> None:
+    left, right = tcp_socket_pair()
+    left.sendall(b"y" * (FAIR_READS * 4 * 100))
+    stream = TrioSocketStream(right)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        # Every read finds 100 bytes at once, filling its request: no wait, no yield...
+        for _ in range(FAIR_READS * 4):
+            assert len(await stream.receive(100)) == 100
+        # ...except every FAIR_READS-th one.
+        assert ticks >= 3
+        nursery.cancel_scope.cancel()
+    await stream.aclose()
+    left.close()
+
+
+class FakeTransport:
+    """Records pause/resume calls of the protocol under test."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        self.calls.append(f"limits {high}")
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+
+
+@pytest.mark.anyio
+async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
+    protocol = tcp._StreamProtocol()
+    transport = FakeTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    chunk = b"z" * (READ_BUFFER // 4)
+    for _ in range(5):
+        protocol.data_received(chunk)
+    assert transport.calls == [f"limits {tcp.WRITE_BUFFER}", "pause"]
+    stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
+    for _ in range(3):
+        assert await stream.receive(len(chunk)) == chunk
+    # Below half the buffer again: the transport reads on.
+    assert transport.calls[-1] == "resume"
