@@ -45,10 +45,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
-# The mesh's children run on asyncio: on uvloop the mesh's TCP transport currently fails
-# (mesh/tcp.py asserts an asyncio.Transport, which uvloop's is not). PRFAAS_UI_BACKEND=uvloop
-# tries it again.
-MESH_BACKEND = os.environ.get("PRFAAS_UI_BACKEND", "asyncio")
+# The mesh's children run on the live default backend; PRFAAS_UI_BACKEND picks another.
+MESH_BACKEND = os.environ.get("PRFAAS_UI_BACKEND", "uvloop")
 
 
 @dataclass
