@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (stack.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir train browser clean
+.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-policies train browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench-link: $(STAMP)
 
 bench-cachedir: $(STAMP)
 	$(PY) benchmarks/bench_cachedir.py
+
+# Not part of `bench`: it runs the whole mesh three times (about 10 minutes).
+bench-policies: $(STAMP)
+	$(PY) benchmarks/compare_policies.py
 
 train: $(STAMP)
 	$(VENV)/bin/prfaas train

@@ -1,0 +1,421 @@
+"""Routing policies compared end to end: homogeneous, naive-hetero and prfaas-dynamic.
+
+For each policy a fresh default mesh (services/topology.toml) runs as `prfaas serve`
+processes on free ports, workers in emulated mode as in the Procfile, the router's `policy`
+set and its `scale` equal to the bench's (so t is the paper's threshold in served tokens);
+a fresh mesh per policy, so every run starts with empty caches. `prfaas bench` sends the same
+seeded log-normal workload to each. Beside the bench's numbers: the router's GET /admin/state
+once a second (t, each worker's queue) and each worker's /metrics at the end (prefills, KV
+bytes sent, decode steps), which say where the bottleneck is. docs/policies.md reads them.
+
+    .venv/bin/python benchmarks/compare_policies.py [--quick] [--policies a,b] [--log-dir DIR]
+
+It prints one comparison table (ratios against homogeneous, the baseline run first) and ends
+with one JSON line {"bench": "policies", "homogeneous": ..., "naive_hetero": ...,
+"prfaas_dynamic": ...}. Logs of every service are kept under the log directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from mesh.errors import MeshError
+from services.bench.cli import bench_main, parse_goodput
+from services.bench.report import BenchReport
+from services.bench.stats import RequestResult, SLOs, meets_slos
+from services.launch import launch
+from services.messages import DataPathError
+from services.serve import default_topology
+
+POLICIES = ("homogeneous", "naive-hetero", "prfaas-dynamic")
+BASELINE = "homogeneous"
+# The paper's decode SLO (section 4.1): 40 tokens/s, i.e. TPOT <= 25 ms.
+PAPER_SLO = SLOs(tpot_ms=25.0)
+WORKER_KINDS = ("prefill", "decode")
+PORT_SCAN_START = 21000  # below Linux's ephemeral range (32768+), so clients never take them
+
+
+def bench_args(args: argparse.Namespace) -> list[str]:
+    """The `prfaas bench` options every policy runs with (exactly `max_tokens` out)."""
+    return ["--workload", "lognormal", "--num-requests", str(args.num_requests),
+            "--request-rate", str(args.request_rate), "--seed", str(args.seed),
+            "--scale", args.scale, "--output-len", str(args.output_len),
+            "--max-context", str(args.max_context), "--timeout", str(args.timeout),
+            "--ignore-eos", "--no-progress"]
+
+
+@dataclass(frozen=True)
+class MeshPorts:
+    http: int
+    link_control: int
+    metrics: dict[str, int]  # worker name -> its /metrics port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_block(count: int, start: int = PORT_SCAN_START) -> int:
+    """The first port p >= start with p .. p + count - 1 all free on 127.0.0.1."""
+    port = start
+    while port + count < 32768:
+        taken = next((p for p in range(port, port + count) if not _bindable(p)), None)
+        if taken is None:
+            return port
+        port = taken + 1
+    raise RuntimeError(f"no {count} consecutive free ports from {start}")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # a topology's numbers are finite (mesh.topology validates them)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"topology value {value!r} has no TOML form here")
+
+
+def to_toml(data: dict[str, list[dict[str, Any]]]) -> str:
+    """A topology's builtins (arrays of tables with scalar and inline-table values) as TOML."""
+    lines: list[str] = []
+    for table, entries in data.items():
+        for entry in entries:
+            lines.append(f"[[{table}]]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in entry.items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def mesh_topology(policy: str, scale: float) -> tuple[str, MeshPorts]:
+    """The default topology on a block of free ports, the router set to `policy`, `scale`."""
+    data: dict[str, Any] = msgspec.to_builtins(default_topology())
+    services = data["services"]
+    wanted = [(s, key) for s in services for key in sorted(s["options"]) if key.endswith("_port")]
+    pd_workers = sum(1 for s in services if s["kind"] in WORKER_KINDS and s["cluster"] == "pd")
+    port = free_block(len(services) + len(wanted) + pd_workers)
+    for service in services:
+        service["port"], port = port, port + 1
+    for service, key in wanted:
+        service["options"][key] = port
+        port += pd_workers if key == "proxy_base_port" else 1
+    router = next(s for s in services if s["kind"] == "router")
+    router["options"].update(policy=policy, scale=scale)
+    link = next(s for s in services if s["kind"] == "link")
+    metrics = {s["name"]: s["options"]["metrics_port"] for s in services
+               if s["kind"] in WORKER_KINDS and "metrics_port" in s["options"]}
+    ports = MeshPorts(router["options"]["http_port"], link["options"]["control_port"], metrics)
+    return to_toml(data), ports
+
+
+class StatePoller:
+    """Samples the router's GET /admin/state once a second in a thread, while running."""
+
+    def __init__(self, url: str, interval_s: float = 1.0) -> None:
+        self.url, self.interval_s = url, interval_s
+        self.samples: list[dict[str, Any]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self.samples.append(client.get(self.url).raise_for_status().json())
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[StatePoller]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        """t first/last/min/max (tokens) and per worker the mean and max queue and running."""
+        ts = [s["threshold"] for s in self.samples if isinstance(s.get("threshold"), int | float)]
+        workers: dict[str, dict[str, list[int]]] = {}
+        for sample in self.samples:
+            for w in sample.get("workers", []):
+                entry = workers.setdefault(w["name"], {"queue": [], "running": []})
+                entry["queue"].append(w["queue"])
+                entry["running"].append(w["running"])
+        queues = {name: {"queue_mean": _mean(v["queue"]), "queue_max": max(v["queue"]),
+                         "running_mean": _mean(v["running"])} for name, v in workers.items()}
+        t = (ts[0], ts[-1], min(ts), max(ts)) if ts else (None,) * 4
+        return {**dict(zip(("t_first", "t_last", "t_min", "t_max"), t, strict=True)),
+                "state_samples": len(self.samples), "state_errors": self.errors,
+                "workers": queues}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Every sample of a worker's /metrics, summed over labels per metric name."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).raise_for_status().text
+    values: dict[str, float] = {}
+    for line in (x for x in text.splitlines() if x and not x.startswith("#")):
+        name, _, number = line.rpartition(" ")
+        key = name.split("{", 1)[0]
+        values[key] = values.get(key, 0.0) + float(number)
+    return values
+
+
+COUNTERS = ("prefill_jobs", "prefill_computed_tokens", "prefill_reused_tokens",
+            "prefill_kv_bytes_sent", "decode_steps", "decode_tokens")
+
+
+def worker_counters(ports: MeshPorts) -> dict[str, dict[str, float]]:
+    """Per worker: prefill jobs, computed and reused tokens, KV bytes sent; decode steps."""
+    scraped = {name: scrape_metrics(port) for name, port in ports.metrics.items()}
+    return {name: {c: m.get(f"prfaas_{c}_total", 0.0) for c in COUNTERS}
+            for name, m in scraped.items()}
+
+
+def _dist(dist: Any, *keys: str) -> dict[str, float | None]:
+    return {k: None if dist is None else getattr(dist, k) for k in keys}
+
+
+def summarise_run(report: BenchReport, slos: SLOs) -> dict[str, Any]:
+    """The comparison's numbers of one bench report (times in ms, egress in GB and Gbps)."""
+    s = report.summary
+    requests = report.requests
+    duration = s.duration_s or math.inf
+
+    def goodput(limits: SLOs) -> float:
+        return sum(meets_slos(r, limits) for r in requests) / duration
+
+    return {
+        "completed": s.completed, "failed": s.failed, "duration_s": s.duration_s,
+        **{f"ttft_{k}_ms": v for k, v in _dist(s.ttft, "mean", "p50", "p90", "p99").items()},
+        **{f"tpot_{k}_ms": v for k, v in _dist(s.tpot, "mean", "p50", "p90").items()},
+        **{f"itl_{k}_ms": v for k, v in _dist(s.itl, "p50", "p90").items()},
+        "req_per_s": s.request_throughput, "output_tok_per_s": s.output_throughput,
+        "input_tok_per_s": s.input_throughput, "goodput_req_per_s": goodput(slos),
+        "goodput_paper_slo_req_per_s": goodput(PAPER_SLO),
+        "offload_fraction": s.offload_fraction, "clusters": s.clusters,
+        "cached_tokens": s.cached_tokens,
+        "egress_gb": None if s.egress_bytes is None else s.egress_bytes / 1e9,
+        "egress_gbps": s.egress_gbps,
+        "errors": sorted({r.error for r in requests if not r.ok})[:3],
+        "by_cluster": by_cluster(requests),
+    }
+
+
+def by_cluster(requests: Sequence[RequestResult]) -> dict[str, dict[str, float]]:
+    """Per cluster that prefilled: completed requests, mean prompt tokens, mean TTFT (ms)."""
+    groups: dict[str, list[RequestResult]] = {}
+    for r in requests:
+        if r.ok and r.cluster is not None and r.ttft_s is not None:
+            groups.setdefault(r.cluster, []).append(r)
+    return {name: {"requests": len(rs), "prompt_tokens_mean": _mean([r.prompt_tokens for r in rs]),
+                   "ttft_mean_ms": 1000.0 * _mean([r.ttft_s or 0.0 for r in rs])}
+            for name, rs in sorted(groups.items())}
+
+
+def run_policy(policy: str, args: argparse.Namespace, slos: SLOs,
+               log_dir: Path) -> dict[str, Any]:
+    """One fresh mesh with `policy`, one bench run; the numbers, or {"error": why}."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    text, ports = mesh_topology(policy, float(Fraction(args.scale)))
+    topology = log_dir / "topology.toml"
+    topology.write_text(text, encoding="utf-8")
+    spec = default_topology()
+    infra = [s.name for s in spec.services if s.kind in ("cachedir", "link")]
+    workers = [s.name for s in spec.services if s.kind in WORKER_KINDS]
+    backend = ["--backend", args.backend]
+    emulated = ["--mode", "emulated", "--time-scale", str(args.time_scale), *backend]
+    try:
+        with launch(topology, infra, extra_args=backend, log_dir=log_dir), \
+                launch(topology, workers, extra_args=emulated, log_dir=log_dir,
+                       ready_timeout=args.ready_timeout), \
+                launch(topology, ["router"], extra_args=backend, log_dir=log_dir):
+            return _bench(policy, bench_args(args), ports, slos, log_dir)
+    except (DataPathError, MeshError, OSError, httpx.HTTPError, msgspec.DecodeError) as exc:
+        # A policy that fails is reported in the table and the JSON; the others still run.
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _bench(policy: str, workload: list[str], ports: MeshPorts, slos: SLOs,
+           log_dir: Path) -> dict[str, Any]:
+    out_dir = log_dir / "bench"
+    argv = [*workload, "--url", f"http://127.0.0.1:{ports.http}",
+            "--link-url", f"http://127.0.0.1:{ports.link_control}", "--out-dir", str(out_dir)]
+    poller = StatePoller(f"http://127.0.0.1:{ports.http}/admin/state")
+    with open(log_dir / "bench.out", "w") as sink, contextlib.redirect_stdout(sink), \
+            contextlib.redirect_stderr(sink), poller.running():
+        code = bench_main(argv)
+    report = msgspec.json.decode((out_dir / "bench.json").read_bytes(), type=BenchReport)
+    result = summarise_run(report, slos)
+    # The host is shared: its load average says how much of the 2 cores the mesh really had.
+    result.update(policy=policy, bench_exit=code, router=poller.summary(),
+                  worker_counters=worker_counters(ports), host_load_1m=os.getloadavg()[0])
+    return result
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+ROWS: tuple[tuple[str, str, int, bool], ...] = (
+    # (label, key, digits, ratio against homogeneous)
+    ("completed / failed", "", 0, False),
+    ("TTFT mean (ms)", "ttft_mean_ms", 0, True), ("TTFT p50 (ms)", "ttft_p50_ms", 0, True),
+    ("TTFT p90 (ms)", "ttft_p90_ms", 0, True), ("TTFT p99 (ms)", "ttft_p99_ms", 0, True),
+    ("TPOT mean (ms)", "tpot_mean_ms", 1, True), ("TPOT p90 (ms)", "tpot_p90_ms", 1, True),
+    ("ITL p50 (ms)", "itl_p50_ms", 1, True), ("ITL p90 (ms)", "itl_p90_ms", 1, True),
+    ("throughput (req/s)", "req_per_s", 3, True),
+    ("output throughput (tok/s)", "output_tok_per_s", 2, True),
+    ("goodput, chosen SLO (req/s)", "goodput_req_per_s", 3, True),
+    ("goodput, TPOT <= 25 ms (req/s)", "goodput_paper_slo_req_per_s", 3, True),
+    ("offload fraction", "offload_fraction", 3, False),
+    ("egress (GB)", "egress_gb", 4, False), ("egress mean (Gbps)", "egress_gbps", 4, False),
+    ("t first -> last (tokens)", "", 0, False), ("duration (s)", "duration_s", 1, False),
+    ("host load (1-min avg at end)", "host_load_1m", 1, False),
+)
+
+
+def _cell(result: dict[str, Any], label: str, key: str, digits: int) -> str:
+    if "error" in result:
+        return "error"
+    if label.startswith("completed"):
+        return f"{result['completed']} / {result['failed']}"
+    if label.startswith("t first"):
+        router = result["router"]
+        return f"{_fmt(router['t_first'], 0)} -> {_fmt(router['t_last'], 0)}"
+    return _fmt(result.get(key), digits)
+
+
+def _ratio(result: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    value, ref = result.get(key), base.get(key)
+    if not isinstance(value, int | float) or not isinstance(ref, int | float) or ref == 0:
+        return ""
+    return f" ({value / ref:.2f}x)"
+
+
+def format_comparison(results: dict[str, dict[str, Any]]) -> str:
+    names = list(results)
+    base = results.get(BASELINE, {})
+    header = f"{'metric':<32}" + "".join(f"{n:>24}" for n in names)
+    lines = [header, "-" * len(header)]
+    for label, key, digits, ratio in ROWS:
+        cells = []
+        for name in names:
+            cell = _cell(results[name], label, key, digits)
+            if ratio and name != BASELINE and "error" not in results[name]:
+                cell += _ratio(results[name], base, key)
+            cells.append(f"{cell:>24}")
+        lines.append(f"{label:<32}" + "".join(cells))
+    lines += [f"{n}: {r['error']}" for n, r in results.items() if "error" in r]
+    return "\n".join(lines)
+
+
+def _rows(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain table: the first two columns left-aligned, the others right-aligned."""
+    cells = [[_fmt(v, 2 if isinstance(v, float) and abs(v) < 100 else 0) for v in row]
+             for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) + 2 for i in range(len(header))]
+    return "\n".join("".join(c.ljust(w) if i < 2 else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+                      for row in cells)
+
+
+def format_workers(results: dict[str, dict[str, Any]]) -> str:
+    """Per worker: mean/max queue and streams at the router, prefills, KV sent, decode batch."""
+    rows = []
+    for policy, r in ((p, r) for p, r in results.items() if "error" not in r):
+        for name, c in r["worker_counters"].items():
+            q = r["router"]["workers"].get(name, {})
+            batch = c["decode_tokens"] / c["decode_steps"] if c["decode_steps"] else None
+            rows.append([policy, name, q.get("queue_mean"), q.get("queue_max"),
+                         q.get("running_mean"), int(c["prefill_jobs"]),
+                         c["prefill_kv_bytes_sent"] / 1e6, batch])
+    return _rows(["policy", "worker", "queue mean", "max", "running", "prefills", "KV MB sent",
+                  "decode batch"], rows)
+
+
+def format_clusters(results: dict[str, dict[str, Any]]) -> str:
+    """Where each policy prefilled: requests, their mean prompt length and mean TTFT."""
+    rows = [[policy, cluster, c["requests"], c["prompt_tokens_mean"], c["ttft_mean_ms"]]
+            for policy, r in results.items() for cluster, c in r.get("by_cluster", {}).items()]
+    return _rows(["policy", "prefill cluster", "requests", "prompt tokens", "TTFT mean ms"], rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--quick", action="store_true", help="8 requests at 1 req/s, 8 output tokens")
+    add("--policies", default=",".join(POLICIES), help="comma-separated (default: all three)")
+    add("--num-requests", type=int, default=40)
+    add("--request-rate", type=float, default=0.5)
+    add("--seed", type=int, default=1)
+    add("--scale", default="1/64", help="served tokens per paper token (bench and router)")
+    add("--output-len", type=int, default=1024, help="output tokens before scaling")
+    add("--max-context", type=int, default=2048)
+    add("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    add("--goodput", nargs="+", default=["ttft:1500", "tpot:50"], metavar="KEY:MS",
+        help="the chosen SLO (default: ttft:1500 tpot:50; docs/policies.md says why)")
+    add("--backend", default="asyncio", choices=["asyncio", "uvloop"])
+    add("--time-scale", type=float, default=1.0, help="emulated workers' wall s per modeled s")
+    add("--ready-timeout", type=float, default=180.0, help="workers' model load (s)")
+    add("--log-dir", type=Path, default=None, help="default: a new temporary directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.num_requests, args.request_rate, args.output_len = 8, 1.0, 512
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    slos = parse_goodput(args.goodput)
+    log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="compare-policies-"))
+    print(f"prfaas bench {' '.join(bench_args(args))}; chosen SLO {' '.join(args.goodput)}; "
+          f"backend {args.backend}; time scale {args.time_scale}; logs {log_root}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for policy in sorted(policies, key=lambda p: p != BASELINE):
+        results[policy] = run_policy(policy, args, slos, log_root / policy)
+        print(f"{policy}: {'error' if 'error' in results[policy] else 'done'}", flush=True)
+    print(format_comparison(results))
+    print(format_workers(results))
+    print(format_clusters(results))
+    print(json.dumps({"bench": "policies", **{p.replace("-", "_"): results.get(p)
+                                              for p in POLICIES}}))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MALLOC_TOP_PAD_", "67108864")
+    sys.exit(main())
