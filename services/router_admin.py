@@ -85,7 +85,8 @@ class RouterControl:
         scheduler = self.scheduler
         self._counts["ticks"] += 1
         await scheduler.workers.poll(scheduler.node, self.config.status_timeout_s,
-                                     scheduler.config.block_size)
+                                     scheduler.config.block_size,
+                                     scheduler.tokenizer.vocab_size)
         await self._sample_link()
         policy = scheduler.policy
         for action in policy.tick(scheduler.clock(), scheduler.workers.state()):

@@ -192,16 +192,20 @@ class WorkerTable:
     def released(self, decode: str) -> None:
         self._workers[decode].decodes -= 1
 
-    async def poll(self, node: Node, timeout: float, block_size: int) -> None:
+    async def poll(self, node: Node, timeout: float, block_size: int,
+                   vocab_size: int | None = None) -> None:
         """Asks every worker for its state at once; one that does not answer is down.
 
         Raises ModelMismatch if a worker's model has a KV block size other than `block_size`
-        (the router's): it is refused before any request is placed by its report.
+        (the router's), or more tokens than the router's tokenizer (`vocab_size`) can turn
+        back into text: it is refused before any request is placed by its report.
         """
         async with anyio.create_task_group() as group:
             for worker in self._workers.values():
                 group.start_soon(self._poll_one, node, worker, timeout)
         check_block_size(self._workers.values(), block_size)
+        if vocab_size is not None:
+            check_vocab_size(self._workers.values(), vocab_size)
 
     async def _poll_one(self, node: Node, worker: WorkerEntry, timeout: float) -> None:
         try:
@@ -267,3 +271,15 @@ def check_block_size(workers: Iterable[WorkerEntry], block_size: int) -> None:
                             f"{'; '.join(wrong)}: prefix hashes and cached lengths would not "
                             "match; set the router option block_size to the workers' model "
                             "block size")
+
+
+def check_vocab_size(workers: Iterable[WorkerEntry], vocab_size: int) -> None:
+    """ModelMismatch naming every polled worker whose model can emit token ids the router's
+    tokenizer (of `vocab_size` tokens) cannot decode."""
+    wrong = [f"{w.spec.name} runs {w.polled.model.family}/{w.polled.model.size} with vocab_size "
+             f"{w.polled.model.vocab_size}" for w in workers
+             if w.polled is not None and w.polled.model.vocab_size > vocab_size]
+    if wrong:
+        raise ModelMismatch(f"the router's tokenizer has {vocab_size} tokens, but worker "
+                            f"{'; '.join(wrong)}: its output could not be decoded; set the "
+                            "router option tokenizer to match the workers' model")

@@ -20,6 +20,7 @@ from services.router_workers import (
     WorkerSpec,
     WorkerTable,
     check_block_size,
+    check_vocab_size,
 )
 
 MATCH = PrefixMatch(n_blocks=4, clusters=[], workers=[
@@ -114,3 +115,18 @@ def test_block_size_check_names_both_values() -> None:
     assert str(wrong.value).startswith("the router's block_size is 64, but worker pd-decode-0 "
                                        "runs fake/tiny with block_size 32")
     assert isinstance(wrong.value, ConfigError)
+
+
+def test_vocab_check_refuses_workers_whose_tokens_the_router_cannot_decode() -> None:
+    check_vocab_size([_with_vocab(polled(64), 257)], 257)
+    check_vocab_size([WorkerEntry(polled(64).spec, "decode")], 257)  # never polled: unknown
+    with pytest.raises(ModelMismatch, match="tokenizer has 257 tokens, but worker pd-decode-0 "
+                       "runs fake/tiny with vocab_size 512"):
+        check_vocab_size([_with_vocab(polled(64), 512)], 257)
+
+
+def _with_vocab(entry: WorkerEntry, vocab_size: int) -> WorkerEntry:
+    assert entry.polled is not None
+    model = msgspec.structs.replace(entry.polled.model, vocab_size=vocab_size)
+    entry.polled = msgspec.structs.replace(entry.polled, model=model)
+    return entry
