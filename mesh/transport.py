@@ -25,6 +25,7 @@ import msgspec
 from mesh import tcp
 from mesh.errors import ConfigError
 from mesh.mailbox import Mailbox
+from mesh.tcp_listener import TcpListener
 
 Chunk = bytes | bytearray
 
@@ -68,7 +69,7 @@ class TcpTransport:
 
     async def listen(self, address: Address) -> BoundListener:
         await anyio.lowlevel.checkpoint()
-        listener = tcp.TcpListener.bind(address.host, address.port)
+        listener = TcpListener.bind(address.host, address.port)
         return BoundListener(listener, Address(address.host, listener.port))
 
 

@@ -28,7 +28,9 @@ COMMANDS: dict[str, Command] = {
         "services.model.tokenizer", "train_tokenizer_main", "train the BPE tokenizer"
     ),
     "bench": Command("services.bench.cli", "bench_main", "an OpenAI streaming load client"),
-    "plan": Command("services.planner", "plan_main", "the paper's throughput model, grid search"),
+    "plan": Command(
+        "services.plan_command", "plan_main", "the paper's throughput model, grid search"
+    ),
 }
 
 

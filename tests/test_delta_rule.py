@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from services.model.config import ModelError
+from services.model.decay_products import decayed_products_channel, split_products
 from services.model.delta_rule import (
     DeltaRuleError,
-    _decayed_products_channel,
-    _split_products,
     _unit_lower_inverse,
     delta_rule_chunked,
     delta_rule_reference,
@@ -267,8 +266,8 @@ def test_decayed_products_both_paths(decay: float) -> None:
     gcum = (-F.softplus(torch.randn(6, 64, 16, generator=gen)) * decay).cumsum(dim=1)
     rows = torch.stack((k, q), dim=1)
     expected = brute_force_products(rows, k, gcum)
-    assert max_err(_split_products(rows, k, gcum).tril(), expected) <= 1e-6
-    assert max_err(_decayed_products_channel(rows, k, gcum).tril(), expected) <= 1e-6
+    assert max_err(split_products(rows, k, gcum).tril(), expected) <= 1e-6
+    assert max_err(decayed_products_channel(rows, k, gcum).tril(), expected) <= 1e-6
 
 
 def test_unit_lower_inverse() -> None:

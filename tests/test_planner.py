@@ -9,16 +9,14 @@ from dataclasses import replace
 
 import pytest
 
+from services.plan_command import PAPER_TABLE6, format_table, plan_main
 from services.planner import (
-    PAPER_TABLE6,
     ClusterShape,
     PlanResult,
     Scenario,
     ThroughputModel,
-    format_table,
     grid_threshold,
     plan,
-    plan_main,
     prefill_capacity,
     solve_scenario,
     solve_threshold,

@@ -13,14 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netem.shaper import (
-    ChunkEvent,
     Direction,
     LinkError,
     LinkParamError,
     LinkParams,
     LinkShaper,
-    reference_release_times,
 )
+from netem.shaper_naive import ChunkEvent, reference_release_times
 
 
 class ManualClock:

@@ -42,10 +42,9 @@ import torch
 from torch import Tensor
 
 from services.model.config import ModelError
+from services.model.decay_products import decayed_products_channel, decayed_products_scalar
 
 DEFAULT_CHUNK_SIZE = 64
-# exp(80) and exp(-80) are well inside fp32's normal range (about e^-87 .. e^88).
-_MAX_EXPONENT = 80.0
 # Diagonal blocks of (I + A) this wide are inverted by substitution, then merged by doubling.
 _INVERSE_BLOCK = 8
 
@@ -147,64 +146,6 @@ def delta_rule_step(
     return o[:, :, None].to(v.dtype), s
 
 
-def _decayed_products_channel(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
-    """R[m, x, i, j] = sum_d rows[m,x,i,d] cols[m,j,d] exp(G[m,i,d] - G[m,j,d]) for j <= i.
-
-    rows [M, X, C, D], cols [M, C, D], gcum [M, C, D] cumulative log-decay -> [M, X, C, C];
-    entries above the diagonal are unspecified (possibly inf): callers mask them. Blocks whose
-    decay spans at most 2 * _MAX_EXPONENT take one matmul, the others are split.
-    """
-    high, low = gcum.amax(dim=1, keepdim=True), gcum.amin(dim=1, keepdim=True)  # [M, 1, D]
-    steep = (high - low).amax(dim=-1)[:, 0] > 2 * _MAX_EXPONENT  # [M]
-    if not steep.any():
-        return _centred_products(rows, cols, gcum, (high + low) * 0.5)
-    r = rows.new_empty(*rows.shape[:3], rows.shape[2])
-    gentle, steep_at = (~steep).nonzero()[:, 0], steep.nonzero()[:, 0]
-    centre = (high[gentle] + low[gentle]) * 0.5
-    r[gentle] = _centred_products(rows[gentle], cols[gentle], gcum[gentle], centre)
-    r[steep_at] = _split_products(rows[steep_at], cols[steep_at], gcum[steep_at])
-    return r
-
-
-def _centred_products(rows: Tensor, cols: Tensor, gcum: Tensor, centre: Tensor) -> Tensor:
-    """One matmul with exp(G_i - G_j) = exp(G_i - c) exp(c - G_j), c [M, 1, D] the midpoint of
-    G, so no factor exceeds exp(span / 2). Shapes as `_decayed_products_channel`."""
-    m, x, c, d = rows.shape
-    centred = (gcum - centre).exp_()  # [M, C, D]
-    row_scaled = rows * centred[:, None]  # [M, X, C, D]
-    cols_t = (cols / centred).transpose(-1, -2)  # [M, D, C]
-    return (row_scaled.view(m, x * c, d) @ cols_t).view(m, x, c, c)
-
-
-def _split_products(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
-    """As `_decayed_products_channel` for any decay (C >= 2): the lower-left quarter in one
-    matmul split at the boundary r = C/2 - 1, where exp(G_i - G_r) and exp(G_r - G_j) both
-    have exponents <= 0; the two diagonal halves recursively, as one batch."""
-    m, x, c, d = rows.shape
-    b = c // 2
-    r = rows.new_zeros(m, x, c, c)
-    split = gcum[:, b - 1 : b]  # [M, 1, D]
-    lower = rows[:, :, b:] * (gcum[:, b:] - split).exp()[:, None]  # [M, X, b, D]
-    upper_t = (cols[:, :b] * (split - gcum[:, :b]).exp()).transpose(-1, -2)  # [M, D, b]
-    r[:, :, b:, :b] = (lower.reshape(m, x * b, d) @ upper_t).view(m, x, b, b)
-    halves = _decayed_products_channel(
-        torch.cat((rows[:, :, :b], rows[:, :, b:])),
-        torch.cat((cols[:, :b], cols[:, b:])),
-        torch.cat((gcum[:, :b], gcum[:, b:])),
-    )  # [2M, X, b, b]
-    r[:, :, :b, :b] = halves[:m]
-    r[:, :, b:, b:] = halves[m:]
-    return r
-
-
-def _decayed_products_scalar(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
-    """As `_decayed_products_channel` for a per-head decay, gcum [M, C, 1]: a masked matmul."""
-    m, x, c, d = rows.shape
-    decay = (gcum - gcum.transpose(-1, -2)).clamp_(max=0.0).exp_()  # [M, C, C]
-    r = rows.view(m, x * c, d) @ cols.transpose(-1, -2)  # [M, X*C, C]
-    return r.view(m, x, c, c) * decay[:, None]
-
-
 def _invert_small_blocks(a: Tensor) -> Tensor:
     """(I + A)^-1 for strictly lower A [N, b, b], by forward substitution over rows."""
     n, b, _ = a.shape
@@ -300,7 +241,7 @@ def _intra_chunk(
     """
     m, c, dk = k.shape
     kb = k * beta  # [M, C, Dk]
-    products = _decayed_products_scalar if gcum.shape[-1] == 1 else _decayed_products_channel
+    products = decayed_products_scalar if gcum.shape[-1] == 1 else decayed_products_channel
     r = products(torch.stack((kb, q), dim=1), k, gcum)  # [M, 2, C, C]: A, P unmasked
     decay_in = gcum.exp()  # [M, C, Dk or 1], from the chunk start, <= 1
     if _tracks_grad(kb, v, decay_in):
