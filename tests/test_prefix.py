@@ -1,8 +1,6 @@
-"""Tests for services.prefix: the block hash chain."""
+"""Tests for services.contract.prefix: the block hash chain."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -11,15 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.prefix import (
+from services.contract.prefix import (
     MAX_HASH,
     BlockHash,
     block_hashes,
     block_hashes_reference,
     chain_from_ids,
 )
+from services.data import trace_path
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = trace_path().parent
 tokens_strategy = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=70)
 
 

@@ -18,6 +18,7 @@ from services.model.tokenizer import (
     TokenizerError,
     build_bpe,
     default_corpus_path,
+    repo_root,
     load_default,
     train_tokenizer_main,
 )
@@ -119,7 +120,7 @@ def test_bad_arguments_name_the_parameter(tmp_path: Path) -> None:
         Tokenizer.from_file(tmp_path / "missing.json")
 
 
-def test_default_corpus_is_found_outside_the_repo() -> None:
+def test_default_corpus_ships_inside_the_repo() -> None:
     path = default_corpus_path()
-    assert path.name == "tinyshakespeare.txt"
-    assert path.parent.parent.parent.name == "shared"
+    assert path == repo_root() / "data" / "corpus" / "tinyshakespeare.txt"
+    assert path.stat().st_size > 1_000_000

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.workload import (
+from services.data import trace_path
+from services.paper.workload import (
     EmpiricalLengths,
     TraceFormatError,
     TraceRecord,
@@ -19,7 +20,7 @@ from services.workload import (
     load_trace,
 )
 
-TRACES = Path("/work/shared/data/traces")
+TRACES = trace_path().parent
 CONVERSATION = TRACES / "conversation_trace.jsonl"
 PAPER = TruncatedLogNormal.paper()
 THRESHOLDS = (2000.0, 5000.0, 19400.0, 60000.0, 120000.0)
@@ -43,7 +44,7 @@ def simpson_partial_expectation(dist: TruncatedLogNormal, a: float, b: float,
 
 
 def test_paper_distribution_matches_the_papers_derived_numbers() -> None:
-    # paper.md 5.1: mean about 27.5K, P(L > 19.4K) = 0.496, E[L | L > 19.4K] about 45K.
+    # docs/paper-notes.md 5.1: mean about 27.5K, P(L > 19.4K) = 0.496, E[L | L > 19.4K] about 45K.
     assert PAPER.mean() == pytest.approx(27486, abs=5)
     assert PAPER.survival(19400) == pytest.approx(0.496, abs=0.0005)
     assert PAPER.conditional_means(19400)[1] == pytest.approx(45046, abs=5)

@@ -34,9 +34,10 @@ from services.bench.workloads import (
     lognormal_sessions,
     trace_sessions,
 )
-from services.workload import load_trace
+from services.data import trace_path
+from services.paper.workload import load_trace
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/conversation_trace.jsonl"
+DEFAULT_TRACE = trace_path()
 _GOODPUT_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
 
 

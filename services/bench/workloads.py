@@ -9,7 +9,7 @@ scaled = ceil(tokens * scale), capped by `max_context`. Text is synthesised: a s
 consecutive words from the corpus, its start drawn from a `random.Random` seeded by a key, so
 equal keys give equal text on every run and machine. Trace prompts key each 512-token block
 by its hash id: equal hash ids give equal text, so requests share exactly the prefixes the
-trace says they share (shared/data/traces/README.md). Words per token: `TOKENS_PER_WORD`.
+trace says they share (data/traces/README.md). Words per token: `TOKENS_PER_WORD`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from pathlib import Path
 import msgspec
 
 from services.bench.errors import BenchError
-from services.workload import TRACE_BLOCK_TOKENS, TraceRecord, TruncatedLogNormal
+from services.data import corpus_path
+from services.paper.workload import TRACE_BLOCK_TOKENS, TraceRecord, TruncatedLogNormal
 
 # Measured: the packaged BPE (services/model/assets/tokenizer.json) gives 1.589 tokens per
 # word over 200 random 100-word spans of the corpus (punctuation rides on the words).
 TOKENS_PER_WORD = 1.6
-DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared/data/corpus/tinyshakespeare.txt"
-# Used when the corpus is absent (an installed package without the shared data).
+DEFAULT_CORPUS = corpus_path()
+# Used when the corpus is absent (an installed package without the data/ folder).
 FALLBACK_TEXT = (
     "the of and to in a is that for it as was with be by on not he i this are or his from "
     "at which but have an they you were her she there one all we their been has when who "

@@ -16,6 +16,7 @@ from typing import Protocol
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from services.data import corpus_path
 from services.model.config import ModelError
 
 EOT_TOKEN = "<|endoftext|>"
@@ -48,8 +49,8 @@ def repo_root() -> Path:
 
 
 def default_corpus_path() -> Path:
-    """The training text lives beside the project, in ../shared/data/corpus/ (never downloaded)."""
-    return repo_root().parent / "shared" / "data" / "corpus" / "tinyshakespeare.txt"
+    """The training text: data/corpus/ in the repository (services.data; never downloaded)."""
+    return corpus_path()
 
 
 def file_sha256(path: Path) -> str:
