@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser
-# glibc's allocator trims and re-grows the heap per received chunk without this (stack.md G3).
+# glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
 .PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-policies train browser clean

@@ -26,9 +26,9 @@ from itertools import count
 
 import msgspec
 
-from services.cachedir import CacheDirectory
-from services.cachedir_messages import PrefixQuery
-from services.prefix import chain_from_ids
+from services.cachedir.directory import CacheDirectory
+from services.contract.messages import PrefixQuery
+from services.contract.prefix import chain_from_ids
 
 N_WORKERS = 32
 N_ROOTS = 120
@@ -150,7 +150,8 @@ def main() -> None:
     started = time.perf_counter()
     directory, inverted, corpus = build(rng)
     build_s = time.perf_counter() - started
-    run_queries(directory, inverted, corpus, 50, 10)  # warm-up (noisy host, stack.md G12)
+    # Warm-up: the host is noisy (docs/engineering-notes.md G12).
+    run_queries(directory, inverted, corpus, 50, 10)
     gc.collect()
     times, matched, lengths = run_queries(directory, inverted, corpus, n_queries, n_reference)
     fast, linear, reference = times["fast"], times["linear"], times["reference"]

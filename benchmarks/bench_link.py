@@ -2,7 +2,7 @@
 
 Three processes on 127.0.0.1, so the proxy's event loop shares nothing with the load: a
 blocking sink/echo server, the `link` service (`serve_link`: proxy + control API) on
-asyncio+uvloop with MALLOC_TOP_PAD_=64 MiB (shared/research/stack.md G3), and this process as
+asyncio+uvloop with MALLOC_TOP_PAD_=64 MiB (docs/engineering-notes.md G3), and this process as
 the blocking source. Every proxied number has a direct (no proxy) baseline from the same run.
 
     .venv/bin/python benchmarks/bench_link.py [--quick] [--backend uvloop|asyncio|trio]
@@ -248,8 +248,8 @@ async def _watch(node: Any, control: int, timeline: Timeline) -> None:
     clocks are CLOCK_MONOTONIC here (asyncio and uvloop loops)."""
     import anyio
 
-    from services.messages import Subscribe
-    from services.telemetry import KVFlow
+    from services.contract.events import KVFlow
+    from services.contract.messages import Subscribe
 
     async def events() -> None:
         async with node.open_stream("prefill", Subscribe(maxlen=8192), timeout=3600) as items:
@@ -278,8 +278,8 @@ async def _overlap_runs(topology_path: Path, control: int, setup: OverlapSetup,
     from mesh.topology import load_topology
     from mesh.transport import TcpTransport
     from mesh.wire import Codec
-    from services.messages import CODEC_MESSAGES, Sampling
-    from services.send import drive_request
+    from services.cli.send import drive_request
+    from services.contract.messages import CODEC_MESSAGES, Sampling
 
     topology = load_topology(topology_path, "")
     node = Node("bench", Codec(CODEC_MESSAGES), TcpTransport(), topology.address)
@@ -356,8 +356,8 @@ def measure_overlap(quick: bool) -> float:
 
     import anyio
 
-    from services.hardware import CostModel
-    from services.launch import launch
+    from services.cli.launch import launch
+    from services.paper.hardware import CostModel
 
     setup = OverlapSetup(runs=1, scale=6.0) if quick else OverlapSetup()
     paced_s = CostModel.load("h200").prefill_time(setup.length) * setup.scale

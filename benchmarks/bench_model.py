@@ -7,7 +7,7 @@ Random weights at the default size (the speed does not depend on training). Pref
 through `generate.prefill` (the serving path: cache writes, last-token logits); decode through
 `DecodeBatch.step` with B requests at the same context. The baseline is `torch.mm(out=)` on
 square matrices measured in the same run (median of several samples after a >2 s warm-up, the
-host is noisy: shared/research/stack.md G12).
+host is noisy: docs/engineering-notes.md G12).
 
 Prefill FLOPs of a T-token sequence, counted analytically (elementwise work, norms, convs and
 softmax ignored; attention counted over the causal half only):

@@ -2,7 +2,8 @@
 
 Three servers run as subprocesses: a raw blocking-socket server, a mesh node on trio, a mesh
 node on asyncio+uvloop. By default they are pinned to one CPU and the client to another, so
-sender and receiver each get a core, as in a deployment and as stack.md measured (raw round
+sender and receiver each get a core, as in a deployment and as docs/engineering-notes.md measured
+(raw round
 trip about 96 us). Left to itself the kernel often puts both ends of a round trip on one core;
 the round trip then costs no cross-CPU wake-ups (raw about 22 us) and its time is simply the
 CPU work of both sides: `--pin same` measures that case on purpose.
@@ -16,11 +17,12 @@ The client (this process) measures, for each:
          mesh round trip, and the floor under it
 Both sides encode and decode every message with msgspec (the raw side with a plain length
 prefix and the same message Structs). Each figure is the median of several repetitions taken
-in turns, since the 2-vCPU host has slow windows (stack.md G12). The two sides of a round
+in turns, since the 2-vCPU host has slow windows (docs/engineering-notes.md G12). The two sides of
+a round
 trip run one after the other, so its wall time is about the CPU time of both plus wake-ups;
 CPU time is less disturbed by other load on the host than wall time. Every process runs with
 MALLOC_TOP_PAD_=64 MiB: without it glibc trims and regrows the heap per received chunk
-(stack.md G3). The last line printed is one JSON object.
+(docs/engineering-notes.md G3). The last line printed is one JSON object.
 
     .venv/bin/python benchmarks/bench_wire.py [--quick] [--pin cross|same|none]
 """

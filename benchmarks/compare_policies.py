@@ -1,6 +1,6 @@
 """Routing policies compared end to end: homogeneous, naive-hetero and prfaas-dynamic.
 
-For each policy a fresh default mesh (services/topology.toml) runs as `prfaas serve`
+For each policy a fresh default mesh (services/cli/topology.toml) runs as `prfaas serve`
 processes on free ports, workers in emulated mode as in the Procfile, the router's `policy`
 set and its `scale` equal to the bench's (so t is the paper's threshold in served tokens);
 a fresh mesh per policy, so every run starts with empty caches. `prfaas bench` sends the same
@@ -39,9 +39,9 @@ from mesh.errors import MeshError
 from services.bench.cli import bench_main, parse_goodput
 from services.bench.report import BenchReport
 from services.bench.stats import RequestResult, SLOs, meets_slos
-from services.launch import launch
-from services.messages import DataPathError
-from services.serve import default_topology
+from services.cli.launch import launch
+from services.cli.serve import default_topology
+from services.contract.errors import DataPathError
 
 POLICIES = ("homogeneous", "naive-hetero", "prfaas-dynamic")
 BASELINE = "homogeneous"

@@ -3,7 +3,8 @@
 Wraps any anyio `ByteStream` (TCP or in-memory) with the codec. `send` encodes one frame and
 hands it to the connection's `Outbox`, which keeps frames in order whether they are written at
 once (urgent) or batched by the writer task (`run_writer`). `receive` feeds an incremental
-parser with large reads (stack.md G4: `receive_exactly` caps small-frame rates). The
+parser with large reads (docs/engineering-notes.md G4: `receive_exactly` caps small-frame rates).
+The
 handshake is one `Hello` each way carrying the protocol version and the peer's name. Stream
 errors are translated to `PeerGone` here and in the outbox, once.
 """

@@ -2,7 +2,8 @@
 
 anyio finds the running backend on every call (a sniffio lookup and two extra frames), which
 costs about as much as the operation itself when the operation is a wake-up on the request
-path (stack.md G4, bench_wire). The mesh's hot paths therefore create trio's or asyncio's
+path (docs/engineering-notes.md G4, bench_wire). The mesh's hot paths therefore create trio's or
+asyncio's
 own Event directly; both are cancelled by anyio's cancel scopes like any other await. Code
 off the hot path keeps using anyio.
 """

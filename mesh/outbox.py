@@ -11,7 +11,8 @@ Two ways out, one order:
   cancellation breaks the connection instead.
 * deferred frames (casts, stream items) are queued and the sender returns; the writer task
   (`run`) joins small queued frames into one write of up to BATCH_BYTES, so a burst of small
-  messages costs one system call per batch, not per message (stack.md 3a: batching takes
+  messages costs one system call per batch, not per message (docs/engineering-notes.md 3a: batching
+  takes
   small-frame rates from ~75k to 0.5-0.8M per second). Large frames go out alone, unjoined,
   to avoid a copy. A sender waits only when more than `limit` bytes are queued.
 

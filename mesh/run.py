@@ -1,6 +1,7 @@
 """Running a mesh program on a chosen event loop, with the backend options each one accepts.
 
-anyio's backend options are not symmetric (stack.md G2): the trio backend passes them to
+anyio's backend options are not symmetric (docs/engineering-notes.md G2): the trio backend passes
+them to
 `trio.run` (so `use_uvloop` is a TypeError there), while asyncio silently ignores unknown keys
 (so a MockClock given to asyncio would quietly sleep in real time). `backend_options` builds
 them per backend and refuses combinations that would not do what they say. uvloop is chosen

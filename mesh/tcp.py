@@ -44,7 +44,7 @@ from mesh.native import on_asyncio
 FAIR_READS = 16
 # Reads start at this size and grow to the caller's max only while the data keeps coming:
 # asking for 1 MiB to get 200 bytes costs an mmap and munmap per read under glibc's default
-# allocator settings (13 us on the 2-vCPU host; stack.md G3).
+# allocator settings (13 us on the 2-vCPU host; docs/engineering-notes.md G3).
 SMALL_READ = 64 * 1024
 READ_BUFFER = 4 * 1024 * 1024
 WRITE_BUFFER = 256 * 1024

@@ -4,7 +4,7 @@ One small interface (`Transport`) with two implementations, so the same node cod
 real loopback/LAN TCP (`TcpTransport`, anyio sockets) or entirely inside one event loop
 (`MemoryTransport`, anyio memory object streams through a shared `MemoryHub`). The in-memory
 one is what tests and the virtual-time simulation use: it does no real I/O, so trio's
-MockClock can jump freely (stack.md G1).
+MockClock can jump freely (docs/engineering-notes.md G1).
 
 Both give anyio `ByteStream`s; framing lives above, in `mesh.connection`. The TCP streams are
 mesh.tcp's, which skip the scheduler passes anyio's own socket streams spend per operation.
@@ -77,7 +77,8 @@ class MemoryByteStream(anyio.abc.ByteStream):
     """One end of an in-memory byte pipe: it sends into one mailbox and receives from another.
 
     Chunks travel by reference (no copy): a sender must not change a buffer after sending it,
-    the same rule uvloop imposes on sockets (stack.md G8). `mesh.connection` never does.
+    the same rule uvloop imposes on sockets (docs/engineering-notes.md G8). `mesh.connection` never
+    does.
     """
 
     def __init__(self, outgoing: Mailbox[Chunk], incoming: Mailbox[Chunk]) -> None:

@@ -7,10 +7,12 @@ envelope (`Hello`, `Call`, `Reply`, ...). Envelopes carry the application's mess
 
 Bulk payloads avoid needless copies: the sender encodes straight into one fresh bytearray per
 frame (the payload is copied once, by msgspec) and never reuses it (uvloop keeps a reference to
-a sent buffer, stack.md G8); the receiver decodes a frame that arrived whole from a memoryview
+a sent buffer, docs/engineering-notes.md G8); the receiver decodes a frame that arrived whole from
+a memoryview
 of the received chunk, and assembles a split frame into a bytearray of exactly its size that
 no one touches afterwards, so an application field typed `memoryview` decodes zero-copy
-(stack.md G9). The declared length is checked against `max_frame` before anything is allocated.
+(docs/engineering-notes.md G9). The declared length is checked against `max_frame` before anything
+is allocated.
 """
 
 from __future__ import annotations

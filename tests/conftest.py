@@ -7,7 +7,8 @@ from hypothesis import settings
 
 from mesh.transport import MemoryHub
 
-# The 2-vCPU host is shared and noisy (stack.md G12): per-example wall-clock deadlines flake.
+# The 2-vCPU host is shared and noisy (docs/engineering-notes.md G12): per-example wall-clock
+# deadlines flake.
 settings.register_profile("shared-host", deadline=None)
 settings.load_profile("shared-host")
 

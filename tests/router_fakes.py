@@ -1,6 +1,6 @@
 """Fake-but-honest workers on the memory mesh, for the router's tests (not a test module).
 
-The workers here speak the real messages (services/messages.py) over the real mesh runtime
+The workers here speak the real messages (services/contract/messages.py) over the real mesh runtime
 (memory transport) and report their caches to the real cache directory service; only their
 compute is faked (virtual seconds per token, a deterministic token sequence, the reusable
 prefix read from the directory instead of a store of their own), and KV bytes crossing
@@ -26,10 +26,12 @@ from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from netem.control import apply_link_update
 from netem.shaper import Direction, LinkParams, LinkShaper
-from services.cachedir_messages import BlocksStored
-from services.cachedir_service import CacheDirService
-from services.messages import (
+from services.cachedir.service import CacheDirService
+from services.contract.events import Event, RoutingDecision
+from services.contract.messages import (
     CODEC_MESSAGES,
+    BlockRun,
+    BlocksStored,
     DecodeRequest,
     KVAccepted,
     KVChunk,
@@ -38,25 +40,23 @@ from services.messages import (
     ModelInfo,
     PrefillDone,
     PrefillRequest,
-    Role,
     Sampling,
     SetRole,
     StatusQuery,
     TokenChunk,
     WorkerState,
 )
+from services.contract.prefix import block_hashes
+from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
-from services.openai_schema import GenerationRequest
-from services.policies import create_policy
-from services.policies.prfaas import threshold_rule
-from services.policy import LinkSample, RouteInputs
-from services.prefix import block_hashes
-from services.prefix_tree import BlockRun
-from services.router_admin import ControlConfig, RouterControl
-from services.router_requests import Finished, Placement, RequestHandle
-from services.router_workers import WorkerTable
-from services.scheduler import Scheduler, SchedulerConfig
-from services.telemetry import Event, RoutingDecision
+from services.router.control import ControlConfig, RouterControl
+from services.router.openai.schema import GenerationRequest
+from services.router.policies import create_policy
+from services.router.policies.prfaas import threshold_rule
+from services.router.policy import LinkSample, RouteInputs
+from services.router.requests import Finished, Placement, RequestHandle
+from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.workers import WorkerTable
 
 BLOCK = 16
 TOPOLOGY = """

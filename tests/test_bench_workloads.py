@@ -21,7 +21,7 @@ from services.bench.workloads import (
     trace_prompt,
     trace_sessions,
 )
-from services.workload import TraceRecord
+from services.paper.workload import TraceRecord
 
 WORDS = WordSource(FALLBACK_TEXT.split())
 SCALING = Scaling(scale=1 / 16, max_context=4096, tokens_per_word=1.0)

@@ -1,4 +1,4 @@
-"""Tests for services.cachedir: the CacheDirectory against a slow, obvious model."""
+"""Tests for services.cachedir.directory: the CacheDirectory against a slow, obvious model."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.cachedir import CacheDirectory
-from services.cachedir_messages import (
+from services.cachedir.directory import CacheDirectory, CacheDirectoryStatistics
+from services.cachedir.tree import ChainError
+from services.contract.errors import UnknownWorkerError
+from services.contract.messages import (
+    BlockRun,
     BlocksStored,
-    CacheDirectoryStatistics,
     ClusterMatch,
     PrefixMatch,
-    Role,
     TransferPlan,
-    UnknownWorkerError,
     WorkerMatch,
     WorkerReport,
 )
-from services.prefix import MAX_HASH, chain_from_ids
-from services.prefix_tree import BlockRun, ChainError
+from services.contract.prefix import MAX_HASH, chain_from_ids
+from services.contract.types import Role
 
 
 def _universe(n_nodes: int, seed: int) -> tuple[list[int | None], list[list[int]]]:

@@ -1,15 +1,15 @@
-"""Tests for services.cachedir_messages: every message round-trips msgpack."""
+"""Tests for services.contract.messages: every message round-trips msgpack."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from services.cachedir import CacheDirectory
-from services.cachedir_messages import (
+from services.cachedir.directory import CacheDirectory, CacheEvent
+from services.contract.messages import (
+    BlockRun,
     BlocksEvicted,
     BlocksStored,
-    CacheEvent,
     ClusterMatch,
     PrefixMatch,
     PrefixQuery,
@@ -17,8 +17,7 @@ from services.cachedir_messages import (
     WorkerMatch,
     WorkerReport,
 )
-from services.prefix import MAX_HASH
-from services.prefix_tree import BlockRun
+from services.contract.prefix import MAX_HASH
 
 
 def test_messages_round_trip_msgpack() -> None:

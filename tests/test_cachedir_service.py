@@ -9,14 +9,20 @@ import trio
 
 from mesh.node import Node
 from mesh.topology import parse_topology
-from services.cachedir_messages import PrefixQuery
-from services.cachedir_service import CacheDirService
-from services.launch import InProcessMesh, in_process
-from services.messages import PlanQuery, PlanReply, PrefixReply, Sampling, Subscribe
-from services.prefix_store import prompt_hashes
-from services.send import decode_has_tokens, drive_request
-from services.telemetry import CacheActivity
-from services.worker import WorkerService
+from services.cachedir.service import CacheDirService
+from services.cli.launch import InProcessMesh, in_process
+from services.cli.send import decode_has_tokens, drive_request
+from services.contract.events import CacheActivity
+from services.contract.messages import (
+    PlanQuery,
+    PlanReply,
+    PrefixQuery,
+    PrefixReply,
+    Sampling,
+    Subscribe,
+)
+from services.worker.prefix_store import prompt_hashes
+from services.worker.service import WorkerService
 
 TOPOLOGY = parse_topology("""
 [[clusters]]

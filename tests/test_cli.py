@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services import cli
+from services.cli import main as cli
 
 
 def test_usage_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

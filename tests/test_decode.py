@@ -13,9 +13,9 @@ import trio.testing
 
 from mesh.errors import RemoteError
 from mesh.topology import parse_topology
-from services.decode import DecodeWorker
-from services.launch import in_process
-from services.messages import (
+from services.cli.launch import in_process
+from services.cli.send import drive_request
+from services.contract.messages import (
     DecodeRequest,
     KVChunk,
     KVOpen,
@@ -28,8 +28,8 @@ from services.messages import (
 from services.model.config import family_config
 from services.model.generate import generate
 from services.model.model import HybridLM, build_model
-from services.send import drive_request
-from services.worker import WorkerService, checkpoint_path
+from services.worker.decode import DecodeWorker
+from services.worker.service import WorkerService, checkpoint_path
 
 MAX = 12
 SAMPLING = Sampling(max_tokens=MAX, stop_on_eos=False)
@@ -271,7 +271,7 @@ async def test_a_reader_that_leaves_frees_its_batch_slot() -> None:
 
 
 async def drive_prefill_only(client: object, prompt: list[int], sampling: Sampling) -> None:
-    from services.messages import PrefillDone, PrefillRequest
+    from services.contract.messages import PrefillDone, PrefillRequest
 
     await client.call("p", PrefillRequest(  # type: ignore[attr-defined]
         request_id="bye", prompt=prompt, decode_worker="d", sampling=sampling), PrefillDone)

@@ -28,13 +28,13 @@ from mesh.node import Node
 from mesh.topology import Topology, load_topology, parse_topology
 from mesh.transport import TcpTransport
 from mesh.wire import Codec
-from services.launch import in_process, launch
-from services.messages import CODEC_MESSAGES, Sampling, Subscribe
+from services.cli.launch import in_process, launch
+from services.cli.send import decode_has_tokens, drive_request, link_egress_bytes
+from services.contract.events import KVFlow
+from services.contract.messages import CODEC_MESSAGES, Sampling, Subscribe
 from services.model.config import family_config, kv_bytes_split
 from services.model.generate import generate
 from services.model.model import build_model
-from services.send import decode_has_tokens, drive_request, link_egress_bytes
-from services.telemetry import KVFlow
 
 pytestmark = pytest.mark.slow
 
@@ -202,7 +202,7 @@ async def test_a_prefill_killed_mid_stream_fails_only_its_request(
 def test_prfaas_send_prints_tokens_and_bytes(mesh: tuple[Path, Topology]) -> None:
     path, _ = mesh
     prompt = tokens(90, 11)
-    command = [sys.executable, "-m", "services.cli", "send", "--topology", str(path),
+    command = [sys.executable, "-m", "services.cli.main", "send", "--topology", str(path),
                "--tokens", ",".join(map(str, prompt)), "--prefill", "prfaas-prefill-1",
                "--decode", "pd-decode-1", "--max-tokens", "64", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)

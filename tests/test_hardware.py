@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.hardware import (
+from services.paper.hardware import (
     MIB,
     CostModel,
     Pacer,
@@ -16,7 +16,7 @@ from services.hardware import (
     load_profile,
     polyfit,
 )
-from services.workload import TruncatedLogNormal
+from services.paper.workload import TruncatedLogNormal
 
 TABLE5_LENGTHS = (1000, 8000, 32000, 128000)
 TABLE5_SECONDS = (0.44, 0.72, 1.84, 7.40)

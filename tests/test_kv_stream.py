@@ -6,7 +6,14 @@ import msgspec
 import pytest
 import torch
 
-from services.kv_stream import (
+from services.contract.errors import KVTransferError
+from services.contract.messages import KVChunk, KVOpen
+from services.model.cache import RequestCache
+from services.model.config import family_config
+from services.model.export import KVImportError, KVPiece, export_cache, export_layer
+from services.model.generate import prefill
+from services.model.model import build_model
+from services.worker.kv_stream import (
     KVAssembly,
     PieceSpec,
     chunk_bounds,
@@ -15,12 +22,6 @@ from services.kv_stream import (
     merge_pieces,
     stream_plan,
 )
-from services.messages import KVChunk, KVOpen, KVTransferError
-from services.model.cache import RequestCache
-from services.model.config import family_config
-from services.model.export import KVImportError, KVPiece, export_cache, export_layer
-from services.model.generate import prefill
-from services.model.model import build_model
 
 
 def tokens(n: int) -> list[int]:

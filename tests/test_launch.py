@@ -1,4 +1,4 @@
-"""services.launch: `prfaas serve` children, started together and stopped on the way out."""
+"""services.cli.launch: `prfaas serve` children, started together and stopped on the way out."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import trio
 from mesh.node import Node
 from mesh.transport import Address, TcpTransport
 from mesh.wire import Codec
-from services.launch import LaunchError, launch
-from services.messages import CODEC_MESSAGES, Echo
+from services.cli.launch import LaunchError, launch
+from services.contract.messages import CODEC_MESSAGES, Echo
 
 
 def free_port() -> int:

@@ -6,18 +6,13 @@ import msgspec
 import pytest
 
 from mesh.wire import Call, Codec
-from services.cachedir_messages import (
+from services.contract.events import KVFlow
+from services.contract.messages import (
+    CODEC_MESSAGES,
+    BlockRun,
     BlocksEvicted,
     BlocksStored,
     ClusterMatch,
-    PrefixMatch,
-    PrefixQuery,
-    TransferPlan,
-    WorkerMatch,
-    WorkerReport,
-)
-from services.messages import (
-    CODEC_MESSAGES,
     DecodeRequest,
     Echo,
     KVAccepted,
@@ -29,6 +24,8 @@ from services.messages import (
     PlanReply,
     PrefillDone,
     PrefillRequest,
+    PrefixMatch,
+    PrefixQuery,
     PrefixReply,
     ReportCache,
     Sampling,
@@ -36,11 +33,13 @@ from services.messages import (
     StatusQuery,
     Subscribe,
     TokenChunk,
+    TransferPlan,
+    WorkerMatch,
+    WorkerReport,
     WorkerState,
 )
 from services.model.sampling import SamplingError
-from services.prefix_tree import BlockRun
-from services.telemetry import KVFlow
+from services.worker.compute import sampling_params
 
 INFO = ModelInfo(family="kimi-linear", size="tiny", config_hash="0123456789abcdef",
                  dtype="float32", vocab_size=512, block_size=64, eos_id=0,
@@ -88,7 +87,7 @@ EXAMPLES: list[msgspec.Struct] = [
 
 def test_every_codec_message_has_an_example() -> None:
     assert {type(m) for m in EXAMPLES} >= set(CODEC_MESSAGES) - {
-        t for t in CODEC_MESSAGES if t.__module__ == "services.telemetry"}
+        t for t in CODEC_MESSAGES if t.__module__ == "services.contract.events"}
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -102,11 +101,11 @@ def test_round_trip_through_the_mesh_codec(message: msgspec.Struct) -> None:
 
 
 def test_sampling_maps_to_model_params_and_rejects_bad_values() -> None:
-    params = Sampling(max_tokens=3, temperature=0.7, top_p=0.9, seed=1).params()
+    params = sampling_params(Sampling(max_tokens=3, temperature=0.7, top_p=0.9, seed=1))
     assert (params.max_new_tokens, params.temperature, params.top_p, params.seed) == (
         3, 0.7, 0.9, 1)
     with pytest.raises(SamplingError, match="max_new_tokens must be >= 1, got 0"):
-        Sampling(max_tokens=0).params()
+        sampling_params(Sampling(max_tokens=0))
 
 
 def test_bad_hash_in_a_plan_query_is_refused_on_decode() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.openai_responses import (
+from services.router.openai.responses import (
     ChatChunkChoice,
     ChatCompletion,
     ChatDelta,

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
-from services.openai_schema import (
+from services.router.errors import ContextTooLong, InvalidRequest, NotFound
+from services.router.openai.schema import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -18,7 +19,6 @@ from services.openai_schema import (
     decode_request,
     render_chat,
 )
-from services.router_errors import ContextTooLong, InvalidRequest, NotFound
 
 BPE: Tokenizer = load_default()
 BYTES = ByteTokenizer()

@@ -37,16 +37,22 @@ from mesh.transport import (
 from mesh.wire import Codec
 from netem.proxy import LinkProxy, ProxyConfig, Route
 from netem.shaper import LinkParams, LinkShaper
-from services.hardware import CostModel, Pacer
-from services.kv_stream import KVInbox, chunk_bounds, import_pieces, step_ends
-from services.messages import CODEC_MESSAGES, KVAccepted, KVOpen, PrefillDone, PrefillRequest
+from services.contract.messages import (
+    CODEC_MESSAGES,
+    KVAccepted,
+    KVOpen,
+    PrefillDone,
+    PrefillRequest,
+)
 from services.model.cache import dtype_name
 from services.model.config import family_config, kv_layout
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
-from services.prefill import PrefillConfig, PrefillWorker
-from services.prefill_compute import InlineRunner, Pacing
-from services.prefix_store import PrefixStore
+from services.paper.hardware import CostModel, Pacer
+from services.worker.compute import InlineRunner, Pacing
+from services.worker.kv_stream import KVInbox, chunk_bounds, import_pieces, step_ends
+from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.prefix_store import PrefixStore
 
 LENGTH = 4096
 CHUNK = 64

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.placement import (
+from services.router.placement import (
     PlacementConfig,
     PlacementError,
     WorkerLoad,
@@ -15,7 +15,7 @@ from services.placement import (
     choose_worker,
     choose_worker_reference,
 )
-from services.policy import PolicyError
+from services.router.policy import PolicyError
 
 
 def decode(name: str, cached: int = 0, running: int = 0, queue: int = 0,

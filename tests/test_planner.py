@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.plan_command import PAPER_TABLE6, format_table, plan_main
-from services.planner import (
+from services.cli.plan import PAPER_TABLE6, format_table, plan_main
+from services.paper.planner import (
     ClusterShape,
     PlanResult,
     Scenario,
@@ -21,7 +21,7 @@ from services.planner import (
     solve_scenario,
     solve_threshold,
 )
-from services.workload import EmpiricalLengths, TruncatedLogNormal
+from services.paper.workload import EmpiricalLengths, TruncatedLogNormal
 
 PAPER_SHAPE = ClusterShape(4, 3, 5)
 

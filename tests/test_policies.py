@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.policies.dynamo import DynamoConfig, DynamoPolicy
-from services.policies.homogeneous import HomogeneousPolicy
-from services.policies.naive_hetero import NaiveHeteroPolicy
-from services.policies.prfaas import PrfaasConfig, PrfaasPolicy, threshold_rule
-from services.policy import RouteInputs
+from services.router.policies.dynamo import DynamoConfig, DynamoPolicy
+from services.router.policies.homogeneous import HomogeneousPolicy
+from services.router.policies.naive_hetero import NaiveHeteroPolicy
+from services.router.policies.prfaas import PrfaasConfig, PrfaasPolicy, threshold_rule
+from services.router.policy import RouteInputs
 
 SCARCE = 0.9  # link utilisation above the default abundant_below (0.5)
 ABUNDANT = 0.1

@@ -7,8 +7,9 @@ import math
 import msgspec
 import pytest
 
-from services.policies import POLICIES, create_policy
-from services.policy import (
+from services.contract.events import RoleChanged, ThresholdChanged, decode_json, encode_json
+from services.router.policies import POLICIES, create_policy
+from services.router.policy import (
     ClusterState,
     ConvertWorker,
     Decision,
@@ -24,7 +25,6 @@ from services.policy import (
     format_tokens,
     is_bandwidth_scarce,
 )
-from services.telemetry import RoleChanged, ThresholdChanged, decode_json, encode_json
 
 
 @pytest.mark.parametrize(

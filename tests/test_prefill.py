@@ -15,9 +15,8 @@ from mesh.mailbox import Mailbox
 from mesh.node import Node
 from mesh.server import Context
 from mesh.topology import parse_topology
-from services.kv_stream import expected_kv_bytes
-from services.launch import InProcessMesh, in_process
-from services.messages import (
+from services.cli.launch import InProcessMesh, in_process
+from services.contract.messages import (
     KVAccepted,
     KVChunk,
     KVClose,
@@ -31,7 +30,8 @@ from services.model.config import family_config
 from services.model.export import KVPiece, import_cache
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
-from services.worker import WorkerService
+from services.worker.kv_stream import expected_kv_bytes
+from services.worker.service import WorkerService
 
 TOPOLOGY = parse_topology("""
 [[clusters]]

@@ -1,4 +1,4 @@
-"""Tests for services.prefill_compute: both runners return the compute's result and hand its
+"""Tests for services.worker.compute: both runners return the compute's result and hand its
 pieces to the event loop in order (the compute loop itself: test_prefill, test_overlap)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 
-from services.prefill_compute import ComputeRunner, InlineRunner, ThreadRunner
+from services.worker.compute import ComputeRunner, InlineRunner, ThreadRunner
 
 
 @pytest.mark.trio

@@ -5,20 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cachedir_messages import BlocksEvicted
+from services.contract.messages import BlockRun, BlocksEvicted
+from services.contract.prefix import block_hashes_reference
 from services.model.cache import RequestCache
 from services.model.config import family_config
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM, build_model
-from services.prefix import block_hashes_reference
-from services.prefix_store import (
+from services.worker.prefix_store import (
     LocalMatch,
     PrefixStore,
     PrefixStoreConfig,
     PrefixStoreError,
     prompt_hashes,
 )
-from services.prefix_tree import BlockRun
 
 BLOCK = 64
 

@@ -1,11 +1,12 @@
-"""Tests for services.prefix_tree: the PrefixTree of held chains."""
+"""Tests for services.cachedir.tree: the PrefixTree of held chains."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.prefix import chain_from_ids
-from services.prefix_tree import BlockRun, ChainError, IntegrityError, PrefixTree
+from services.cachedir.tree import ChainError, IntegrityError, PrefixTree
+from services.contract.messages import BlockRun
+from services.contract.prefix import chain_from_ids
 
 
 def test_tree_reconnects_a_refilled_gap_and_prunes() -> None:

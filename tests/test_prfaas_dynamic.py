@@ -12,10 +12,11 @@ from typing import Literal
 
 import pytest
 
-from services.hardware import CostModel
-from services.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy, _toward
-from services.policies.roles import RoleConfig
-from services.policy import (
+from services.paper.hardware import CostModel
+from services.paper.workload import TruncatedLogNormal
+from services.router.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy, _toward
+from services.router.policies.roles import RoleConfig
+from services.router.policy import (
     ClusterState,
     ConvertWorker,
     LinkSample,
@@ -24,7 +25,6 @@ from services.policy import (
     SetThreshold,
     WorkerState,
 )
-from services.workload import TruncatedLogNormal
 
 NOMINAL = 100e9
 

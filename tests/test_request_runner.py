@@ -12,8 +12,8 @@ import trio
 import trio.testing
 from router_fakes import fake_mesh, fake_token, generation
 
-from services.router_errors import UpstreamFailed
-from services.telemetry import RequestDone
+from services.contract.events import RequestDone
+from services.router.errors import UpstreamFailed
 
 
 @pytest.mark.trio

@@ -18,11 +18,11 @@ from router_fakes import BLOCK, TOPOLOGY, FakeMesh, Timing, fake_mesh, fake_toke
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
 from services.model.tokenizer import ByteTokenizer
-from services.openai_schema import CompletionRequest, Limits, completion_generation
-from services.router import CLUSTER_HEADER, RouterApp, router_config, run_router
-from services.router_load import DemoWorkload, WorkloadConfig
-from services.scheduler import SchedulerConfig
-from services.serve import ServiceContext
+from services.router.app import CLUSTER_HEADER, RouterApp, router_config, run_router
+from services.router.load import DemoWorkload, WorkloadConfig
+from services.router.openai.schema import CompletionRequest, Limits, completion_generation
+from services.router.scheduler import SchedulerConfig
+from services.service import ServiceContext
 
 FAST = Timing(prfaas_s_per_token=1e-5, pd_s_per_token=1e-5, decode_step_s=0.001)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2

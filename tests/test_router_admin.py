@@ -17,13 +17,13 @@ import trio
 import trio.testing
 from router_fakes import BLOCK, FakeMesh, Timing, decisions, fake_mesh, generation
 
-from services.policies.prfaas import PrfaasPolicy
-from services.policy import Action, ClusterState, ConvertWorker, SetThreshold
-from services.router_errors import NoWorkerAvailable, RouterError
-from services.router_workers import ModelMismatch
-from services.scheduler import SchedulerConfig
-from services.telemetry import Event, RoleChanged, ThresholdChanged
-from services.workload import TruncatedLogNormal
+from services.contract.events import Event, RoleChanged, ThresholdChanged
+from services.paper.workload import TruncatedLogNormal
+from services.router.errors import NoWorkerAvailable, RouterError
+from services.router.policies.prfaas import PrfaasPolicy
+from services.router.policy import Action, ClusterState, ConvertWorker, SetThreshold
+from services.router.scheduler import SchedulerConfig
+from services.router.workers import ModelMismatch
 
 
 @pytest.mark.trio

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.router_errors import (
+from services.router.errors import (
     Conflict,
     ContextTooLong,
     InvalidRequest,

@@ -9,8 +9,8 @@ import trio.testing
 from router_fakes import decisions, fake_mesh
 
 from services.model.tokenizer import ByteTokenizer
-from services.router_errors import RouterError
-from services.router_load import DemoWorkload, WorkloadConfig, corpus_tokens
+from services.router.errors import RouterError
+from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
 
 SCALE = 1 / 64  # router tokens per paper token (as tests/test_router_admin.py)
 

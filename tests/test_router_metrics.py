@@ -8,7 +8,7 @@ import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 from router_fakes import fake_mesh, generation
 
-from services.router_metrics import SchedulerCollector
+from services.router.metrics import SchedulerCollector
 
 
 @pytest.mark.trio

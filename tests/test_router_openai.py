@@ -2,7 +2,7 @@
 
 One asyncio event loop in a background thread (an anyio blocking portal) runs the whole
 mesh in-process on the memory transport: the cache directory, a PrfaaS prefill worker, a PD
-prefill worker and a PD decode worker (services/worker.py with a random-init model, the same
+prefill worker and a PD decode worker (services/worker/service.py with a random-init model, the same
 weights everywhere), and `run_router` itself with hypercorn on a free 127.0.0.1 port. The
 test thread talks to it with the synchronous `openai` client, and reads the router's
 decision events the way the dashboard does (a mesh `Subscribe` stream).
@@ -27,14 +27,15 @@ from mesh.node import Node
 from mesh.topology import Topology, parse_topology
 from mesh.transport import Address, MemoryHub, MemoryTransport
 from mesh.wire import Codec
-from services.messages import CODEC_MESSAGES, Subscribe
+from services.cli.serve import run_service
+from services.contract.events import RoutingDecision
+from services.contract.messages import CODEC_MESSAGES, Subscribe
 from services.model.config import family_config
 from services.model.generate import generate
 from services.model.model import build_model
 from services.model.tokenizer import load_default
-from services.openai_schema import ChatMessage, render_chat
-from services.serve import ServiceContext, run_service
-from services.telemetry import RoutingDecision
+from services.router.openai.schema import ChatMessage, render_chat
+from services.service import ServiceContext
 
 pytestmark = pytest.mark.slow
 

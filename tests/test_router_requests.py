@@ -7,8 +7,8 @@ import trio
 import trio.testing
 from router_fakes import DONE, placed_handle
 
-from services.router_errors import UpstreamFailed
-from services.router_requests import RequestIds
+from services.router.errors import UpstreamFailed
+from services.router.requests import RequestIds
 
 
 @pytest.mark.trio

@@ -8,11 +8,11 @@ import msgspec
 import pytest
 from router_fakes import DONE, placed_handle
 
-from services.messages import Sampling
-from services.openai_schema import GenerationRequest
-from services.router_errors import UpstreamFailed
-from services.router_requests import RequestHandle
-from services.router_responses import Kind, Responder, stream_events
+from services.contract.messages import Sampling
+from services.router.errors import UpstreamFailed
+from services.router.openai.schema import GenerationRequest
+from services.router.requests import RequestHandle
+from services.router.responses import Kind, Responder, stream_events
 
 
 async def events(kind: Kind, request: RequestHandle, **generation: Any) -> list[Any]:

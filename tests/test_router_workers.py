@@ -8,13 +8,12 @@ from router_fakes import INFO, TOPOLOGY
 
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
-from services.cachedir_messages import PrefixMatch, WorkerMatch
-from services.messages import WorkerState
-from services.policies.prfaas import threshold_rule
-from services.policy import RouteInputs
-from services.router_errors import NotFound
-from services.router_requests import Placement
-from services.router_workers import (
+from services.contract.messages import PrefixMatch, WorkerMatch, WorkerState
+from services.router.errors import NotFound
+from services.router.policies.prfaas import threshold_rule
+from services.router.policy import RouteInputs
+from services.router.requests import Placement
+from services.router.workers import (
     ModelMismatch,
     WorkerEntry,
     WorkerSpec,

@@ -1,4 +1,5 @@
-"""run(): backend options built per backend (stack.md G2), refusing silent no-ops."""
+"""run(): backend options built per backend (docs/engineering-notes.md G2), refusing silent
+no-ops."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ import trio
 import trio.testing
 from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
 
-from services.policies.prfaas import threshold_rule
-from services.policy import RouteInputs
-from services.router_errors import NoWorkerAvailable, QueueFull
-from services.scheduler import SchedulerConfig, note_scarce_pin
-from services.telemetry import RequestDone
+from services.contract.events import RequestDone
+from services.router.errors import NoWorkerAvailable, QueueFull
+from services.router.policies.prfaas import threshold_rule
+from services.router.policy import RouteInputs
+from services.router.scheduler import SchedulerConfig, note_scarce_pin
 
 
 @pytest.mark.trio

@@ -14,20 +14,12 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.topology import parse_topology
 from mesh.transport import Address, TcpTransport
-from services.launch import in_process
-from services.messages import Echo, Subscribe
-from services.serve import (
-    ServiceContext,
-    default_topology,
-    link_of_peer,
-    link_routes,
-    resolve_from,
-    runner_for,
-    serve_events,
-    serve_main,
-)
-from services.telemetry import Event, WorkerStatus
-from services.worker import WorkerService
+from services.cli.launch import in_process
+from services.cli.serve import default_topology, runner_for, serve_main
+from services.contract.events import Event, WorkerStatus
+from services.contract.messages import Echo, Subscribe
+from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
+from services.worker.service import WorkerService
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services import telemetry as t
+from services.contract import events as t
 
 SAMPLES: list[t.Event] = [
     t.RoutingDecision(

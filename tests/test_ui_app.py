@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 
-from services import telemetry as t
+from services.contract import events as t
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import (

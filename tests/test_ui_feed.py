@@ -1,4 +1,4 @@
-"""services/ui_feed.py: the dashboard's feed of every service's events, and the `ui` runner.
+"""ui/feed.py: the dashboard's feed of every service's events, and the `ui` runner.
 
 The feed tests run peers and the feed in one trio loop over an in-memory network on virtual
 time: events of several peers merge, a peer that is late, restarts, or misbehaves costs only
@@ -26,11 +26,12 @@ from mesh.server import Context
 from mesh.topology import parse_topology
 from mesh.transport import Address, MemoryHub, MemoryTransport
 from mesh.wire import Codec
-from services.launch import in_process
-from services.messages import CODEC_MESSAGES, Echo, Subscribe
-from services.serve import default_topology, runner_for, serve_events, serve_main
-from services.telemetry import AnyEvent, Event, WorkerStatus
-from services.ui_feed import (
+from services.cli.launch import in_process
+from services.cli.serve import default_topology, runner_for, serve_main
+from services.contract.events import AnyEvent, Event, WorkerStatus
+from services.contract.messages import CODEC_MESSAGES, Echo, Subscribe
+from services.service import serve_events
+from ui.feed import (
     FeedConfig,
     MeshFeed,
     dashboard_config,

@@ -4,7 +4,7 @@ The browser talks only to the dashboard's origin; the dashboard forwards each re
 service that owns the setting (the link's control API, the router's admin API), so the page
 needs no CORS and no knowledge of addresses. The services' JSON answers pass through as they are.
 
-Contracts (DESIGN.md section 4): link control API at the topology's link address, e.g.
+Contracts (docs/architecture.md section 4): link control API at the topology's link address, e.g.
 http://127.0.0.1:8474 (netem/control.py: GET /link, POST /link partial update); router admin
 API, e.g. http://127.0.0.1:8000 (POST /admin/policy, /admin/threshold, /admin/workload,
 /admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state).

@@ -16,7 +16,8 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from services.telemetry import AnyEvent, Role
+from services.contract.events import AnyEvent
+from services.contract.types import WorkerRole as Role
 from ui.controls import (
     ControlClient,
     JsonObject,

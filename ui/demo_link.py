@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from services.telemetry import LinkStats
+from services.contract.events import LinkStats
 from ui.demo_model import UNSHAPED_BPS, Request
 
 LOAD_SMOOTHING = 0.3  # weight of the newest sample in the smoothed utilisation

@@ -20,16 +20,16 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from services.telemetry import (
+from services.contract.events import (
     AnyEvent,
     CacheActivity,
     KVFlow,
     RequestDone,
     RequestPhase,
-    Role,
     RoutingDecision,
     ThresholdChanged,
 )
+from services.contract.types import WorkerRole as Role
 from ui.demo_link import SyntheticLink, SyntheticLinkStatistics
 from ui.demo_model import (
     INTRA_CLUSTER_BPS,

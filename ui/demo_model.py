@@ -14,7 +14,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.telemetry import Role
+from services.contract.types import WorkerRole as Role
 
 MIB = 1 << 20
 # Paper Table 5 (1T hybrid, 8 H200): S_kv is about 163 MiB of fixed linear-attention state plus
@@ -149,7 +149,8 @@ class Route(msgspec.Struct, frozen=True):
 def route(
     policy: str, t: float, total: int, cached_prfaas: int, cached_pd: int, scarce: bool
 ) -> Route:
-    """Where a request prefills (paper 3.3 / 3.4.3, DESIGN.md section 4 step 3) and why."""
+    """Where a request prefills (paper 3.3 / 3.4.3, docs/architecture.md section 4 step 3) and
+    why."""
     if policy == "pd-only":
         return Route(False, total - cached_pd, None, "pd-only: every prefill stays in PD")
     if policy == "prfaas-only":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.telemetry import Role, RoleChanged, WorkerStatus
+from services.contract.events import RoleChanged, WorkerStatus
+from services.contract.types import WorkerRole as Role
 from ui.demo_model import SyntheticConfig, Worker
 
 

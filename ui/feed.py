@@ -29,9 +29,9 @@ from mesh.errors import ConfigError, MeshError
 from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address
-from services.messages import Subscribe
-from services.serve import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
-from services.telemetry import EVENT_TYPES, AnyEvent
+from services.contract.events import EVENT_TYPES, AnyEvent
+from services.contract.messages import Subscribe
+from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
 from ui.config import DashboardConfig
 from ui.controls import HttpControlClient
 from ui.serve import serve_ui

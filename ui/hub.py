@@ -19,7 +19,7 @@ from typing import ClassVar, Protocol
 import anyio
 import msgspec
 
-from services.telemetry import AnyEvent, encode_json
+from services.contract.events import AnyEvent, encode_json
 from ui.config import DashboardConfig
 from ui.state import DashboardState, Mode, Snapshot
 

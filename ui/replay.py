@@ -1,6 +1,6 @@
 """Recorded event logs: read, write, list, and play back into the hub with their timing.
 
-A log is JSON lines, one telemetry event a line (`services.telemetry.encode_json`), so a run
+A log is JSON lines, one telemetry event a line (`services.contract.events.encode_json`), so a run
 recorded anywhere (live mesh, sim, the synthetic demo) can be watched later. Playback keeps the
 gaps between events' timestamps, divided by the speed; pause and speed changes take effect
 within `max_step_s` of wall time. The sleep is injected so tests run on trio's virtual clock.
@@ -16,7 +16,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from services.telemetry import AnyEvent, decode_json, encode_json
+from services.contract.events import AnyEvent, decode_json, encode_json
 from ui.errors import ReplayError
 from ui.hub import EventHub
 

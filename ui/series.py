@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from services.telemetry import (
+from services.contract.events import (
     AnyEvent,
     LinkStats,
     RequestDone,

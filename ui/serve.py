@@ -2,7 +2,7 @@
 
 Live it runs on asyncio with uvloop; tests run it on trio. The listening socket is bound here
 (port 0 picks a free one) and reported through `task_status`, so a caller knows where to look.
-On the real mesh the dashboard is `prfaas serve ui` (services/ui_feed.py feeds it every
+On the real mesh the dashboard is `prfaas serve ui` (ui/feed.py feeds it every
 service's events); `ui_main` (`python -m ui`) is the dashboard alone: the offline demo with
 `--simulated`, else recorded logs only.
 """
@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import anyio
-import hypercorn.asyncio
-import hypercorn.trio
-import sniffio
 from anyio.abc import TaskStatus
-from hypercorn.config import Config as HypercornConfig
-from starlette.applications import Starlette
 
+from mesh.http import serve_http
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
@@ -42,16 +37,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(app: Starlette, config: HypercornConfig, stop: anyio.Event) -> None:
-    on_trio = sniffio.current_async_library() == "trio"
-    serve: Callable[..., Awaitable[None]] = (
-        hypercorn.trio.serve if on_trio else hypercorn.asyncio.serve
-    )
-    # Shielded so that cancelling serve_ui still shuts hypercorn down in order.
-    with anyio.CancelScope(shield=True):
-        await serve(app, config, shutdown_trigger=stop.wait)
-
-
 async def serve_ui(
     host: str,
     port: int,
@@ -65,24 +50,9 @@ async def serve_ui(
     """Serves the dashboard until cancelled; reports the bound (host, port) when listening."""
     hub = EventHub(config or DashboardConfig())
     app = build_app(source, controls, hub=hub, replay_dirs=replay_dirs)
-    http = HypercornConfig()
-    http.errorlog = logging.getLogger("ui.http")
-    http.accesslog = None
-    http.graceful_timeout = 1.0
-    stop = anyio.Event()
-    with _listen(host, port) as sock:
-        # hypercorn owns (and closes) a duplicate of the socket; we close ours.
-        http.bind = [f"fd://{os.dup(sock.fileno())}"]
-        bound = sock.getsockname()[:2]
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(_serve, app, http, stop)
-            task_status.started((bound[0], bound[1]))
-            try:
-                await anyio.sleep_forever()
-            finally:
-                # Ending the feeds first lets every open event stream finish within the grace.
-                hub.close()
-                stop.set()
+    # Ending the feeds first lets every open event stream finish within the grace.
+    await serve_http(app, host, port, log_name="ui.http", before_stop=hub.close,
+                     task_status=task_status)
 
 
 def _parser() -> argparse.ArgumentParser:

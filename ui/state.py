@@ -13,7 +13,7 @@ from typing import ClassVar, Literal, TypeVar
 
 import msgspec
 
-from services.telemetry import (
+from services.contract.events import (
     AnyEvent,
     KVFlow,
     LinkStats,

@@ -1,4 +1,4 @@
-"""Bench metrics with vLLM's definitions (`vllm bench serve`; DESIGN.md section 8).
+"""Bench metrics with vLLM's definitions (`vllm bench serve`; docs/architecture.md section 8).
 
 Per request: TTFT = first non-empty streamed token - request sent; E2EL = last token - sent;
 TPOT = (E2EL - TTFT) / (output tokens - 1) for requests with more than one output token;

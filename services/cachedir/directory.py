@@ -2,9 +2,10 @@
 
 Pure state, no I/O: workers' stored/evicted reports go in, prefix matches and transfer plans
 come out, and typed `CacheEvent`s collect in an outbox the caller drains (dashboard feed).
-The networked service wraps this class and feeds it the messages of services.cachedir_messages.
+The networked service wraps this class and feeds it the messages of services.contract.messages.
 
-Two lengths per worker, because hybrid models cache two kinds of things (DESIGN.md section 5):
+Two lengths per worker, because hybrid models cache two kinds of things (docs/architecture.md
+section 5):
 - `blocks_held`: leading blocks whose full-attention KV the worker holds. Any held prefix is
   usable as KV, so the router uses it for the *transfer plan* to a decode worker (send only
   the blocks it lacks, plus the linear-attention states at the new end).
@@ -12,7 +13,8 @@ Two lengths per worker, because hybrid models cache two kinds of things (DESIGN.
   SWA state is reusable only at exactly the length it was taken, so this is what a prefill
   worker can *resume computing* from: the router's l_prfaas and l_pd (paper section 3.3).
 
-Queries must be hash chains from block 0 (`services.prefix.block_hashes` or `chain_from_ids`).
+Queries must be hash chains from block 0 (`services.contract.prefix.block_hashes` or
+`chain_from_ids`).
 """
 
 from __future__ import annotations
@@ -20,24 +22,53 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Literal
 
 import msgspec
 
-from services.cachedir_messages import (
+from services.cachedir.tree import IntegrityError, PrefixTree
+from services.contract.errors import UnknownWorkerError
+from services.contract.messages import (
+    BlockRun,
     BlocksEvicted,
     BlocksStored,
-    CacheDirectoryStatistics,
-    CacheEvent,
     ClusterMatch,
-    EventKind,
     PrefixMatch,
-    Role,
     TransferPlan,
-    UnknownWorkerError,
     WorkerMatch,
     WorkerReport,
 )
-from services.prefix_tree import BlockRun, IntegrityError, PrefixTree
+from services.contract.types import Role
+
+EventKind = Literal["stored", "evicted", "forgotten", "replaced", "rebuilt"]
+
+
+class CacheEvent(msgspec.Struct, frozen=True, tag=True):
+    kind: EventKind
+    worker: str
+    cluster: str
+    n_blocks: int
+    n_snapshots: int
+    seq: int
+    ts: float
+
+
+class CacheDirectoryStatistics(msgspec.Struct, frozen=True):
+    workers: int
+    clusters: int
+    blocks: int  # distinct blocks held by anyone
+    block_entries: int  # (worker, block) pairs
+    snapshots: int
+    nodes: int  # held blocks plus unheld ancestors kept to reconnect gaps
+    lookups: int
+    plans: int
+    stored_reports: int
+    evicted_reports: int
+    blocks_stored: int
+    blocks_evicted: int
+    stale_evictions: int  # evicted blocks the directory did not know the worker held
+    rebuilds: int
+    events_dropped: int  # outbox overflow: the caller did not drain in time
 
 
 class _Worker(msgspec.Struct):

@@ -1,4 +1,4 @@
-"""The cache directory service: `services.cachedir.CacheDirectory` on the mesh.
+"""The cache directory service: `services.cachedir.directory.CacheDirectory` on the mesh.
 
 Workers cast `BlocksStored` / `BlocksEvicted` as their prefix caches change and a full
 `WorkerReport` when they start or after a lost report; the router (or `prfaas send`) calls
@@ -21,18 +21,20 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.server import Context
 from mesh.transport import Address
-from services.cachedir import CacheDirectory
-from services.cachedir_messages import (
+from services.cachedir.directory import CacheDirectory, CacheDirectoryStatistics, CacheEvent
+from services.contract.events import CacheActivity, Event
+from services.contract.messages import (
     BlocksEvicted,
     BlocksStored,
-    CacheDirectoryStatistics,
-    CacheEvent,
+    PlanQuery,
+    PlanReply,
     PrefixQuery,
+    PrefixReply,
+    ReportCache,
     WorkerReport,
 )
-from services.messages import PlanQuery, PlanReply, PrefixReply, ReportCache, Role
-from services.serve import WORKER_KINDS, ServiceContext, serve_events, serve_metrics
-from services.telemetry import CacheActivity, Event
+from services.contract.types import Role
+from services.service import WORKER_KINDS, ServiceContext, serve_events, serve_metrics
 
 log = logging.getLogger(__name__)
 

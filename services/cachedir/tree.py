@@ -1,10 +1,11 @@
 """The tree of held prefix blocks: which holder holds which blocks of which hash chains.
 
-`PrefixTree` keeps held blocks as the tree their hash chains (services.prefix) form (each
+`PrefixTree` keeps held blocks as the tree their hash chains (services.contract.prefix) form (each
 block knows its parent and depth) and, per holder, which blocks close an unbroken chain from
 block 0. Along a query chain the set of holders with an unbroken chain only shrinks, so the
 longest held prefix of every holder is found by binary search: O(distinct lengths * log(query
-blocks)) dict probes, however many blocks are cached. `services.cachedir.CacheDirectory` maps
+blocks)) dict probes, however many blocks are cached. `services.cachedir.directory.CacheDirectory`
+maps
 workers onto holders.
 """
 
@@ -13,28 +14,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-import msgspec
-
-from services.prefix import BlockHash, check_hash
+from services.contract.errors import PrefixCacheError
+from services.contract.messages import BlockRun
+from services.contract.prefix import check_hash
 
 # Parent markers; real hashes are never negative.
 ROOT = -1
 UNKNOWN = -2
-
-
-class BlockRun(msgspec.Struct, frozen=True):
-    """Blocks `first .. first+len(hashes)-1` of one chain. `parent` is the hash of block
-    `first-1` (None iff first == 0); `snapshot_at` lists the absolute block indices at whose
-    end the state snapshot is held too."""
-
-    hashes: list[BlockHash]
-    snapshot_at: list[int] = []
-    first: int = 0
-    parent: BlockHash | None = None
-
-
-class PrefixCacheError(Exception):
-    """Base of the prefix cache's errors (tree and directory)."""
 
 
 class ChainError(PrefixCacheError, ValueError):

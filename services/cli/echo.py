@@ -12,9 +12,9 @@ import anyio.abc
 from mesh.events import EventBus
 from mesh.server import Context
 from mesh.transport import Address
-from services.messages import Echo
-from services.serve import ServiceContext, serve_events
-from services.telemetry import Event
+from services.contract.events import Event
+from services.contract.messages import Echo
+from services.service import ServiceContext, serve_events
 
 
 async def run_echo(

@@ -2,7 +2,7 @@
 
 `in_process` runs the named services as tasks of the caller's event loop over one network
 (in memory by default): tests and simulation. `launch` runs `prfaas serve NAME` for each name
-as a child process and waits for each one's ready line (services.serve): end-to-end tests and
+as a child process and waits for each one's ready line (services.cli.serve): end-to-end tests and
 benchmarks.
 """
 
@@ -25,8 +25,10 @@ from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address, MemoryHub, MemoryTransport, Transport
 from mesh.wire import Codec
-from services.messages import CODEC_MESSAGES, DataPathError
-from services.serve import Mode, ServiceContext, run_service
+from services.cli.serve import run_service
+from services.contract.errors import DataPathError
+from services.contract.messages import CODEC_MESSAGES
+from services.service import Mode, ServiceContext
 
 
 class InProcessMesh:
@@ -93,7 +95,8 @@ def launch(
     """Runs `prfaas serve NAME` for each name as a child process until the block ends.
 
     All start at once (they load their models in parallel); the block starts once each has
-    printed its ready line. Children get MALLOC_TOP_PAD_ (stack.md G3); their logs go to
+    printed its ready line. Children get MALLOC_TOP_PAD_ (docs/engineering-notes.md G3); their logs
+    go to
     log_dir/NAME.log. Every child is terminated (then killed) on the way out.
     """
     env = {**os.environ, "MALLOC_TOP_PAD_": os.environ.get("MALLOC_TOP_PAD_", "67108864")}
@@ -106,7 +109,7 @@ def launch(
                 log_file = open(log_dir / f"{name}.log", "w")  # noqa: SIM115
                 logs.append(log_file)
             children[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "serve", name, "--topology",
+                [sys.executable, "-m", "services.cli.main", "serve", name, "--topology",
                  str(topology), *extra_args],
                 stdout=subprocess.PIPE, stderr=log_file or subprocess.DEVNULL, text=True,
                 env=env,

@@ -19,9 +19,9 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("services.serve", "serve_main", "run one service of the mesh by name"),
+    "serve": Command("services.cli.serve", "serve_main", "run one service of the mesh by name"),
     "send": Command(
-        "services.send", "send_main", "drive one prompt through a prefill and a decode worker"
+        "services.cli.send", "send_main", "drive one prompt through a prefill and a decode worker"
     ),
     "train": Command("services.model.train", "train_main", "train the default model on the corpus"),
     "train-tokenizer": Command(
@@ -29,7 +29,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command("services.bench.cli", "bench_main", "an OpenAI streaming load client"),
     "plan": Command(
-        "services.plan_command", "plan_main", "the paper's throughput model, grid search"
+        "services.cli.plan", "plan_main", "the paper's throughput model, grid search"
     ),
 }
 

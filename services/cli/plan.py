@@ -13,8 +13,8 @@ import sys
 
 import msgspec
 
-from services.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
-from services.workload import (
+from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
+from services.paper.workload import (
     EmpiricalLengths,
     LengthDistribution,
     incremental_lengths,

@@ -1,6 +1,7 @@
 """`prfaas send`: drive one prompt through a chosen prefill worker and decode worker.
 
-Until the router exists this is how a request crosses the mesh (DESIGN.md section 4, steps
+Until the router exists this is how a request crosses the mesh (docs/architecture.md section 4,
+steps
 4-7): ask the cache directory what the decode worker already holds of the prompt, open the
 token stream at the decode worker, call the prefill worker at the same time (it streams the KV
 straight to the decode worker), and print the tokens as they arrive and the bytes moved.
@@ -28,10 +29,10 @@ from mesh.node import Node
 from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
 from mesh.wire import Codec
-from services.kv_stream import leaves
-from services.messages import (
+from services.cli.serve import DEFAULT_TOPOLOGY_PATH
+from services.contract.errors import DataPathError
+from services.contract.messages import (
     CODEC_MESSAGES,
-    DataPathError,
     DecodeRequest,
     ModelInfo,
     PlanQuery,
@@ -44,8 +45,9 @@ from services.messages import (
     WorkerState,
 )
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
-from services.prefix_store import prompt_hashes
-from services.serve import DEFAULT_TOPOLOGY_PATH, link_service_of
+from services.service import link_service_of
+from services.worker.kv_stream import leaves
+from services.worker.prefix_store import prompt_hashes
 
 log = logging.getLogger(__name__)
 

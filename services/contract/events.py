@@ -13,8 +13,7 @@ from typing import Literal
 
 import msgspec
 
-Cluster = str
-Role = Literal["prefill", "decode", "draining"]
+from services.contract.types import Phase, WorkerRole
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -38,7 +37,7 @@ class RoutingDecision(Event, frozen=True, tag="decision"):
     link_utilisation: float  # 0..1, egress of the PrfaaS cluster's link
     queue_prfaas: int  # queued prefill jobs in the PrfaaS cluster
     queue_pd: int  # ... and in the PD cluster
-    cluster: Cluster  # where prefill runs
+    cluster: str  # where prefill runs
     prefill_worker: str
     decode_worker: str
     bandwidth_scarce: bool
@@ -82,8 +81,8 @@ class WorkerStatus(Event, frozen=True, tag="worker"):
     """A periodic sample of one worker."""
 
     worker: str
-    cluster: Cluster
-    role: Role
+    cluster: str
+    role: WorkerRole
     queue_depth: int
     running: int  # requests in prefill, or in the decode batch
     busy: bool
@@ -94,16 +93,16 @@ class RequestPhase(Event, frozen=True, tag="phase"):
     """A request entered a phase; the dashboard's waterfall is built from these."""
 
     request_id: str
-    phase: Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]
+    phase: Phase
     worker: str
     detail: str = ""
 
 
 class RequestDone(Event, frozen=True, tag="done"):
-    """A request finished at the router, with its latencies (DESIGN.md section 8)."""
+    """A request finished at the router, with its latencies (docs/architecture.md section 8)."""
 
     request_id: str
-    cluster: Cluster
+    cluster: str
     ttft_s: float
     tpot_s: float
     e2e_s: float
@@ -127,8 +126,8 @@ class RoleChanged(Event, frozen=True, tag="role"):
     """A PD worker was converted between prefill and decode (long-term loop or by hand)."""
 
     worker: str
-    old: Role
-    new: Role
+    old: WorkerRole
+    new: WorkerRole
     reason: str
 
 
@@ -136,7 +135,7 @@ class CacheActivity(Event, frozen=True, tag="cache"):
     """Blocks stored on or evicted from a worker, as the cache directory saw it."""
 
     worker: str
-    cluster: Cluster
+    cluster: str
     kind: Literal["stored", "evicted"]
     blocks: int
     total_blocks: int

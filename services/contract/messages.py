@@ -1,10 +1,10 @@
 """The messages the PrfaaS services exchange over the mesh: one module, the whole contract.
 
 Every message is a tagged msgspec Struct; `CODEC_MESSAGES` lists them for the mesh `Codec`
-(with the cache directory's own messages, services.cachedir, and the dashboard events,
-services.telemetry, which travel on the same connections).
+(with the cache directory's own messages, services.cachedir.directory, and the dashboard events,
+services.contract.events, which travel on the same connections).
 
-A request's life (DESIGN.md section 4): the router (or `prfaas send`) asks the cache
+A request's life (docs/architecture.md section 4): the router (or `prfaas send`) asks the cache
 directory for a `PlanQuery` -> `PlanReply`; it opens a token stream at the decode worker with
 `DecodeRequest` and, at the same time, calls the prefill worker with `PrefillRequest`. The
 prefill worker pushes the KV to the decode worker as upload streams, one per connection
@@ -15,47 +15,18 @@ its batch and streams `TokenChunk`s back. Workers report their cached blocks to 
 directory (`BlocksStored`, `BlocksEvicted`, `WorkerReport`); it asks for a full report with
 `ReportCache` after a restart. Any service streams its dashboard events to a `Subscribe`r.
 
-Errors cross the wire by exception type name (mesh `RemoteError.error`), so the small tree
-below is part of the contract too.
+Errors cross the wire by exception type name (mesh `RemoteError.error`); their small tree is
+services.contract.errors.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
-
 import msgspec
 
-from services.cachedir_messages import (
-    BlocksEvicted,
-    BlocksStored,
-    PrefixMatch,
-    PrefixQuery,
-    TransferPlan,
-    WorkerReport,
-)
-from services.prefix import BlockHash
-from services.telemetry import EVENT_TYPES
-
-if TYPE_CHECKING:
-    from services.model.sampling import SamplingParams
-
-Role = Literal["prefill", "decode"]
-
-
-class DataPathError(Exception):
-    """Root of the data path's errors (prefill, decode, KV transfer, launch)."""
-
-
-class RequestError(DataPathError, ValueError):
-    """A request carries an impossible value; the message names the field and the value."""
-
-
-class KVTransferError(DataPathError):
-    """A request's KV did not arrive whole: the stream broke, timed out or does not fit."""
-
-
-class WrongRole(DataPathError):
-    """A worker was asked for work of the role it does not hold (or is draining)."""
+from services.contract.errors import UnknownWorkerError
+from services.contract.events import EVENT_TYPES
+from services.contract.prefix import BlockHash
+from services.contract.types import Role
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,16 +37,6 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     seed: int | None = None
     stop_on_eos: bool = True
-
-    def params(self) -> SamplingParams:
-        """The model's SamplingParams; SamplingError names a bad value."""
-        # Imported here so that services which never sample (router, ui) need no torch.
-        from services.model.sampling import SamplingParams
-
-        return SamplingParams(
-            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stop_on_eos=self.stop_on_eos,
-        )
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,7 +132,7 @@ class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """One exported KV piece (services.model.export: header + payload, crc32): a layer's
-    full-attention KV from token `start` on, or its state (services.kv_stream)."""
+    full-attention KV from token `start` on, or its state (services.worker.kv_stream)."""
 
     request_id: str
     layer: int
@@ -219,6 +180,95 @@ class WorkerState(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     model: ModelInfo
 
 
+# The cache directory's messages: what workers report, what lookups and plans answer.
+
+
+class BlockRun(msgspec.Struct, frozen=True):
+    """Blocks `first .. first+len(hashes)-1` of one chain. `parent` is the hash of block
+    `first-1` (None iff first == 0); `snapshot_at` lists the absolute block indices at whose
+    end the state snapshot is held too."""
+
+    hashes: list[BlockHash]
+    snapshot_at: list[int] = []
+    first: int = 0
+    parent: BlockHash | None = None
+
+
+class BlocksStored(msgspec.Struct, frozen=True, tag=True):
+    worker: str
+    runs: list[BlockRun]
+
+
+class BlocksEvicted(msgspec.Struct, frozen=True, tag=True):
+    """Blocks dropped; with `snapshots_only` their KV stays and only their snapshots go."""
+
+    worker: str
+    hashes: list[BlockHash]
+    snapshots_only: bool = False
+
+
+class WorkerReport(msgspec.Struct, frozen=True, tag=True):
+    """A worker's whole cache, sent after a directory restart (or to re-sync one worker)."""
+
+    worker: str
+    cluster: str
+    role: Role
+    runs: list[BlockRun]
+
+
+class PrefixQuery(msgspec.Struct, frozen=True, tag=True):
+    hashes: list[BlockHash]
+    role: Role | None = None
+
+
+class WorkerMatch(msgspec.Struct, frozen=True):
+    worker: str
+    cluster: str
+    role: Role
+    blocks_held: int
+    blocks_resumable: int
+
+
+class ClusterMatch(msgspec.Struct, frozen=True):
+    """Per-cluster maxima; `best_worker` resumes most (ties: holds most, then first by name)."""
+
+    cluster: str
+    blocks_held: int
+    blocks_resumable: int
+    best_worker: str | None
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """`workers`: those holding at least block 0, by name. `clusters`: every cluster, by name."""
+
+    n_blocks: int
+    workers: list[WorkerMatch]
+    clusters: list[ClusterMatch]
+
+    def cluster(self, name: str) -> ClusterMatch:
+        for match in self.clusters:
+            if match.cluster == name:
+                return match
+        raise UnknownWorkerError(f"cluster {name!r} has no registered workers")
+
+
+class TransferPlan(msgspec.Struct, frozen=True):
+    """What `target_worker` lacks of a request's blocks. `send`: every block index from its
+    first missing one (`target_held`) on that it does not hold; those below `source_held` can
+    come from the source's cache, the rest must be computed. `states_needed` is False only if
+    the target can resume at the last hashed block (a partial tail block always needs them)."""
+
+    n_blocks: int
+    target_worker: str
+    target_held: int
+    target_resumable: int
+    source_worker: str | None
+    source_held: int
+    cross_cluster: bool
+    send: list[int]
+    states_needed: bool
+
+
 class PlanQuery(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Ask the cache directory what `target_worker` lacks of the chain `hashes`."""
 
@@ -242,7 +292,7 @@ class ReportCache(msgspec.Struct, frozen=True, tag=True):
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Open a stream of this service's dashboard events (services.telemetry) from now on."""
+    """Open a stream of this service's dashboard events (services.contract.events) from now on."""
 
     maxlen: int = 1024
 

@@ -8,7 +8,7 @@ about 2**-63 per pair). The cache directory relies on this: a hash names a whole
 
 Hash ids are non-negative integers below 2**63 everywhere (the top bit of the 64-bit digest is
 cleared), so they fit int64 (numpy, torch) and uint64 alike, and msgpack always encodes them as
-the same non-negative integer. Which worker holds which chains: services.prefix_tree.
+the same non-negative integer. Which worker holds which chains: services.cachedir.tree.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def chain_from_ids(hash_ids: Sequence[int], seed: int = 0) -> list[int]:
     """Map a Mooncake trace's `hash_ids` into this module's hash space, chained.
 
     Mooncake's ids (FAST'25 traces, 512-token blocks) are already prefix-chained: an id names
-    its block together with all preceding blocks (shared/data/traces/README.md; checked in
+    its block together with all preceding blocks (data/traces/README.md; checked in
     tests/test_prefix.py: every id has one position and one predecessor). Chaining them again
     is therefore harmless, keeps them correct for traces whose ids name single blocks only,
     and spreads them over [0, 2**63) in their own domain, apart from token-derived hashes.

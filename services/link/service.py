@@ -1,7 +1,7 @@
 """The `link` service: the emulated line between two clusters, on the mesh.
 
 `prfaas serve link-0` runs `netem.serve_link` with one proxy route per worker of the link's
-receiving cluster (`services.serve.link_routes`, the same table the senders' resolvers use),
+receiving cluster (`services.cli.serve.link_routes`, the same table the senders' resolvers use),
 shaped to the topology's bandwidth and delay; the control API (Toxiproxy-style, and
 `/metrics`) listens on options.control_port. A mesh node on the service's own port serves
 the event stream, where a `LinkStats` sample is published every options.stats_interval s.
@@ -21,8 +21,8 @@ from mesh.transport import Address
 from netem.control import serve_link
 from netem.proxy import ProxyConfig, ProxyStatistics, Route
 from netem.shaper import LinkParams
-from services.serve import ServiceContext, link_routes, link_service_of, serve_events
-from services.telemetry import Event, LinkStats
+from services.contract.events import Event, LinkStats
+from services.service import ServiceContext, link_routes, link_service_of, serve_events
 
 log = logging.getLogger(__name__)
 

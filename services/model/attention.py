@@ -5,7 +5,7 @@
   an explicit bottom-right-aligned mask, so no T x L matrix is ever built at once.
 - `sliding_window_attention`: a query at position t sees keys t - W .. t (the W previous
   tokens and itself; the request state is the last W tokens' K/V). Learnable sinks add one
-  logit per query head to the softmax denominator (paper.md section 6.2). Computed block-
+  logit per query head to the softmax denominator (docs/paper-notes.md section 6.2). Computed block-
   locally: queries of a W-block attend to their block and the previous one, never T x T.
 - `window_decode_attention`: one query per request against its ring of W slots plus itself.
 """

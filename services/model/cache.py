@@ -1,6 +1,6 @@
 """One request's KV cache: block-level full-attention KV plus request-level layer states.
 
-Paper section 3.2 (paper.md 2.2): full-attention KV grows with length and is reusable by
+Paper section 3.2 (docs/paper-notes.md 2.2): full-attention KV grows with length and is reusable by
 prefix; linear-attention states (recurrent state + conv tails) and sliding-window K/V are
 fixed in size and reusable only at exactly the length they were taken. So a `RequestCache`
 holds, per layer, one of:

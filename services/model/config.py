@@ -1,6 +1,6 @@
 """Model configurations: the four hybrid families, their sizes, and KV byte accounting.
 
-Families (paper.md section 6; DESIGN.md section 5):
+Families (docs/paper-notes.md section 6; docs/architecture.md section 5):
 - `kimi-linear`: KDA : MLA (NoPE) = 3 : 1.
 - `mimo`: sliding-window attention (window 128, learnable sinks) : GQA = 5 : 1.
 - `qwen-next`: Gated DeltaNet : gated GQA = 3 : 1.

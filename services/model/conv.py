@@ -4,7 +4,7 @@ Each channel c is filtered on its own: y[t, c] = sum_{j<K} weight[c, j] * x[t - 
 where inputs before the start of the sequence come from `tail`, the last K-1 inputs of the
 previous segment (zeros for a fresh sequence). Returning the new tail lets a prefill be split
 anywhere (prefix reuse, chunked prefill, decode) with results identical to one pass. Kimi
-Linear and Qwen3-Next use K = 4 without bias (paper.md section 6.1); activation is the
+Linear and Qwen3-Next use K = 4 without bias (docs/paper-notes.md section 6.1); activation is the
 caller's.
 """
 

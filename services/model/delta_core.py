@@ -1,7 +1,7 @@
 """The part KDA and Gated DeltaNet share: q/k/v through short convolutions, the delta rule
 run against a request's `LinearState`, and state snapshots at block boundaries.
 
-Kimi Linear section 4 / Gated DeltaNet section 3.4 (paper.md 6.1, 6.3): q, k, v = SiLU(
+Kimi Linear section 4 / Gated DeltaNet section 3.4 (docs/paper-notes.md 6.1, 6.3): q, k, v = SiLU(
 ShortConv(W x)), q and k L2-normalised per head, beta = sigmoid(W_b x). The layers add their
 own decay (per channel for KDA, per head for GDN) and output norm and gate.
 

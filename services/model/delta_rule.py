@@ -1,6 +1,7 @@
 """The gated delta rule: the linear-attention recurrence of KDA and Gated DeltaNet layers.
 
-Per head, with state S in R^{Dk x Dv} and for every token t (paper.md section 6.1, following
+Per head, with state S in R^{Dk x Dv} and for every token t (docs/paper-notes.md section 6.1,
+following
 flash-linear-attention's naive KDA reference):
 
     S <- Diag(exp(g_t)) S                      decay the Dk rows (per channel for KDA,

@@ -1,5 +1,5 @@
 """Gated DeltaNet: the gated delta rule with one scalar decay per head (Qwen3-Next's linear
-layer; GDN paper section 3, paper.md 6.3).
+layer; GDN paper section 3, docs/paper-notes.md 6.3).
 
 q, k, v from short convolutions with SiLU, L2-normalised q and k; alpha = exp(g) with
 g = -exp(A_log) * softplus(W_a x + dt_bias) per head; beta = sigmoid(W_b x); the output is an

@@ -1,5 +1,5 @@
 """Grouped-query attention with RoPE, optionally with Qwen3-Next's sigmoid output gate
-(Output = Attention(Q, K, V) * sigmoid(W_theta x), paper.md 6.3).
+(Output = Attention(Q, K, V) * sigmoid(W_theta x), docs/paper-notes.md 6.3).
 
 K and V are cached per token after RoPE, as [H_kv, capacity, D] each. Decode attends per
 request over its own cache (lengths differ); projections and the FFN stay batched.

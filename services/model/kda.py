@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): the gated delta rule with a per-channel decay.
 
-Kimi Linear section 4 and fla's KDA layer (paper.md 6.1): q, k, v from short convolutions
+Kimi Linear section 4 and fla's KDA layer (docs/paper-notes.md 6.1): q, k, v from short convolutions
 with SiLU, L2-normalised q and k, decay g = -exp(A_log) * softplus(W_f x + dt_bias) through a
 low-rank W_f (rank = gate_rank), beta = sigmoid(W_b x); the output is a head-wise RMSNorm
 times a low-rank sigmoid gate, then W_o.

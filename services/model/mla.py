@@ -1,4 +1,5 @@
-"""Multi-head latent attention with NoPE (Kimi Linear's full-attention layer, paper.md 6.1).
+"""Multi-head latent attention with NoPE (Kimi Linear's full-attention layer, docs/paper-notes.md
+6.1).
 
 Only the compressed latent c = RMSNorm(W_dkv x) (kv_lora_rank values) is cached per token;
 K and V are up-projected from it. There is no rotary embedding at all. Prefill up-projects

@@ -1,4 +1,5 @@
-"""Sliding-window attention with learnable sinks (MiMo-V2-Flash's local layer, paper.md 6.2).
+"""Sliding-window attention with learnable sinks (MiMo-V2-Flash's local layer, docs/paper-notes.md
+6.2).
 
 A query at position t sees the W previous tokens and itself (W = cfg.window = 128); the
 request state is a ring of the last W tokens' K/V (after RoPE). One learnable sink logit per

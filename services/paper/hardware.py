@@ -1,12 +1,12 @@
 """Hardware profiles as data, the cost model built on them, and the pacer of emulated mode.
 
-A profile (services/profiles/<name>.toml) says how long one instance (8 GPUs) of a chip takes
+A profile (services/paper/profiles/<name>.toml) says how long one instance (8 GPUs) of a chip takes
 to prefill l tokens and to run one decode step of the modeled model; the model file
 (hybrid_1t.toml) says how many KV bytes a request of l tokens carries. `CostModel` answers
 T_prefill(l), incremental prefill, decode step time and S_kv(l); the planner and the
 cost-model (sim, emulated) workers all use it. `Pacer` turns modeled time into wall time.
 
-Derivation of the profiles (paper: arXiv 2604.15039 v2; notes: shared/research/paper.md)
+Derivation of the profiles (paper: arXiv 2604.15039 v2; notes: docs/paper-notes.md)
 -----------------------------------------------------------------------------------------
 Lengths. Table 5's "1K, 8K, 32K, 128K" are read as 1000, 8000, 32000, 128000 tokens. With
 the quadratic fit below this reproduces Table 6 best (scan of the four choices, t*, Lambda_max
@@ -15,7 +15,7 @@ and naive Lambda against 19.4K, 3.24, 2.45, t on a 100-token grid):
     decimal, piecewise   t* 19.9K (+2.6 %)  Lambda 3.137 (-3.2 %)  naive 2.455 (+0.2 %)
     binary,  quadratic   t* 19.2K (-1.0 %)  Lambda 3.299 (+1.8 %)  naive 2.516 (+2.7 %)
     binary,  piecewise   t* 19.6K (+1.0 %)  Lambda 3.195 (-1.4 %)  naive 2.501 (+2.1 %)
-(the workload's upper bound is 131072 in all four; services/workload.py says why).
+(the workload's upper bound is 131072 in all four; services/paper/workload.py says why).
 
 H200 prefill (measured; Table 5, 8xH200, in-house vLLM): 0.44, 0.72, 1.84, 7.40 s. Least
 squares T(l) = c0 + c1 l + c2 l^2 gives c0 = 0.3891 s, c1 = 4.2055e-5 s/token,
@@ -245,7 +245,7 @@ def _load_profile(path: Path, depth: int) -> HardwareProfile:
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A hardware profile by name (services/profiles/<name>.toml) or by path."""
+    """A hardware profile by name (services/paper/profiles/<name>.toml) or by path."""
     return _load_profile(_resolve(name_or_path), 0)
 
 

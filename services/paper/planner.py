@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from services.hardware import CostModel
-from services.workload import LengthDistribution, TruncatedLogNormal
+from services.paper.hardware import CostModel
+from services.paper.workload import LengthDistribution, TruncatedLogNormal
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Request-length workloads: the paper's truncated log-normal, empirical samples, Mooncake traces.
 
-The planner (services/planner.py) needs three numbers of the uncached input length L at a
+The planner (services/paper/planner.py) needs three numbers of the uncached input length L at a
 threshold t: p = P(L > t), l_short = E[L | L <= t] and l_long = E[L | L > t] (paper Table 4).
 `TruncatedLogNormal` gives them in closed form (partial expectations of the log-normal via
 erf); `EmpiricalLengths` gives them from samples (sorted values plus prefix sums), which is
@@ -10,9 +10,9 @@ Both satisfy the `LengthDistribution` protocol, so the planner runs on either.
 The paper's case-study workload (arXiv 2604.15039 v2, section 4.1): mu = 9.90, sigma = 1.00,
 truncated to [128, 128K], mean about 27K tokens. We read 128K as 131072 (2**17): the mean is
 then 27,486 and P(L > 19,400) = 0.4957, matching the paper's 49.6 % offload share; with
-128000 they would be 27,313 and 0.4949. shared/research/paper.md section 5.1 has these checks.
+128000 they would be 27,313 and 0.4949. docs/paper-notes.md section 5.1 has these checks.
 
-Mooncake FAST'25 traces (shared/data/traces/README.md): JSONL with `timestamp` (ms),
+Mooncake FAST'25 traces (data/traces/README.md): JSONL with `timestamp` (ms),
 `input_length`, `output_length` and `hash_ids` (prefix block hashes, 512-token blocks).
 """
 
@@ -267,7 +267,7 @@ def incremental_lengths(
     Requests are taken in the given (arrival) order. A request reuses its longest prefix of
     blocks already seen. A trace block id names its content together with all preceding
     blocks, so a seen partial last block counts as cached too; this reproduces the
-    statistics of shared/data/traces/README.md (conversation p50 2,470 tokens).
+    statistics of data/traces/README.md (conversation p50 2,470 tokens).
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")

@@ -14,14 +14,14 @@ errors of the admin API are `{"error": message, "status": code}`, as the link's 
 answers (the dashboard reads both). A client that disconnects cancels its request: Quart
 closes the response generator, whose `finally` cancels the scheduler's task for it.
 
-The router's other parts: services/scheduler.py places and starts requests
+The router's other parts: services/router/scheduler.py places and starts requests
 (request_runner.py runs one, router_requests.py is its handle), router_workers.py is the
 worker table, router_admin.py the control loops and admin actions, router_link.py the link
 samples, router_load.py the demo load, router_responses.py the bodies and server-sent
 events, router_metrics.py /metrics; the OpenAI contract is openai_schema.py (requests),
 openai_responses.py, router_errors.py and text_assembler.py.
 
-Quart is asyncio-only (shared/research/stack.md G6): `run_router` refuses the trio backend
+Quart is asyncio-only (docs/engineering-notes.md G6): `run_router` refuses the trio backend
 and serves with `hypercorn.asyncio.serve` and a shutdown trigger. Everything else (the
 scheduler, the control loops, the demo workload) is anyio and runs on trio in the tests.
 """
@@ -29,26 +29,29 @@ scheduler, the control loops, the demo workload) is anyio and runs on trio in th
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
 import httpx
-import hypercorn.asyncio
 import msgspec
 import sniffio
-from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from mesh.errors import ConfigError
+from mesh.http import serve_http
 from mesh.transport import Address
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
-from services.openai_schema import (
+from services.router.control import ControlConfig, RouterControl
+from services.router.errors import RouterError
+from services.router.link import http_link_probe, link_url
+from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
+from services.router.metrics import SchedulerCollector
+from services.router.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
@@ -57,16 +60,11 @@ from services.openai_schema import (
     completion_generation,
     decode_request,
 )
-from services.policies import create_policy
-from services.router_admin import ControlConfig, RouterControl
-from services.router_errors import RouterError
-from services.router_link import http_link_probe, link_url
-from services.router_load import DemoWorkload, WorkloadConfig, corpus_tokens
-from services.router_metrics import SchedulerCollector
-from services.router_responses import Kind, Responder, stream_events
-from services.router_workers import WorkerTable
-from services.scheduler import Scheduler, SchedulerConfig
-from services.serve import ServiceContext, serve_events
+from services.router.policies import create_policy
+from services.router.responses import Kind, Responder, stream_events
+from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.workers import WorkerTable
+from services.service import ServiceContext, serve_events
 
 log = logging.getLogger(__name__)
 
@@ -247,31 +245,6 @@ class RouterApp:
         return _json_response(body, 500)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket for hypercorn (port 0: an ephemeral one; read it from the socket)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-async def serve_http(app: Quart, sock: socket.socket, stop: anyio.Event) -> None:
-    """Serves `app` on `sock` until `stop` is set (asyncio only; the caller sets `stop` in a
-    `finally`, so a cancelled router still shuts hypercorn down in order)."""
-    config = HypercornConfig()
-    # hypercorn closes the socket it serves; it gets a duplicate, we close ours.
-    config.bind = [f"fd://{os.dup(sock.fileno())}"]
-    config.accesslog = None
-    config.graceful_timeout = 1.0
-    with anyio.CancelScope(shield=True):
-        await hypercorn.asyncio.serve(app, config, shutdown_trigger=stop.wait)
-
-
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The router service's options in the topology (all optional)."""
 
@@ -338,30 +311,25 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
     """
     if sniffio.current_async_library() != "asyncio":
         raise ConfigError("the router needs --backend uvloop or asyncio (Quart is asyncio-only, "
-                          "stack.md G6), not trio")
+                          "docs/engineering-notes.md G6), not trio")
     config = router_config(ctx.spec.options)
     scheduler = build_scheduler(ctx, config)
     serve_events(scheduler.node, scheduler.events)
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
         scale=config.scale, max_prompt=config.max_context - 64))
     limits = Limits(max_context=config.max_context, models=(config.model,))
-    stop, url = anyio.Event(), link_url(ctx.topology)
+    url = link_url(ctx.topology)
     async with httpx.AsyncClient(timeout=2.0) as client, scheduler.node, \
             anyio.create_task_group() as group:
         control = RouterControl(scheduler, ControlConfig(tick_s=config.tick_s),
                                 link_probe=http_link_probe(client, url) if url else None,
                                 policy_options=config.policy_options())
         app = RouterApp(scheduler, control, workload, limits)
-        with listen(config.http_host, config.http_port) as sock:
-            address = await scheduler.node.listen()
-            await group.start(scheduler.run)
-            await group.start(control.run)
-            group.start_soon(workload.run)
-            group.start_soon(serve_http, app.app, sock, stop)
-            log.info("router: OpenAI API on http://%s:%d/v1, policy %s", config.http_host,
-                     sock.getsockname()[1], config.policy)
-            task_status.started(address)
-            try:
-                await anyio.sleep_forever()
-            finally:
-                stop.set()
+        address = await scheduler.node.listen()
+        await group.start(scheduler.run)
+        await group.start(control.run)
+        group.start_soon(workload.run)
+        host, port = await group.start(partial(
+            serve_http, app.app, config.http_host, config.http_port, log_name="router.http"))
+        log.info("router: OpenAI API on http://%s:%d/v1, policy %s", host, port, config.policy)
+        task_status.started(address)

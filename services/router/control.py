@@ -1,10 +1,10 @@
 """The router's control plane: the control loops and the admin actions over one scheduler.
 
-- `tick` (every `tick_s`): poll each worker's `WorkerState` (services/router_workers.py),
+- `tick` (every `tick_s`): poll each worker's `WorkerState` (services/router/workers.py),
   sample the link, feed both to the policy, apply what the policy's `tick` returns (a
   threshold move is announced as `ThresholdChanged`; a role conversion drains the worker,
   then switches it: `RoleChanged` old -> "draining" -> new);
-- the admin API (services/router.py maps it to HTTP): switch policy, pin or clear t, drain
+- the admin API (services/router/app.py maps it to HTTP): switch policy, pin or clear t, drain
   a worker, convert a PD worker, and the state the dashboard shows.
 
 `run` ticks once before it reports itself started, so a router refuses to start when a
@@ -23,16 +23,17 @@ import anyio.abc
 import msgspec
 
 from mesh.errors import ConfigError, MeshError
-from services.messages import Role, SetRole
-from services.policies import POLICIES, create_policy
-from services.policy import PolicyError, SetThreshold, action_event, json_threshold
-from services.router_errors import Conflict, InvalidRequest, RouterError
-from services.router_link import LinkProbe
-from services.router_workers import WorkerEntry
-from services.telemetry import RoleChanged, ThresholdChanged
+from services.contract.events import RoleChanged, ThresholdChanged
+from services.contract.messages import SetRole
+from services.contract.types import Role
+from services.router.errors import Conflict, InvalidRequest, RouterError
+from services.router.link import LinkProbe
+from services.router.policies import POLICIES, create_policy
+from services.router.policy import PolicyError, SetThreshold, action_event, json_threshold
+from services.router.workers import WorkerEntry
 
 if TYPE_CHECKING:
-    from services.scheduler import Scheduler
+    from services.router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The router's view of the PrfaaS egress link: samples from the link's control API.
 
 The link service (netem/control.py) answers GET /link with its parameters and statistics;
-the control loop (services/router_admin.py) turns one answer per tick into the policy's
+the control loop (services/router/control.py) turns one answer per tick into the policy's
 `LinkSample`. A link that does not answer gives no sample, and the policy holds still.
 """
 
@@ -15,7 +15,7 @@ import anyio
 import httpx
 
 from mesh.topology import Topology
-from services.policy import LinkSample
+from services.router.policy import LinkSample
 
 log = logging.getLogger(__name__)
 

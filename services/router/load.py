@@ -17,14 +17,14 @@ import anyio.abc
 import msgspec
 
 from mesh.errors import ConfigError
-from services.messages import Sampling
+from services.contract.messages import Sampling
 from services.model.tokenizer import TokenizerLike, default_corpus_path
-from services.openai_schema import GenerationRequest
-from services.router_errors import InvalidRequest, RouterError
-from services.workload import TruncatedLogNormal
+from services.paper.workload import TruncatedLogNormal
+from services.router.errors import InvalidRequest, RouterError
+from services.router.openai.schema import GenerationRequest
 
 if TYPE_CHECKING:
-    from services.scheduler import Scheduler
+    from services.router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from services.scheduler import Scheduler
+    from services.router.scheduler import Scheduler
 
 
 class SchedulerCollector(Collector):

@@ -1,29 +1,28 @@
 """Worker choice inside a cluster: cache-affine first, then least loaded (issue 5, item 3).
 
-The paper leaves decode-node choice open (paper.md section 2.4, "Not specified") and picks
+The paper leaves decode-node choice open (docs/paper-notes.md section 2.4, "Not specified") and
+picks
 "the cache-affine node" for prefill (section 3.2). Rule, for either role:
 1. candidates are the workers of that role (a draining worker takes nothing new); a worker at
    its `capacity` is skipped unless every one is;
 2. affinity is allowed only among workers whose load (queue + running) is at most the least
    load plus `max_affinity_excess`: the load cap, so a hot prefix cannot pile every request
    onto one worker (SGLang's cache-aware router has the same guard: above a load imbalance it
-   goes least loaded; shared/research/anchors.md section 7);
+   goes least loaded; docs/prior-work.md section 7);
 3. among those, the longest cached prefix wins; ties go to the least loaded, then by name.
 For decode the cached prefix is what the worker *holds* (any held KV block saves a transfer);
-for prefill it is what it can *resume from* (services/cachedir.py, blocks_resumable).
+for prefill it is what it can *resume from* (services/cachedir/directory.py, blocks_resumable).
 `choose_worker_reference` is the same rule as a plain sort, for the tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import msgspec
 
-from services.policy import PolicyError
-
-Role = Literal["prefill", "decode", "draining"]
+from services.contract.types import WorkerRole
+from services.router.policy import PolicyError
 
 
 class PlacementError(PolicyError):
@@ -32,7 +31,7 @@ class PlacementError(PolicyError):
 
 class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     name: str
-    role: Role
+    role: WorkerRole
     cached_prefix_tokens: int = 0  # of this request's prompt, on this worker
     running: int = 0
     queue: int = 0
@@ -49,7 +48,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
 
 class PlacementConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # How much busier than the least loaded worker a cache-affine worker may be. 4 requests:
-    # a decode batch of BS_max = 20 (paper-derived, services/hardware.py) absorbs that much
+    # a decode batch of BS_max = 20 (paper-derived, services/paper/hardware.py) absorbs that much
     # skew, while a hot prefix spreads once one worker runs 4 ahead.
     max_affinity_excess: int = 4
 
@@ -62,7 +61,7 @@ class PlacementConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 DEFAULT_PLACEMENT = PlacementConfig()
 
 
-def _eligible(candidates: Sequence[WorkerLoad], role: Role) -> list[WorkerLoad]:
+def _eligible(candidates: Sequence[WorkerLoad], role: WorkerRole) -> list[WorkerLoad]:
     workers = [w for w in candidates if w.role == role]
     if not workers:
         names = ", ".join(f"{w.name} ({w.role})" for w in candidates) or "none"
@@ -71,7 +70,7 @@ def _eligible(candidates: Sequence[WorkerLoad], role: Role) -> list[WorkerLoad]:
     return open_workers or workers
 
 
-def choose_worker(candidates: Sequence[WorkerLoad], role: Role,
+def choose_worker(candidates: Sequence[WorkerLoad], role: WorkerRole,
                   config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
     """The chosen worker's name (rule in the module docstring), in one pass."""
     workers = _eligible(candidates, role)
@@ -85,7 +84,7 @@ def choose_worker(candidates: Sequence[WorkerLoad], role: Role,
     return best.name
 
 
-def choose_worker_reference(candidates: Sequence[WorkerLoad], role: Role,
+def choose_worker_reference(candidates: Sequence[WorkerLoad], role: WorkerRole,
                             config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
     """Slow, obvious reference: filter step by step, then sort by the whole key."""
     of_role = [w for w in candidates if w.role == role]

@@ -1,12 +1,12 @@
 """The routing policy interface: what the router asks a policy, and what a policy answers.
 
-The router (services/router.py) owns the I/O; a policy is pure state on an injected clock
+The router (services/router/app.py) owns the I/O; a policy is pure state on an injected clock
 (`now` is passed in), so the same policy runs live and on virtual time. Per request:
 
     inputs = RouteInputs(request_id=..., total_len=..., cached_prfaas=..., cached_pd=...,
                          link_utilisation=..., queue_prfaas=..., queue_pd=..., now=...)
     decision = policy.decide(inputs)                    # which cluster prefills, and why
-    ...choose workers (services/placement.py), run the request...
+    ...choose workers (services/router/placement.py), run the request...
     event = decision_event(inputs, decision, policy=policy.name, prefill_worker=...,
                            decode_worker=..., ts=..., source="router")
     policy.observe(RequestFinished(...))                 # feedback when it completes
@@ -18,7 +18,7 @@ and periodically, for the control loops (paper section 3.4.3):
         SetThreshold: already applied by the policy; publish `action_event(action, ...)`.
         ConvertWorker: drain `worker`, then switch it to `to_role` (the router does both).
 
-Cached lengths are *resumable* prefixes in tokens (services/cachedir.py: blocks_resumable
+Cached lengths are *resumable* prefixes in tokens (services/cachedir/directory.py: blocks_resumable
 times the block size) of the best worker per cluster. Lengths are whatever unit the router
 counts in; policies that use the paper's cost model take a `token_scale` to convert.
 """
@@ -31,10 +31,9 @@ from typing import Literal, Protocol, TypeVar
 
 import msgspec
 
-from services.telemetry import RoleChanged, RoutingDecision, ThresholdChanged
+from services.contract.events import RoleChanged, RoutingDecision, ThresholdChanged
+from services.contract.types import Cluster, WorkerRole
 
-Cluster = Literal["prfaas", "pd"]
-WorkerRole = Literal["prefill", "decode", "draining"]
 BandwidthMode = Literal["auto", "scarce", "abundant"]
 _Config = TypeVar("_Config", bound=msgspec.Struct)
 
@@ -304,7 +303,7 @@ def format_tokens(value: float | None) -> str:
 
 def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
                         mode: BandwidthMode = "auto") -> bool:
-    """Which prefix rule of paper section 3.3 applies (section 2.4 step 3 of paper.md).
+    """Which prefix rule of paper section 3.3 applies (section 2.4 step 3 of docs/paper-notes.md).
 
     The paper names the two cases but gives no test. Ours: bandwidth is abundant while the
     link's egress utilisation is below `abundant_below` and no transfer stalled recently,

@@ -1,6 +1,6 @@
 """One request as the scheduler runs it: where it runs, its outbox, its handle, its result.
 
-`RequestHandle` is what a submitter holds (services/router.py, the demo workload): iterate it
+`RequestHandle` is what a submitter holds (services/router/app.py, the demo workload): iterate it
 for text deltas, then read `result`; `cancel` stops the request. The scheduler's task writes
 into its `Outbox`, which never blocks the writer: text accumulates until the client takes it,
 so a slow client cannot stall the mesh connection other requests share.
@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 
-from services.messages import PrefillDone
-from services.openai_schema import GenerationRequest
-from services.policy import Cluster, Decision
-from services.router_errors import RouterError
+from services.contract.messages import PrefillDone
+from services.contract.types import Cluster
+from services.router.errors import RouterError
+from services.router.openai.schema import GenerationRequest
+from services.router.policy import Decision
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,8 @@ from typing import Literal
 
 import msgspec
 
-from services.openai_responses import (
+from services.router.errors import RouterError
+from services.router.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -26,9 +27,8 @@ from services.openai_responses import (
     Usage,
     now_s,
 )
-from services.openai_schema import GenerationRequest
-from services.router_errors import RouterError
-from services.router_requests import Finished, RequestHandle
+from services.router.openai.schema import GenerationRequest
+from services.router.requests import Finished, RequestHandle
 
 Kind = Literal["completion", "chat"]
 _json = msgspec.json.Encoder()

@@ -6,31 +6,31 @@ the tokens go through a `TextAssembler` into the request's outbox. The first err
 side meets is the request's (`UpstreamFailed`) and cancels the other; cancelling the
 request's scope (the client left) aborts the decode stream at its worker and gives up the
 prefill call. Counting and events of the request's end are the scheduler's
-(services/scheduler.py).
+(services/router/scheduler.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import anyio
 
 from mesh.errors import MeshError
 from mesh.events import EventBus
 from mesh.node import Node
-from services.messages import DecodeRequest, PrefillDone, PrefillRequest, TokenChunk
+from services.contract.events import Event, RequestPhase
+from services.contract.messages import DecodeRequest, PrefillDone, PrefillRequest, TokenChunk
+from services.contract.types import Phase
 from services.model.tokenizer import TokenizerLike
-from services.router_errors import UpstreamFailed
-from services.router_requests import Finished, RequestHandle
-from services.router_workers import WorkerTable
-from services.telemetry import Event, RequestPhase
-from services.text_assembler import TextAssembler
+from services.router.errors import UpstreamFailed
+from services.router.openai.text import TextAssembler
+from services.router.requests import Finished, RequestHandle
+from services.router.workers import WorkerTable
 
 if TYPE_CHECKING:
-    from services.scheduler import SchedulerConfig
+    from services.router.scheduler import SchedulerConfig
 
-Phase = Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]
 
 
 class RequestRunner:

@@ -2,21 +2,21 @@
 
 One request, in `submit` (before any byte goes to the client, so errors keep their status):
 1. admission: at most `max_inflight` requests at once, else `QueueFull` (429);
-2. prefix block hashes of the prompt (services.prefix), then the cache directory's longest
+2. prefix block hashes of the prompt (services.contract.prefix), then the cache directory's longest
    cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not answer
    in time the request goes on as if nothing were cached, and that is counted);
-3. the policy decides the cluster (services.policy), placement picks the prefill worker in it
-   and the decode worker in the PD cluster (services.placement), and the decision is
+3. the policy decides the cluster (services.router.policy), placement picks the prefill worker in it
+   and the decode worker in the PD cluster (services.router.placement), and the decision is
    published as a `RoutingDecision` with every input and the reason.
-Then a task owned by the scheduler runs it (`_serve`, with services/request_runner.py): it
+Then a task owned by the scheduler runs it (`_serve`, with services/router/runner.py): it
 opens the decode worker's token stream (`DecodeRequest`) and calls the prefill worker
 (`PrefillRequest`, which names the decode worker and the prefix it already holds, so only the
 KV it lacks is sent), and feeds the tokens through a `TextAssembler` into the request's outbox
-(services/router_requests.py). Cancelling the handle (the client left) cancels the task: the
+(services/router/requests.py). Cancelling the handle (the client left) cancels the task: the
 decode stream is aborted at its worker (an Abort frame), and the prefill call is given up.
 
-The control loops (services/router_admin.py) feed it link samples (`observe_link`) and
-keep its worker table (services/router_workers.py: roles, draining, liveness) current.
+The control loops (services/router/control.py) feed it link samples (`observe_link`) and
+keep its worker table (services/router/workers.py: roles, draining, liveness) current.
 
 The data path has no cross-cluster cache transfer yet, so the router pins the policies that
 take a prefix rule to the scarce one (`scarce_pinned`); where the abundant rule would have
@@ -38,13 +38,15 @@ import msgspec
 from mesh.errors import ConfigError, MeshError
 from mesh.events import EventBus
 from mesh.node import Node
-from services.cachedir_messages import PrefixMatch, PrefixQuery
-from services.messages import PrefixReply
+from services.contract.events import Event, RequestDone
+from services.contract.messages import PrefixMatch, PrefixQuery, PrefixReply
+from services.contract.prefix import block_hashes
 from services.model.tokenizer import TokenizerLike
-from services.openai_schema import GenerationRequest
-from services.placement import PlacementError, choose_decode_worker, choose_prefill_worker
-from services.policies.prfaas import threshold_rule
-from services.policy import (
+from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
+from services.router.openai.schema import GenerationRequest
+from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
+from services.router.policies.prfaas import threshold_rule
+from services.router.policy import (
     Decision,
     LinkSample,
     Policy,
@@ -53,12 +55,9 @@ from services.policy import (
     decision_event,
     format_tokens,
 )
-from services.prefix import block_hashes
-from services.request_runner import RequestRunner
-from services.router_errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
-from services.router_requests import Finished, Placement, RequestHandle, RequestIds
-from services.router_workers import WorkerTable
-from services.telemetry import Event, RequestDone
+from services.router.requests import Finished, Placement, RequestHandle, RequestIds
+from services.router.runner import RequestRunner
+from services.router.workers import WorkerTable
 
 log = logging.getLogger(__name__)
 

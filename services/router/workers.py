@@ -4,7 +4,7 @@ Per worker: its cluster, its current role, whether it is draining or converting,
 answers, and the loads the router itself counts (it sees every request): a prefill worker's
 queue is its requests not yet prefilled; a decode worker's running count is its open token
 streams. The scheduler asks it for placement candidates; the control loops
-(services/router_admin.py) keep it current with `poll` and act on its entries.
+(services/router/control.py) keep it current with `poll` and act on its entries.
 
 A worker whose model has another KV block size than the router's is refused at its first
 status poll (`ModelMismatch`): prefix hashes would never match and the cached lengths the
@@ -24,15 +24,15 @@ import msgspec
 from mesh.errors import ConfigError, MeshError
 from mesh.node import Node
 from mesh.topology import Topology
-from services.cachedir_messages import PrefixMatch
-from services.messages import Role, StatusQuery, WorkerState
-from services.placement import WorkerLoad
-from services.policy import Cluster, ClusterState
-from services.policy import WorkerState as PolicyWorker
-from services.router_errors import NotFound
+from services.contract.messages import PrefixMatch, StatusQuery, WorkerState
+from services.contract.types import Cluster, Role
+from services.router.errors import NotFound
+from services.router.placement import WorkerLoad
+from services.router.policy import ClusterState
+from services.router.policy import WorkerState as PolicyWorker
 
 if TYPE_CHECKING:
-    from services.router_requests import Placement
+    from services.router.requests import Placement
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ uncached suffix chunk by chunk while releasing each finished layer's piece to th
 The compute runs through a `ComputeRunner` (a worker thread live, so the loop keeps sending).
 As each layer of a chunk finishes, its piece - the full-attention KV the decode worker lacks
 (tokens from `decode_has_tokens` on), or in the last chunk the fixed-size state at the new end
-(services.kv_stream) - goes to the loop, which deals it to the next lane: transfer overlaps
+(services.worker.kv_stream) - goes to the loop, which deals it to the next lane: transfer overlaps
 compute (paper section 3.3).
 
 Emulated mode (CostModel, Pacer): the real compute runs ahead, and each piece is released
@@ -25,14 +25,14 @@ from typing import Protocol, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from services.hardware import CostModel, Pacer
-from services.kv_stream import Computed, PieceSpec, release, step_ends
-from services.messages import KVChunk, KVClose, PrefillRequest
+from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling
 from services.model.cache import RequestCache
 from services.model.export import export_layer
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
 from services.model.sampling import RequestSampler, SamplingParams
+from services.paper.hardware import CostModel, Pacer
+from services.worker.kv_stream import Computed, PieceSpec, release, step_ends
 
 LaneItem = KVChunk | KVClose
 T = TypeVar("T")
@@ -162,3 +162,11 @@ class PrefillCompute:
         scale = self._pacing.pacer.time_scale
         modeled = step_ends(job.chunks, self.model.cfg.n_layers, self._pacing.cost.prefill_time)
         return [start + scale * end for end in modeled]
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The model's SamplingParams for a request's `Sampling`; SamplingError names a bad value."""
+    return SamplingParams(
+        max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
+    )

@@ -2,7 +2,8 @@
 tokens back.
 
 Two doors per request, opened in either order: the KV arrives as upload lanes from a prefill
-worker (`inbox.receive`, one call per lane; services.kv_stream), the token stream is opened by
+worker (`inbox.receive`, one call per lane; services.worker.kv_stream), the token stream is opened
+by
 whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode side then:
 
 1. waits (at most `kv_timeout`) until every lane has closed and the first token is known; a
@@ -29,22 +30,17 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from mesh.events import EventBus
-from services.kv_stream import KVAssembly, KVInbox, import_pieces
-from services.messages import (
-    DataPathError,
-    DecodeRequest,
-    KVTransferError,
-    RequestError,
-    TokenChunk,
-)
+from services.contract.errors import DataPathError, KVTransferError, RequestError
+from services.contract.events import Event, RequestPhase
+from services.contract.messages import DecodeRequest, TokenChunk
 from services.model.batch import DecodeBatch, StepResult, TokenEvent, finish_reason
 from services.model.cache import RequestCache, dtype_name
 from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
-from services.prefill_compute import Pacing
-from services.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
-from services.telemetry import Event, RequestPhase
+from services.worker.compute import Pacing, sampling_params
+from services.worker.kv_stream import KVAssembly, KVInbox, import_pieces
+from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
 
@@ -366,4 +362,4 @@ def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
     if not request.kv_timeout > 0:
         raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
-    return request.sampling.params()
+    return sampling_params(request.sampling)

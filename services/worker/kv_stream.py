@@ -32,15 +32,8 @@ import msgspec
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from services.messages import (
-    DataPathError,
-    KVAccepted,
-    KVChunk,
-    KVClose,
-    KVOpen,
-    KVTransferError,
-    RequestError,
-)
+from services.contract.errors import DataPathError, KVTransferError, RequestError
+from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
 from services.model.cache import RequestCache, torch_dtype
 from services.model.config import (
     FULL_ATTENTION_KINDS,

@@ -5,7 +5,7 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
    at a state snapshot, so only the suffix is computed.
 2. Open one upload stream per lane (connection) to the decode worker; compute the suffix in
-   chunks of tokens through `PrefillCompute` (services.prefill_compute), which hands each
+   chunks of tokens through `PrefillCompute` (services.worker.compute), which hands each
    finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
    compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
@@ -30,29 +30,29 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from mesh.events import EventBus
 from mesh.node import Node
-from services.kv_stream import chunk_bounds, expected_kv_bytes, stream_failure, stream_plan
-from services.messages import (
+from services.contract.errors import KVTransferError, RequestError
+from services.contract.events import Event, KVFlow, RequestPhase
+from services.contract.messages import (
     KVAccepted,
     KVChunk,
     KVClose,
     KVOpen,
-    KVTransferError,
     PrefillDone,
     PrefillRequest,
-    RequestError,
 )
 from services.model.cache import RequestCache
 from services.model.model import HybridLM
-from services.prefill_compute import (
+from services.worker.compute import (
     ComputeRunner,
     LaneItem,
     Pacing,
     PrefillCompute,
     PrefillJob,
     ThreadRunner,
+    sampling_params,
 )
-from services.prefix_store import PrefixStore, StoreChange, prompt_hashes
-from services.telemetry import Event, KVFlow, RequestPhase
+from services.worker.kv_stream import chunk_bounds, expected_kv_bytes, stream_failure, stream_plan
+from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class PrefillWorker:
         if size % cfg.block_size:
             raise RequestError(f"chunk_tokens must be a multiple of {cfg.block_size}, got {size}")
         chunks = chunk_bounds(cache.length, length, size)
-        return PrefillJob(request, hashes, cache, cache.length, request.sampling.params(),
+        return PrefillJob(request, hashes, cache, cache.length, sampling_params(request.sampling),
                           request.connections, chunks,
                           stream_plan(cfg, chunks, request.decode_has_tokens))
 

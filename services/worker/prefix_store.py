@@ -1,7 +1,7 @@
 """A worker's own prefix cache: request caches indexed by their block hash chain, LRU by bytes.
 
 Each entry is one `RequestCache` (full-attention KV of its tokens, plus state snapshots at
-block boundaries) and the hash chain of its full blocks (services.prefix). Because a block
+block boundaries) and the hash chain of its full blocks (services.contract.prefix). Because a block
 hash names its whole prefix, an entry holding hash h at block i holds every block before it,
 so "how many leading blocks of this prompt do I hold" is a search over the chain.
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.cachedir_messages import BlocksEvicted, BlocksStored, Role, WorkerReport
+from services.contract.messages import BlockRun, BlocksEvicted, BlocksStored, WorkerReport
+from services.contract.prefix import block_hashes
+from services.contract.types import Role
 from services.model.cache import RequestCache, StateSnapshot
-from services.prefix import block_hashes
-from services.prefix_tree import BlockRun
 
 MIB = 2**20
 

@@ -28,10 +28,9 @@ from mesh.mailbox import Mailbox
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address
-from services.cachedir_messages import WorkerReport
-from services.decode import DecodeConfig, DecodeWorker
-from services.hardware import CostModel, Pacer
-from services.messages import (
+from services.contract.errors import WrongRole
+from services.contract.events import Event, RoleChanged, WorkerStatus
+from services.contract.messages import (
     DecodeRequest,
     KVAccepted,
     KVOpen,
@@ -39,20 +38,21 @@ from services.messages import (
     PrefillDone,
     PrefillRequest,
     ReportCache,
-    Role,
     SetRole,
     StatusQuery,
+    WorkerReport,
     WorkerState,
-    WrongRole,
 )
+from services.contract.types import Role
 from services.model.cache import dtype_name
 from services.model.config import family_config
 from services.model.model import HybridLM, build_model
-from services.prefill import PrefillConfig, PrefillWorker
-from services.prefill_compute import Pacing
-from services.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
-from services.serve import ServiceContext, link_of_peer, serve_events, serve_metrics
-from services.telemetry import Event, RoleChanged, WorkerStatus
+from services.paper.hardware import CostModel, Pacer
+from services.service import ServiceContext, link_of_peer, serve_events, serve_metrics
+from services.worker.compute import Pacing
+from services.worker.decode import DecodeConfig, DecodeWorker
+from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The real default mesh for the dashboard's tests: `prfaas serve` children on free ports.
 
-`topology_text` copies the embedded default topology (services/topology.toml) with every port
+`topology_text` copies the embedded default topology (services/cli/topology.toml) with every port
 moved to a free one and the workers on the tiny random-init model (one torch thread each), so
 the whole mesh starts in seconds on two cores; `real_mesh` launches its services, dashboard
-included, as child processes (services.launch.launch) and stops them all on the way out.
+included, as child processes (services.cli.launch.launch) and stops them all on the way out.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.topology import Options, Scalar, Topology, load_topology
-from services.launch import launch
-from services.serve import WORKER_KINDS, default_topology
+from services.cli.launch import launch
+from services.cli.serve import default_topology
+from services.service import WORKER_KINDS
 
 # Services the dashboard shows; echo proves the runtime only.
 MESH_SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0",

@@ -1,2 +1,2 @@
-"""Hardware and model profiles as TOML data, read by services/hardware.py (a package so that
+"""Hardware and model profiles as TOML data, read by services/paper/hardware.py (a package so that
 the TOML files ship as package data)."""

@@ -5,7 +5,7 @@ wrong type, a value out of range, an unknown field) becomes a 400 `InvalidReques
 the parameter, as the OpenAI API does. `completion_generation` and `chat_generation` then
 tokenize the prompt and check it against the model's context, giving the scheduler a
 `GenerationRequest` that knows nothing of HTTP or OpenAI. The responses are in
-services/openai_responses.py, the errors in services/router_errors.py.
+services/router/openai/responses.py, the errors in services/router/errors.py.
 
 Chat prompt template (a flat prompt for a small base model; `render_chat`):
 
@@ -27,9 +27,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from services.messages import Sampling
+from services.contract.messages import Sampling
 from services.model.tokenizer import TokenizerLike
-from services.router_errors import ContextTooLong, InvalidRequest, NotFound
+from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 
 MAX_STOPS = 4  # the OpenAI API's own limit on `stop`
 

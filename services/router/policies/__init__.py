@@ -1,7 +1,7 @@
 """The routing policies by name: what `--policy NAME` and the router's live switch choose from.
 
-To add a policy: write `services/policies/<name>.py` with a class that implements
-`services.policy.Policy` (subclassing `PolicyBase` gives the bookkeeping) and a
+To add a policy: write `services/router/policies/<name>.py` with a class that implements
+`services.router.policy.Policy` (subclassing `PolicyBase` gives the bookkeeping) and a
 `from_options(options) -> Policy` classmethod, then add one line to `POLICIES` below.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from services.policies.dynamo import DynamoPolicy
-from services.policies.homogeneous import HomogeneousPolicy
-from services.policies.naive_hetero import NaiveHeteroPolicy
-from services.policies.prfaas import PrfaasPolicy
-from services.policies.prfaas_dynamic import PrfaasDynamicPolicy
-from services.policy import Policy, PolicyError
+from services.router.policies.dynamo import DynamoPolicy
+from services.router.policies.homogeneous import HomogeneousPolicy
+from services.router.policies.naive_hetero import NaiveHeteroPolicy
+from services.router.policies.prfaas import PrfaasPolicy
+from services.router.policies.prfaas_dynamic import PrfaasDynamicPolicy
+from services.router.policy import Policy, PolicyError
 
 PolicyFactory = Callable[[Mapping[str, object]], Policy]
 

@@ -6,7 +6,7 @@ disagg_serving.html) prefills a request remotely only if both hold:
 1. the prefill length without prefix-cache hit, prefill_len - prefix_hit_len, exceeds
    `max_local_prefill_length` (default 1000 in its Rust `DisaggRouterConf`), and
 2. the remote prefill queue holds fewer than `max_prefill_queue_size` requests.
-Otherwise it prefills locally. Facts from shared/research/anchors.md section 2.3.
+Otherwise it prefills locally. Facts from docs/prior-work.md section 2.3.
 
 Our mapping, a simplification: Dynamo's "remote" is its prefill-worker pool in the same
 datacenter and "local" is chunked prefill on the decode worker; here remote is the PrfaaS
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from services.policy import (
+from services.router.policy import (
     Decision,
     PolicyBase,
     PolicyError,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from services.policy import (
+from services.router.policy import (
     Decision,
     PolicyBase,
     RouteInputs,

@@ -1,7 +1,7 @@
 """`prfaas`: the paper's length-threshold rule with a fixed t (arXiv 2604.15039 v2, 3.3, 3.4.3).
 
 Rule: l = l_total - l_prefix; l > t prefills on PrfaaS, l <= t on a PD prefill worker.
-Which prefix counts depends on the link (shared/research/paper.md, section 2.4 step 3):
+Which prefix counts depends on the link (docs/paper-notes.md, section 2.4 step 3):
 - bandwidth scarce: each cluster's cache is judged on its own; the local decision counts the
   PD cluster's prefix (l = l_total - l_pd), and a request sent to PrfaaS resumes from the
   PrfaaS cluster's own cache. Nothing but the new KV crosses the link.
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 import msgspec
 
-from services.policy import (
+from services.contract.types import Cluster
+from services.router.policy import (
     BandwidthMode,
-    Cluster,
     Decision,
     PolicyBase,
     PolicyError,

@@ -25,7 +25,7 @@ most one per `dwell_s`, each only if t changes by more than `min_rel_change`:
 Between the watermarks nothing moves, and a queue must fall to half the surge before it stops
 vetoing: those gaps are the hysteresis.
 
-Long-term loop (every `roles.period_s`; services/policies/roles.py): compare the mean queue
+Long-term loop (every `roles.period_s`; services/router/policies/roles.py): compare the mean queue
 per PD prefill worker with the mean queue per decode worker over the period (the paper:
 "monitors queue depth ... at each stage"); if one is >= `imbalance` times the other and
 >= `min_backlog`, convert the least loaded worker of the other role (the router drains it
@@ -33,7 +33,7 @@ first), then re-solve t for the new N_p / N_d (Eq. 8 restored by measurement, Eq
 solver). Nothing is converted while a worker is still draining; t is solved for the shape the
 pending conversion will leave.
 
-The paper gives no watermark, step, average or period (paper.md section 3.4 "What is
+The paper gives no watermark, step, average or period (docs/paper-notes.md section 3.4 "What is
 missing"). Ours: 0.8 leaves 20 % of the link for bursts and cache transfers (the brief's
 example), 0.5 leaves a 0.3 gap so one move of t cannot carry utilisation across both marks.
 A step of 1.25 per 5 s reaches a 10x rise in about 50 s, yet each move waits for one long
@@ -58,11 +58,12 @@ from collections.abc import Mapping
 
 import msgspec
 
-from services.hardware import CostModel
-from services.planner import ClusterShape, ThroughputModel, solve_threshold
-from services.policies.prfaas import check_watermark, threshold_rule
-from services.policies.roles import RoleBalancer, RoleConfig
-from services.policy import (
+from services.paper.hardware import CostModel
+from services.paper.planner import ClusterShape, ThroughputModel, solve_threshold
+from services.paper.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+from services.router.policies.prfaas import check_watermark, threshold_rule
+from services.router.policies.roles import RoleBalancer, RoleConfig
+from services.router.policy import (
     Action,
     BandwidthMode,
     ClusterState,
@@ -78,7 +79,6 @@ from services.policy import (
     format_tokens,
     is_bandwidth_scarce,
 )
-from services.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
 
 
 class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -14,8 +14,8 @@ import math
 
 import msgspec
 
-from services.planner import ClusterShape
-from services.policy import ClusterState, ConvertWorker, PolicyError, WorkerState
+from services.paper.planner import ClusterShape
+from services.router.policy import ClusterState, ConvertWorker, PolicyError, WorkerState
 
 
 class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

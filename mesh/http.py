@@ -1,0 +1,86 @@
+"""Serving an ASGI app next to the mesh: one listening socket, hypercorn, an orderly stop.
+
+Every HTTP surface of the project (the router's API, the dashboard, the link's control API,
+`/metrics`) is served the same way: bind the socket first (port 0 picks a free one, read back
+from the socket, so tests never race for a port), hand hypercorn a duplicate of it, report the
+bound address, and serve until the caller's scope is cancelled. Hypercorn runs on whichever
+loop is current (trio in tests and simulation, asyncio with uvloop live).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import hypercorn.asyncio
+import hypercorn.trio
+import sniffio
+from hypercorn.config import Config as HypercornConfig
+
+BACKLOG = 128
+GRACE_S = 1.0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0: an ephemeral one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _config(sock: socket.socket, log_name: str) -> HypercornConfig:
+    config = HypercornConfig()
+    # hypercorn owns (and closes) a duplicate of the socket; the caller closes its own.
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger(log_name)
+    config.graceful_timeout = GRACE_S
+    return config
+
+
+async def _serve(app: Any, config: HypercornConfig, stop: anyio.Event) -> None:
+    serve: Callable[..., Awaitable[None]] = (
+        hypercorn.trio.serve if sniffio.current_async_library() == "trio"
+        else hypercorn.asyncio.serve
+    )
+    # Shielded so that a cancelled caller still shuts hypercorn down in order (stop below).
+    with anyio.CancelScope(shield=True):
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+
+async def serve_http(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    log_name: str = "mesh.http",
+    before_stop: Callable[[], None] = lambda: None,
+    task_status: anyio.abc.TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serves `app` on host:port until cancelled; reports the bound (host, port) once listening.
+
+    `before_stop` runs first on the way out (e.g. ending open event streams, so that they
+    finish within hypercorn's grace period)."""
+    stop = anyio.Event()
+    with listen(host, port) as sock:
+        bound = sock.getsockname()[:2]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve, app, _config(sock, log_name), stop)
+            task_status.started((str(bound[0]), int(bound[1])))
+            try:
+                await anyio.sleep_forever()
+            finally:
+                before_stop()
+                stop.set()

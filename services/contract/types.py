@@ -1,0 +1,16 @@
+"""The names every service shares, each defined once.
+
+A worker's `Role` is what it serves; `WorkerRole` adds "draining" (finishing its work before a
+role switch), as the router's table and the dashboard show it. `Cluster` is the kind of a
+cluster as policies see it; clusters are named by plain strings in the topology. `Phase` is
+where a request is in its life (queued, prefill, transfer, decode, then finished or failed).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+WorkerRole = Literal["prefill", "decode", "draining"]
+Cluster = Literal["prfaas", "pd"]
+Phase = Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]

@@ -1,0 +1,151 @@
+"""What every service shares: its context (topology, spec, mode, how to reach peers), its
+event feed and its `/metrics` endpoint.
+
+A runner (`prfaas serve NAME` picks one per service kind, services/cli/serve.py) gets a
+`ServiceContext`: the topology, its own spec, the mode, and the means to build mesh nodes that
+find their peers - directly inside a cluster, through the link's proxy port across clusters
+(`resolve_from`). Once listening, a service announces `ready NAME HOST:PORT`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from mesh.errors import ConfigError
+from mesh.events import EventBus
+from mesh.http import serve_http
+from mesh.metrics import metrics_app, register_statistics
+from mesh.node import Node, NodeConfig
+from mesh.server import Context
+from mesh.topology import LinkSpec, ServiceSpec, Topology
+from mesh.transport import Address, TcpTransport, Transport
+from mesh.wire import Codec
+from services.contract.events import Event
+from services.contract.messages import CODEC_MESSAGES, Subscribe
+
+Mode = Literal["live", "emulated"]
+WORKER_KINDS = frozenset({"prefill", "decode"})
+T = TypeVar("T")
+StatisticsSource = Callable[[], msgspec.Struct]
+
+
+def link_service_of(topology: Topology, link: LinkSpec) -> ServiceSpec:
+    """The `link` service emulating `link`: named like it, or naming it in options.link."""
+    for spec in topology.find(kind="link"):
+        if link.name in (spec.name, spec.options.get("link")):
+            return spec
+    raise ConfigError(f"link {link.name!r} has no service of kind 'link' (name it "
+                      f"{link.name!r} or set options.link)")
+
+
+class LinkRoute(msgspec.Struct, frozen=True):
+    """One proxy route of a link: `service` is reached at `listen`, forwarded to `upstream`."""
+
+    service: str
+    listen: Address
+    upstream: Address
+
+
+def link_routes(topology: Topology, link: LinkSpec) -> list[LinkRoute]:
+    """The routes of `link`: one per worker of cluster b (the receiving, PD side), in file
+    order, at the link service's options.proxy_base_port + i. Senders in cluster a use them."""
+    proxy = link_service_of(topology, link)
+    base = int(proxy.options.get("proxy_base_port", 0))
+    if base < 1:
+        raise ConfigError(f"link service {proxy.name!r}: options.proxy_base_port must be a "
+                          f"port, got {proxy.options.get('proxy_base_port')!r}")
+    workers = [s for s in topology.find(cluster=link.b) if s.kind in WORKER_KINDS]
+    return [LinkRoute(s.name, Address(proxy.host, base + i), s.address)
+            for i, s in enumerate(workers)]
+
+
+def resolve_from(topology: Topology, cluster: str) -> Callable[[str], Address]:
+    """The resolver of a node in `cluster`: peers in a cluster it has a link to (as side a)
+    through that link's proxy, everyone else directly. A `#suffix` names a lane (another
+    connection to the same peer)."""
+    via: dict[str, Address] = {}
+    for link in topology.links:
+        if link.a == cluster:
+            via.update((r.service, r.listen) for r in link_routes(topology, link))
+
+    def resolve(peer: str) -> Address:
+        name = peer.split("#", 1)[0]
+        return via.get(name) or topology.address(name)
+
+    return resolve
+
+
+def link_of_peer(topology: Topology, cluster: str) -> Callable[[str], str | None]:
+    """The link name a peer is reached through from `cluster`, None when direct."""
+    names: dict[str, str] = {}
+    for link in topology.links:
+        if link.a == cluster:
+            names.update((r.service, link.name) for r in link_routes(topology, link))
+    return lambda peer: names.get(peer.split("#", 1)[0])
+
+
+@dataclass(frozen=True)
+class ServiceContext:
+    """Everything a runner needs to start one service; built once at the edge."""
+
+    topology: Topology
+    spec: ServiceSpec
+    mode: Mode = "live"
+    time_scale: float = 1.0
+    transport: Transport = field(default_factory=TcpTransport)
+    resolve: Callable[[str], Address] | None = None
+    announce: Callable[[str], None] = lambda line: None
+    # In-process meshes (tests, simulation) get each service's main object through this.
+    expose: Callable[[str, object], None] = lambda name, service: None
+    codec: Codec = field(default_factory=lambda: Codec(CODEC_MESSAGES))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def option(self, key: str, default: T) -> T:
+        """Service option `key`, else its cluster's, else `default` (type-checked against it)."""
+        options = dict(self.topology.cluster(self.spec.cluster).options) if self.spec.cluster \
+            else {}
+        options.update(self.spec.options)
+        value = options.get(key, default)
+        if type(default) is float and type(value) is int:
+            value = float(value)
+        if type(value) is not type(default):
+            raise ConfigError(f"service {self.name!r}: option {key}={value!r} must be a "
+                              f"{type(default).__name__}")
+        return value
+
+    def node(self, name: str | None = None, config: NodeConfig | None = None) -> Node:
+        resolve = self.resolve or resolve_from(self.topology, self.spec.cluster)
+        return Node(name or self.name, self.codec, self.transport, resolve, config)
+
+    def ready(self, address: Address) -> None:
+        self.announce(f"ready {self.name} {address}")
+
+
+def serve_events(node: Node, bus: EventBus[Event]) -> None:
+    """Any subscriber (the dashboard) reads this service's events from the moment it asks."""
+
+    @node.serves_stream(Subscribe)
+    async def on_subscribe(msg: Subscribe, ctx: Context) -> Any:
+        with bus.subscribe(msg.maxlen) as events:
+            async for event in events:
+                yield event
+
+
+async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource]) -> None:
+    """`/metrics` of the service's statistics on options.metrics_port (0: none), until
+    cancelled; each source's numbers under prfaas_<prefix>_..., labelled with the service."""
+    port = ctx.option("metrics_port", 0)
+    if port == 0:
+        return
+    registry = CollectorRegistry(auto_describe=False)
+    for prefix, source in sources.items():
+        register_statistics(registry, f"prfaas_{prefix}", source, {"service": ctx.name})
+    await serve_http(metrics_app(registry), ctx.spec.host, port)
