@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Literal, Protocol, TypeVar
+from typing import ClassVar, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -193,18 +193,29 @@ class Policy(Protocol):
     def check_integrity(self) -> None: ...
 
 
-class PolicyBase:
+class PolicyBase(Generic[_Config]):
     """Counting, overrides and no-op loops shared by the policies; subclasses write `_decide`.
 
+    Each policy names its frozen config type (`config_type`); it is built from plain options
+    (CLI, TOML, the admin API) here, once for all policies (`from_options`).
     `_own_threshold` returns the policy's t (None: it has none, and overrides are refused).
     """
 
     name = "base"
+    config_type: ClassVar[type[msgspec.Struct]]
 
-    def __init__(self) -> None:
+    def __init__(self, config: _Config | None = None) -> None:
+        self.config: _Config = config if config is not None else self._default_config()
         self._override: float | None = None
         self._decisions = self._to_prfaas = self._transfers = self._finished = 0
         self._last_reason = ""
+
+    def _default_config(self) -> _Config:
+        return self.config_type()  # type: ignore[return-value]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> Policy:
+        return cls(build_config(cls.name, cls.config_type, options))  # type: ignore[arg-type]
 
     def _decide(self, inputs: RouteInputs) -> Decision:
         raise NotImplementedError

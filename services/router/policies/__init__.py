@@ -1,8 +1,8 @@
 """The routing policies by name: what `--policy NAME` and the router's live switch choose from.
 
 To add a policy: write `services/router/policies/<name>.py` with a class that implements
-`services.router.policy.Policy` (subclassing `PolicyBase` gives the bookkeeping) and a
-`from_options(options) -> Policy` classmethod, then add one line to `POLICIES` below.
+`services.router.policy.Policy` (subclassing `PolicyBase[YourConfig]` gives the bookkeeping
+and `from_options`), name its `config_type`, then add the class to `REGISTERED` below.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ from services.router.policy import Policy, PolicyError
 
 PolicyFactory = Callable[[Mapping[str, object]], Policy]
 
-POLICIES: dict[str, PolicyFactory] = {
-    "homogeneous": HomogeneousPolicy.from_options,
-    "naive-hetero": NaiveHeteroPolicy.from_options,
-    "prfaas": PrfaasPolicy.from_options,
-    "prfaas-dynamic": PrfaasDynamicPolicy.from_options,
-    "dynamo": DynamoPolicy.from_options,
-}
+# The one list of policies: the CLI, the router, the dashboard and the simulation read it.
+REGISTERED = (
+    HomogeneousPolicy, NaiveHeteroPolicy, PrfaasPolicy, PrfaasDynamicPolicy, DynamoPolicy,
+)
+POLICIES: dict[str, PolicyFactory] = {cls.name: cls.from_options for cls in REGISTERED}
 
 
 def create_policy(name: str, options: Mapping[str, object] | None = None) -> Policy:

@@ -19,8 +19,6 @@ link bandwidth; that blindness is what it is here to show.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import msgspec
 
 from services.router.policy import (
@@ -28,7 +26,6 @@ from services.router.policy import (
     PolicyBase,
     PolicyError,
     RouteInputs,
-    build_config,
     format_tokens,
     is_bandwidth_scarce,
 )
@@ -45,18 +42,11 @@ class DynamoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 raise PolicyError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
-class DynamoPolicy(PolicyBase):
+class DynamoPolicy(PolicyBase[DynamoConfig]):
     """Remote (PrfaaS) prefill iff the uncached length is long and the remote queue short."""
 
     name = "dynamo"
-
-    def __init__(self, config: DynamoConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or DynamoConfig()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> DynamoPolicy:
-        return cls(build_config(cls.name, DynamoConfig, options))
+    config_type = DynamoConfig
 
     def _own_threshold(self) -> float:
         return float(self.config.max_local_prefill_length)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import msgspec
 
 from services.router.policy import (
     Decision,
     PolicyBase,
     RouteInputs,
-    build_config,
     format_tokens,
     is_bandwidth_scarce,
 )
@@ -20,18 +17,11 @@ class HomogeneousConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     abundant_below: float = 0.5  # only labels the event's bandwidth_scarce field
 
 
-class HomogeneousPolicy(PolicyBase):
+class HomogeneousPolicy(PolicyBase[HomogeneousConfig]):
     """Every request prefills in the PD cluster, resuming from the PD cluster's own cache."""
 
     name = "homogeneous"
-
-    def __init__(self, config: HomogeneousConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or HomogeneousConfig()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> HomogeneousPolicy:
-        return cls(build_config(cls.name, HomogeneousConfig, options))
+    config_type = HomogeneousConfig
 
     def _decide(self, inputs: RouteInputs) -> Decision:
         incremental = inputs.total_len - inputs.cached_pd

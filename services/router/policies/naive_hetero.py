@@ -7,15 +7,12 @@ or its link down) does a request fall back to the PD cluster, so the system keep
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import msgspec
 
 from services.router.policy import (
     Decision,
     PolicyBase,
     RouteInputs,
-    build_config,
     format_tokens,
     is_bandwidth_scarce,
 )
@@ -25,18 +22,11 @@ class NaiveHeteroConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     abundant_below: float = 0.5  # only labels the event's bandwidth_scarce field
 
 
-class NaiveHeteroPolicy(PolicyBase):
+class NaiveHeteroPolicy(PolicyBase[NaiveHeteroConfig]):
     """Every request prefills on PrfaaS, resuming from the PrfaaS cluster's own cache."""
 
     name = "naive-hetero"
-
-    def __init__(self, config: NaiveHeteroConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or NaiveHeteroConfig()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> NaiveHeteroPolicy:
-        return cls(build_config(cls.name, NaiveHeteroConfig, options))
+    config_type = NaiveHeteroConfig
 
     def _decide(self, inputs: RouteInputs) -> Decision:
         scarce = is_bandwidth_scarce(inputs, self.config.abundant_below)

@@ -14,7 +14,6 @@ Which prefix counts depends on the link (docs/paper-notes.md, section 2.4 step 3
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import msgspec
 
@@ -25,7 +24,6 @@ from services.router.policy import (
     PolicyBase,
     PolicyError,
     RouteInputs,
-    build_config,
     format_tokens,
     is_bandwidth_scarce,
 )
@@ -88,18 +86,11 @@ def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfa
         cross_cluster_cache_transfer=transfer, reason=reason)
 
 
-class PrfaasPolicy(PolicyBase):
+class PrfaasPolicy(PolicyBase[PrfaasConfig]):
     """The threshold rule with the t of its config (or an override set live)."""
 
     name = "prfaas"
-
-    def __init__(self, config: PrfaasConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or PrfaasConfig()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> PrfaasPolicy:
-        return cls(build_config(cls.name, PrfaasConfig, options))
+    config_type = PrfaasConfig
 
     def _own_threshold(self) -> float:
         return self.config.threshold

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
 
 import msgspec
 
@@ -75,7 +74,6 @@ from services.router.policy import (
     PolicyStatistics,
     RouteInputs,
     SetThreshold,
-    build_config,
     format_tokens,
     is_bandwidth_scarce,
 )
@@ -178,16 +176,17 @@ class _Signals(msgspec.Struct, frozen=True):
     calm: bool  # the link: utilisation <= low watermark, no stall for calm_s
 
 
-class PrfaasDynamicPolicy(PolicyBase):
+class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
     """The threshold rule; `tick` runs both loops on the caller's clock."""
 
     name = "prfaas-dynamic"
+    config_type = DynamicConfig
 
     def __init__(self, config: DynamicConfig | None = None, *,
                  model: ThroughputModel | None = None,
                  initial: LengthDistribution | None = None) -> None:
-        super().__init__()
-        self.config = cfg = config or DynamicConfig()
+        super().__init__(config)
+        cfg = self.config
         self._model = model or cfg.throughput_model()
         for side, cost in (("prfaas_profile", self._model.prfaas), ("pd_profile", self._model.pd)):
             if cost is None or not cost.profile.paced or cost.profile.prefill is None:
@@ -207,9 +206,6 @@ class PrfaasDynamicPolicy(PolicyBase):
         self._solves = 0
         self._t = self._solve(-math.inf)
 
-    @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> PrfaasDynamicPolicy:
-        return cls(build_config(cls.name, DynamicConfig, options))
 
     def _own_threshold(self) -> float:
         return self._t
