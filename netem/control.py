@@ -1,6 +1,8 @@
 """The link's live HTTP control API, its `/metrics`, and `serve_link` (proxy + API together).
 
-JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers):
+JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers). Writes
+(POST, DELETE) pass netem/control_access.py: same origin only, JSON bodies only, and with
+`Authorization: Bearer <admin_token>` when serve_link has a token (required beyond loopback).
 
     GET  /link                     parameters (API units) and statistics
     POST /link                     partial update: bandwidth_bps, delay_ms, jitter_ms, loss,
@@ -24,6 +26,7 @@ which is how a TCP stream experiences a dead link.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -39,17 +42,27 @@ from anyio.abc import TaskStatus
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
+from netem.control_access import WriteGuard, check_bind
 from netem.link_metrics import LinkCollector
 from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route, listen_tcp
-from netem.shaper import LinkError, LinkParamError, LinkParams, LinkShaper, check_number
+from netem.shaper import (
+    LinkError,
+    LinkParamError,
+    LinkParams,
+    LinkShaper,
+    check_number,
+    shown,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_PORT = 8474
+MAX_BODY_BYTES = 64 * 1024
 
 # API key -> (LinkParams field, scale to SI units, low bound, low bound open, high bound).
 _API_FIELDS: dict[str, tuple[str, float, float, bool, float]] = {
@@ -80,12 +93,12 @@ class ControlError(LinkError):
 def apply_link_update(params: LinkParams, update: object) -> LinkParams:
     """`params` with a /link update applied; LinkParamError names a bad key or value."""
     if not isinstance(update, dict):
-        raise LinkParamError(f"body must be a JSON object, got {update!r}")
+        raise LinkParamError(f"body must be a JSON object, got {shown(update)}")
     changes: dict[str, Any] = {}
     for key, value in update.items():
         if key == "up":
             if not isinstance(value, bool):
-                raise LinkParamError(f"up must be true or false, got {value!r}")
+                raise LinkParamError(f"up must be true or false, got {shown(value)}")
             changes["up"] = value
         elif key not in _API_FIELDS:
             raise LinkParamError(f"unknown parameter {key!r}; known: up, {', '.join(_API_FIELDS)}")
@@ -128,14 +141,14 @@ def active_toxics(params: LinkParams) -> dict[str, dict[str, float]]:
 
 def toxic_kind(kind: object) -> str:
     if not isinstance(kind, str) or kind not in _TOXICS:
-        raise LinkParamError(f"type must be one of {', '.join(_TOXICS)}; got {kind!r}")
+        raise LinkParamError(f"type must be one of {', '.join(_TOXICS)}; got {shown(kind)}")
     return kind
 
 
 def toxic_update(kind: str, attributes: object, *, create: bool) -> dict[str, Any]:
     """A toxic's attributes as a /link update; on create, missing attributes are zero."""
     if not isinstance(attributes, dict):
-        raise LinkParamError(f"attributes must be a JSON object, got {attributes!r}")
+        raise LinkParamError(f"attributes must be a JSON object, got {shown(attributes)}")
     table = _TOXICS[kind]
     given = ({name: 0.0 for name in table} if create else {}) | attributes
     update: dict[str, Any] = {"up": False} if kind == "timeout" else {}
@@ -149,6 +162,24 @@ def toxic_update(kind: str, attributes: object, *, create: bool) -> dict[str, An
     return update
 
 
+def _new_toxic(body: dict[str, Any]) -> tuple[str, str, str]:
+    """A created toxic's type, stream and chosen name ("" when none), each checked."""
+    kind, stream, name = (
+        toxic_kind(body.get("type")),
+        body.get("stream", "downstream"),
+        body.get("name", ""),
+    )
+    if body.get("toxicity", 1.0) != 1.0:
+        raise LinkParamError(f"toxicity must be 1 (whole link), got {shown(body['toxicity'])}")
+    if stream not in ("upstream", "downstream"):
+        raise LinkParamError(f"stream must be 'upstream' or 'downstream', got {shown(stream)}")
+    if name is None:
+        name = ""
+    if not isinstance(name, str) or len(name) > 200:
+        raise LinkParamError(f"name must be a string of at most 200 characters, got {shown(name)}")
+    return kind, stream, name
+
+
 _REMOVALS: dict[str, dict[str, Any]] = {
     "latency": {"delay_ms": 0.0, "jitter_ms": 0.0},
     "bandwidth": {"bandwidth_bps": None},
@@ -157,11 +188,29 @@ _REMOVALS: dict[str, dict[str, Any]] = {
 }
 
 
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused past MAX_BODY_BYTES (no update needs more than a few)."""
+    declared = request.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async with contextlib.aclosing(request.stream()) as parts:
+        async for part in parts:
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
 async def _json_body(request: Request) -> object:
+    body = await _read_body(request)
     try:
-        return msgspec.json.decode(await request.body())
+        return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise LinkParamError(f"body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        # msgspec decodes nested arrays recursively; a deep one must not become a 500.
+        raise LinkParamError("body is nested too deeply") from exc
 
 
 def _json(value: object, status: int = 200) -> Response:
@@ -194,7 +243,7 @@ class _ControlApi:
 
     def _check_proxy(self, request: Request) -> None:
         if request.path_params["proxy"] != self._name:
-            raise ControlError(404, f"proxy not found: {request.path_params['proxy']!r}")
+            raise ControlError(404, f"proxy not found: {shown(request.path_params['proxy'])}")
 
     def _toxics(self) -> list[dict[str, Any]]:
         toxics = []
@@ -210,7 +259,7 @@ class _ControlApi:
         for toxic in self._toxics():
             if toxic["name"] == wanted:
                 return toxic
-        raise ControlError(404, f"toxic not found: {wanted!r}")
+        raise ControlError(404, f"toxic not found: {shown(wanted)}")
 
     def _proxy_view(self) -> dict[str, Any]:
         addresses = self._proxy.listen_addresses or [
@@ -236,8 +285,14 @@ class _ControlApi:
         if request.method == "POST":
             body = await _json_body(request)
             if not isinstance(body, dict) or set(body) - {"enabled", "name"}:
-                raise LinkParamError(f"only 'enabled' can change on a running link, got {body!r}")
+                raise LinkParamError(
+                    f"only 'enabled' can change on a running link, got {shown(body)}"
+                )
             if "enabled" in body:
+                if not isinstance(body["enabled"], bool):
+                    raise LinkParamError(
+                        f"enabled must be true or false, got {shown(body['enabled'])}"
+                    )
                 self._apply({"up": body["enabled"]})
         return _json(self._proxy_view())
 
@@ -247,21 +302,28 @@ class _ControlApi:
             return _json(self._toxics())
         body = await _json_body(request)
         if not isinstance(body, dict):
-            raise LinkParamError(f"body must be a JSON object, got {body!r}")
-        kind, stream = toxic_kind(body.get("type")), body.get("stream", "downstream")
-        if body.get("toxicity", 1.0) != 1.0:
-            raise LinkParamError(f"toxicity must be 1 (whole link), got {body['toxicity']!r}")
-        if stream not in ("upstream", "downstream"):
-            raise LinkParamError(f"stream must be 'upstream' or 'downstream', got {stream!r}")
+            raise LinkParamError(f"body must be a JSON object, got {shown(body)}")
+        kind, stream, name = _new_toxic(body)
         update = toxic_update(kind, body.get("attributes", {}), create=True)
         if kind in active_toxics(self._shaper.params):
             raise ControlError(409, f"toxic already exists: a {kind} toxic is active")
+        if kind not in active_toxics(apply_link_update(self._shaper.params, update)):
+            # Toxics are views of the link's parameters: one that changes nothing is none.
+            raise LinkParamError(f"a {kind} toxic needs a non-zero {' or '.join(_TOXICS[kind])}")
         self._apply(update)
-        self._toxic_names[kind] = (str(body.get("name") or f"{kind}_{stream}"), stream)
-        return _json(self._find_by_kind(kind))
+        self._toxic_names[kind] = (name or f"{kind}_{stream}", stream)
+        return _json(self._view_of(kind))
 
-    def _find_by_kind(self, kind: str) -> dict[str, Any]:
-        return next(toxic for toxic in self._toxics() if toxic["type"] == kind)
+    def _view_of(self, kind: str) -> dict[str, Any]:
+        """The toxic of this kind; with zero attributes when the last change removed it."""
+        for toxic in self._toxics():
+            if toxic["type"] == kind:
+                return toxic
+        name, stream = self._toxic_names.pop(kind, (f"{kind}_downstream", "downstream"))
+        attributes = {attribute: 0.0 for attribute in _TOXICS[kind]}
+        return {"name": name, "type": kind, "stream": stream, "toxicity": 1.0} | {
+            "attributes": attributes
+        }
 
     async def toxic(self, request: Request) -> Response:
         toxic = self._find_toxic(request)
@@ -273,7 +335,7 @@ class _ControlApi:
             body = await _json_body(request)
             attributes = body.get("attributes", {}) if isinstance(body, dict) else body
             self._apply(toxic_update(toxic["type"], attributes, create=False))
-            toxic = self._find_by_kind(toxic["type"])
+            toxic = self._view_of(toxic["type"])
         return _json(toxic)
 
     async def reset(self, request: Request) -> Response:
@@ -290,8 +352,19 @@ async def _control_error(request: Request, exc: Exception) -> Response:
     return _json({"error": str(exc), "status": status}, status)
 
 
-def create_control_app(proxy: LinkProxy, *, name: str = "link") -> Starlette:
-    """The control API of one link (its proxy and shaper), as a Starlette ASGI app."""
+def create_control_app(
+    proxy: LinkProxy,
+    *,
+    name: str = "link",
+    admin_token: str | None = None,
+    loopback_only: bool = False,
+) -> Starlette:
+    """The control API of one link (its proxy and shaper), as a Starlette ASGI app.
+
+    Writes pass `netem.control_access.WriteGuard`: with `admin_token` they need it as a
+    Bearer token; with `loopback_only` their Host must be a loopback name (serve_link sets
+    it when the API is open on loopback).
+    """
     api = _ControlApi(proxy, name)
     routes = [
         HttpRoute("/link", api.get_link, methods=["GET"]),
@@ -304,7 +377,8 @@ def create_control_app(proxy: LinkProxy, *, name: str = "link") -> Starlette:
         HttpRoute("/metrics", api.metrics, methods=["GET"]),
     ]
     handlers = {LinkParamError: _control_error, ControlError: _control_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    guard = Middleware(WriteGuard, admin_token=admin_token, loopback_only=loopback_only)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
 
 
 class LinkEndpoints(msgspec.Struct, frozen=True):
@@ -339,6 +413,7 @@ async def serve_link(
     control_port: int = DEFAULT_CONTROL_PORT,
     *,
     control_host: str = "127.0.0.1",
+    admin_token: str | None = None,
     name: str = "link",
     seed: int = 0,
     shape_ingress: bool = True,
@@ -351,12 +426,17 @@ async def serve_link(
 
     `on_stats` is called with `ProxyStatistics` every `stats_interval_s` (the event bus hook).
     Port 0 binds ephemeral ports; the bound addresses are reported through `task_status`.
+    The control API's writes need `Authorization: Bearer <admin_token>` when a token is
+    given; a `control_host` beyond loopback without one is refused here, before binding.
     """
+    check_bind(control_host, admin_token)
     shaper = LinkShaper(
         params, anyio.current_time, random.Random(seed), shape_ingress=shape_ingress
     )
     proxy = LinkProxy(routes, shaper, config)
-    app = create_control_app(proxy, name=name)
+    app = create_control_app(
+        proxy, name=name, admin_token=admin_token, loopback_only=admin_token is None
+    )
     http = HypercornConfig()
     http.errorlog = logging.getLogger("netem.control.http")
     http.accesslog = None

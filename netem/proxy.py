@@ -20,9 +20,10 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import math
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -32,6 +33,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from netem.shaper import (
+    Admission,
     Direction,
     Flow,
     LinkError,
@@ -194,8 +196,13 @@ def listen_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-_Chunk = tuple[bytearray, float]
+_Chunk = tuple[bytearray, Admission]
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def _release_of(admission: Admission) -> Callable[[], float]:
+    """A reader of the chunk's current release time (re-timing moves it)."""
+    return lambda: admission.release
 
 
 class LinkProxy:
@@ -337,30 +344,35 @@ class LinkProxy:
         self, queue: MemoryObjectSendStream[_Chunk], flow: Flow, chunk: bytearray
     ) -> None:
         admission = self._shaper.admit(flow, len(chunk))
-        await queue.send((chunk, admission.release))
+        await queue.send((chunk, admission))
+        await self._wait_link(lambda: admission.wire_done - self._queue_s())
+
+    def _queue_s(self) -> float:
+        """The bottleneck buffer in seconds of wire time at the current rate."""
         bandwidth = self._shaper.params.bandwidth_bps
-        backlog_s = self._config.queue_bytes * 8.0 / bandwidth if bandwidth else float("inf")
-        await self._wait_link(admission.wire_done - backlog_s)
+        return self._config.queue_bytes * 8.0 / bandwidth if bandwidth else math.inf
 
     async def _deliver(
         self, queue: MemoryObjectReceiveStream[_Chunk], dst: ByteChannel, flow: Flow
     ) -> None:
-        async for chunk, release in queue:
-            await self._wait_link(release)
+        async for chunk, admission in queue:
+            await self._wait_link(_release_of(admission))
             await dst.send_all(chunk)
             self._shaper.released(flow, len(chunk))
 
-    async def _wait_link(self, link_time: float) -> None:
-        """Sleep until the link clock reaches `link_time`, across outages and changes."""
+    async def _wait_link(self, link_time: Callable[[], float]) -> None:
+        """Sleep until the link clock reaches `link_time()`, across outages and changes.
+
+        `link_time` is read again after every parameter change: a new rate re-times queued
+        chunks (earlier or later), so a sleeper must not keep a stale deadline.
+        """
         while True:
             changed = self._signal.event()
-            wall = self._shaper.wall_time(link_time)
+            wall = self._shaper.wall_time(link_time())
             if wall <= self._shaper.now():
                 return
-            if wall == float("inf"):
+            with anyio.CancelScope(deadline=wall):
                 await changed.wait()
-            else:
-                await anyio.sleep_until(wall)
 
     def statistics(self) -> ProxyStatistics:
         return ProxyStatistics(

@@ -12,9 +12,15 @@ released; everything scheduled shifts later by the outage's length. The shaper k
 clocks for this: the injected wall clock, and the link clock (wall time minus time spent
 down). Release times are computed on the link clock and converted back with `wall_time`.
 
+A live change of rate or delay re-times the backlog, as a real bottleneck queue drains: bytes
+still waiting for (or on) the wire at the change leave from now at the new rate and take the
+new delay; chunks already fully serialised keep their release time. Release times therefore
+live in `Admission` objects that the shaper updates in place, and the proxy re-reads them
+after every parameter change.
+
 No I/O happens here; the proxy (netem/proxy.py) sleeps until the times this module computes.
-`reference_release_times` is the slow, obvious per-byte model the fast arithmetic is tested
-against.
+`netem.shaper_naive.reference_release_times` is the slow, obvious per-byte model the fast
+arithmetic is tested against.
 """
 
 from __future__ import annotations
@@ -22,11 +28,15 @@ from __future__ import annotations
 import enum
 import math
 import random
+import reprlib
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
 
 import msgspec
+
+# Below one bit per second, 8n / bandwidth overflows towards inf for ordinary chunks and a
+# link set that slow could never be drained again; 0 (or None) means unshaped instead.
+MIN_BANDWIDTH_BPS = 1.0
 
 
 class LinkError(Exception):
@@ -44,14 +54,39 @@ class Direction(enum.Enum):
     INGRESS = "ingress"
 
 
+class _BoundedRepr(reprlib.Repr):
+    """reprlib with integers too long for `repr` (Python caps int -> str) told by size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _BoundedRepr()
+_SHOWN.maxlevel = 3
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 60
+
+
+def shown(value: object) -> str:
+    """A bounded repr for error messages: request bodies may be huge or deeply nested."""
+    return _SHOWN.repr(value)
+
+
 def check_number(name: str, value: object, *, low: float, low_open: bool, high: float) -> None:
     """Raise LinkParamError naming `name` and `value` unless it is a number in range."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        if (number > low if low_open else number >= low) and number <= high:
-            return
+    # Compared as they are: Python compares int and float exactly, where float() of a JSON
+    # integer of 400 digits would overflow. NaN fails every comparison.
+    in_range = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and (value > low if low_open else value >= low)
+        and value <= high
+    )
+    if in_range:
+        return
     bound = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
-    raise LinkParamError(f"{name} must be a number {bound}, got {value!r}")
+    raise LinkParamError(f"{name} must be a number {bound}, got {shown(value)}")
 
 
 class LinkParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,6 +102,11 @@ class LinkParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.bandwidth_bps is not None:
             check_number("bandwidth_bps", self.bandwidth_bps, low=0.0, low_open=False, high=1e15)
+            if 0 < self.bandwidth_bps < MIN_BANDWIDTH_BPS:
+                raise LinkParamError(
+                    f"bandwidth_bps must be 0 (unshaped) or >= {MIN_BANDWIDTH_BPS:g}, "
+                    f"got {self.bandwidth_bps!r}"
+                )
         check_number("delay_s", self.delay_s, low=0.0, low_open=False, high=3600.0)
         check_number("jitter_s", self.jitter_s, low=0.0, low_open=False, high=3600.0)
         check_number("loss_rate", self.loss_rate, low=0.0, low_open=False, high=1.0)
@@ -84,11 +124,29 @@ class LinkParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
-class Admission(NamedTuple):
-    """Link-clock times for one admitted chunk: serialisation end, and release."""
+class Admission:
+    """One admitted chunk: its link-clock serialisation end and release, kept current.
 
-    wire_done: float
-    release: float
+    The shaper moves both when a rate or delay change re-times the backlog, so holders must
+    read them again after a change rather than keep copies. `jitter` and `stall` are the
+    random draws made at admission; the delay itself is taken when the chunk's last byte
+    leaves the wire.
+    """
+
+    __slots__ = ("flow", "jitter", "nbytes", "release", "stall", "wire_done")
+
+    def __init__(
+        self, flow: Flow, nbytes: int, wire_done: float, jitter: float, stall: float
+    ) -> None:
+        self.flow = flow
+        self.nbytes = nbytes
+        self.wire_done = wire_done
+        self.jitter = jitter
+        self.stall = stall
+        self.release = wire_done
+
+    def __repr__(self) -> str:
+        return f"Admission(wire_done={self.wire_done!r}, release={self.release!r})"
 
 
 class DirectionStatistics(msgspec.Struct, frozen=True):
@@ -115,13 +173,18 @@ class LinkStatistics(msgspec.Struct, frozen=True):
 
 
 class Flow:
-    """One connection's direction across the link: its FIFO order and its queued bytes."""
+    """One connection's direction across the link: its FIFO order and its queued bytes.
 
-    __slots__ = ("direction", "last_release", "queued_bytes")
+    `last_release` is the release of its newest chunk; `settled_release` that of its newest
+    chunk already off the wire (a re-timing restarts the flow's order from there).
+    """
+
+    __slots__ = ("direction", "last_release", "queued_bytes", "settled_release")
 
     def __init__(self, direction: Direction) -> None:
         self.direction = direction
         self.last_release = -math.inf
+        self.settled_release = -math.inf
         self.queued_bytes = 0
 
 
@@ -155,6 +218,8 @@ class _RateWindow:
 class _DirectionState:
     def __init__(self, window_s: float) -> None:
         self.wire_free = -math.inf
+        # Shaped chunks whose last byte has not left the wire yet, in wire (FIFO) order.
+        self.on_wire: deque[Admission] = deque()
         self.bytes_in = 0
         self.bytes_out = 0
         self.bytes_dropped = 0
@@ -163,6 +228,18 @@ class _DirectionState:
         self.stall_s = 0.0
         self.flows: set[Flow] = set()
         self.out_rate = _RateWindow(window_s)
+
+
+def _drain_changed(old: LinkParams, new: LinkParams) -> bool:
+    """Whether the backlog drains differently: a new rate or a new delay."""
+    return (old.bandwidth_bps or None, old.delay_s) != (new.bandwidth_bps or None, new.delay_s)
+
+
+def _remaining_s(left_s: float, old_bandwidth: float | None, rate: float) -> float:
+    """Serialisation time left at `rate` for what would have taken `left_s` at the old rate."""
+    if not old_bandwidth or rate == math.inf:
+        return 0.0
+    return left_s * old_bandwidth / rate
 
 
 class LinkShaper:
@@ -200,7 +277,7 @@ class LinkShaper:
         return self._clock()
 
     def set_params(self, params: LinkParams) -> None:
-        """Apply new parameters live; chunks admitted earlier keep their schedule."""
+        """Apply new parameters live; a new rate or delay re-times the backlog from now."""
         now = self._clock()
         if self._params.up and not params.up:
             self._down_since = now
@@ -208,10 +285,56 @@ class LinkShaper:
         elif not self._params.up and params.up and self._down_since is not None:
             self._paused_s += now - self._down_since
             self._down_since = None
+        old = self._params
         self._params = params
+        if _drain_changed(old, params):
+            for direction in self._shaped_directions():
+                self._retime(self._states[direction], old.bandwidth_bps)
         self._transparent = self._compute_transparent()
         for listener in list(self._listeners):
             listener(params)
+
+    def _shaped_directions(self) -> tuple[Direction, ...]:
+        if self._shape_ingress:
+            return (Direction.EGRESS, Direction.INGRESS)
+        return (Direction.EGRESS,)
+
+    def _settle(self, state: _DirectionState, link_time: float) -> None:
+        """Forget chunks fully serialised by `link_time`: their release is final."""
+        on_wire = state.on_wire
+        while on_wire and on_wire[0].wire_done <= link_time:
+            done = on_wire.popleft()
+            done.flow.settled_release = done.release
+
+    def _retime(self, state: _DirectionState, old_bandwidth: float | None) -> None:
+        """Drain what is still on the wire from now at the current rate and delay.
+
+        The wire is busy without a gap from now until the last waiting byte (every chunk on
+        it arrived before now), so its remaining bits are (wire_free - now) * old rate.
+        """
+        now = self.link_now()
+        self._settle(state, now)
+        if not state.on_wire:
+            return
+        rate = self._params.bandwidth_bps or math.inf
+        # The chunk in progress keeps the bits it has sent; its remaining bits go at the new
+        # rate, then every later chunk whole.
+        wire = now + _remaining_s(state.on_wire[0].wire_done - now, old_bandwidth, rate)
+        last_release: dict[Flow, float] = {}
+        for index, chunk in enumerate(state.on_wire):
+            if index:
+                wire += chunk.nbytes * 8.0 / rate
+            chunk.wire_done = wire
+            floor = last_release.get(chunk.flow, chunk.flow.settled_release)
+            chunk.release = max(wire + self._extra(chunk), floor)
+            last_release[chunk.flow] = chunk.release
+        state.wire_free = wire
+        for flow, release in last_release.items():
+            flow.last_release = release
+
+    def _extra(self, chunk: Admission) -> float:
+        """Time from a chunk's last byte leaving the wire to its release (current delay)."""
+        return max(0.0, self._params.delay_s + chunk.jitter) + chunk.stall
 
     def add_listener(self, listener: Callable[[LinkParams], None]) -> None:
         self._listeners.append(listener)
@@ -255,32 +378,39 @@ class LinkShaper:
         flow.queued_bytes = 0
 
     def admit(self, flow: Flow, nbytes: int) -> Admission:
-        """Schedule a chunk entering now; returns its link-clock wire end and release time."""
+        """Schedule a chunk entering now; its times stay current until it leaves the wire."""
         params = self._params
         state = self._states[flow.direction]
-        start = max(self.link_now(), state.wire_free)
+        now = self.link_now()
+        start = max(now, state.wire_free)
         shaped = flow.direction is Direction.EGRESS or self._shape_ingress
         bandwidth = params.bandwidth_bps if shaped else None
         wire_done = start + nbytes * 8.0 / bandwidth if bandwidth else start
         state.wire_free = wire_done
-        release = wire_done + (self._draw_delay(params, state) if shaped else 0.0)
-        release = max(release, flow.last_release)
-        flow.last_release = release
+        if shaped:
+            jitter, stall = self._draw(params, state)
+            admission = Admission(flow, nbytes, wire_done, jitter, stall)
+            admission.release = max(wire_done + self._extra(admission), flow.last_release)
+            self._settle(state, now)
+            state.on_wire.append(admission)
+        else:
+            admission = Admission(flow, nbytes, wire_done, 0.0, 0.0)
+            admission.release = max(wire_done, flow.last_release)
+        flow.last_release = admission.release
         flow.queued_bytes += nbytes
         state.bytes_in += nbytes
         state.chunks_in += 1
-        return Admission(wire_done, release)
+        return admission
 
-    def _draw_delay(self, params: LinkParams, state: _DirectionState) -> float:
+    def _draw(self, params: LinkParams, state: _DirectionState) -> tuple[float, float]:
+        """The chunk's jitter offset and loss stall, drawn once at admission."""
         # Draw order (jitter, then loss) is part of the contract with the reference model.
-        delay = params.delay_s
-        if params.jitter_s:
-            delay = max(0.0, delay + self._rng.uniform(-params.jitter_s, params.jitter_s))
+        jitter = self._rng.uniform(-params.jitter_s, params.jitter_s) if params.jitter_s else 0.0
         if params.loss_rate and self._rng.random() < params.loss_rate:
             state.stalls += 1
             state.stall_s += params.rto_s
-            delay += params.rto_s
-        return delay
+            return jitter, params.rto_s
+        return jitter, 0.0
 
     def released(self, flow: Flow, nbytes: int) -> None:
         """Account a queued chunk as delivered to the far side."""
@@ -342,5 +472,8 @@ class LinkShaper:
                 )
             if any(flow.direction is not direction for flow in state.flows):
                 raise LinkError(f"{direction.value}: a flow of another direction is registered")
+            times = [chunk.wire_done for chunk in state.on_wire]
+            if times != sorted(times) or any(t > state.wire_free for t in times):
+                raise LinkError(f"{direction.value}: the wire is out of order: {times[:8]}")
         if (self._down_since is None) != self._params.up:
             raise LinkError(f"up={self._params.up} but down_since={self._down_since}")

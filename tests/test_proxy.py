@@ -15,75 +15,10 @@ import pytest
 import trio
 import trio.testing
 from anyio.abc import SocketStream
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from netem_channels import pumped, send_then_eof
 
 from netem.proxy import LinkProxy, ProxyConfig, Route
 from netem.shaper import LinkParamError, LinkParams, LinkShaper
-
-
-class MemoryChannel:
-    """One end of an in-memory duplex byte pipe, as the proxy's `ByteChannel`."""
-
-    def __init__(
-        self, send: MemoryObjectSendStream[bytes], receive: MemoryObjectReceiveStream[bytes]
-    ) -> None:
-        self._send = send
-        self._receive = receive
-        self._pending = memoryview(b"")
-
-    async def receive_into(self, buffer: memoryview) -> int:
-        if not self._pending:
-            try:
-                self._pending = memoryview(await self._receive.receive())
-            except anyio.EndOfStream:
-                return 0
-        count = min(len(buffer), len(self._pending))
-        buffer[:count] = self._pending[:count]
-        self._pending = self._pending[count:]
-        return count
-
-    async def receive_all(self) -> tuple[bytes, float]:
-        """Everything until end of stream, and the (virtual) time the last byte came."""
-        parts, last = [], 0.0
-        buffer = memoryview(bytearray(1 << 20))
-        while count := await self.receive_into(buffer):
-            parts.append(bytes(buffer[:count]))
-            last = anyio.current_time()
-        return b"".join(parts), last
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._send.send(bytes(data))
-
-    async def send_eof(self) -> None:
-        await self._send.aclose()
-
-
-@asynccontextmanager
-async def duplex() -> AsyncIterator[tuple[MemoryChannel, MemoryChannel]]:
-    a_send, b_receive = anyio.create_memory_object_stream[bytes](16)
-    b_send, a_receive = anyio.create_memory_object_stream[bytes](16)
-    async with a_send, b_receive, b_send, a_receive:
-        yield MemoryChannel(a_send, a_receive), MemoryChannel(b_send, b_receive)
-
-
-@asynccontextmanager
-async def pumped(
-    proxy: LinkProxy,
-) -> AsyncIterator[tuple[MemoryChannel, MemoryChannel, trio.Nursery]]:
-    """The proxy pumping between an app end and a server end; yields both and a nursery."""
-    async with (
-        duplex() as (app, client_end),
-        duplex() as (upstream_end, server),
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(proxy.pump_connection, client_end, upstream_end)
-        yield app, server, nursery
-
-
-async def send_then_eof(channel: MemoryChannel, payload: bytes, piece: int = 1 << 20) -> None:
-    for offset in range(0, len(payload), piece):
-        await channel.send_all(payload[offset : offset + piece])
-    await channel.send_eof()
 
 
 @pytest.mark.trio
@@ -164,6 +99,40 @@ async def test_pump_switches_from_fast_path_to_shaped_live(
     assert received == payload
     # 200 kB at 200 kB/s after the switch at t = 1 s.
     assert last == pytest.approx(2.0, abs=0.1)
+    proxy.check_integrity()
+
+
+@pytest.mark.trio
+async def test_pump_backlog_drains_at_the_restored_rate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 13: 10 s at 1 kbit/s with 3 MB offered, then 1 Gbit/s restored."""
+    params = LinkParams(bandwidth_bps=1e3, delay_s=0.020)
+    shaper = LinkShaper(params, trio.current_time, random.Random(1))
+    proxy = LinkProxy([Route(0, 0)], shaper)
+    payload = os.urandom(3_000_000)
+    async with pumped(proxy) as (app, server, nursery):
+        nursery.start_soon(send_then_eof, app, payload)
+        await trio.sleep(10.0)
+        # The reader stopped at the bottleneck buffer: about 1 MiB queued, not 3 MB.
+        queued = shaper.statistics().egress.queued_bytes
+        assert 1 << 20 < queued < (1 << 20) + 3 * 64 * 1024
+        shaper.set_params(msgspec.structs.replace(params, bandwidth_bps=1e9))
+        await server.send_eof()
+        received, last = await server.receive_all()
+        await app.receive_all()
+    assert received == payload
+    # 1,250 bytes left in the first 10 s; the wire never idles after, at 1 Gbit/s.
+    assert last == pytest.approx(10.0 + (len(payload) - 1250) * 8 / 1e9 + 0.020, rel=1e-9)
+    proxy.check_integrity()
+    async with pumped(proxy) as (app, server, nursery):
+        start = trio.current_time()
+        nursery.start_soon(send_then_eof, app, payload[:1_000_000])
+        await server.send_eof()
+        received, last = await server.receive_all()
+        await app.receive_all()
+    assert received == payload[:1_000_000]
+    assert last - start == pytest.approx(0.008 + 0.020, rel=1e-6)
     proxy.check_integrity()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 import msgspec
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netem.shaper import (
+    Admission,
     Direction,
     LinkError,
     LinkParamError,
@@ -160,21 +162,63 @@ def test_outage_pauses_the_link_then_recovers() -> None:
     shaper.check_integrity()
 
 
-def test_live_bandwidth_change_applies_to_new_chunks() -> None:
-    shaper, _ = make_shaper(LinkParams(bandwidth_bps=8e6))
+def test_live_bandwidth_change_retimes_the_backlog_from_now() -> None:
+    shaper, clock = make_shaper(LinkParams(bandwidth_bps=8e6))
     flow = shaper.open_flow(Direction.EGRESS)
-    first = shaper.admit(flow, 1000)
-    assert first.wire_done == pytest.approx(0.001)
+    first, second = shaper.admit(flow, 1000), shaper.admit(flow, 1000)
+    assert (first.wire_done, second.wire_done) == pytest.approx((0.001, 0.002))
     calls: list[LinkParams] = []
     shaper.add_listener(calls.append)
+    clock.now = 0.0005
     shaper.set_params(LinkParams(bandwidth_bps=80e6))
-    second = shaper.admit(flow, 1000)
-    assert second.wire_done == pytest.approx(0.0011)
+    # Half of the first chunk has left at 8 Mbit/s; its other 500 bytes go at 80 Mbit/s.
+    assert first.wire_done == pytest.approx(0.0005 + 500 * 8 / 80e6)
+    assert second.wire_done == pytest.approx(0.00055 + 1000 * 8 / 80e6)
+    assert shaper.admit(flow, 1000).wire_done == pytest.approx(0.00075)
     assert calls == [LinkParams(bandwidth_bps=80e6)]
+    clock.now = 0.0006
     shaper.set_params(LinkParams())
     assert shaper.transparent(Direction.EGRESS)
-    # The backlog still drains in order before an unshaped chunk leaves.
-    assert shaper.admit(flow, 1000).release == pytest.approx(0.0011)
+    # First has left the wire and keeps its time; the rest drain at once, in order.
+    assert first.release == pytest.approx(0.00055)
+    assert second.release == pytest.approx(0.0006)
+    assert shaper.admit(flow, 1000).release == pytest.approx(0.0006)
+    assert shaper.statistics().egress.wire_backlog_s == 0.0
+    shaper.check_integrity()
+
+
+def test_delay_change_applies_to_bytes_still_on_the_wire_only() -> None:
+    shaper, clock = make_shaper(LinkParams(bandwidth_bps=8e3, delay_s=5.0))
+    flow = shaper.open_flow(Direction.EGRESS)
+    sent, waiting = shaper.admit(flow, 1000), shaper.admit(flow, 1000)
+    clock.now = 1.5
+    shaper.set_params(LinkParams(bandwidth_bps=8e3, delay_s=0.1))
+    assert sent.release == pytest.approx(6.0)
+    # FIFO per flow: the second chunk may not overtake the first one's 5 s delay.
+    assert waiting.wire_done == pytest.approx(2.0)
+    assert waiting.release == pytest.approx(6.0)
+    other = shaper.open_flow(Direction.EGRESS)
+    assert shaper.admit(other, 1000).release == pytest.approx(3.1)
+
+
+def test_slow_link_recovers_when_the_rate_is_restored() -> None:
+    """Issue 13: 10 s at 1 kbit/s with 3 MB offered, then 1 Gbit/s: the backlog drains now."""
+    shaper, clock = make_shaper(LinkParams(bandwidth_bps=1e3, delay_s=0.02))
+    flow = shaper.open_flow(Direction.EGRESS)
+    offered = [shaper.admit(flow, 64 * 1024) for _ in range(3_000_000 // (64 * 1024))]
+    total = 64 * 1024 * len(offered)
+    assert offered[-1].release == pytest.approx(total * 8 / 1e3 + 0.02)
+    clock.now = 10.0
+    shaper.set_params(LinkParams(bandwidth_bps=1e9, delay_s=0.02))
+    # 1,250 bytes left in 10 s at 1 kbit/s; the rest leave from t = 10 s at 1 Gbit/s.
+    drained = 10.0 + (total - 1250) * 8 / 1e9
+    assert offered[-1].wire_done == pytest.approx(drained, rel=1e-12)
+    assert offered[-1].release == pytest.approx(drained + 0.02, rel=1e-12)
+    assert shaper.statistics().egress.wire_backlog_s == pytest.approx(drained - 10.0)
+    clock.now = drained
+    after = shaper.admit(shaper.open_flow(Direction.EGRESS), 1_000_000)
+    assert after.release == pytest.approx(drained + 0.008 + 0.02, rel=1e-12)
+    shaper.check_integrity()
 
 
 def test_ingress_can_be_left_unshaped_but_not_immune_to_outages() -> None:
@@ -215,29 +259,36 @@ def test_releasing_more_than_queued_is_an_error() -> None:
 
 
 def run_fast(
-    chunks: list[ChunkEvent], params: LinkParams, seed: int, outages: list[tuple[float, float]]
+    chunks: list[ChunkEvent],
+    params: LinkParams,
+    seed: int,
+    outages: list[tuple[float, float]],
+    changes: Sequence[tuple[float, LinkParams]] = (),
 ) -> list[float]:
-    """Drive LinkShaper through arrivals and outages in time order; wall release per chunk."""
+    """Drive LinkShaper through arrivals, outages and changes in time order; wall releases."""
     shaper, clock = make_shaper(params, seed=seed)
     flows = {key: shaper.open_flow(Direction.EGRESS) for key in {c.flow for c in chunks}}
-    events = [(c.arrival, "chunk", i) for i, c in enumerate(chunks)]
+    events: list[tuple[float, str, int]] = [(c.arrival, "chunk", i) for i, c in enumerate(chunks)]
     events += [(t, kind, -1) for a, b in outages for t, kind in ((a, "down"), (b, "up"))]
-    pending: dict[int, float] = {}
+    events += [(t, "change", i) for i, (t, _) in enumerate(changes)]
+    admitted: dict[int, Admission] = {}
     walls = [math.nan] * len(chunks)
     for time, kind, index in sorted(events):
         clock.now = time
         if kind == "chunk":
-            pending[index] = shaper.admit(flows[chunks[index].flow], chunks[index].nbytes).release
-            continue
-        if kind == "down":
-            # Chunks whose time came before the outage have left; the rest wait it out.
-            for i, release in list(pending.items()):
-                if shaper.wall_time(release) <= time:
-                    walls[i] = shaper.wall_time(release)
-                    del pending[i]
-        shaper.set_params(msgspec.structs.replace(shaper.params, up=kind == "up"))
-    for i, release in pending.items():
-        walls[i] = shaper.wall_time(release)
+            admitted[index] = shaper.admit(flows[chunks[index].flow], chunks[index].nbytes)
+        elif kind == "change":
+            shaper.set_params(msgspec.structs.replace(changes[index][1], up=shaper.params.up))
+        else:
+            if kind == "down":
+                # Chunks whose time came before the outage have left; the rest wait it out.
+                for i, admission in list(admitted.items()):
+                    if shaper.wall_time(admission.release) <= time:
+                        walls[i] = shaper.wall_time(admission.release)
+                        del admitted[i]
+            shaper.set_params(msgspec.structs.replace(shaper.params, up=kind == "up"))
+    for i, admission in admitted.items():
+        walls[i] = shaper.wall_time(admission.release)
     shaper.check_integrity()
     return walls
 
@@ -255,6 +306,21 @@ param_sets = st.builds(
 )
 
 
+def chunk_events(raw: list[tuple[int, int, int]]) -> list[ChunkEvent]:
+    chunks, time = [], 0.0
+    for gap, flow, nbytes in raw:
+        time += gap * 1e-3
+        chunks.append(ChunkEvent(time, flow, nbytes))
+    return chunks
+
+
+def outage_spans(outage_slots: list[int]) -> list[tuple[float, float]]:
+    slots = sorted(outage_slots)
+    # Outage edges sit on half-millisecond offsets so they never tie with an arrival.
+    outages = [(s * 1e-3 + 5e-4, s * 1e-3 + 5e-4 + 0.0021) for s in slots]
+    return [o for i, o in enumerate(outages) if i == 0 or o[0] > outages[i - 1][1]]
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     raw=chunk_lists,
@@ -265,14 +331,34 @@ param_sets = st.builds(
 def test_fast_arithmetic_equals_per_byte_reference(
     raw: list[tuple[int, int, int]], params: LinkParams, seed: int, outage_slots: list[int]
 ) -> None:
-    chunks, time = [], 0.0
-    for gap, flow, nbytes in raw:
-        time += gap * 1e-3
-        chunks.append(ChunkEvent(time, flow, nbytes))
-    slots = sorted(outage_slots)
-    # Outage edges sit on half-millisecond offsets so they never tie with an arrival.
-    outages = [(s * 1e-3 + 5e-4, s * 1e-3 + 5e-4 + 0.0021) for s in slots]
-    outages = [o for i, o in enumerate(outages) if i == 0 or o[0] > outages[i - 1][1]]
+    chunks, outages = chunk_events(raw), outage_spans(outage_slots)
     fast = run_fast(chunks, params, seed, outages)
     slow = reference_release_times(chunks, params, random.Random(seed), outages)
+    assert fast == pytest.approx(slow, abs=1e-9)
+
+
+def _time(change: tuple[float, LinkParams]) -> float:
+    return change[0]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    raw=chunk_lists,
+    params=param_sets,
+    seed=st.integers(0, 1000),
+    outage_slots=st.lists(st.integers(0, 60), max_size=3, unique=True),
+    change_list=st.lists(st.tuples(st.integers(0, 80), param_sets), max_size=4),
+)
+def test_rate_and_delay_changes_mid_flight_equal_per_byte_reference(
+    raw: list[tuple[int, int, int]],
+    params: LinkParams,
+    seed: int,
+    outage_slots: list[int],
+    change_list: list[tuple[int, LinkParams]],
+) -> None:
+    chunks, outages = chunk_events(raw), outage_spans(outage_slots)
+    # Changes sit on quarter-millisecond offsets: never tied with an arrival or outage edge.
+    changes = sorted(((slot * 1e-3 + 2.5e-4, new) for slot, new in change_list), key=_time)
+    fast = run_fast(chunks, params, seed, outages, changes)
+    slow = reference_release_times(chunks, params, random.Random(seed), outages, changes)
     assert fast == pytest.approx(slow, abs=1e-9)
