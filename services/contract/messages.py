@@ -138,6 +138,13 @@ class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     layer: int
     data: bytes
     start: int = 0
+    # The simulation's pieces carry their modeled size here and no bytes (data is empty).
+    nbytes: int = 0
+
+    @property
+    def size(self) -> int:
+        """Payload bytes this piece stands for: its bytes, or its modeled size."""
+        return self.nbytes or len(self.data)
 
 
 class KVClose(msgspec.Struct, frozen=True, tag=True, kw_only=True):

@@ -30,6 +30,9 @@ class TokenEvent(msgspec.Struct, frozen=True):
     token: int
     index: int
     finish_reason: str | None = None
+    # Tokens this event stands for (`token` repeated): a modeled batch (the simulation) takes
+    # several steps at once; the real batch makes one token per step.
+    count: int = 1
 
 
 @dataclass(frozen=True)

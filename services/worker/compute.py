@@ -20,19 +20,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling
-from services.model.cache import RequestCache
-from services.model.export import export_layer
-from services.model.generate import block_boundaries, prefill
-from services.model.model import HybridLM
-from services.model.sampling import RequestSampler, SamplingParams
+from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel, Pacer
 from services.worker.kv_stream import Computed, PieceSpec, release, step_ends
+
+if TYPE_CHECKING:
+    from services.worker.engine import Engine
 
 LaneItem = KVChunk | KVClose
 T = TypeVar("T")
@@ -70,10 +69,26 @@ class InlineRunner:
 
 @dataclass(frozen=True)
 class Pacing:
-    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale."""
+    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale.
+
+    A served token stands for `tokens_per_served` modeled tokens (the topology's scale: the
+    demo serves the paper's lengths at 1/32), so a 32x longer request costs what the profile
+    says a 32x longer request costs, on either hardware, at any scale."""
 
     cost: CostModel
     pacer: Pacer
+    tokens_per_served: float = 1.0
+
+    def modeled(self, served_tokens: int) -> int:
+        return round(served_tokens * self.tokens_per_served)
+
+    def prefill_time(self, new: int, cached: int) -> float:
+        """Modeled seconds to prefill `new` served tokens after `cached` ones."""
+        return self.cost.prefill_time(self.modeled(new), self.modeled(cached))
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        """Modeled seconds of one decode step of `batch` requests holding `context` tokens."""
+        return self.cost.decode_step_time(batch, self.modeled(context))
 
 
 @dataclass
@@ -82,7 +97,7 @@ class PrefillJob:
 
     request: PrefillRequest
     hashes: list[int]
-    cache: RequestCache
+    cache: Any  # the engine's cache (RequestCache for the real model)
     reused: int  # tokens resumed from the store
     params: SamplingParams
     lanes: int
@@ -98,9 +113,9 @@ class PrefillJob:
 class PrefillCompute:
     """Computes one job at a time on `model` through `runner`, paced when `pacing` is given."""
 
-    def __init__(self, model: HybridLM, snapshot_every: int, runner: ComputeRunner,
+    def __init__(self, engine: Engine, snapshot_every: int, runner: ComputeRunner,
                  pacing: Pacing | None = None) -> None:
-        self.model = model
+        self.engine = engine
         self._snapshot_every = snapshot_every
         self._runner = runner
         self._pacing = pacing
@@ -127,40 +142,20 @@ class PrefillCompute:
             began = anyio.current_time()
             first.append(await self._runner.run(partial(self._compute, job, emit)))
             if self._pacing is not None:
-                modeled = self._pacing.cost.prefill_time(job.length - job.reused, job.reused)
+                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
                 self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
 
     def _compute(self, job: PrefillJob, emit: Callable[[int, KVChunk], None]) -> int:
-        """Through the runner: prefill the suffix chunk by chunk, emitting each piece as its
-        layer finishes; returns the first token."""
-        cfg, request = self.model.cfg, job.request
-        snapshots = block_boundaries(job.reused, job.length, cfg.block_size,
-                                     self._snapshot_every)
-        result = None
-        for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
-            by_layer = {p.layer: p for p in pieces}
-
-            def on_layer(layer: int, first_step: int = index * cfg.n_layers,
-                         by_layer: dict[int, PieceSpec] = by_layer, end: int = end) -> None:
-                spec = by_layer.get(layer)
-                if spec is not None:
-                    piece = export_layer(job.cache, layer, spec.start, end)
-                    emit(first_step + layer, KVChunk(request_id=request.request_id,
-                                                     layer=layer, start=spec.start,
-                                                     data=piece.to_bytes()))
-
-            result = prefill(self.model, request.prompt[start:end], job.cache,
-                             snapshot_at=[n for n in snapshots if start < n <= end],
-                             on_layer=on_layer)
-        assert result is not None
-        return RequestSampler(job.params).sample(result.logits, 0)
+        """Through the runner: the engine prefills the suffix chunk by chunk, emitting each
+        piece as its layer finishes; returns the first token."""
+        return self.engine.compute_prefill(job, emit, self._snapshot_every)
 
     def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
         """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
         if self._pacing is None:
             return []
         scale = self._pacing.pacer.time_scale
-        modeled = step_ends(job.chunks, self.model.cfg.n_layers, self._pacing.cost.prefill_time)
+        modeled = step_ends(job.chunks, self.engine.cfg.n_layers, self._pacing.prefill_time)
         return [start + scale * end for end in modeled]
 
 

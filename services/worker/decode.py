@@ -33,13 +33,14 @@ from mesh.events import EventBus
 from services.contract.errors import DataPathError, KVTransferError, RequestError
 from services.contract.events import Event, RequestPhase
 from services.contract.messages import DecodeRequest, TokenChunk
-from services.model.batch import DecodeBatch, StepResult, TokenEvent, finish_reason
-from services.model.cache import RequestCache, dtype_name
+from services.model.batch import StepResult, TokenEvent, finish_reason
+from services.model.cache import RequestCache
 from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
 from services.worker.compute import Pacing, sampling_params
-from services.worker.kv_stream import KVAssembly, KVInbox, import_pieces
+from services.worker.engine import Engine, as_engine
+from services.worker.kv_stream import KVAssembly, KVInbox
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class DecodeWorker:
 
     def __init__(
         self,
-        model: HybridLM,
+        model: HybridLM | Engine,
         store: PrefixStore,
         config: DecodeConfig,
         *,
@@ -120,17 +121,18 @@ class DecodeWorker:
         pacing: Pacing | None = None,
         report: Callable[[StoreChange], None] | None = None,
     ) -> None:
-        self.model = model
+        self.model = as_engine(model)
         self.store = store
         self.config = config
         self._bus = bus or EventBus()
         self._pacing = pacing
         self._report = report
-        self._batch = DecodeBatch(model, slots=config.slots)
+        self._batch = self.model.new_batch(config.slots)
         self._members: dict[str, _Member] = {}
         self._joining: list[_Member] = []
         self._leaving: set[str] = set()
-        model_id = (model.cfg.family, model.cfg.config_hash(), dtype_name(model.dtype))
+        cfg = self.model.cfg
+        model_id = (cfg.family, cfg.config_hash(), self.model.dtype_name)
         self.inbox = KVInbox(config.name, model_id, config.orphan_timeout)
         self._waiting = 0
         self._wakeup = anyio.Event()
@@ -224,8 +226,7 @@ class DecodeWorker:
             raise KVTransferError(f"KV of {request.request_id!r} covers {opening.end} tokens, "
                                   f"the prompt has {len(request.prompt)}")
         base = self._base(request, opening.start)
-        cache = await anyio.to_thread.run_sync(import_pieces, self.model.cfg, opening.dtype,
-                                               base, assembly.pieces)
+        cache: RequestCache = await self.model.import_kv(opening.dtype, base, assembly.pieces)
         self._counts.reused_tokens += opening.start
         return cache
 
@@ -250,7 +251,8 @@ class DecodeWorker:
         try:
             async with receive:
                 async for event in receive:
-                    yield TokenChunk(request_id=request.request_id, tokens=[event.token],
+                    yield TokenChunk(request_id=request.request_id,
+                                     tokens=[event.token] * event.count,
                                      index=event.index, finish_reason=event.finish_reason)
         finally:
             self._waiting += 1
@@ -288,15 +290,16 @@ class DecodeWorker:
         started = anyio.current_time()
         batch, context = len(self._batch), self._batch.statistics().tokens_in_cache
         try:
-            result: StepResult = await anyio.to_thread.run_sync(self._batch.step)
+            self._wakeup = anyio.Event()  # a join cuts a modeled multi-step short
+            result: StepResult = await self.model.step(self._batch, self._wakeup)
         except ModelError as exc:
             log.exception("decode step failed; failing its %d requests", batch)
             self._fail_all(f"decode step failed: {exc}")
             return
-        self._counts.tokens += len(result.events)
+        self._counts.tokens += sum(event.count for event in result.events)
         for event in result.events:
             member = self._members[event.request_id]
-            member.output.append(event.token)
+            member.output.extend([event.token] * event.count)
             if not member.deliver(event):
                 self._leaving.add(event.request_id)
         for rid, cache in result.finished.items():
@@ -314,7 +317,7 @@ class DecodeWorker:
 
     async def _pace(self, real_s: float, batch: int, context: int) -> None:
         if self._pacing is not None:
-            modeled = self._pacing.cost.decode_step_time(batch, context)
+            modeled = self._pacing.decode_step_time(batch, context)
             await anyio.sleep(self._pacing.pacer.remaining(real_s, modeled))
 
     def _keep(self, tokens: list[int], cache: RequestCache) -> None:

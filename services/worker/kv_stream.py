@@ -281,8 +281,8 @@ class KVInbox:
         if isinstance(item, KVChunk):
             assembly.add(item)
             self._counts["pieces"] += 1
-            self._counts["bytes"] += len(item.data)
-            return len(item.data)
+            self._counts["bytes"] += item.size
+            return item.size
         if isinstance(item, KVClose) and opening.lane == 0:
             assembly.first_token = item.first_token
             return 0

@@ -40,7 +40,6 @@ from services.contract.messages import (
     PrefillDone,
     PrefillRequest,
 )
-from services.model.cache import RequestCache
 from services.model.model import HybridLM
 from services.worker.compute import (
     ComputeRunner,
@@ -51,7 +50,8 @@ from services.worker.compute import (
     ThreadRunner,
     sampling_params,
 )
-from services.worker.kv_stream import chunk_bounds, expected_kv_bytes, stream_failure, stream_plan
+from services.worker.engine import Engine, as_engine
+from services.worker.kv_stream import chunk_bounds, stream_failure, stream_plan
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class PrefillWorker:
 
     def __init__(
         self,
-        model: HybridLM,
+        model: HybridLM | Engine,
         store: PrefixStore,
         lanes: Sequence[Node],
         config: PrefillConfig,
@@ -114,14 +114,14 @@ class PrefillWorker:
     ) -> None:
         if not lanes:
             raise RequestError("lanes must hold at least the worker's own node, got none")
-        self.model = model
+        self.model = as_engine(model)
         self.store = store
         self.config = config
         self._lanes = list(lanes)
         self._bus = bus or EventBus()
         self._report = report
         self._link_of = link_of
-        self._compute = PrefillCompute(model, config.snapshot_every, runner or ThreadRunner(),
+        self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
         self._slot = anyio.Lock()
         self._queued = 0
@@ -192,7 +192,7 @@ class PrefillWorker:
         # At least one token must be computed: its logits give the first output token.
         cache = self.store.resume(hashes, (length - 1) // cfg.block_size)
         if cache is None:
-            cache = RequestCache.empty(cfg, self.model.dtype)
+            cache = self.model.empty_cache()
         size = self.config.chunk_tokens if request.chunk_tokens is None else (
             request.chunk_tokens)
         if size % cfg.block_size:
@@ -269,7 +269,7 @@ class PrefillWorker:
             async for item in items:
                 await sink.send(item)
                 if isinstance(item, KVChunk):
-                    self._count_sent(job, len(item.data))
+                    self._count_sent(job, item.size)
                     self._flow(job, "progress", job.sent[0])
         if not isinstance(sink.result, KVAccepted):
             raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
@@ -294,8 +294,8 @@ class PrefillWorker:
             via_link=self._link_of(request.decode_worker),
             phase=phase,  # type: ignore[arg-type]
             layers_done=layers_done, layers_total=cfg.n_layers, bytes_done=job.sent[1],
-            bytes_total=expected_kv_bytes(cfg, job.length, request.decode_has_tokens,
-                                          job.cache.dtype_name),
+            bytes_total=self.model.kv_bytes(job.length, request.decode_has_tokens,
+                                            job.cache.dtype_name),
             incremental=request.decode_has_tokens > 0,
             tokens_sent=job.length - request.decode_has_tokens,
         ))

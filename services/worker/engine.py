@@ -1,0 +1,130 @@
+"""The engine: what a worker's prefill and decode sides ask of the model, and nothing more.
+
+The prefill and decode workers (queueing, the KV stream protocol, the prefix store, continuous
+batching) are the same in every mode; only the engine under them changes. `ModelEngine` runs
+the real hybrid model (live and emulated modes). The simulation swaps in a modeled engine
+(services/sim/engine.py) whose caches and KV pieces carry sizes instead of tensors and whose
+compute takes the hardware profile's time on the loop's clock.
+
+An engine answers:
+- `cfg`: the model's shape as the workers read it (block_size, n_layers, layer_kinds,
+  vocab_size, eos_id, family, config_hash());
+- `dtype_name`; `empty_cache()`; `kv_bytes(length, start, dtype)`: the payload an export of
+  tokens [start, length) carries;
+- `compute_prefill(job, emit, snapshot_every)`: prefill a job's chunks, emitting each finished
+  layer's piece, returning the first token (called through the prefill's `ComputeRunner`);
+- `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
+  batch may take several steps at once, cut short when `interrupt` is set: a request joined);
+- `import_kv(dtype, base, pieces)`: the cache rebuilt from a stream's pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from services.contract.messages import KVChunk
+from services.model.batch import DecodeBatch, StepResult
+from services.model.cache import RequestCache, dtype_name
+from services.model.config import kv_bytes, kv_layout
+from services.model.export import export_layer
+from services.model.generate import block_boundaries, prefill
+from services.model.model import HybridLM
+from services.model.sampling import RequestSampler
+from services.worker.kv_stream import PieceSpec, import_pieces
+
+if TYPE_CHECKING:
+    from services.worker.compute import PrefillJob
+
+Emit = Callable[[int, KVChunk], None]
+
+
+class Engine(Protocol):
+    """What the workers need of a model (module docstring)."""
+
+    @property
+    def cfg(self) -> Any: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    def empty_cache(self) -> Any: ...
+
+    def kv_bytes(self, length: int, start: int, dtype: str) -> int: ...
+
+    def compute_prefill(self, job: PrefillJob, emit: Emit, snapshot_every: int) -> int: ...
+
+    def new_batch(self, slots: int) -> Any: ...
+
+    async def step(self, batch: Any, interrupt: anyio.Event) -> StepResult: ...
+
+    async def import_kv(self, dtype: str, base: Any, pieces: Mapping[tuple[int, int], bytes],
+                        ) -> Any: ...
+
+
+class ModelEngine:
+    """The real model: compute in torch, caches of tensors, KV pieces of bytes."""
+
+    def __init__(self, model: HybridLM) -> None:
+        self.model = model
+
+    @property
+    def cfg(self) -> Any:
+        return self.model.cfg
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.model.dtype)
+
+    def empty_cache(self) -> RequestCache:
+        return RequestCache.empty(self.model.cfg, self.model.dtype)
+
+    def kv_bytes(self, length: int, start: int, dtype: str) -> int:
+        """Full-attention KV of tokens [start, length) plus every fixed-size state."""
+        cfg = self.model.cfg
+        return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
+
+    def compute_prefill(self, job: PrefillJob, emit: Emit, snapshot_every: int) -> int:
+        """Prefill the suffix chunk by chunk, emitting each piece as its layer finishes."""
+        cfg, request = self.model.cfg, job.request
+        snapshots = block_boundaries(job.reused, job.length, cfg.block_size, snapshot_every)
+        result = None
+        for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+            on_layer = self._exporter(job, index * cfg.n_layers, pieces, end, emit)
+            result = prefill(self.model, request.prompt[start:end], job.cache,
+                             snapshot_at=[n for n in snapshots if start < n <= end],
+                             on_layer=on_layer)
+        assert result is not None
+        return RequestSampler(job.params).sample(result.logits, 0)
+
+    @staticmethod
+    def _exporter(job: PrefillJob, first_step: int, pieces: list[PieceSpec], end: int,
+                  emit: Emit) -> Callable[[int], None]:
+        by_layer = {p.layer: p for p in pieces}
+
+        def on_layer(layer: int) -> None:
+            spec = by_layer.get(layer)
+            if spec is not None:
+                piece = export_layer(job.cache, layer, spec.start, end)
+                emit(first_step + layer, KVChunk(request_id=job.request.request_id,
+                                                 layer=layer, start=spec.start,
+                                                 data=piece.to_bytes()))
+        return on_layer
+
+    def new_batch(self, slots: int) -> DecodeBatch:
+        return DecodeBatch(self.model, slots=slots)
+
+    async def step(self, batch: DecodeBatch, interrupt: anyio.Event) -> StepResult:
+        # One real step in a worker thread; the loop keeps serving meanwhile.
+        return await anyio.to_thread.run_sync(batch.step)
+
+    async def import_kv(self, dtype: str, base: RequestCache | None,
+                        pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+        return await anyio.to_thread.run_sync(import_pieces, self.model.cfg, dtype, base, pieces)
+
+
+def as_engine(model: HybridLM | Engine) -> Engine:
+    """Workers take a model (the live case) or an engine."""
+    return ModelEngine(model) if isinstance(model, HybridLM) else model
