@@ -51,6 +51,7 @@ from services.paper.hardware import CostModel, Pacer
 from services.service import ServiceContext, link_of_peer, serve_events, serve_metrics
 from services.worker.compute import Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
+from services.worker.engine import Engine, ModelEngine
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
 
@@ -184,14 +185,14 @@ class CacheReporter:
 class WorkerService:
     """The role gate and the glue around the prefill and decode engines of one process."""
 
-    def __init__(self, ctx: ServiceContext, model: HybridLM, source: str) -> None:
+    def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo) -> None:
         self.ctx = ctx
         self.name = ctx.name
         self.cluster = ctx.spec.cluster
         self.cluster_kind = ctx.topology.cluster(self.cluster).kind if self.cluster else ""
         self.role: Role = "decode" if ctx.spec.kind == "decode" else "prefill"
         self.draining = False
-        self.info = model_info(model, source)
+        self.info = info
         self.bus: EventBus[Event] = EventBus()
         self.node = ctx.node()
         lane_config = NodeConfig(max_concurrency=1)
@@ -199,13 +200,13 @@ class WorkerService:
         self.lanes = [self.node] + [ctx.node(f"{self.name}#{k}", lane_config)
                                     for k in range(1, lanes)]
         budget = int(ctx.option("cache_mib", 256.0) * MIB)
-        self.store = PrefixStore(self.name, model.cfg.block_size, PrefixStoreConfig(
+        self.store = PrefixStore(self.name, engine.cfg.block_size, PrefixStoreConfig(
             budget_bytes=budget))
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
         self.reporter = CacheReporter(self.node, cachedir, self.report)
         pacing = self._pacing()
         self.prefill = PrefillWorker(
-            model, self.store, self.lanes,
+            engine, self.store, self.lanes,
             PrefillConfig(name=self.name, cluster=self.cluster,
                           snapshot_every=ctx.option("snapshot_every", 1),
                           chunk_tokens=ctx.option("chunk_tokens", 512)),
@@ -213,7 +214,7 @@ class WorkerService:
             link_of=link_of_peer(ctx.topology, self.cluster),
         )
         self.decode = DecodeWorker(
-            model, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
+            engine, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
                                             slots=ctx.option("slots", 8)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
         )
@@ -223,7 +224,11 @@ class WorkerService:
         if self.ctx.mode != "emulated":
             return None
         profile = self.ctx.option("profile", "cpu")
-        return Pacing(CostModel.load(profile), Pacer(self.ctx.time_scale))
+        # The topology's scale: served tokens per modeled (paper-length) token.
+        scale = self.ctx.option("scale", 1.0)
+        if not scale > 0:
+            raise ConfigError(f"service {self.name!r}: option scale must be > 0, got {scale}")
+        return Pacing(CostModel.load(profile), Pacer(self.ctx.time_scale), 1.0 / scale)
 
     def _register(self) -> None:
         serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"))
@@ -324,6 +329,6 @@ async def run_worker(
     if threads > 0:
         torch.set_num_threads(threads)
     model, source = await anyio.to_thread.run_sync(load_model, ctx)
-    service = WorkerService(ctx, model, source)
+    service = WorkerService(ctx, ModelEngine(model), model_info(model, source))
     ctx.expose(ctx.name, service)
     await service.run(task_status=task_status)
