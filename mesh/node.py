@@ -22,7 +22,6 @@ connections are dialled on first use, cached per peer, and redialled after a los
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -49,7 +48,7 @@ from mesh.peers import Peers
 from mesh.server import ServerSession
 from mesh.slots import Slots, SlotStatistics
 from mesh.transport import Address, Transport
-from mesh.wire import Codec
+from mesh.wire import Codec, wire_timeout
 
 __all__ = ["Node", "NodeConfig", "NodeStatistics"]
 
@@ -226,7 +225,7 @@ class Node:
         deadline = self.now() + seconds
         self._peers.counts.calls += 1
         session = self._peers.live(peer) or await self._session(peer, deadline)
-        relative = None if seconds == math.inf else seconds
+        relative = wire_timeout(seconds)
         what = f"call {type(message).__name__} to {peer}"
         answer = await session.call(message, deadline, relative, what)
         result = unwrap(answer, peer)

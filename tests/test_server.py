@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import anyio
@@ -322,3 +323,43 @@ async def test_max_concurrency_bounds_eager_and_queued_handlers_together(
         # One at a time: every start is followed by its own end.
         order = [line.split()[1] for line in starts]
         assert log == [line for n in order for line in (f"start {n} (1 running)", f"end {n}")]
+
+
+def raw_frame(*fields: object) -> bytes:
+    """A frame holding `fields` as an array envelope, whatever their values."""
+    body = msgspec.msgpack.encode(list(fields))
+    return len(body).to_bytes(HEADER_SIZE, "big") + body
+
+
+PING = {"type": "Ping", "n": 1}
+BAD_TIMEOUTS = [math.nan, math.inf, -1.0, 1e300]
+WILD_FRAMES = [
+    *(raw_frame(kind, 1, PING, timeout) for kind in ("open", "call") for timeout in BAD_TIMEOUTS),
+    raw_frame("call", -1, PING, 1.0),
+    raw_frame("call", 2**64 - 1, PING, 1.0),
+    raw_frame("item", -5, PING),
+    raw_frame("abort", 2**63, "x"),
+]
+WILD_IDS = [
+    f"{kind}-{timeout}" for kind in ("open", "call") for timeout in BAD_TIMEOUTS
+] + ["negative-id", "huge-id", "negative-item-id", "huge-abort-id"]
+
+
+@pytest.mark.parametrize("frame", WILD_FRAMES, ids=WILD_IDS)
+@pytest.mark.trio
+async def test_out_of_range_fields_drop_that_client_only_in_memory(
+    memory_hub: MemoryHub, frame: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    dropped, errors = await bad_frame_then_good_client(MemoryTransport(memory_hub), frame)
+    assert dropped and errors == 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    # Logged once, as a warning without a traceback.
+    assert len(warnings) == 1 and warnings[0].exc_info is None
+    assert "dropping client rogue" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("frame", WILD_FRAMES[:8], ids=WILD_IDS[:8])
+@pytest.mark.anyio
+async def test_out_of_range_timeouts_drop_that_client_only_over_tcp(frame: bytes) -> None:
+    dropped, errors = await bad_frame_then_good_client(TcpTransport(), frame)
+    assert dropped and errors == 1
