@@ -44,6 +44,7 @@ from mesh.handlers import (
     UploadHandler,
 )
 from mesh.mailbox import Mailbox, MailboxStatistics
+from mesh.membership import check_secret, require_secret_beyond_loopback
 from mesh.peers import Peers
 from mesh.server import ServerSession
 from mesh.slots import Slots, SlotStatistics
@@ -104,14 +105,23 @@ class Node:
         transport: Transport,
         resolve: Callable[[str], Address] | Mapping[str, Address],
         config: NodeConfig | None = None,
+        *,
+        secret: bytes | None = None,
+        require_secret_beyond_loopback: bool = False,
     ) -> None:
+        """`secret`: the mesh's shared secret (>= 16 bytes); when set, every connection either
+        way proves membership in its handshake (mesh.membership) and peers without it are
+        refused. `require_secret_beyond_loopback`: `listen` on a non-loopback host without a
+        secret raises ConfigError."""
         self.name = name
         self.codec = codec
         self.config = config or NodeConfig()
         self.address: Address | None = None
         self._transport = transport
+        self._secret = check_secret(secret)
+        self._require_secret = require_secret_beyond_loopback
         resolver = resolve.__getitem__ if isinstance(resolve, Mapping) else resolve
-        self._peers = Peers(name, codec, transport, resolver, self.config)
+        self._peers = Peers(name, codec, transport, resolver, self.config, self._secret)
         self._handlers = Handlers(codec.messages)
         self._mailbox: Mailbox[Request] = Mailbox(self.config.mailbox_size)
         self._slots = Slots(self.config.max_concurrency)
@@ -188,7 +198,10 @@ class Node:
     async def listen(self, address: Address | None = None) -> Address:
         """Accepts peers at `address` (default: this node's own name resolved); bound address."""
         group = self._running("listen")
-        bound = await self._transport.listen(address or self._peers.address_of(self.name))
+        address = address or self._peers.address_of(self.name)
+        if self._require_secret:
+            require_secret_beyond_loopback(address.host, self._secret)
+        bound = await self._transport.listen(address)
         group.start_soon(self._accept, bound.listener)
         self.address = bound.address
         log.info("node %s listening on %s", self.name, bound.address)
@@ -351,7 +364,7 @@ class Node:
         )
         try:
             with anyio.fail_after(config.handshake_timeout):
-                await server_handshake(conn, self.name)
+                await server_handshake(conn, self.name, self._secret)
         except (MeshError, TimeoutError) as exc:
             self._handlers.counts.connection_errors += 1
             log.warning("node %s refused a connection from %s: %r", self.name, conn.peer, exc)
