@@ -39,6 +39,8 @@ class ConnectionStatistics(msgspec.Struct, frozen=True):
     bytes_in: int
     bytes_out: int
     queued_bytes: int = 0
+    # Memory the receive side keeps for a frame not yet complete (FrameParser.capacity).
+    receive_buffer: int = 0
 
 
 def add_traffic(total: ConnectionStatistics, more: ConnectionStatistics) -> ConnectionStatistics:
@@ -169,6 +171,7 @@ class Connection:
             bytes_in=self._bytes_in,
             bytes_out=self._bytes_out,
             queued_bytes=self._outbox.queued_bytes,
+            receive_buffer=self._parser.capacity,
         )
 
 

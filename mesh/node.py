@@ -66,7 +66,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
         {"requests_in", "handler_errors", "deadlines_in", "calls_out", "casts_out",
          "streams_out", "deadlines_out", "stray_frames", "connection_errors",
          "frames_in", "frames_out", "bytes_in", "bytes_out", "requests_eager",
-         "requests_handed_off"}
+         "requests_handed_off", "connections_refused"}
     )
 
     name: str
@@ -93,6 +93,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     # those suspended and so got a task of their own; the rest went through the mailbox.
     requests_eager: int = 0
     requests_handed_off: int = 0
+    # Connections closed on arrival because max_connections were already being served.
+    connections_refused: int = 0
 
 
 class Node:
@@ -129,6 +131,9 @@ class Node:
         self._group: anyio.abc.TaskGroup | None = None
         self._servers: set[ServerSession] = set()
         self._retired = ConnectionStatistics("retired", 0, 0, 0, 0)
+        # Accepted connections in the handshake or served; bounded by config.max_connections.
+        self._incoming = 0
+        self._refused = 0
         # anyio's clock until the node runs, then the loop's own (same time, no lookup).
         self.now: Callable[[], float] = anyio.current_time
 
@@ -314,6 +319,7 @@ class Node:
             connections=tuple(links),
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
+            connections_refused=self._refused,
         )
 
     def check_integrity(self) -> None:
@@ -358,6 +364,21 @@ class Node:
             await listener.serve(self._serve_connection, self._group)
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
+        """Serves an accepted stream, unless max_connections are already being served."""
+        if self._incoming >= self.config.max_connections:
+            self._refused += 1
+            log.warning("node %s refused a connection: max_connections=%d are open",
+                        self.name, self.config.max_connections)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        self._incoming += 1
+        try:
+            await self._serve_admitted(stream)
+        finally:
+            self._incoming -= 1
+
+    async def _serve_admitted(self, stream: anyio.abc.ByteStream) -> None:
         config = self.config
         conn = Connection(
             stream, self.codec, receive_size=config.receive_size, send_buffer=config.send_buffer

@@ -257,6 +257,15 @@ class FrameParser:
         """Bytes held for a frame not yet complete."""
         return len(self._header) + sum(len(part) for part in self._parts)
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of memory this parser keeps alive: the whole chunks its held pieces view.
+
+        Grows only while a frame is incomplete and falls to (about) `buffered` once it is
+        decoded: nothing is reserved up front, whatever `max_frame` allows.
+        """
+        return len(self._header) + sum(_base_size(part) for part in self._parts)
+
     def feed(self, data: bytes | bytearray) -> list[Envelope]:
         """Consumes `data`, which must not change afterwards (pieces of it are held)."""
         if not self._missing and not self._header and len(data) > HEADER_SIZE:
@@ -293,7 +302,7 @@ class FrameParser:
         if end - pos >= size:
             out.append(self._codec.decode(view[pos : pos + size]))
             return pos + size
-        self._parts = [view[pos:]]
+        self._parts = [_hold(view, pos)]
         self._missing = size - (end - pos)
         return end
 
@@ -306,6 +315,23 @@ class FrameParser:
             self._parts = []
             out.append(self._codec.decode(body))
         return pos + take
+
+
+# A frame's first piece at most this big, in a chunk over twice its size, is copied out, so
+# that a large read (up to the connection's receive size) is not kept alive by a short tail.
+_COPY_TAIL = 64 * 1024
+
+
+def _hold(view: memoryview, pos: int) -> memoryview:
+    tail = view[pos:]
+    if len(tail) <= _COPY_TAIL and 2 * len(tail) < len(view):
+        return memoryview(bytes(tail))
+    return tail
+
+
+def _base_size(part: memoryview) -> int:
+    base = part.obj
+    return len(base) if isinstance(base, bytes | bytearray) else part.nbytes
 
 
 def parse_frames_reference(codec: Codec, stream: bytes) -> tuple[list[Envelope], bytes]:

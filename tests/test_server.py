@@ -363,3 +363,88 @@ async def test_out_of_range_fields_drop_that_client_only_in_memory(
 async def test_out_of_range_timeouts_drop_that_client_only_over_tcp(frame: bytes) -> None:
     dropped, errors = await bad_frame_then_good_client(TcpTransport(), frame)
     assert dropped and errors == 1
+
+
+class Blob(msgspec.Struct, frozen=True, tag=True):
+    payload: bytes
+
+
+BLOB_CODEC = Codec([Ping, Pong, Blob])
+
+
+def capped_service(transport: Transport, max_connections: int) -> Node:
+    config = NodeConfig(max_connections=max_connections)
+    node = Node("svc", BLOB_CODEC, transport, {}, config)
+
+    @node.handles(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> Pong:
+        return Pong(msg.n)
+
+    @node.handles(Blob)
+    async def on_blob(msg: Blob, ctx: Context) -> Pong:
+        return Pong(len(msg.payload))
+
+    return node
+
+
+async def refused_at_once(transport: Transport, address: Address) -> bool:
+    """Connects raw; True when the service closes the stream without a word."""
+    stream = await transport.connect(address)
+    try:
+        with anyio.fail_after(5):
+            await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        return True
+    finally:
+        await stream.aclose()
+    return False
+
+
+async def cap_scenario(transport: Transport, address: Address) -> None:
+    svc = capped_service(transport, max_connections=2)
+    async with svc:
+        address = await svc.listen(address)
+        peers = {"svc": address}
+        async with Node("a", BLOB_CODEC, transport, peers) as a:
+            async with Node("b", BLOB_CODEC, transport, peers) as b:
+                assert await a.call("svc", Ping(1), timeout=10) == Pong(1)
+                assert await b.call("svc", Ping(2), timeout=10) == Pong(2)
+                assert await refused_at_once(transport, address)
+                # The two admitted clients are served on as before.
+                assert await a.call("svc", Ping(3), timeout=10) == Pong(3)
+                assert await b.call("svc", Ping(4), timeout=10) == Pong(4)
+                assert svc.statistics().connections_refused == 1
+            # b left: its place is free again.
+            with anyio.fail_after(5):
+                while svc.statistics().connections_in > 1:
+                    await anyio.sleep(0.01)
+            async with Node("c", BLOB_CODEC, transport, peers) as c:
+                assert await c.call("svc", Ping(5), timeout=10) == Pong(5)
+        assert svc.statistics().connections_refused == 1
+
+
+@pytest.mark.trio
+async def test_connections_over_the_cap_are_refused_in_memory(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    await cap_scenario(MemoryTransport(memory_hub), Address("svc", 1))
+    refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert refusals == ["node svc refused a connection: max_connections=2 are open"]
+
+
+@pytest.mark.anyio
+async def test_connections_over_the_cap_are_refused_over_tcp() -> None:
+    await cap_scenario(TcpTransport(), Address("127.0.0.1", 0))
+
+
+@pytest.mark.anyio
+async def test_a_large_frame_leaves_no_large_receive_buffer_behind() -> None:
+    transport = TcpTransport()
+    async with capped_service(transport, max_connections=4) as svc:
+        address = await svc.listen(Address("127.0.0.1", 0))
+        async with Node("cli", BLOB_CODEC, transport, {"svc": address}) as cli:
+            size = 5 << 19
+            assert await cli.call("svc", Blob(b"\x07" * size), timeout=10) == Pong(size)
+            assert await cli.call("svc", Ping(1), timeout=10) == Pong(1)
+            (link,) = svc.statistics().connections
+            assert link.bytes_in > size and link.receive_buffer == 0

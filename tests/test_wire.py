@@ -287,3 +287,25 @@ def test_wire_timeout_sends_none_beyond_the_cap() -> None:
     assert wire_timeout(MAX_TIMEOUT + 1) is None
     assert wire_timeout(2.5) == 2.5
     assert wire_timeout(-1.0) == 0.0
+
+
+def test_after_a_large_frame_the_parser_holds_only_a_small_tail() -> None:
+    # Codec default max_frame (64 MiB): nothing of it is reserved up front.
+    c = Codec(APP)
+    parser = c.parser()
+    assert parser.capacity == 0
+    big = c.encode(Cast(Blob(1, b"\x01" * (5 << 19))))
+    small = c.encode(Cast(Ping(2)))
+    stream = bytes(big + small)
+    cut = len(big) + 10
+    # Reads of 1 MiB; the last one ends 10 bytes into the small frame.
+    chunks = [stream[i : min(i + (1 << 20), cut)] for i in range(0, cut, 1 << 20)]
+    got: list[Envelope] = []
+    for chunk in chunks:
+        got += parser.feed(chunk)
+        assert parser.capacity <= len(big)
+    assert len(got) == 1 and parser.buffered == 10 - HEADER_SIZE
+    # The chunk that held the big frame's end is released; only the tail's bytes are kept.
+    assert parser.capacity == parser.buffered
+    assert parser.feed(stream[cut:]) == [Cast(Ping(2))]
+    assert parser.capacity == 0
