@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mesh.connection import Connection, client_handshake
@@ -448,3 +448,84 @@ async def test_a_large_frame_leaves_no_large_receive_buffer_behind() -> None:
             assert await cli.call("svc", Ping(1), timeout=10) == Pong(1)
             (link,) = svc.statistics().connections
             assert link.bytes_in > size and link.receive_buffer == 0
+
+
+def _squash(value: Any) -> Any:
+    """`value` with ints MessagePack cannot hold (beyond 64 bits) sent as floats instead."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        return float(value)
+    if isinstance(value, list):
+        return [_squash(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _squash(item) for key, item in value.items()}
+    return value
+
+
+WILD = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=8,
+)
+BODIES = st.fixed_dictionaries({"type": st.sampled_from(["Ping", "Boom", "Nope"]), "n": WILD})
+TAGS = ["hello", "proof", "call", "cast", "reply", "fail", "open", "push", "item", "end", "abort"]
+ENVELOPES = st.builds(
+    lambda tag, fields: raw_frame(*_squash([tag, *fields])),
+    st.sampled_from([*TAGS, "bogus"]),
+    st.lists(WILD | BODIES | st.just(PING), max_size=4),
+)
+EDGY_IDS = st.sampled_from([-1, 0, 2**63, 2**64 - 1, 2**70]) | st.integers()
+EDGY_TIMEOUTS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e300, None]) | st.floats()
+# Well-formed requests whose id and timeout are the wild part: the shapes that reach handlers.
+REQUESTS = st.builds(
+    lambda tag, id, body, timeout: raw_frame(*_squash([tag, id, body, timeout])),
+    st.sampled_from(["call", "open", "push"]),
+    EDGY_IDS,
+    BODIES | st.just(PING),
+    EDGY_TIMEOUTS,
+)
+JUNK = st.one_of(
+    st.tuples(st.just(False), st.binary(max_size=200)),
+    st.tuples(st.just(True), ENVELOPES),
+    st.tuples(st.just(True), REQUESTS),
+    st.tuples(st.just(True), st.binary(min_size=1, max_size=200).map(
+        lambda b: len(b).to_bytes(HEADER_SIZE, "big") + b)),
+)
+
+
+async def throw_junk(address: Address, after_hello: bool, junk: bytes) -> None:
+    stream = await TcpTransport().connect(address)
+    try:
+        if after_hello:
+            await client_handshake(Connection(stream, CODEC), "fuzzer")
+        await stream.send(junk)
+        await stream.send_eof()
+    except (anyio.BrokenResourceError, anyio.EndOfStream):
+        pass  # The service hung up first: what it does with junk is its own business.
+    finally:
+        await stream.aclose()
+
+
+@given(junk=JUNK)
+@example(junk=(True, raw_frame("open", 1, PING, math.nan)))
+@example(junk=(True, raw_frame("push", 2, PING, math.nan)))
+@settings(max_examples=120)
+def test_random_bytes_and_wild_envelopes_over_tcp_never_stop_the_service(
+    junk: tuple[bool, bytes],
+) -> None:
+    async def scenario() -> None:
+        svc = service(TcpTransport(), Address("127.0.0.1", 0))
+        async with svc:
+            address = await svc.listen(Address("127.0.0.1", 0))
+            await throw_junk(address, *junk)
+            with trio.fail_after(5):
+                while svc.statistics().connections_in:
+                    await trio.sleep(0.001)
+            async with Node("cli", CODEC, TcpTransport(), {"svc": address}) as cli:
+                assert await cli.call("svc", Ping(7), timeout=5) == Pong(7)
+            svc.check_integrity()
+
+    trio.run(scenario)
