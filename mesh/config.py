@@ -18,7 +18,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     one-at-a-time actor order);
     stream_buffer: items queued per open stream; call_timeout: the default deadline of
     call/cast/streams; receive_size: bytes asked of the socket per read; send_buffer: bytes
-    queued per connection before deferred senders wait.
+    queued per connection before deferred senders wait; max_connections: accepted
+    connections served at once (handshaking included); one over is closed at once, logged.
     """
 
     mailbox_size: int = 256
@@ -29,9 +30,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout: float = 10.0
     receive_size: int = RECEIVE_SIZE
     send_buffer: int = SEND_BUFFER
+    max_connections: int = 256
 
     def __post_init__(self) -> None:
-        names = ("mailbox_size", "max_concurrency", "stream_buffer", "receive_size", "send_buffer")
+        names = ("mailbox_size", "max_concurrency", "stream_buffer", "receive_size",
+                 "send_buffer", "max_connections")
         for name in names:
             if getattr(self, name) < 1:
                 raise ConfigError(f"NodeConfig.{name} must be >= 1, got {getattr(self, name)}")

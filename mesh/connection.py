@@ -3,9 +3,10 @@
 Wraps any anyio `ByteStream` (TCP or in-memory) with the codec. `send` encodes one frame and
 hands it to the connection's `Outbox`, which keeps frames in order whether they are written at
 once (urgent) or batched by the writer task (`run_writer`). `receive` feeds an incremental
-parser with large reads (docs/engineering-notes.md G4: `receive_exactly` caps small-frame rates).
-The
-handshake is one `Hello` each way carrying the protocol version and the peer's name. Stream
+parser with large reads (docs/engineering-notes.md G4: `receive_exactly` caps small-frame
+rates). The handshake is one `Hello` each way carrying the protocol version and the peer's
+name, plus, when the mesh has a shared secret, a `Proof` from the client (mesh.membership).
+Stream
 errors are translated to `PeerGone` here and in the outbox, once.
 """
 
@@ -14,15 +15,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from typing import NoReturn
 
 import anyio
 import anyio.abc
 import msgspec
 
 from mesh.errors import HandshakeError, MeshError, PeerGone
+from mesh.membership import NONCE_SIZE, new_nonce, proof, verify
 from mesh.outbox import STREAM_ERRORS, Outbox
 from mesh.tcp import AsyncioSocketStream
-from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello
+from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello, Proof
 
 RECEIVE_SIZE = 1024 * 1024
 SEND_BUFFER = 4 * 1024 * 1024
@@ -37,6 +40,8 @@ class ConnectionStatistics(msgspec.Struct, frozen=True):
     bytes_in: int
     bytes_out: int
     queued_bytes: int = 0
+    # Memory the receive side keeps for a frame not yet complete (FrameParser.capacity).
+    receive_buffer: int = 0
 
 
 def add_traffic(total: ConnectionStatistics, more: ConnectionStatistics) -> ConnectionStatistics:
@@ -167,6 +172,7 @@ class Connection:
             bytes_in=self._bytes_in,
             bytes_out=self._bytes_out,
             queued_bytes=self._outbox.queued_bytes,
+            receive_buffer=self._parser.capacity,
         )
 
 
@@ -179,23 +185,53 @@ async def _expect_hello(conn: Connection) -> Hello:
     return envelope
 
 
-async def client_handshake(conn: Connection, name: str) -> Connection:
-    """Says Hello, then waits for the server's; names the connection after the server."""
-    await conn.send(Hello(PROTOCOL_VERSION, name))
+async def client_handshake(conn: Connection, name: str, secret: bytes | None = None) -> Connection:
+    """Says Hello, then waits for the server's; names the connection after the server.
+
+    With a `secret`, the server must prove membership in its Hello, and this side answers
+    with its own `Proof` (mesh.membership); HandshakeError if the server's is missing or wrong.
+    """
+    nonce = new_nonce()
+    await conn.send(Hello(PROTOCOL_VERSION, name, nonce))
     hello = await _expect_hello(conn)
     if hello.protocol != PROTOCOL_VERSION:
         raise HandshakeError(f"server {hello.name!r} speaks protocol {hello.protocol}")
     conn.peer = hello.name
+    if secret is not None:
+        expected = proof(secret, "server", name, hello.name, nonce, hello.nonce)
+        if not verify(expected, hello.proof):
+            raise HandshakeError(f"server {hello.name!r} did not prove mesh membership")
+        await conn.send(Proof(proof(secret, "client", name, hello.name, nonce, hello.nonce)))
     return conn
 
 
-async def server_handshake(conn: Connection, name: str) -> Connection:
-    """Waits for the client's Hello; refuses other protocol versions with a Fail frame."""
+async def server_handshake(conn: Connection, name: str, secret: bytes | None = None) -> Connection:
+    """Waits for the client's Hello; refuses other protocol versions with a Fail frame.
+
+    With a `secret`, the client must answer this side's nonce with a valid `Proof` before
+    anything else; otherwise it gets a Fail and HandshakeError is raised.
+    """
     hello = await _expect_hello(conn)
     conn.peer = hello.name
     if hello.protocol != PROTOCOL_VERSION:
         detail = f"protocol={hello.protocol}, this server speaks {PROTOCOL_VERSION}"
-        await conn.send(Fail(0, "HandshakeError", detail))
-        raise HandshakeError(f"client {hello.name!r}: {detail}")
-    await conn.send(Hello(PROTOCOL_VERSION, name))
+        await _refuse(conn, detail)
+    if secret is None:
+        await conn.send(Hello(PROTOCOL_VERSION, name))
+        return conn
+    if len(hello.nonce) != NONCE_SIZE:
+        await _refuse(conn, f"membership needs a {NONCE_SIZE}-byte nonce in the Hello")
+    nonce = new_nonce()
+    mine = proof(secret, "server", hello.name, name, hello.nonce, nonce)
+    await conn.send(Hello(PROTOCOL_VERSION, name, nonce, mine))
+    answer = await conn.receive()
+    expected = proof(secret, "client", hello.name, name, hello.nonce, nonce)
+    if not (isinstance(answer, Proof) and verify(expected, answer.mac)):
+        await _refuse(conn, f"no valid membership proof (got {type(answer).__name__})")
     return conn
+
+
+async def _refuse(conn: Connection, detail: str) -> NoReturn:
+    """Tells the client why (a Fail frame), then raises HandshakeError naming it."""
+    await conn.send(Fail(0, "HandshakeError", detail))
+    raise HandshakeError(f"client {conn.peer!r}: {detail}")

@@ -20,6 +20,7 @@ from typing import Protocol
 import anyio
 
 from mesh.errors import DeadlineExceeded, MeshError
+from mesh.wire import wire_timeout
 
 
 class Expiring(Protocol):
@@ -58,8 +59,8 @@ class deadline_scope:
 
 
 def relative_timeout(deadline: float) -> float | None:
-    """Seconds left until `deadline`, as sent on the wire (None for no deadline)."""
-    return None if math.isinf(deadline) else max(0.0, deadline - anyio.current_time())
+    """Seconds left until `deadline`, as sent on the wire (None for none or beyond the cap)."""
+    return None if math.isinf(deadline) else wire_timeout(deadline - anyio.current_time())
 
 
 class DeadlineWatch:

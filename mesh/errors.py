@@ -34,6 +34,10 @@ class FrameDecodeError(MeshError):
     """A frame's bytes are not a valid envelope of the codec's message types."""
 
 
+class InvalidEnvelope(FrameDecodeError):
+    """A frame decoded, but a field is out of range (NaN timeout, negative id, long name)."""
+
+
 class HandshakeError(MeshError):
     """The peer did not open with a valid Hello, or speaks another protocol version."""
 

@@ -22,7 +22,6 @@ connections are dialled on first use, cached per peer, and redialled after a los
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -45,11 +44,12 @@ from mesh.handlers import (
     UploadHandler,
 )
 from mesh.mailbox import Mailbox, MailboxStatistics
+from mesh.membership import check_secret, require_secret_beyond_loopback
 from mesh.peers import Peers
 from mesh.server import ServerSession
 from mesh.slots import Slots, SlotStatistics
 from mesh.transport import Address, Transport
-from mesh.wire import Codec
+from mesh.wire import Codec, wire_timeout
 
 __all__ = ["Node", "NodeConfig", "NodeStatistics"]
 
@@ -66,7 +66,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
         {"requests_in", "handler_errors", "deadlines_in", "calls_out", "casts_out",
          "streams_out", "deadlines_out", "stray_frames", "connection_errors",
          "frames_in", "frames_out", "bytes_in", "bytes_out", "requests_eager",
-         "requests_handed_off"}
+         "requests_handed_off", "connections_refused"}
     )
 
     name: str
@@ -93,6 +93,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     # those suspended and so got a task of their own; the rest went through the mailbox.
     requests_eager: int = 0
     requests_handed_off: int = 0
+    # Connections closed on arrival because max_connections were already being served.
+    connections_refused: int = 0
 
 
 class Node:
@@ -105,14 +107,23 @@ class Node:
         transport: Transport,
         resolve: Callable[[str], Address] | Mapping[str, Address],
         config: NodeConfig | None = None,
+        *,
+        secret: bytes | None = None,
+        require_secret_beyond_loopback: bool = False,
     ) -> None:
+        """`secret`: the mesh's shared secret (>= 16 bytes); when set, every connection either
+        way proves membership in its handshake (mesh.membership) and peers without it are
+        refused. `require_secret_beyond_loopback`: `listen` on a non-loopback host without a
+        secret raises ConfigError."""
         self.name = name
         self.codec = codec
         self.config = config or NodeConfig()
         self.address: Address | None = None
         self._transport = transport
+        self._secret = check_secret(secret)
+        self._require_secret = require_secret_beyond_loopback
         resolver = resolve.__getitem__ if isinstance(resolve, Mapping) else resolve
-        self._peers = Peers(name, codec, transport, resolver, self.config)
+        self._peers = Peers(name, codec, transport, resolver, self.config, self._secret)
         self._handlers = Handlers(codec.messages)
         self._mailbox: Mailbox[Request] = Mailbox(self.config.mailbox_size)
         self._slots = Slots(self.config.max_concurrency)
@@ -120,6 +131,9 @@ class Node:
         self._group: anyio.abc.TaskGroup | None = None
         self._servers: set[ServerSession] = set()
         self._retired = ConnectionStatistics("retired", 0, 0, 0, 0)
+        # Accepted connections in the handshake or served; bounded by config.max_connections.
+        self._incoming = 0
+        self._refused = 0
         # anyio's clock until the node runs, then the loop's own (same time, no lookup).
         self.now: Callable[[], float] = anyio.current_time
 
@@ -189,7 +203,10 @@ class Node:
     async def listen(self, address: Address | None = None) -> Address:
         """Accepts peers at `address` (default: this node's own name resolved); bound address."""
         group = self._running("listen")
-        bound = await self._transport.listen(address or self._peers.address_of(self.name))
+        address = address or self._peers.address_of(self.name)
+        if self._require_secret:
+            require_secret_beyond_loopback(address.host, self._secret)
+        bound = await self._transport.listen(address)
         group.start_soon(self._accept, bound.listener)
         self.address = bound.address
         log.info("node %s listening on %s", self.name, bound.address)
@@ -226,7 +243,7 @@ class Node:
         deadline = self.now() + seconds
         self._peers.counts.calls += 1
         session = self._peers.live(peer) or await self._session(peer, deadline)
-        relative = None if seconds == math.inf else seconds
+        relative = wire_timeout(seconds)
         what = f"call {type(message).__name__} to {peer}"
         answer = await session.call(message, deadline, relative, what)
         result = unwrap(answer, peer)
@@ -302,6 +319,7 @@ class Node:
             connections=tuple(links),
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
+            connections_refused=self._refused,
         )
 
     def check_integrity(self) -> None:
@@ -346,13 +364,28 @@ class Node:
             await listener.serve(self._serve_connection, self._group)
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
+        """Serves an accepted stream, unless max_connections are already being served."""
+        if self._incoming >= self.config.max_connections:
+            self._refused += 1
+            log.warning("node %s refused a connection: max_connections=%d are open",
+                        self.name, self.config.max_connections)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        self._incoming += 1
+        try:
+            await self._serve_admitted(stream)
+        finally:
+            self._incoming -= 1
+
+    async def _serve_admitted(self, stream: anyio.abc.ByteStream) -> None:
         config = self.config
         conn = Connection(
             stream, self.codec, receive_size=config.receive_size, send_buffer=config.send_buffer
         )
         try:
             with anyio.fail_after(config.handshake_timeout):
-                await server_handshake(conn, self.name)
+                await server_handshake(conn, self.name, self._secret)
         except (MeshError, TimeoutError) as exc:
             self._handlers.counts.connection_errors += 1
             log.warning("node %s refused a connection from %s: %r", self.name, conn.peer, exc)

@@ -50,6 +50,7 @@ class Peers:
         transport: Transport,
         resolve: Callable[[str], Address],
         config: NodeConfig,
+        secret: bytes | None = None,
     ) -> None:
         self.name = name
         self.counts = OutCounts()
@@ -59,6 +60,7 @@ class Peers:
         self._transport = transport
         self._resolve = resolve
         self._config = config
+        self._secret = secret
         self._sessions: dict[str, ClientSession] = {}
         self._dial_locks: dict[str, anyio.Lock] = {}
 
@@ -106,7 +108,7 @@ class Peers:
             on_deadline=self.counts.count_deadline,
         )
         try:
-            await client_handshake(conn, self.name)
+            await client_handshake(conn, self.name, self._secret)
             if conn.peer != peer:
                 raise HandshakeError(f"dialled {peer!r} at {address} but {conn.peer!r} answered")
         except BaseException:

@@ -21,17 +21,24 @@ used when no file is given.
     b = "pd"
     bandwidth_bps = 100e9
     delay_s = 0.005
+
+    [mesh]
+    secret_env = "MESH_SECRET"   # or: secret = "..." (kept out of files that are shared)
+
+`mesh_secret(topology)` resolves the optional shared secret that a Node takes as `secret`.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import msgspec
 
 from mesh.errors import ConfigError, UnknownPeer
+from mesh.membership import check_secret
 from mesh.transport import Address
 
 Scalar = str | int | float | bool
@@ -72,6 +79,25 @@ class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     options: Options = {}
 
 
+class MeshSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of the mesh itself: where its shared secret comes from (empty: no secret).
+
+    secret_env names an environment variable holding the secret; secret holds it inline.
+    """
+
+    secret_env: str = ""
+    secret: str = msgspec.field(default="")
+
+    def __post_init__(self) -> None:
+        if self.secret_env and self.secret:
+            raise ConfigError("[mesh]: give secret_env or secret, not both")
+
+    def __repr__(self) -> str:
+        # The inline secret must not reach logs through a repr.
+        hidden = "<hidden>" if self.secret else ""
+        return f"MeshSpec(secret_env={self.secret_env!r}, secret={hidden!r})"
+
+
 def _duplicates(names: Iterable[object]) -> list[object]:
     return [name for name, count in Counter(names).items() if count > 1]
 
@@ -82,6 +108,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     clusters: tuple[ClusterSpec, ...] = ()
     services: tuple[ServiceSpec, ...] = ()
     links: tuple[LinkSpec, ...] = ()
+    mesh: MeshSpec = MeshSpec()
 
     def __post_init__(self) -> None:
         for what, names in (
@@ -124,6 +151,24 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def links_between(self, a: str, b: str) -> list[LinkSpec]:
         """Links joining clusters a and b, either way round."""
         return [link for link in self.links if {link.a, link.b} == {a, b}]
+
+
+def mesh_secret(
+    topology: Topology, environ: Mapping[str, str] | None = None
+) -> bytes | None:
+    """The topology's shared secret as bytes (UTF-8), or None when it configures none.
+
+    ConfigError if `[mesh] secret_env` names a variable that is unset or empty in `environ`
+    (default os.environ), or if the secret is shorter than mesh.membership.MIN_SECRET.
+    """
+    spec = topology.mesh
+    if spec.secret_env:
+        value = (os.environ if environ is None else environ).get(spec.secret_env, "")
+        if not value:
+            raise ConfigError(f"[mesh] secret_env: environment variable {spec.secret_env!r} "
+                              "is not set")
+        return check_secret(value.encode())
+    return check_secret(spec.secret.encode()) if spec.secret else None
 
 
 def _check_service(service: ServiceSpec, clusters: set[str]) -> None:

@@ -18,33 +18,71 @@ is allocated.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Generic, TypeVar, Union
+from typing import Annotated, Any, Generic, TypeVar, Union
 
 import msgspec
 
-from mesh.errors import ConfigError, FrameDecodeError, FrameTooLarge, UnknownMessageType
+from mesh.errors import (
+    ConfigError,
+    FrameDecodeError,
+    FrameTooLarge,
+    InvalidEnvelope,
+    UnknownMessageType,
+)
 
-PROTOCOL_VERSION = 1
+# 2: Hello carries a nonce and a membership proof, and a `Proof` frame may follow it.
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 HEADER_SIZE = 4
 _MAX_HEADER_VALUE = 2**32 - 1
+# Bounds on envelope fields, checked by the decoder (in C) before anything uses a value: a
+# peer's NaN, infinite or negative timeout would otherwise reach a cancel scope and raise.
+MAX_ID = 2**63 - 1
+MAX_TIMEOUT = 7 * 24 * 3600.0
+MAX_NAME = 256
+MAX_NONCE = 64
 
 B = TypeVar("B")
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+Timeout = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Nonce = Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE)]
+
+
+def wire_timeout(seconds: float) -> float | None:
+    """`seconds` as a Call/Open/Push may carry it: None (no deadline) above MAX_TIMEOUT.
+
+    A caller may wait as long as it likes; the callee is only told of deadlines it would
+    accept, and the caller's own deadline watch still ends the wait on time.
+    """
+    return None if seconds > MAX_TIMEOUT else max(0.0, seconds)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
-    """First frame each way on a connection: protocol version and the sender's name."""
+    """First frame each way: protocol version, the sender's name, and membership material.
 
-    protocol: int
-    name: str
+    `nonce` is fresh random bytes from the sender; `proof` (server only, when it has a
+    secret) is its HMAC over both nonces (mesh.membership). Empty when unused.
+    """
+
+    protocol: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+    name: Name
+    nonce: Nonce = b""
+    proof: Nonce = b""
+
+
+class Proof(msgspec.Struct, frozen=True, tag="proof", array_like=True):
+    """The client's answer to the server's nonce: its HMAC, sent right after the Hellos."""
+
+    mac: Nonce
 
 
 class Call(msgspec.Struct, Generic[B], frozen=True, tag="call", array_like=True):
     """A request expecting one `Reply` or `Fail` with the same id; timeout is relative."""
 
-    id: int
+    id: Id
     body: B
-    timeout: float | None = None
+    timeout: Timeout | None = None
 
 
 class Cast(msgspec.Struct, Generic[B], frozen=True, tag="cast", array_like=True):
@@ -56,56 +94,57 @@ class Cast(msgspec.Struct, Generic[B], frozen=True, tag="cast", array_like=True)
 class Reply(msgspec.Struct, Generic[B], frozen=True, tag="reply", array_like=True):
     """The handler's result for a `Call` or an upload (`Push`); None for handlers without one."""
 
-    id: int
+    id: Id
     body: B | None
 
 
 class Fail(msgspec.Struct, frozen=True, tag="fail", array_like=True):
     """The handler for request `id` raised: exception type name and message."""
 
-    id: int
-    error: str
+    id: Id
+    error: Name
     detail: str
 
 
 class Open(msgspec.Struct, Generic[B], frozen=True, tag="open", array_like=True):
     """Opens a download stream: the server answers with `Item`s then `End` (or Abort/Fail)."""
 
-    id: int
+    id: Id
     body: B
-    timeout: float | None = None
+    timeout: Timeout | None = None
 
 
 class Push(msgspec.Struct, Generic[B], frozen=True, tag="push", array_like=True):
     """Opens an upload stream: the client sends `Item`s then `End`; the server then replies."""
 
-    id: int
+    id: Id
     body: B
-    timeout: float | None = None
+    timeout: Timeout | None = None
 
 
 class Item(msgspec.Struct, Generic[B], frozen=True, tag="item", array_like=True):
     """One message of stream `id`, in either direction."""
 
-    id: int
+    id: Id
     body: B
 
 
 class End(msgspec.Struct, frozen=True, tag="end", array_like=True):
     """Stream `id` ended normally."""
 
-    id: int
+    id: Id
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", array_like=True):
     """Stream or request `id` was abandoned by its sender; `reason` says why."""
 
-    id: int
+    id: Id
     reason: str
 
 
 Envelope = (
     Hello
+    | Proof
     | Call[Any]
     | Cast[Any]
     | Reply[Any]
@@ -148,6 +187,7 @@ class Codec:
         body: Any = Union.__getitem__(self.messages)
         envelope: Any = Union[  # noqa: UP007
             Hello,
+            Proof,
             Call[body],
             Cast[body],
             Reply[body],
@@ -185,6 +225,9 @@ class Codec:
         """The envelope in one frame body (without its length prefix)."""
         try:
             envelope: Envelope = self._decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            # Includes a tag outside the codec: msgspec checks tags as values.
+            raise InvalidEnvelope(f"undecodable frame of {len(body)} bytes: {exc}") from exc
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             # msgspec lets a tag string that is not UTF-8 through as UnicodeDecodeError.
             raise FrameDecodeError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
@@ -215,6 +258,15 @@ class FrameParser:
     def buffered(self) -> int:
         """Bytes held for a frame not yet complete."""
         return len(self._header) + sum(len(part) for part in self._parts)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of memory this parser keeps alive: the whole chunks its held pieces view.
+
+        Grows only while a frame is incomplete and falls to (about) `buffered` once it is
+        decoded: nothing is reserved up front, whatever `max_frame` allows.
+        """
+        return len(self._header) + sum(_base_size(part) for part in self._parts)
 
     def feed(self, data: bytes | bytearray) -> list[Envelope]:
         """Consumes `data`, which must not change afterwards (pieces of it are held)."""
@@ -252,7 +304,7 @@ class FrameParser:
         if end - pos >= size:
             out.append(self._codec.decode(view[pos : pos + size]))
             return pos + size
-        self._parts = [view[pos:]]
+        self._parts = [_hold(view, pos)]
         self._missing = size - (end - pos)
         return end
 
@@ -265,6 +317,23 @@ class FrameParser:
             self._parts = []
             out.append(self._codec.decode(body))
         return pos + take
+
+
+# A frame's first piece at most this big, in a chunk over twice its size, is copied out, so
+# that a large read (up to the connection's receive size) is not kept alive by a short tail.
+_COPY_TAIL = 64 * 1024
+
+
+def _hold(view: memoryview, pos: int) -> memoryview:
+    tail = view[pos:]
+    if len(tail) <= _COPY_TAIL and 2 * len(tail) < len(view):
+        return memoryview(bytes(tail))
+    return tail
+
+
+def _base_size(part: memoryview) -> int:
+    base = part.obj
+    return len(base) if isinstance(base, bytes | bytearray) else part.nbytes
 
 
 def parse_frames_reference(codec: Codec, stream: bytes) -> tuple[list[Envelope], bytes]:

@@ -11,6 +11,7 @@ import trio.testing
 from mesh.deadlines import DeadlineWatch, deadline_scope, relative_timeout
 from mesh.errors import DeadlineExceeded
 from mesh.mailbox import Mailbox
+from mesh.wire import MAX_TIMEOUT
 
 
 @pytest.mark.trio
@@ -75,3 +76,12 @@ async def test_relative_timeout(autojump_clock: trio.testing.MockClock) -> None:
     assert relative_timeout(math.inf) is None
     assert relative_timeout(trio.current_time() + 4) == pytest.approx(4)
     assert relative_timeout(trio.current_time() - 4) == 0.0
+
+
+@pytest.mark.trio
+async def test_relative_timeout_beyond_the_wire_cap_means_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The callee would refuse a larger timeout; the caller's own watch still keeps time.
+    assert relative_timeout(trio.current_time() + MAX_TIMEOUT + 1) is None
+    assert relative_timeout(trio.current_time() + MAX_TIMEOUT) == pytest.approx(MAX_TIMEOUT)

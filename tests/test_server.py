@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import anyio
@@ -10,7 +11,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mesh.connection import Connection, client_handshake
@@ -322,3 +323,209 @@ async def test_max_concurrency_bounds_eager_and_queued_handlers_together(
         # One at a time: every start is followed by its own end.
         order = [line.split()[1] for line in starts]
         assert log == [line for n in order for line in (f"start {n} (1 running)", f"end {n}")]
+
+
+def raw_frame(*fields: object) -> bytes:
+    """A frame holding `fields` as an array envelope, whatever their values."""
+    body = msgspec.msgpack.encode(list(fields))
+    return len(body).to_bytes(HEADER_SIZE, "big") + body
+
+
+PING = {"type": "Ping", "n": 1}
+BAD_TIMEOUTS = [math.nan, math.inf, -1.0, 1e300]
+WILD_FRAMES = [
+    *(raw_frame(kind, 1, PING, timeout) for kind in ("open", "call") for timeout in BAD_TIMEOUTS),
+    raw_frame("call", -1, PING, 1.0),
+    raw_frame("call", 2**64 - 1, PING, 1.0),
+    raw_frame("item", -5, PING),
+    raw_frame("abort", 2**63, "x"),
+]
+WILD_IDS = [
+    f"{kind}-{timeout}" for kind in ("open", "call") for timeout in BAD_TIMEOUTS
+] + ["negative-id", "huge-id", "negative-item-id", "huge-abort-id"]
+
+
+@pytest.mark.parametrize("frame", WILD_FRAMES, ids=WILD_IDS)
+@pytest.mark.trio
+async def test_out_of_range_fields_drop_that_client_only_in_memory(
+    memory_hub: MemoryHub, frame: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    dropped, errors = await bad_frame_then_good_client(MemoryTransport(memory_hub), frame)
+    assert dropped and errors == 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    # Logged once, as a warning without a traceback.
+    assert len(warnings) == 1 and warnings[0].exc_info is None
+    assert "dropping client rogue" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("frame", WILD_FRAMES[:8], ids=WILD_IDS[:8])
+@pytest.mark.anyio
+async def test_out_of_range_timeouts_drop_that_client_only_over_tcp(frame: bytes) -> None:
+    dropped, errors = await bad_frame_then_good_client(TcpTransport(), frame)
+    assert dropped and errors == 1
+
+
+class Blob(msgspec.Struct, frozen=True, tag=True):
+    payload: bytes
+
+
+BLOB_CODEC = Codec([Ping, Pong, Blob])
+
+
+def capped_service(transport: Transport, max_connections: int) -> Node:
+    config = NodeConfig(max_connections=max_connections)
+    node = Node("svc", BLOB_CODEC, transport, {}, config)
+
+    @node.handles(Ping)
+    async def on_ping(msg: Ping, ctx: Context) -> Pong:
+        return Pong(msg.n)
+
+    @node.handles(Blob)
+    async def on_blob(msg: Blob, ctx: Context) -> Pong:
+        return Pong(len(msg.payload))
+
+    return node
+
+
+async def refused_at_once(transport: Transport, address: Address) -> bool:
+    """Connects raw; True when the service closes the stream without a word."""
+    stream = await transport.connect(address)
+    try:
+        with anyio.fail_after(5):
+            await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        return True
+    finally:
+        await stream.aclose()
+    return False
+
+
+async def cap_scenario(transport: Transport, address: Address) -> None:
+    svc = capped_service(transport, max_connections=2)
+    async with svc:
+        address = await svc.listen(address)
+        peers = {"svc": address}
+        async with Node("a", BLOB_CODEC, transport, peers) as a:
+            async with Node("b", BLOB_CODEC, transport, peers) as b:
+                assert await a.call("svc", Ping(1), timeout=10) == Pong(1)
+                assert await b.call("svc", Ping(2), timeout=10) == Pong(2)
+                assert await refused_at_once(transport, address)
+                # The two admitted clients are served on as before.
+                assert await a.call("svc", Ping(3), timeout=10) == Pong(3)
+                assert await b.call("svc", Ping(4), timeout=10) == Pong(4)
+                assert svc.statistics().connections_refused == 1
+            # b left: its place is free again.
+            with anyio.fail_after(5):
+                while svc.statistics().connections_in > 1:
+                    await anyio.sleep(0.01)
+            async with Node("c", BLOB_CODEC, transport, peers) as c:
+                assert await c.call("svc", Ping(5), timeout=10) == Pong(5)
+        assert svc.statistics().connections_refused == 1
+
+
+@pytest.mark.trio
+async def test_connections_over_the_cap_are_refused_in_memory(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    await cap_scenario(MemoryTransport(memory_hub), Address("svc", 1))
+    refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert refusals == ["node svc refused a connection: max_connections=2 are open"]
+
+
+@pytest.mark.anyio
+async def test_connections_over_the_cap_are_refused_over_tcp() -> None:
+    await cap_scenario(TcpTransport(), Address("127.0.0.1", 0))
+
+
+@pytest.mark.anyio
+async def test_a_large_frame_leaves_no_large_receive_buffer_behind() -> None:
+    transport = TcpTransport()
+    async with capped_service(transport, max_connections=4) as svc:
+        address = await svc.listen(Address("127.0.0.1", 0))
+        async with Node("cli", BLOB_CODEC, transport, {"svc": address}) as cli:
+            size = 5 << 19
+            assert await cli.call("svc", Blob(b"\x07" * size), timeout=10) == Pong(size)
+            assert await cli.call("svc", Ping(1), timeout=10) == Pong(1)
+            (link,) = svc.statistics().connections
+            assert link.bytes_in > size and link.receive_buffer == 0
+
+
+def _squash(value: Any) -> Any:
+    """`value` with ints MessagePack cannot hold (beyond 64 bits) sent as floats instead."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        return float(value)
+    if isinstance(value, list):
+        return [_squash(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _squash(item) for key, item in value.items()}
+    return value
+
+
+WILD = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=8,
+)
+BODIES = st.fixed_dictionaries({"type": st.sampled_from(["Ping", "Boom", "Nope"]), "n": WILD})
+TAGS = ["hello", "proof", "call", "cast", "reply", "fail", "open", "push", "item", "end", "abort"]
+ENVELOPES = st.builds(
+    lambda tag, fields: raw_frame(*_squash([tag, *fields])),
+    st.sampled_from([*TAGS, "bogus"]),
+    st.lists(WILD | BODIES | st.just(PING), max_size=4),
+)
+EDGY_IDS = st.sampled_from([-1, 0, 2**63, 2**64 - 1, 2**70]) | st.integers()
+EDGY_TIMEOUTS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e300, None]) | st.floats()
+# Well-formed requests whose id and timeout are the wild part: the shapes that reach handlers.
+REQUESTS = st.builds(
+    lambda tag, id, body, timeout: raw_frame(*_squash([tag, id, body, timeout])),
+    st.sampled_from(["call", "open", "push"]),
+    EDGY_IDS,
+    BODIES | st.just(PING),
+    EDGY_TIMEOUTS,
+)
+JUNK = st.one_of(
+    st.tuples(st.just(False), st.binary(max_size=200)),
+    st.tuples(st.just(True), ENVELOPES),
+    st.tuples(st.just(True), REQUESTS),
+    st.tuples(st.just(True), st.binary(min_size=1, max_size=200).map(
+        lambda b: len(b).to_bytes(HEADER_SIZE, "big") + b)),
+)
+
+
+async def throw_junk(address: Address, after_hello: bool, junk: bytes) -> None:
+    stream = await TcpTransport().connect(address)
+    try:
+        if after_hello:
+            await client_handshake(Connection(stream, CODEC), "fuzzer")
+        await stream.send(junk)
+        await stream.send_eof()
+    except (anyio.BrokenResourceError, anyio.EndOfStream):
+        pass  # The service hung up first: what it does with junk is its own business.
+    finally:
+        await stream.aclose()
+
+
+@given(junk=JUNK)
+@example(junk=(True, raw_frame("open", 1, PING, math.nan)))
+@example(junk=(True, raw_frame("push", 2, PING, math.nan)))
+@settings(max_examples=120)
+def test_random_bytes_and_wild_envelopes_over_tcp_never_stop_the_service(
+    junk: tuple[bool, bytes],
+) -> None:
+    async def scenario() -> None:
+        svc = service(TcpTransport(), Address("127.0.0.1", 0))
+        async with svc:
+            address = await svc.listen(Address("127.0.0.1", 0))
+            await throw_junk(address, *junk)
+            with trio.fail_after(5):
+                while svc.statistics().connections_in:
+                    await trio.sleep(0.001)
+            async with Node("cli", CODEC, TcpTransport(), {"svc": address}) as cli:
+                assert await cli.call("svc", Ping(7), timeout=5) == Pong(7)
+            svc.check_integrity()
+
+    trio.run(scenario)

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import ConfigError, UnknownPeer
-from mesh.topology import ClusterSpec, ServiceSpec, Topology, load_topology, parse_topology
+from mesh.topology import (
+    ClusterSpec,
+    ServiceSpec,
+    Topology,
+    load_topology,
+    mesh_secret,
+    parse_topology,
+)
 from mesh.transport import Address
 
 EXAMPLE = """
@@ -111,3 +118,30 @@ def test_load_uses_the_file_or_the_callers_default(tmp_path: Path) -> None:
         load_topology(tmp_path / "missing.toml", default=EXAMPLE)
     with pytest.raises(ConfigError, match="<default topology>"):
         load_topology(None, default="[[services]]\nname = 1")
+
+
+def test_mesh_secret_comes_from_the_named_environment_variable() -> None:
+    topology = parse_topology('[mesh]\nsecret_env = "MESH_TEST_SECRET"\n')
+    assert mesh_secret(topology, {"MESH_TEST_SECRET": "s" * 20}) == b"s" * 20
+    with pytest.raises(ConfigError, match="'MESH_TEST_SECRET' is not set"):
+        mesh_secret(topology, {})
+
+
+def test_mesh_secret_inline_is_hidden_from_repr_and_absent_means_none() -> None:
+    topology = parse_topology('[mesh]\nsecret = "an inline secret of 32 chars.."\n')
+    assert mesh_secret(topology) == b"an inline secret of 32 chars.."
+    assert "inline" not in repr(topology)
+    assert mesh_secret(parse_topology(EXAMPLE)) is None
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[mesh]\nsecret = "short"\n', "at least 16"),
+        ('[mesh]\nsecret = "x"\nsecret_env = "Y"\n', "not both"),
+        ('[mesh]\nsecrets = "x"\n', "unknown field"),
+    ],
+)
+def test_bad_mesh_sections_are_config_errors(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        mesh_secret(parse_topology(text))

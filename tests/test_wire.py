@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -9,9 +10,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mesh.errors import ConfigError, FrameDecodeError, FrameTooLarge, UnknownMessageType
+from mesh.errors import (
+    ConfigError,
+    FrameDecodeError,
+    FrameTooLarge,
+    InvalidEnvelope,
+    UnknownMessageType,
+)
 from mesh.wire import (
     HEADER_SIZE,
+    MAX_ID,
+    MAX_NAME,
+    MAX_TIMEOUT,
+    PROTOCOL_VERSION,
     Abort,
     Call,
     Cast,
@@ -23,9 +34,11 @@ from mesh.wire import (
     Hello,
     Item,
     Open,
+    Proof,
     Push,
     Reply,
     parse_frames_reference,
+    wire_timeout,
 )
 
 
@@ -51,6 +64,8 @@ APP = (Ping, Blob, View, Note)
 BODIES: list[msgspec.Struct] = [Ping(7), Blob(1, b"\x00" * 1000), Note("hi", [1, 2])]
 ENVELOPES: list[Envelope] = [
     Hello(1, "router"),
+    Hello(PROTOCOL_VERSION, "router", b"n" * 32, b"p" * 32),
+    Proof(b"m" * 32),
     *(Call(9, body, 1.5) for body in BODIES),
     Call(3, Ping(1)),
     *(Cast(body) for body in BODIES),
@@ -234,3 +249,63 @@ def test_random_bytes_give_frames_or_typed_errors_only(data: bytes, step: int) -
     # Whatever did parse agrees with the reference parser on the same bytes.
     reference, _ = parse_frames_reference(c, data)
     assert out == reference
+
+
+PING = {"type": "Ping", "n": 1}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        *(["call", 1, PING, bad] for bad in (math.nan, math.inf, -math.inf, -0.5)),
+        *(["open", 1, PING, bad] for bad in (math.nan, MAX_TIMEOUT * 2)),
+        ["push", 1, PING, math.nan],
+        *(["call", bad, PING, 1.0] for bad in (-1, MAX_ID + 1, 2**64 - 1)),
+        ["reply", -3, None],
+        ["end", -1],
+        ["abort", MAX_ID + 1, "x"],
+        ["hello", PROTOCOL_VERSION, "n" * (MAX_NAME + 1)],
+        ["hello", -1, "x"],
+        ["hello", PROTOCOL_VERSION, "x", b"\x00" * 65],
+        ["fail", 1, "E" * (MAX_NAME + 1), "detail"],
+    ],
+)
+def test_out_of_range_fields_are_invalid_envelopes(fields: list[Any]) -> None:
+    body = msgspec.msgpack.encode(fields)
+    with pytest.raises(InvalidEnvelope, match="undecodable frame"):
+        codec().decode(body)
+
+
+def test_the_edges_of_the_ranges_still_decode() -> None:
+    c = codec()
+    for envelope in (Call(MAX_ID, Ping(1), MAX_TIMEOUT), Call(0, Ping(1), 0.0), End(0)):
+        assert decode_frame(c, c.encode(envelope)) == envelope
+
+
+def test_wire_timeout_sends_none_beyond_the_cap() -> None:
+    assert wire_timeout(math.inf) is None
+    assert wire_timeout(MAX_TIMEOUT + 1) is None
+    assert wire_timeout(2.5) == 2.5
+    assert wire_timeout(-1.0) == 0.0
+
+
+def test_after_a_large_frame_the_parser_holds_only_a_small_tail() -> None:
+    # Codec default max_frame (64 MiB): nothing of it is reserved up front.
+    c = Codec(APP)
+    parser = c.parser()
+    assert parser.capacity == 0
+    big = c.encode(Cast(Blob(1, b"\x01" * (5 << 19))))
+    small = c.encode(Cast(Ping(2)))
+    stream = bytes(big + small)
+    cut = len(big) + 10
+    # Reads of 1 MiB; the last one ends 10 bytes into the small frame.
+    chunks = [stream[i : min(i + (1 << 20), cut)] for i in range(0, cut, 1 << 20)]
+    got: list[Envelope] = []
+    for chunk in chunks:
+        got += parser.feed(chunk)
+        assert parser.capacity <= len(big)
+    assert len(got) == 1 and parser.buffered == 10 - HEADER_SIZE
+    # The chunk that held the big frame's end is released; only the tail's bytes are kept.
+    assert parser.capacity == parser.buffered
+    assert parser.feed(stream[cut:]) == [Cast(Ping(2))]
+    assert parser.capacity == 0
