@@ -50,11 +50,16 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     name: str
     cluster: str = ""
     slots: int = 8  # initial batch capacity (it grows)
+    # At most this many requests in the batch (0: no limit); the rest wait their turn. The
+    # paper's BS_max: the largest batch whose step still meets the decode SLO.
+    max_batch: int = 0
     orphan_timeout: float = 120.0  # KV nobody asked to decode is dropped after this
 
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise RequestError(f"slots must be >= 1, got {self.slots}")
+        if self.max_batch < 0:
+            raise RequestError(f"max_batch must be >= 0, got {self.max_batch}")
 
 
 class DecodeStatistics(msgspec.Struct, frozen=True):
@@ -226,7 +231,7 @@ class DecodeWorker:
             raise KVTransferError(f"KV of {request.request_id!r} covers {opening.end} tokens, "
                                   f"the prompt has {len(request.prompt)}")
         base = self._base(request, opening.start)
-        cache: RequestCache = await self.model.import_kv(opening.dtype, base, assembly.pieces)
+        cache: RequestCache = await self.model.import_kv(opening, base, assembly.pieces)
         self._counts.reused_tokens += opening.start
         return cache
 
@@ -268,10 +273,14 @@ class DecodeWorker:
             self._wakeup.set()
 
     def _admit(self) -> None:
+        waiting: list[_Member] = []
         for member in self._joining:
             rid = member.request.request_id
             if rid in self._leaving:
                 member.send.close()
+                continue
+            if self.config.max_batch and len(self._members) >= self.config.max_batch:
+                waiting.append(member)
                 continue
             try:
                 self._batch.join(rid, member.cache, member.first_token, member.params)
@@ -279,7 +288,7 @@ class DecodeWorker:
                 member.fail(f"{rid!r} could not join the batch: {exc}")
                 continue
             self._members[rid] = member
-        self._joining.clear()
+        self._joining = waiting
         for rid in self._leaving & set(self._members):
             self._batch.leave(rid)
             self._members.pop(rid).send.close()
@@ -316,7 +325,7 @@ class DecodeWorker:
         self._members.clear()
 
     async def _pace(self, real_s: float, batch: int, context: int) -> None:
-        if self._pacing is not None:
+        if self._pacing is not None and not self.model.paces_decode:
             modeled = self._pacing.decode_step_time(batch, context)
             await anyio.sleep(self._pacing.pacer.remaining(real_s, modeled))
 

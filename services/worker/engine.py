@@ -15,7 +15,9 @@ An engine answers:
   layer's piece, returning the first token (called through the prefill's `ComputeRunner`);
 - `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
   batch may take several steps at once, cut short when `interrupt` is set: a request joined);
-- `import_kv(dtype, base, pieces)`: the cache rebuilt from a stream's pieces.
+- `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
+- `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
+  stretches each real step).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from services.contract.messages import KVChunk
+from services.contract.messages import KVChunk, KVOpen
 from services.model.batch import DecodeBatch, StepResult
 from services.model.cache import RequestCache, dtype_name
 from services.model.config import kv_bytes, kv_layout
@@ -60,8 +62,11 @@ class Engine(Protocol):
 
     async def step(self, batch: Any, interrupt: anyio.Event) -> StepResult: ...
 
-    async def import_kv(self, dtype: str, base: Any, pieces: Mapping[tuple[int, int], bytes],
-                        ) -> Any: ...
+    async def import_kv(self, opening: KVOpen, base: Any,
+                        pieces: Mapping[tuple[int, int], bytes]) -> Any: ...
+
+    @property
+    def paces_decode(self) -> bool: ...
 
 
 class ModelEngine:
@@ -120,9 +125,14 @@ class ModelEngine:
         # One real step in a worker thread; the loop keeps serving meanwhile.
         return await anyio.to_thread.run_sync(batch.step)
 
-    async def import_kv(self, dtype: str, base: RequestCache | None,
+    async def import_kv(self, opening: KVOpen, base: RequestCache | None,
                         pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
-        return await anyio.to_thread.run_sync(import_pieces, self.model.cfg, dtype, base, pieces)
+        return await anyio.to_thread.run_sync(import_pieces, self.model.cfg, opening.dtype,
+                                              base, pieces)
+
+    @property
+    def paces_decode(self) -> bool:
+        return False
 
 
 def as_engine(model: HybridLM | Engine) -> Engine:

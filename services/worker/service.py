@@ -49,7 +49,7 @@ from services.model.config import family_config
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
 from services.service import ServiceContext, link_of_peer, serve_events, serve_metrics
-from services.worker.compute import Pacing
+from services.worker.compute import ComputeRunner, Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import Engine, ModelEngine
 from services.worker.prefill import PrefillConfig, PrefillWorker
@@ -185,7 +185,8 @@ class CacheReporter:
 class WorkerService:
     """The role gate and the glue around the prefill and decode engines of one process."""
 
-    def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo) -> None:
+    def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo,
+                 runner: ComputeRunner | None = None) -> None:
         self.ctx = ctx
         self.name = ctx.name
         self.cluster = ctx.spec.cluster
@@ -211,11 +212,12 @@ class WorkerService:
                           snapshot_every=ctx.option("snapshot_every", 1),
                           chunk_tokens=ctx.option("chunk_tokens", 512)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
-            link_of=link_of_peer(ctx.topology, self.cluster),
+            link_of=link_of_peer(ctx.topology, self.cluster), runner=runner,
         )
         self.decode = DecodeWorker(
             engine, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
-                                            slots=ctx.option("slots", 8)),
+                                             slots=ctx.option("slots", 8),
+                                             max_batch=ctx.option("max_batch", 0)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
         )
         self._register()

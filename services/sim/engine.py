@@ -1,0 +1,294 @@
+"""The modeled engine: the simulation's stand-in for the model under the live workers.
+
+Everything above it is the live code (services/worker: the queue, the KV stream protocol, the
+prefix store, continuous batching). Only these are modeled:
+- caches (`VirtualCache`) hold a length and block-aligned snapshots, no tensors; their size is
+  the modeled model's S_kv at the modeled length (the 1T hybrid of the paper's Table 5);
+- prefill emits the live stream plan's pieces carrying their modeled sizes (`KVChunk.nbytes`)
+  and no bytes; its time is the live emulated-mode pacing (`services.worker.compute.Pacing`);
+- decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
+  for its size and context, several steps at once until a request finishes, a joining request
+  cuts the run short, or `max_steps` is reached, and emits each member's tokens of those steps
+  as one event: an hour at the paper's rate is millions of tokens, not millions of messages.
+
+A served token stands for `tokens_per_served` modeled tokens (the simulation serves the
+paper's lengths at 1/8, so a 64-token block is one 512-token block of the Mooncake traces).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from services.contract.messages import KVChunk, KVOpen
+from services.model.batch import DecodeBatchStatistics, StepResult, TokenEvent
+from services.model.cache import CacheStatistics, StateSnapshot
+from services.model.config import ModelError
+from services.model.generate import block_boundaries
+from services.model.sampling import SamplingParams
+from services.paper.hardware import CostModel
+from services.worker.compute import PrefillJob
+from services.worker.engine import Emit
+
+MODELED_TOKEN = 1  # every modeled output token; never the end-of-text id
+EOS_ID = 0
+
+
+@dataclass(frozen=True)
+class ModeledConfig:
+    """The shape the workers read: a hybrid of `linear_layers` KDA groups and one MLA group.
+
+    Coarse on purpose: each layer here stands for a group of the real model's layers, so a
+    request streams a few pieces per chunk instead of one per real layer."""
+
+    block_size: int = 64
+    linear_layers: int = 3
+    vocab_size: int = 1 << 30
+    eos_id: int = EOS_ID
+    family: str = "hybrid-1t-modeled"
+    size: str = "paper"
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return ("kda",) * self.linear_layers + ("mla",)
+
+    @property
+    def n_layers(self) -> int:
+        return self.linear_layers + 1
+
+    def config_hash(self) -> str:
+        return f"{self.family}-{self.block_size}-{self.linear_layers}"
+
+
+@dataclass
+class VirtualCache:
+    """A request's cache as sizes: `length` served tokens, snapshots at block boundaries."""
+
+    cfg: ModeledConfig
+    sizes: KVSizes
+    length: int = 0
+    snapshots: dict[int, StateSnapshot] = field(default_factory=dict)
+    dtype_name: str = "bfloat16"
+
+    def statistics(self) -> CacheStatistics:
+        payload = self.sizes.bytes(self.length)
+        snapshots = len(self.snapshots) * self.sizes.fixed
+        return CacheStatistics(length=self.length, full_blocks=self.length // self.cfg.block_size,
+                               payload_bytes=payload, allocated_bytes=payload,
+                               snapshot_lengths=tuple(sorted(self.snapshots)),
+                               snapshot_bytes=snapshots)
+
+    def resume_point(self, length: int) -> VirtualCache:
+        if length != self.length and length not in self.snapshots:
+            raise ModelError(f"length {length} is neither the cache length ({self.length}) "
+                             f"nor a snapshot (have {sorted(self.snapshots)})")
+        return VirtualCache(self.cfg, self.sizes, length)
+
+    def add_snapshot(self, snapshot: StateSnapshot) -> None:
+        if snapshot.length % self.cfg.block_size or not 0 < snapshot.length <= self.length:
+            raise ModelError(f"snapshot length must be block-aligned in (0, {self.length}], "
+                             f"got {snapshot.length}")
+        self.snapshots[snapshot.length] = snapshot
+
+    def request_states(self) -> tuple[None, ...]:
+        return ()
+
+    def check_integrity(self) -> None:
+        if any(n > self.length for n in self.snapshots):
+            raise ModelError(f"snapshots {sorted(self.snapshots)} beyond length {self.length}")
+
+
+@dataclass(frozen=True)
+class KVSizes:
+    """S_kv per served token and fixed, at the modeled length (S_kv(l) = fixed + per_token*l)."""
+
+    fixed: int
+    per_served_token: float
+
+    @classmethod
+    def of(cls, cost: CostModel, tokens_per_served: float) -> KVSizes:
+        kv = cost.model.kv
+        return cls(round(kv.fixed_bytes), kv.bytes_per_token * tokens_per_served)
+
+    def tokens(self, count: int) -> int:
+        """Bytes of the full-attention KV of `count` served tokens."""
+        return round(self.per_served_token * count)
+
+    def bytes(self, length: int) -> int:
+        return self.fixed + self.tokens(length)
+
+
+@dataclass
+class _Run:
+    cache: VirtualCache
+    generated: int
+    limit: int
+
+
+class ModeledBatch:
+    """Continuous batching as counts: who is in, how far each has got (module docstring)."""
+
+    def __init__(self, slots: int) -> None:
+        self._slots = slots
+        self._runs: dict[str, _Run] = {}
+        self.steps = self.tokens = self.joined = self.left = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._runs
+
+    def request_ids(self) -> list[str]:
+        return list(self._runs)
+
+    def join(self, request_id: str, cache: VirtualCache, next_token: int,
+             params: SamplingParams) -> None:
+        if request_id in self._runs:
+            raise ModelError(f"request {request_id!r} is already in the batch")
+        self._runs[request_id] = _Run(cache, 1, params.max_new_tokens)
+        self._slots = max(self._slots, len(self._runs))
+        self.joined += 1
+
+    def leave(self, request_id: str) -> VirtualCache:
+        self.left += 1
+        return self._runs.pop(request_id).cache
+
+    def context(self) -> int:
+        return sum(run.cache.length for run in self._runs.values())
+
+    def steps_to_next_finish(self) -> int:
+        return min(run.limit - run.generated for run in self._runs.values())
+
+    def advance(self, steps: int) -> StepResult:
+        """Every member makes `steps` tokens; those reaching their limit leave with caches."""
+        events, finished = [], {}
+        for rid, run in list(self._runs.items()):
+            index = run.generated
+            run.generated += steps
+            run.cache.length += steps
+            done = run.generated >= run.limit
+            events.append(TokenEvent(rid, MODELED_TOKEN, index, "length" if done else None,
+                                     steps))
+            if done:
+                finished[rid] = self._runs.pop(rid).cache
+        self.steps += steps
+        self.tokens += steps * len(events)
+        return StepResult(tuple(events), finished)  # type: ignore[arg-type]
+
+    def statistics(self) -> DecodeBatchStatistics:
+        return DecodeBatchStatistics(members=len(self._runs), slots=self._slots,
+                                     steps=self.steps, tokens=self.tokens, joined=self.joined,
+                                     left=self.left, tokens_in_cache=self.context())
+
+    def check_integrity(self) -> None:
+        for rid, run in self._runs.items():
+            if not 1 <= run.generated < run.limit:
+                raise ModelError(f"{rid!r} has made {run.generated} of {run.limit} tokens")
+            run.cache.check_integrity()
+
+
+class ModeledEngine:
+    """The simulation's engine (module docstring): `decode_cost` times the decode steps."""
+
+    def __init__(self, decode_cost: CostModel, tokens_per_served: float, *,
+                 cfg: ModeledConfig | None = None, max_steps: int = 64) -> None:
+        if not tokens_per_served > 0 or max_steps < 1:
+            raise ModelError(f"tokens_per_served must be > 0 and max_steps >= 1, got "
+                             f"{tokens_per_served} and {max_steps}")
+        self._cfg = cfg or ModeledConfig()
+        self._cost = decode_cost
+        self._per_served = tokens_per_served
+        self.sizes = KVSizes.of(decode_cost, tokens_per_served)
+        self.max_steps = max_steps
+
+    @property
+    def cfg(self) -> ModeledConfig:
+        return self._cfg
+
+    @property
+    def dtype_name(self) -> str:
+        return "bfloat16"
+
+    @property
+    def paces_decode(self) -> bool:
+        return True
+
+    def empty_cache(self) -> VirtualCache:
+        return VirtualCache(self._cfg, self.sizes)
+
+    def kv_bytes(self, length: int, start: int, dtype: str) -> int:
+        return self.sizes.fixed + self.sizes.tokens(length - start)
+
+    def piece_bytes(self, layer: int, start: int, end: int) -> int:
+        """A full-attention piece carries its tokens' KV; a state piece its share of fixed."""
+        if self._cfg.layer_kinds[layer] == "mla":
+            return self.sizes.tokens(end - start)
+        share, extra = divmod(self.sizes.fixed, self._cfg.linear_layers)
+        return share + (extra if layer == 0 else 0)
+
+    def compute_prefill(self, job: PrefillJob, emit: Emit, snapshot_every: int) -> int:
+        """No compute: each planned piece, sized, in the live plan's order; the cache grows to
+        the prompt with its snapshots. The time is the prefill pacing's (the live class)."""
+        cfg, rid = self._cfg, job.request.request_id
+        for index, ((_, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+            for spec in pieces:
+                emit(index * cfg.n_layers + spec.layer, KVChunk(
+                    request_id=rid, layer=spec.layer, start=spec.start, data=b"",
+                    nbytes=self.piece_bytes(spec.layer, spec.start, end)))
+        cache = job.cache
+        for length in block_boundaries(job.reused, job.length, cfg.block_size, snapshot_every):
+            cache.length = length
+            cache.add_snapshot(StateSnapshot(length, ()))
+        cache.length = job.length
+        return MODELED_TOKEN
+
+    def new_batch(self, slots: int) -> ModeledBatch:
+        return ModeledBatch(slots)
+
+    async def step(self, batch: ModeledBatch, interrupt: anyio.Event) -> StepResult:
+        """Up to `max_steps` steps at this batch's step time; a join (`interrupt`) cuts the
+        run at the step in progress, so the newcomer joins at the next step boundary."""
+        step_s = self._cost.decode_step_time(len(batch), round(batch.context() *
+                                                               self._per_served))
+        if not step_s > 0:
+            raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
+        steps = min(self.max_steps, batch.steps_to_next_finish())
+        start = anyio.current_time()
+        with anyio.move_on_after(steps * step_s):
+            await interrupt.wait()
+        elapsed = anyio.current_time() - start
+        done = min(steps, max(1, math.ceil(elapsed / step_s - 1e-9)))
+        await anyio.sleep_until(start + done * step_s)
+        return batch.advance(done)
+
+    async def import_kv(self, opening: KVOpen, base: Any,
+                        pieces: Mapping[tuple[int, int], bytes]) -> VirtualCache:
+        """The decode side's cache of the prompt: `base`'s prefix plus what the stream brought."""
+        return VirtualCache(self._cfg, self.sizes, opening.end)
+
+
+class ModeledTokenizer:
+    """The router's tokenizer in the simulation: prompts arrive as token ids, and each modeled
+    output token reads as one character (the router times the first non-empty token)."""
+
+    def __init__(self, cfg: ModeledConfig) -> None:
+        self._cfg = cfg
+
+    @property
+    def eot_id(self) -> int:
+        return self._cfg.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._cfg.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) + 1 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "." * sum(1 for i in ids if i != self._cfg.eos_id)

@@ -1,0 +1,97 @@
+"""The simulation's requests: when each arrives, its prompt (token ids), its output length.
+
+Lengths are in paper tokens and served at the deployment's scale (1/8: a 64-token block is a
+512-token block of the Mooncake traces). Prompts are token ids made from block ids, so equal
+blocks hash equal in the router's prefix chain: a trace's `hash_ids` give cache hits and
+multi-turn reuse, the log-normal workload's prompts share nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from services.bench.arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals
+from services.paper.workload import TraceRecord, TruncatedLogNormal, load_trace
+
+BLOCK = 64  # served tokens per block (the workers' block size)
+
+
+class Arrival(msgspec.Struct, frozen=True):
+    """One request: its arrival (virtual s from the start), its prompt's blocks and length
+    (served tokens), its output length. The prompt is built when it is sent (`prompt`):
+    an hour of paper-scale prompts held at once would take gigabytes."""
+
+    at: float
+    blocks: tuple[int, ...]
+    length: int
+    output_len: int
+    paper_len: int  # the prompt's length in paper tokens
+
+    def prompt(self) -> list[int]:
+        return prompt_of(self.blocks, self.length)
+
+
+def block_tokens(block_id: int) -> list[int]:
+    """The served tokens of one block: distinct per id, never the end-of-text id 0."""
+    base = (block_id % (1 << 22)) * BLOCK
+    return [base + j + 1 for j in range(BLOCK)]
+
+
+def prompt_of(block_ids: Sequence[int], length: int) -> list[int]:
+    """`length` served tokens made of the given blocks in order (the last may be partial)."""
+    tokens: list[int] = []
+    for block_id in block_ids:
+        if len(tokens) >= length:
+            break
+        tokens.extend(block_tokens(block_id))
+    return tokens[:length]
+
+
+def served(paper_len: float, scale: float) -> int:
+    return max(1, round(paper_len * scale))
+
+
+def lognormal(rate: float, duration_s: float, scale: float, seed: int, *,
+              burstiness: float = 1.0, output_len: int = 1024) -> list[Arrival]:
+    """The paper's workload (truncated log-normal, mu 9.90, sigma 1.00) at `rate` req/s for
+    `duration_s`; burstiness 1 is Poisson, below 1 burstier (gamma shape; CV = 1/sqrt(k))."""
+    rng = random.Random(seed)
+    count = max(1, math.ceil(rate * duration_s * 1.2) + 10)
+    times = (poisson_arrivals(count, rate, rng) if burstiness == 1.0
+             else gamma_arrivals(count, rate, burstiness, rng))
+    lengths = TruncatedLogNormal.paper()
+    out = []
+    for index, at in enumerate(t for t in times if t < duration_s):
+        paper_len = lengths.sample(rng)
+        # Fresh block ids per request: nothing is shared (the paper's case study).
+        first = (seed * 1_000_003 + index) * 512
+        length = served(paper_len, scale)
+        blocks = tuple(range(first, first + length // BLOCK + 1))
+        out.append(Arrival(at, blocks, length, output_len, paper_len))
+    return out
+
+
+def from_trace(records: Sequence[TraceRecord], scale: float, *, speedup: float = 1.0,
+               duration_s: float | None = None, output_len: int | None = None,
+               ) -> list[Arrival]:
+    """A Mooncake trace replayed `speedup` times faster (its hash ids make the prompts)."""
+    times = trace_arrivals([r.timestamp for r in records], speedup)
+    out = []
+    for at, record in zip(times, records, strict=True):
+        if duration_s is not None and at >= duration_s:
+            break
+        length = served(record.input_length, scale)
+        out.append(Arrival(at, record.hash_ids, length,
+                           output_len or max(1, record.output_length), record.input_length))
+    return out
+
+
+def trace(path: Path, scale: float, *, speedup: float = 1.0, limit: int | None = None,
+          duration_s: float | None = None, output_len: int | None = None) -> list[Arrival]:
+    return from_trace(load_trace(path, limit), scale, speedup=speedup, duration_s=duration_s,
+                      output_len=output_len)

@@ -1,0 +1,228 @@
+"""A deployment composed in this event loop: the live services over an in-memory network.
+
+`SimWorld` starts, in one trio task group, exactly what a live mesh runs, built by the live
+code from a generated topology: the cache directory (`run_cachedir`), the prefill and decode
+workers (`WorkerService` over a `ModeledEngine`, paced by the live emulated-mode pacing), the
+router's scheduler with a registered policy and its control loop (`Scheduler`, `RouterControl`),
+and each inter-cluster link (`netem.memory.MemoryLink` around the live `LinkShaper`, reached
+through the live `resolve_from` routing). The world routes, places, indexes caches, shapes the
+link and moves KV with none of its own code: only compute and payload bytes are modeled.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from mesh.errors import ConfigError
+from mesh.topology import ClusterSpec, LinkSpec, ServiceSpec, Topology
+from mesh.transport import MemoryHub, MemoryTransport
+from mesh.wire import Codec
+from netem.memory import MemoryLink, MemoryRoute
+from netem.shaper import LinkParams, LinkShaper
+from services.cachedir.service import run_cachedir
+from services.contract.messages import CODEC_MESSAGES, ModelInfo
+from services.link.frames import payload_weight
+from services.paper.hardware import CostModel
+from services.router.control import ControlConfig, RouterControl
+from services.router.policies import create_policy
+from services.router.policy import LinkSample
+from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.workers import WorkerTable
+from services.service import ServiceContext, link_routes
+from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
+from services.worker.compute import InlineRunner
+from services.worker.service import WorkerService
+
+HOST = "sim"
+# Served tokens per paper token: a 64-token block is one 512-token block of the traces.
+DEFAULT_SCALE = 1 / 8
+GIB = 1 << 30
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What runs: instances per stage, their hardware, the link, the policy."""
+
+    name: str = "prfaas_pd"
+    n_prfaas: int = 4
+    n_pd_prefill: int = 3
+    n_decode: int = 5
+    prfaas_profile: str = "h200"
+    pd_profile: str = "h20"
+    model: str = "hybrid_1t"
+    bandwidth_bps: float = 100e9
+    delay_s: float = 0.005
+    policy: str = "prfaas"
+    policy_options: dict[str, Any] = {}
+    scale: float = DEFAULT_SCALE
+    chunk_tokens: int = 1024  # served tokens per prefill chunk (8K paper tokens)
+    connections: int = 4
+    snapshot_every: int = 4
+    cache_gib: float = 1024.0  # each worker's prefix store (Mooncake keeps it in host DRAM)
+    tick_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.n_prfaas, self.n_pd_prefill) < 0 or self.n_decode < 1:
+            raise ConfigError(f"instances must be >= 0 (decode >= 1), got {self.n_prfaas}/"
+                              f"{self.n_pd_prefill}/{self.n_decode}")
+        if self.n_prfaas + self.n_pd_prefill < 1:
+            raise ConfigError("a deployment needs at least one prefill instance")
+        if not (self.scale > 0 and self.bandwidth_bps > 0):
+            raise ConfigError(f"scale and bandwidth_bps must be > 0, got {self.scale} and "
+                              f"{self.bandwidth_bps}")
+
+
+def _worker(name: str, kind: str, cluster: str, port: int) -> ServiceSpec:
+    return ServiceSpec(name=name, kind=kind, cluster=cluster, host=HOST, port=port)
+
+
+def sim_topology(d: Deployment) -> Topology:
+    """The deployment as a topology: services on host "sim", one link PrfaaS -> PD."""
+    bs_max, _ = CostModel.load(d.pd_profile, d.model).decode_slo()
+    worker_options = {"scale": d.scale, "chunk_tokens": d.chunk_tokens, "max_batch": bs_max,
+                      "connections": d.connections, "snapshot_every": d.snapshot_every,
+                      "cache_mib": d.cache_gib * 1024, "status_interval": d.tick_s}
+    clusters = [ClusterSpec(name="pd", kind="pd",
+                            options={**worker_options, "profile": d.pd_profile})]
+    services = [ServiceSpec(name="router", kind="router", host=HOST, port=100),
+                ServiceSpec(name="cachedir", kind="cachedir", host=HOST, port=101)]
+    services += [_worker(f"pd-prefill-{i}", "prefill", "pd", 300 + i)
+                 for i in range(d.n_pd_prefill)]
+    services += [_worker(f"pd-decode-{i}", "decode", "pd", 400 + i) for i in range(d.n_decode)]
+    links: list[LinkSpec] = []
+    if d.n_prfaas:
+        clusters.append(ClusterSpec(name="prfaas", kind="prfaas",
+                                    options={**worker_options, "profile": d.prfaas_profile}))
+        services += [_worker(f"prfaas-prefill-{i}", "prefill", "prfaas", 200 + i)
+                     for i in range(d.n_prfaas)]
+        services.append(ServiceSpec(name="link-0", kind="link", host=HOST, port=102,
+                                    options={"proxy_base_port": 1000}))
+        links.append(LinkSpec(name="link-0", a="prfaas", b="pd",
+                              bandwidth_bps=d.bandwidth_bps, delay_s=d.delay_s))
+    return Topology(clusters=tuple(clusters), services=tuple(services), links=tuple(links))
+
+
+def policy_options(d: Deployment) -> dict[str, Any]:
+    """The policy's options at the deployment's shape and scale (its own options win)."""
+    shape: dict[str, Any] = {}
+    if d.policy == "prfaas-dynamic":
+        shape = {"token_scale": d.scale, "n_prfaas": d.n_prfaas, "n_p": d.n_pd_prefill,
+                 "n_d": d.n_decode, "bandwidth_gbps": d.bandwidth_bps / 1e9,
+                 "prfaas_profile": d.prfaas_profile, "pd_profile": d.pd_profile,
+                 "model": d.model}
+    return {**shape, **d.policy_options}
+
+
+@dataclass
+class SimWorld:
+    """The running world: its topology, scheduler, workers and links (see `open_world`)."""
+
+    deployment: Deployment
+    topology: Topology
+    scheduler: Scheduler
+    control: RouterControl
+    workers: dict[str, WorkerService] = field(default_factory=dict)
+    links: dict[str, MemoryLink] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # requests the router turned away
+
+    def link_sample(self) -> LinkSample | None:
+        """What the router's control loop reads of the PrfaaS egress link (the live probe
+        reads the same numbers over the link's control API)."""
+        link = self.links.get("link-0")
+        if link is None:
+            return None
+        shaper = link.shaper
+        egress = shaper.statistics().egress
+        return LinkSample(now=anyio.current_time(), utilisation=egress.utilisation,
+                          bandwidth_bps=shaper.params.bandwidth_bps or 0.0,
+                          stalls=egress.stalls, up=shaper.params.up)
+
+
+def _context(topology: Topology, name: str, transport: MemoryTransport) -> ServiceContext:
+    return ServiceContext(topology, topology.service(name), "emulated", 1.0, transport,
+                          codec=Codec(CODEC_MESSAGES))
+
+
+def _engine(d: Deployment) -> ModeledEngine:
+    return ModeledEngine(CostModel.load(d.pd_profile, d.model), 1.0 / d.scale,
+                         cfg=ModeledConfig())
+
+
+def _info(engine: ModeledEngine) -> ModelInfo:
+    cfg = engine.cfg
+    return ModelInfo(family=cfg.family, size=cfg.size, config_hash=cfg.config_hash(),
+                     dtype=engine.dtype_name, vocab_size=cfg.vocab_size,
+                     block_size=cfg.block_size, eos_id=cfg.eos_id, source="modeled")
+
+
+async def _start_links(world: SimWorld, hub: MemoryHub, tg: anyio.abc.TaskGroup) -> None:
+    weight = payload_weight(Codec(CODEC_MESSAGES))
+    for spec in world.topology.links:
+        routes = [MemoryRoute(r.listen, r.upstream) for r in link_routes(world.topology, spec)]
+        shaper = LinkShaper(LinkParams(bandwidth_bps=spec.bandwidth_bps, delay_s=spec.delay_s),
+                            anyio.current_time, random.Random(world.deployment.seed))
+        world.links[spec.name] = link = MemoryLink(hub, routes, shaper, weight)
+        await tg.start(link.run)
+
+
+async def _start_workers(world: SimWorld, transport: MemoryTransport,
+                         tg: anyio.abc.TaskGroup) -> None:
+    engine = _engine(world.deployment)
+    info = _info(engine)
+    for spec in world.topology.services:
+        if spec.kind in ("prefill", "decode"):
+            ctx = _context(world.topology, spec.name, transport)
+            worker = WorkerService(ctx, engine, info, runner=InlineRunner())
+            world.workers[spec.name] = worker
+            await tg.start(worker.run)
+
+
+def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) -> Scheduler:
+    ctx = _context(topology, "router", transport)
+    policy = create_policy(d.policy, policy_options(d))
+    config = SchedulerConfig(block_size=ModeledConfig().block_size, max_inflight=1_000_000,
+                             connections=d.connections)
+    return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
+                     ModeledTokenizer(ModeledConfig()),
+                     config)
+
+
+@asynccontextmanager
+async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
+    """Starts the deployment's services (cache directory, links, workers, router) in this
+    event loop, on its clock; stops them when the block ends."""
+    topology = sim_topology(d)
+    hub = MemoryHub()
+    transport = MemoryTransport(hub)
+    scheduler = _scheduler(d, topology, transport)
+    world = SimWorld(d, topology, scheduler, RouterControl(scheduler, ControlConfig(
+        tick_s=d.tick_s)))
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_cachedir, _context(topology, "cachedir", transport))
+        await _start_links(world, hub, tg)
+        await _start_workers(world, transport, tg)
+        async with scheduler.node:
+            await scheduler.node.listen()
+            await tg.start(scheduler.run)
+            world.control = RouterControl(scheduler, ControlConfig(tick_s=d.tick_s),
+                                          link_probe=_probe(world))
+            await tg.start(world.control.run)
+            try:
+                yield world
+            finally:
+                tg.cancel_scope.cancel()
+
+
+def _probe(world: SimWorld) -> Any:
+    async def probe() -> LinkSample | None:
+        await anyio.lowlevel.checkpoint()
+        return world.link_sample()
+    return probe
