@@ -127,13 +127,15 @@ class _Run:
     cache: VirtualCache
     generated: int
     limit: int
+    reported: int = 1  # tokens handed out so far (the first came with the prefill)
 
 
 class ModeledBatch:
     """Continuous batching as counts: who is in, how far each has got (module docstring)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, flush: int = 128) -> None:
         self._slots = slots
+        self._flush = flush
         self._runs: dict[str, _Run] = {}
         self.steps = self.tokens = self.joined = self.left = 0
 
@@ -165,19 +167,23 @@ class ModeledBatch:
         return min(run.limit - run.generated for run in self._runs.values())
 
     def advance(self, steps: int) -> StepResult:
-        """Every member makes `steps` tokens; those reaching their limit leave with caches."""
+        """Every member makes `steps` tokens; a member's tokens are handed out once `flush`
+        of them are due, or when it reaches its limit (then it leaves with its cache)."""
         events, finished = [], {}
         for rid, run in list(self._runs.items()):
-            index = run.generated
             run.generated += steps
             run.cache.length += steps
             done = run.generated >= run.limit
-            events.append(TokenEvent(rid, MODELED_TOKEN, index, "length" if done else None,
-                                     steps))
+            due = run.generated - run.reported
+            if done or due >= self._flush:
+                events.append(TokenEvent(rid, MODELED_TOKEN, run.reported,
+                                         "length" if done else None, due))
+                run.reported = run.generated
             if done:
                 finished[rid] = self._runs.pop(rid).cache
         self.steps += steps
-        self.tokens += steps * len(events)
+        self.tokens += steps * len(self._runs) + sum(e.count for e in events if
+                                                      e.finish_reason)
         return StepResult(tuple(events), finished)  # type: ignore[arg-type]
 
     def statistics(self) -> DecodeBatchStatistics:
@@ -291,4 +297,5 @@ class ModeledTokenizer:
         return [ord(c) + 1 for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "." * sum(1 for i in ids if i != self._cfg.eos_id)
+        # Modeled output tokens are never end-of-text.
+        return "." * len(ids)

@@ -19,6 +19,7 @@ import msgspec
 import trio
 import trio.testing
 
+from mesh.events import Subscription
 from netem.shaper import LinkParams
 from services.contract.events import Event, RequestDone, RoutingDecision
 from services.contract.messages import Sampling
@@ -187,9 +188,8 @@ async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],
         in_flight[0] -= 1
 
 
-async def _collect(events: anyio.abc.ObjectReceiveStream[Event] | object,
-                   collector: _Collector) -> None:
-    async for event in events:  # type: ignore[attr-defined]
+async def _collect(events: Subscription[Event], collector: _Collector) -> None:
+    async for event in events:
         collector.take(event)
 
 

@@ -62,8 +62,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     policy: str = "prfaas"
     policy_options: dict[str, Any] = {}
     scale: float = DEFAULT_SCALE
-    chunk_tokens: int = 1024  # served tokens per prefill chunk (8K paper tokens)
-    connections: int = 4
+    chunk_tokens: int = 2048  # served tokens per prefill chunk (16K paper tokens)
+    # One lane per KV stream: lanes share the link's shaper, so more add messages, not speed.
+    connections: int = 1
     snapshot_every: int = 4
     cache_gib: float = 1024.0  # each worker's prefix store (Mooncake keeps it in host DRAM)
     tick_s: float = 1.0
