@@ -31,6 +31,9 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(
         "services.cli.plan", "plan_main", "the paper's throughput model, grid search"
     ),
+    "sim": Command(
+        "services.cli.sim", "sim_main", "the live services at paper scale on virtual time"
+    ),
 }
 
 

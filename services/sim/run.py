@@ -21,7 +21,7 @@ import trio.testing
 
 from mesh.events import Subscription
 from netem.shaper import LinkParams
-from services.contract.events import Event, RequestDone, RoutingDecision
+from services.contract.events import Event, RequestDone, RoleChanged, RoutingDecision
 from services.contract.messages import Sampling
 from services.router.errors import RouterError
 from services.router.openai.schema import GenerationRequest
@@ -81,6 +81,7 @@ class SimResult(msgspec.Struct, frozen=True):
     virtual_s: float
     link_bytes: int  # egress bytes that crossed link-0
     conversions: int
+    role_changes: list[tuple[float, str]]  # (virtual s, "worker: old -> new")
 
 
 class _Collector:
@@ -90,12 +91,16 @@ class _Collector:
         self.arrivals, self.offset = arrivals, offset
         self.decisions: dict[str, RoutingDecision] = {}
         self.records: list[Record] = []
+        self.role_changes: list[tuple[float, str]] = []
 
     def take(self, event: Event) -> None:
         if isinstance(event, RoutingDecision):
             self.decisions[event.request_id] = event
         elif isinstance(event, RequestDone):
             self._done(event)
+        elif isinstance(event, RoleChanged):
+            self.role_changes.append((event.ts - self.offset,
+                                      f"{event.worker}: {event.old} -> {event.new}"))
 
     def _done(self, done: RequestDone) -> None:
         decision = self.decisions.pop(done.request_id, None)
@@ -159,7 +164,7 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
         conversions = world.control.statistics().conversions
     records = sorted(collector.records, key=lambda r: r.arrival_s)
     return SimResult(deployment, records, samples, len(arrivals), in_flight[0], now,
-                     link_bytes, conversions)
+                     link_bytes, conversions, collector.role_changes)
 
 
 async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
