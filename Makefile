@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-policies train browser clean
+.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks
 	$(PY) -m mypy mesh services netem ui
 
-bench: bench-wire bench-model bench-link bench-cachedir
+bench: bench-wire bench-model bench-link bench-cachedir bench-sim
 
 bench-wire: $(STAMP)
 	$(PY) benchmarks/bench_wire.py
@@ -49,6 +49,14 @@ bench-link: $(STAMP)
 
 bench-cachedir: $(STAMP)
 	$(PY) benchmarks/bench_cachedir.py
+
+# One virtual hour of the paper's PrfaaS-PD at 3 req/s, on the virtual clock.
+bench-sim: $(STAMP)
+	$(PY) benchmarks/bench_sim.py --check-determinism
+
+# The paper's Table 6, measured by the simulation (about 15 minutes on 2 cores).
+sim-paper: $(STAMP)
+	$(VENV)/bin/prfaas sim --scenario paper --out sim-results/paper
 
 # Not part of `bench`: it runs the whole mesh three times (about 10 minutes).
 bench-policies: $(STAMP)

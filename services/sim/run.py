@@ -82,6 +82,7 @@ class SimResult(msgspec.Struct, frozen=True):
     link_bytes: int  # egress bytes that crossed link-0
     conversions: int
     role_changes: list[tuple[float, str]]  # (virtual s, "worker: old -> new")
+    events: int  # telemetry events the services published (router and workers)
 
 
 class _Collector:
@@ -162,9 +163,11 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
         link_bytes = (world.links["link-0"].shaper.statistics().egress.bytes_out
                       if world.links else 0)
         conversions = world.control.statistics().conversions
+        events = world.scheduler.events.statistics().published + sum(
+            w.bus.statistics().published for w in world.workers.values())
     records = sorted(collector.records, key=lambda r: r.arrival_s)
     return SimResult(deployment, records, samples, len(arrivals), in_flight[0], now,
-                     link_bytes, conversions, collector.role_changes)
+                     link_bytes, conversions, collector.role_changes, events)
 
 
 async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
