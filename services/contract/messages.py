@@ -178,6 +178,9 @@ class WorkerState(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     running: int
     cached_blocks: int
     model: ModelInfo
+    # Decode streams it serves at once (its `max_batch` option; 0: not said). The router
+    # admits at most the sum over its decode workers and sends none a stream more.
+    max_batch: int = 0
 
 
 # The cache directory's messages: what workers report, what lookups and plans answer.
