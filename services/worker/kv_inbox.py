@@ -201,7 +201,7 @@ class KVInbox:
     def _refuse_if_gone(self, request_id: str) -> None:
         if request_id in self._gone:
             self._counts["refused_lanes"] += 1
-            raise StreamAborted(f"{self.name}: the decode stream of {request_id!r} has ended; "
+            raise StreamAborted(f"the decode stream of {request_id!r} has ended on {self.name}; "
                                 "its KV is not wanted")
 
     def _check_model(self, opening: KVOpen) -> None:
@@ -215,7 +215,7 @@ class KVInbox:
     def _take(self, assembly: KVAssembly, opening: KVOpen, item: msgspec.Struct) -> int:
         if assembly.gone:
             self._counts["refused_lanes"] += 1
-            raise StreamAborted(f"{self.name}: the KV of {opening.request_id!r} was let go "
+            raise StreamAborted(f"the KV of {opening.request_id!r} was let go on {self.name} "
                                 "while it arrived")
         if isinstance(item, KVChunk):
             assembly.add(item)
