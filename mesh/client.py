@@ -1,11 +1,12 @@
 """The calling side of a connection a node dialled: calls, casts and streams to one peer.
 
 A `ClientSession` owns one handshaken connection and a table of waiters keyed by correlation
-id. Its reader task (`run`) routes each `Reply`, `Fail`, `Item`, `End` and `Abort` to the
-waiter with that id; when the connection ends, every waiter fails with `PeerGone`, so no
-caller waits past the loss of its peer. Each waiter is registered with the node's
-`DeadlineWatch`, which fails it with `DeadlineExceeded` at its deadline: no cancel scope per
-call or per stream item.
+id. A call or stream its caller abandons (cancelled, or a stream left early) sends the server
+an `Abort`, which cancels the request's handler there. Its reader task (`run`) routes each
+`Reply`, `Fail`, `Item`, `End` and `Abort` to the waiter with that id; when the connection
+ends, every waiter fails with `PeerGone`, so no caller waits past the loss of its peer. Each
+waiter is registered with the node's `DeadlineWatch`, which fails it with `DeadlineExceeded`
+at its deadline: no cancel scope per call or per stream item.
 """
 
 from __future__ import annotations
@@ -276,6 +277,12 @@ class ClientSession:
         try:
             await self.conn.send(Call(id, body, timeout), deadline=deadline)
             return await waiter.get()
+        except anyio.get_cancelled_exc_class():
+            # The caller gave up (not the deadline: the callee keeps that one itself): tell
+            # the callee, so that its handler stops instead of working for nobody.
+            if waiter.open and self.alive:
+                await self._abandon(id, "the caller cancelled the call")
+            raise
         finally:
             del self._waiters[id]
 

@@ -15,8 +15,10 @@ connection readers in one task group it owns), listen, and talk to peers by name
 
 Three handler kinds: `handles` (request/reply with `call`, or one-way with `cast`),
 `serves_stream` (an async generator; the caller reads it with `open_stream`) and
-`accepts_stream` (reads the caller's items; the caller writes them with `stream_to`). Outgoing
-connections are dialled on first use, cached per peer, and redialled after a loss.
+`accepts_stream` (reads the caller's items; the caller writes them with `stream_to`). Each
+takes `slots=N` to run that message type's requests in a pool of their own (mesh.pools),
+beside the node's shared `max_concurrency` slots. Outgoing connections are dialled on first
+use, cached per peer, and redialled after a loss.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from mesh.handlers import (
 from mesh.mailbox import Mailbox, MailboxStatistics
 from mesh.membership import check_secret, require_secret_beyond_loopback
 from mesh.peers import Peers
+from mesh.pools import Pool, PoolStatistics
 from mesh.server import ServerSession
 from mesh.slots import Slots, SlotStatistics
 from mesh.transport import Address, Transport
@@ -95,6 +98,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     requests_handed_off: int = 0
     # Connections closed on arrival because max_connections were already being served.
     connections_refused: int = 0
+    # Pools of their own (`slots=N` at registration), beside `mailbox` and `handlers`.
+    pools: tuple[PoolStatistics, ...] = ()
 
 
 class Node:
@@ -125,8 +130,11 @@ class Node:
         resolver = resolve.__getitem__ if isinstance(resolve, Mapping) else resolve
         self._peers = Peers(name, codec, transport, resolver, self.config, self._secret)
         self._handlers = Handlers(codec.messages)
-        self._mailbox: Mailbox[Request] = Mailbox(self.config.mailbox_size)
-        self._slots = Slots(self.config.max_concurrency)
+        self._pool: Pool[Request] = Pool("", self.config.mailbox_size,
+                                         self.config.max_concurrency)
+        self._mailbox: Mailbox[Request] = self._pool.mailbox
+        self._slots: Slots = self._pool.slots
+        self._pools: dict[type[msgspec.Struct], Pool[Request]] = {}
         self._stack: AsyncExitStack | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._servers: set[ServerSession] = set()
@@ -137,32 +145,59 @@ class Node:
         # anyio's clock until the node runs, then the loop's own (same time, no lookup).
         self.now: Callable[[], float] = anyio.current_time
 
-    def handles(self, message: type[M]) -> Callable[[UnaryHandler[M]], UnaryHandler[M]]:
-        """Registers `async def h(msg, ctx) -> reply | None` for `call` and `cast`."""
+    def handles(self, message: type[M], *, slots: int | None = None
+                ) -> Callable[[UnaryHandler[M]], UnaryHandler[M]]:
+        """Registers `async def h(msg, ctx) -> reply | None` for `call` and `cast`; with
+        `slots`, its requests run in a pool of their own of that many slots."""
 
         def register(handler: UnaryHandler[M]) -> UnaryHandler[M]:
             self._handlers.add(self._handlers.unary, message, handler)
+            self._reserve(message, slots)
             return handler
 
         return register
 
-    def serves_stream(self, message: type[M]) -> Callable[[StreamHandler[M]], StreamHandler[M]]:
+    def serves_stream(self, message: type[M], *, slots: int | None = None
+                      ) -> Callable[[StreamHandler[M]], StreamHandler[M]]:
         """Registers an async generator `h(msg, ctx)` whose items `open_stream` reads."""
+        _check_slots(message, slots)
 
         def register(handler: StreamHandler[M]) -> StreamHandler[M]:
             self._handlers.add(self._handlers.streams, message, handler)
+            self._reserve(message, slots)
             return handler
 
         return register
 
-    def accepts_stream(self, message: type[M]) -> Callable[[UploadHandler[M]], UploadHandler[M]]:
+    def accepts_stream(self, message: type[M], *, slots: int | None = None
+                       ) -> Callable[[UploadHandler[M]], UploadHandler[M]]:
         """Registers `async def h(first, items, ctx) -> reply | None` for `stream_to`."""
+        _check_slots(message, slots)
 
         def register(handler: UploadHandler[M]) -> UploadHandler[M]:
             self._handlers.add(self._handlers.uploads, message, handler)
+            self._reserve(message, slots)
             return handler
 
         return register
+
+    def _reserve(self, message: type[msgspec.Struct], slots: int | None) -> None:
+        """Gives `message` a pool of `slots` handler slots and workers (None: the shared)."""
+        if slots is None:
+            return
+        pool: Pool[Request] = Pool(message.__name__, self.config.mailbox_size, slots)
+        self._pools[message] = pool
+        if self._group is not None:
+            self._start_workers(pool)
+
+    def pool_for(self, message: type[msgspec.Struct]) -> Pool[Request]:
+        """The pool requests of type `message` queue and run in."""
+        return self._pools.get(message, self._pool)
+
+    def _start_workers(self, pool: Pool[Request]) -> None:
+        assert self._group is not None
+        for _ in range(pool.capacity):
+            self._group.start_soon(self._work, pool)
 
     async def __aenter__(self) -> Node:
         if self._stack is not None:
@@ -171,8 +206,8 @@ class Node:
         self._stack = AsyncExitStack()
         self._group = await self._stack.enter_async_context(anyio.create_task_group())
         self._group.start_soon(self._peers.watch.run)
-        for _ in range(self.config.max_concurrency):
-            self._group.start_soon(self._work)
+        for pool in (self._pool, *self._pools.values()):
+            self._start_workers(pool)
         return self
 
     async def __aexit__(
@@ -188,7 +223,8 @@ class Node:
                 raise
         finally:
             self._stack = self._group = None
-            self._mailbox.close()
+            for pool in (self._pool, *self._pools.values()):
+                pool.mailbox.close()
         raise exc
 
     async def serve(
@@ -320,12 +356,13 @@ class Node:
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
             connections_refused=self._refused,
+            pools=tuple(pool.statistics() for pool in self._pools.values()),
         )
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the mailbox, every connection and the deadline watch."""
-        self._mailbox.check_integrity()
-        self._slots.check_integrity()
+        for pool in (self._pool, *self._pools.values()):
+            pool.check_integrity()
         self._peers.watch.check_integrity()
         for session in self._peers.sessions():
             session.conn.check_integrity()
@@ -351,13 +388,13 @@ class Node:
         group = self._running(f"talking to {peer!r}")
         return await self._peers.session(peer, deadline, group)
 
-    async def _work(self) -> None:
-        async for request in self._mailbox:
-            await self._slots.take()
+    async def _work(self, pool: Pool[Request]) -> None:
+        async for request in pool.mailbox:
+            await pool.slots.take()
             try:
                 await self._handlers.run(request)
             finally:
-                self._slots.give()
+                pool.slots.give()
 
     async def _accept(self, listener: anyio.abc.Listener[anyio.abc.ByteStream]) -> None:
         async with listener:
@@ -393,12 +430,15 @@ class Node:
                 await conn.aclose()
             return
         group = self._running("serving")
-        session = ServerSession(
-            self, conn, self._mailbox, self._handlers, self._slots, group.start_soon
-        )
+        session = ServerSession(self, conn, self.pool_for, self._handlers, group.start_soon)
         self._servers.add(session)
         try:
             await session.run(config.stream_buffer)
         finally:
             self._servers.discard(session)
             self._retired = add_traffic(self._retired, conn.statistics())
+
+
+def _check_slots(message: type[msgspec.Struct], slots: int | None) -> None:
+    if slots is not None and slots < 1:
+        raise ConfigError(f"slots for {message.__name__} must be >= 1, got {slots}")

@@ -16,7 +16,8 @@ two paths, and either way at most `max_concurrency` handlers of the node run at 
 * queued: streams, uploads, and unary requests that find the mailbox non-empty or every slot
   busy go into the node's bounded mailbox, each with its own cancel scope (deadline from the
   caller's relative timeout); the node's workers run them in order. A full mailbox makes the
-  reader wait, which pushes back on the peer.
+  reader wait, which pushes back on the peer. A message type registered with a pool of its
+  own (mesh.pools) has its own mailbox, slots and workers; all of the above holds per pool.
 
 Stream items go straight to their upload's own mailbox, so a handler waiting for items never
 waits behind the node mailbox. When a connection ends, its calls and streams are cancelled
@@ -45,7 +46,7 @@ from mesh.handlers import (
     UploadHandler,
 )
 from mesh.mailbox import Mailbox
-from mesh.slots import Slots
+from mesh.pools import Pool
 from mesh.wire import Abort, Call, Cast, End, Envelope, Item, Open, Push
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ log = logging.getLogger(__name__)
 
 # Starts a task (a task group's `start_soon`).
 Spawn = Callable[[Callable[[], Coroutine[Any, Any, None]]], object]
+# The pool a message type's requests queue and run in (Node.pool_for).
+PoolFor = Callable[[type[Any]], Pool[Request]]
 
 
 class _Reader:
@@ -85,18 +88,16 @@ class ServerSession:
         self,
         node: Node,
         conn: Connection,
-        mailbox: Mailbox[Request],
+        pools: PoolFor,
         handlers: Handlers,
-        slots: Slots,
         spawn: Spawn,
     ) -> None:
         self.node = node
         self.conn = conn
         self.peer = conn.peer
-        self._mailbox = mailbox
+        self._pools = pools
         self._handlers = handlers
         self._counts = handlers.counts
-        self._slots = slots
         # Starts reader tasks in the node's group: a reader may turn into a cast's handler,
         # which should run to its end even after this session is over.
         self._spawn = spawn
@@ -155,12 +156,13 @@ class ServerSession:
         self._ended.set()
 
     def _eager(self, envelope: Call[Any] | Cast[Any]) -> bool:
-        """Whether to run this request here: a unary handler, nothing queued, a free slot."""
-        return (
-            type(envelope.body) in self._handlers.unary
-            and self._mailbox.empty
-            and self._slots.try_take()
-        )
+        """Whether to run this request here: a unary handler, nothing queued in its pool, a
+        free slot there (taken)."""
+        kind = type(envelope.body)
+        if kind not in self._handlers.unary:
+            return False
+        pool = self._pools(kind)
+        return pool.mailbox.empty and pool.slots.try_take()
 
     async def _run_eagerly(self, envelope: Call[Any] | Cast[Any], reader: _Reader) -> bool:
         """Runs the handler in this task; True if it suspended (then this task is its own)."""
@@ -170,7 +172,7 @@ class ServerSession:
             request = Request(self, envelope, self._deadline(envelope))
             await self._handlers.run_eagerly(request, partial(self._hand_off, request, reader))
         finally:
-            self._slots.give()
+            self._pools(type(envelope.body)).slots.give()
         return reader.request is not None
 
     def _hand_off(self, request: Request, reader: _Reader) -> None:
@@ -192,8 +194,9 @@ class ServerSession:
             raise FrameDecodeError(f"{self.peer} sent {type(envelope).__name__} to a server")
 
     async def _admit(self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]) -> None:
+        mailbox = self._pools(type(envelope.body)).mailbox
         if isinstance(envelope, Cast):
-            await self._mailbox.put(Request(self, envelope, math.inf))
+            await mailbox.put(Request(self, envelope, math.inf))
             return
         self._check_new_id(envelope.id)
         request = Request(self, envelope, self._deadline(envelope))
@@ -201,7 +204,7 @@ class ServerSession:
         if isinstance(envelope, Push):
             request.uploads = Mailbox(self._upload_buffer)
         self._active[envelope.id] = request
-        await self._mailbox.put(request)
+        await mailbox.put(request)
 
     def _check_new_id(self, id: int) -> None:
         if id in self._active:

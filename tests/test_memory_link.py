@@ -12,8 +12,6 @@ from mesh.wire import HEADER_SIZE
 from netem.memory import MemoryLink, MemoryRoute, frames
 from netem.shaper import LinkParams, LinkShaper
 
-
-
 LISTEN, UPSTREAM = Address("sim", 1), Address("sim", 2)
 
 

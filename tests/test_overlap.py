@@ -50,7 +50,8 @@ from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
 from services.worker.compute import InlineRunner, Pacing
-from services.worker.kv_stream import KVInbox, chunk_bounds, import_pieces, step_ends
+from services.worker.kv_inbox import KVInbox
+from services.worker.kv_stream import chunk_bounds, import_pieces, step_ends
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 

@@ -242,12 +242,19 @@ async def test_a_client_that_disconnects_frees_its_request() -> None:
 
 @pytest.mark.anyio
 async def test_models_health_and_metrics() -> None:
-    async with router() as (_, app):
+    async with router() as (mesh, app):
         client = app.app.test_client()
         models = await (await client.get("/v1/models")).get_json()
         assert [m["id"] for m in models["data"]] == ["prfaas"]
-        health = await (await client.get("/health")).get_json()
-        assert health["status"] == "ok" and health["workers_up"] == 3
+        # Not ready until a status poll has heard a prefill and a decode worker answer.
+        starting = await client.get("/health")
+        assert starting.status_code == 503
+        assert (await starting.get_json())["status"] == "starting"
+        await mesh.control.tick()
+        ready = await client.get("/health")
+        health = await ready.get_json()
+        assert ready.status_code == 200
+        assert health["status"] == "ready" and health["workers_up"] == 3
         await client.post("/v1/completions", json={"model": "prfaas", "prompt": "hi",
                                                    "max_tokens": 3})
         text = await (await client.get("/metrics")).get_data(as_text=True)

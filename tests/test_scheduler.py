@@ -6,6 +6,7 @@ Over the fake-but-honest mesh of tests/router_fakes.py.
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -170,3 +171,39 @@ async def test_an_unreachable_cache_directory_means_uncached_not_failed(
         assert mesh.scheduler.statistics().lookup_failures == 1
 
 
+
+
+@pytest.mark.trio
+async def test_admission_follows_what_the_decode_workers_can_hold(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        decode = mesh.workers["pd-decode-0"]
+        said = msgspec.structs.replace(decode.state(), max_streams=2)
+        decode.state = lambda: said  # type: ignore[method-assign]
+        assert mesh.scheduler.statistics().admission_limit == 64  # nothing said yet
+        await mesh.control.tick()
+        assert mesh.scheduler.statistics().admission_limit == 2
+        handles = [await mesh.scheduler.submit(generation(range(1, 20))) for _ in range(2)]
+        with pytest.raises(QueueFull) as full:
+            await mesh.scheduler.submit(generation(range(1, 20)))
+        assert full.value.headers() == {"Retry-After": "1"}
+        assert "decode capacity 2" in full.value.message
+        for handle in handles:
+            await handle.collect()
+        await (await mesh.scheduler.submit(generation(range(1, 20)))).collect()
+        assert mesh.scheduler.statistics().rejected_full == 1
+        mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_the_counted_prefix_stays_below_the_last_token(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        prompt = list(range(1, 2 * BLOCK + 1))  # two whole blocks
+        await (await mesh.scheduler.submit(generation(prompt))).collect()
+        await anyio.sleep(1.0)  # the cache reports land
+        again = await mesh.scheduler.submit(generation(prompt))
+        await again.collect()
+        assert again.placement.decode_has_tokens == BLOCK
+        _, two = decisions(await mesh.take_events())
+        assert two.cached_pd == BLOCK and two.incremental_len == BLOCK

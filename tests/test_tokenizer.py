@@ -18,8 +18,8 @@ from services.model.tokenizer import (
     TokenizerError,
     build_bpe,
     default_corpus_path,
-    repo_root,
     load_default,
+    repo_root,
     train_tokenizer_main,
 )
 

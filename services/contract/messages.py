@@ -185,6 +185,9 @@ class WorkerState(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     running: int
     cached_blocks: int
     model: ModelInfo
+    # Decode streams it serves at once (its `max_streams` option; 0: not said). The router
+    # admits at most the sum over its decode workers and sends none a stream more.
+    max_streams: int = 0
 
 
 # The cache directory's messages: what workers report, what lookups and plans answer.

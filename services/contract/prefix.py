@@ -53,6 +53,14 @@ def block_hashes(tokens: npt.ArrayLike, block_size: int, seed: int = 0) -> list[
     return out
 
 
+def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Whole blocks of a `prompt_tokens`-token prompt that a cache may supply: those strictly
+    below its last token, which must always be computed (its logits give the first output
+    token). A 128-token prompt with 64-token blocks may reuse 1 block, never 2."""
+    _check_block_size(block_size)
+    return max(0, prompt_tokens - 1) // block_size
+
+
 def block_hashes_reference(tokens: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
     """Slow, obvious version of `block_hashes` (token by token, no numpy), tested equal."""
     _check_block_size(block_size)

@@ -170,11 +170,14 @@ class RouterApp:
         return _json_response({"object": "list", "data": data})
 
     async def health(self) -> Response:
-        workers = self.scheduler.workers.statistics()
-        status = "ok" if workers.up == len(workers.workers) else "degraded"
-        return _json_response({"status": status, "workers": len(workers.workers),
-                               "workers_up": workers.up,
-                               "inflight": len(self.scheduler.active())})
+        """200 {"status": "ready"} once a prefill and a decode worker have answered a status
+        poll and serve; 503 {"status": "starting"} before (or while none does)."""
+        table = self.scheduler.workers
+        workers, ready = table.statistics(), table.ready()
+        return _json_response({"status": "ready" if ready else "starting",
+                               "workers": len(workers.workers), "workers_up": workers.up,
+                               "inflight": len(self.scheduler.active())},
+                              200 if ready else 503)
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), mimetype=CONTENT_TYPE_LATEST)
@@ -222,9 +225,12 @@ class RouterApp:
 
     async def _router_error(self, error: RouterError) -> Response:
         if request.path.startswith("/admin/"):
-            return _json_response({"error": error.message, "status": error.status},
-                                  error.status)
-        return _json_response(error.body(), error.status)
+            response = _json_response({"error": error.message, "status": error.status},
+                                      error.status)
+        else:
+            response = _json_response(error.body(), error.status)
+        response.headers.update(error.headers())
+        return response
 
     async def _admin_error(self, error: AdminError) -> Response:
         return _json_response({"error": str(error), "status": error.status}, error.status)

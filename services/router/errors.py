@@ -27,6 +27,10 @@ class RouterError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorDetail(self.message, self.kind, self.param, self.code))
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries besides the body."""
+        return {}
+
 
 class InvalidRequest(RouterError):
     status, kind = 400, "invalid_request_error"
@@ -45,7 +49,13 @@ class Conflict(RouterError):
 
 
 class QueueFull(RouterError):
+    """Admission is full: answered at once, with when to try again."""
+
     status, kind = 429, "rate_limit_error"
+    retry_after_s: ClassVar[int] = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class NoWorkerAvailable(RouterError):

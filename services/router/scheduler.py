@@ -1,7 +1,8 @@
 """The router's scheduler: places each request and runs it over the mesh to its last token.
 
 One request, in `submit` (before any byte goes to the client, so errors keep their status):
-1. admission: at most `max_inflight` requests at once, else `QueueFull` (429);
+1. admission: at most `max_inflight` requests at once, and no more than the decode workers
+   can hold (the sum of their reported `max_streams`), else `QueueFull` (429, Retry-After);
 2. prefix block hashes of the prompt (services.contract.prefix), then the cache directory's longest
    cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not answer
    in time the request goes on as if nothing were cached, and that is counted);
@@ -40,7 +41,7 @@ from mesh.events import EventBus
 from mesh.node import Node
 from services.contract.events import Event, RequestDone
 from services.contract.messages import PrefixMatch, PrefixQuery, PrefixReply
-from services.contract.prefix import block_hashes
+from services.contract.prefix import block_hashes, reusable_blocks
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
 from services.router.openai.schema import GenerationRequest
@@ -102,6 +103,8 @@ class SchedulerStatistics(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # What admission allows now: max_inflight, or less if the decode workers hold fewer.
+    admission_limit: int = 0
 
 
 @dataclass
@@ -199,17 +202,27 @@ class Scheduler:
         group.start_soon(self._serve, handle)
         return handle
 
+    def admission_limit(self) -> int:
+        """Requests admitted at once: `max_inflight`, or what the decode workers can hold."""
+        capacity = self.workers.decode_capacity()
+        limit = self.config.max_inflight
+        return limit if capacity is None else min(limit, capacity)
+
     def _admit(self) -> None:
         # Requests still being placed count too: placing awaits the cache directory.
-        if len(self._active) + self._placing >= self.config.max_inflight:
-            self._counts.rejected_full += 1
-            raise QueueFull(f"{len(self._active) + self._placing} requests in flight, the "
-                            f"router's limit (max_inflight={self.config.max_inflight}); retry "
-                            "later", code="queue_full")
+        limit, inflight = self.admission_limit(), len(self._active) + self._placing
+        if inflight >= limit:
+            self._reject_full(f"{inflight} requests in flight, the router's limit ({limit}: "
+                              f"max_inflight={self.config.max_inflight}, decode capacity "
+                              f"{self.workers.decode_capacity()})")
+
+    def _reject_full(self, why: str) -> None:
+        self._counts.rejected_full += 1
+        raise QueueFull(f"{why}; retry later", code="queue_full")
 
     async def _place(self, request: GenerationRequest) -> Placement:
         request_id = self._ids.next()
-        match = await self._lookup(block_hashes(request.prompt, self.config.block_size))
+        match = await self._lookup(self._reusable_hashes(request.prompt))
         inputs = self._inputs(request_id, len(request.prompt), match)
         decision = self._decide(inputs)
         prefill, decode = self._choose_workers(decision, match)
@@ -224,6 +237,12 @@ class Scheduler:
             cached_tokens=decision.resume_prefix, decision=decision,
             decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size)
 
+    def _reusable_hashes(self, prompt: list[int]) -> list[int]:
+        # Only blocks strictly below the last token are asked for: every cached length the
+        # decision, placement and `decode_has_tokens` derive from the match stays below it.
+        bs = self.config.block_size
+        return block_hashes(prompt[: reusable_blocks(len(prompt), bs) * bs], bs)
+
     def _decide(self, inputs: RouteInputs) -> Decision:
         decision = self.policy.decide(inputs)
         if self.policy.name in self.config.scarce_pinned:
@@ -232,6 +251,8 @@ class Scheduler:
 
     def _choose_workers(self, decision: Decision, match: PrefixMatch | None) -> tuple[str, str]:
         bs = self.config.block_size
+        if self.workers.decode_full():
+            self._reject_full("every decode worker holds as many streams as it can")
         try:
             return (choose_prefill_worker(
                         self.workers.prefill_candidates(decision.cluster, match, bs)),
@@ -355,7 +376,7 @@ class Scheduler:
             cancelled=c.cancelled, inflight=len(self._active), to_prfaas=c.to_prfaas,
             to_pd=c.admitted - c.to_prfaas, lookup_failures=c.lookup_failures,
             prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens)
+            cached_tokens=c.cached_tokens, admission_limit=self.admission_limit())
 
     def check_integrity(self) -> None:
         c = self._counts

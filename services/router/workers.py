@@ -157,11 +157,24 @@ class WorkerTable:
 
     def decode_candidates(self, match: PrefixMatch | None,
                           block_size: int) -> list[WorkerLoad]:
-        """Serving decode workers; their cached prefix is the KV they hold."""
+        """Serving decode workers with room for one more stream; their cached prefix is the
+        KV they hold."""
         blocks = self._blocks(match)
         return [WorkerLoad(name=w.spec.name, role="decode", running=w.decodes,
                            cached_prefix_tokens=blocks.get(w.spec.name, (0, 0))[0] * block_size)
-                for w in self._serving("pd", "decode")]
+                for w in self._serving("pd", "decode") if not _full(w)]
+
+    def decode_full(self) -> bool:
+        """Whether decode workers serve, and every one holds as many streams as it said it
+        can (`WorkerState.max_streams`)."""
+        serving = self._serving("pd", "decode")
+        return bool(serving) and all(_full(w) for w in serving)
+
+    def decode_capacity(self) -> int | None:
+        """Streams the serving decode workers can hold together; None until one has said."""
+        said = [w.polled.max_streams for w in self._serving("pd", "decode")
+                if w.polled is not None and w.polled.max_streams > 0]
+        return sum(said) if said else None
 
     def resumable_blocks(self, kind: Cluster, match: PrefixMatch | None) -> int:
         """The longest prefix a serving prefill worker of `kind` can resume from (blocks)."""
@@ -178,6 +191,12 @@ class WorkerTable:
     def prefill_queue(self, kind: Cluster) -> int:
         return sum(w.prefills for w in self._workers.values()
                    if w.spec.kind == kind and w.role == "prefill")
+
+    def ready(self) -> bool:
+        """Whether a prefill and a decode worker serve, each having answered a status poll
+        (until the first poll, `up` is only a guess)."""
+        answering = [w for w in self._workers.values() if w.serving and w.polled is not None]
+        return all(any(w.role == role for w in answering) for role in WORKER_KINDS)
 
     def has_prefill(self, kind: Cluster) -> bool:
         return bool(self._serving(kind, "prefill"))
@@ -251,6 +270,11 @@ def _view(w: WorkerEntry) -> WorkerView:
                       role=w.shown_role, up=w.up, converting=w.converting,
                       queue=w.prefills if w.role == "prefill" else _polled_queue(w),
                       running=w.decodes if w.role == "decode" else _polled_running(w))
+
+
+def _full(worker: WorkerEntry) -> bool:
+    limit = worker.polled.max_streams if worker.polled is not None else 0
+    return 0 < limit <= worker.decodes
 
 
 def _polled_queue(worker: WorkerEntry) -> int:

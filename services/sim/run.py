@@ -163,11 +163,11 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
         link_bytes = (world.links["link-0"].shaper.statistics().egress.bytes_out
                       if world.links else 0)
         conversions = world.control.statistics().conversions
-        events = world.scheduler.events.statistics().published + sum(
+        published = world.scheduler.events.statistics().published + sum(
             w.bus.statistics().published for w in world.workers.values())
     records = sorted(collector.records, key=lambda r: r.arrival_s)
     return SimResult(deployment, records, samples, len(arrivals), in_flight[0], now,
-                     link_bytes, conversions, collector.role_changes, events)
+                     link_bytes, conversions, collector.role_changes, published)
 
 
 async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],

@@ -88,7 +88,10 @@ def _worker(name: str, kind: str, cluster: str, port: int) -> ServiceSpec:
 def sim_topology(d: Deployment) -> Topology:
     """The deployment as a topology: services on host "sim", one link PrfaaS -> PD."""
     bs_max, _ = CostModel.load(d.pd_profile, d.model).decode_slo()
+    # Batches hold BS_max (the decode SLO); streams, prefill calls and uploads wait in
+    # queues rather than being refused: the simulation measures queues, not rejections.
     worker_options = {"scale": d.scale, "chunk_tokens": d.chunk_tokens, "max_batch": bs_max,
+                      "max_streams": 1 << 16, "prefill_slots": 1 << 16, "upload_slots": 1 << 10,
                       "connections": d.connections, "snapshot_every": d.snapshot_every,
                       "cache_mib": d.cache_gib * 1024, "status_interval": d.tick_s}
     clusters = [ClusterSpec(name="pd", kind="pd",

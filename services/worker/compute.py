@@ -104,6 +104,9 @@ class PrefillJob:
     chunks: list[tuple[int, int]]
     plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
     sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
+    # Set on the loop when the job is given up; the compute (in its thread) stops at the next
+    # chunk instead of finishing a prefill nobody waits for.
+    cancelled: bool = False
 
     @property
     def length(self) -> int:
@@ -130,13 +133,18 @@ class PrefillCompute:
         async with anyio.create_task_group() as tg, pieces:
             tg.start_soon(self._compute_task, job, computed, first)
             ends = self._step_ends(job, start)
-            compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
+            try:
+                compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
+            except BaseException:
+                job.cancelled = True
+                raise
         return first[0], compute_end
 
     async def _compute_task(self, job: PrefillJob, computed: MemoryObjectSendStream[Computed],
                             first: list[int]) -> None:
         def emit(step: int, chunk: KVChunk) -> None:
-            self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
+            if not job.cancelled:
+                self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
 
         async with computed:
             began = anyio.current_time()

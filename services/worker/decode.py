@@ -40,7 +40,7 @@ from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
 from services.worker.compute import Pacing, sampling_params
 from services.worker.engine import Engine, as_engine
-from services.worker.kv_stream import KVAssembly, KVInbox
+from services.worker.kv_inbox import KVAssembly, KVInbox
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # At most this many requests in the batch (0: no limit); the rest wait their turn. The
     # paper's BS_max: the largest batch whose step still meets the decode SLO.
     max_batch: int = 0
+    # Decode streams served at once (the node's pool for them; the router admits at most the
+    # sum over decode workers); more wait in that pool's queue, holding nothing else.
+    max_streams: int = 64
     orphan_timeout: float = 120.0  # KV nobody asked to decode is dropped after this
 
     def __post_init__(self) -> None:
@@ -60,12 +63,16 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise RequestError(f"slots must be >= 1, got {self.slots}")
         if self.max_batch < 0:
             raise RequestError(f"max_batch must be >= 0, got {self.max_batch}")
+        if self.max_streams < 1:
+            raise RequestError(f"max_streams must be >= 1, got {self.max_streams}")
+        if not self.orphan_timeout > 0:
+            raise RequestError(f"orphan_timeout must be > 0, got {self.orphan_timeout}")
 
 
 class DecodeStatistics(msgspec.Struct, frozen=True):
     counters: ClassVar[frozenset[str]] = frozenset(
         {"requests", "finished", "failed", "tokens", "steps", "pieces_in", "kv_bytes_in",
-         "reused_tokens"}
+         "reused_tokens", "kv_orphans_dropped", "kv_lanes_refused"}
     )
 
     running: int  # in the batch
@@ -79,6 +86,9 @@ class DecodeStatistics(msgspec.Struct, frozen=True):
     pieces_in: int
     kv_bytes_in: int
     reused_tokens: int
+    kv_pending_bytes: int = 0  # KV pieces held, not yet imported (assemblies: their requests)
+    kv_orphans_dropped: int = 0  # KV no decode stream claimed within orphan_timeout
+    kv_lanes_refused: int = 0  # KV lanes of requests whose decode stream had ended
 
 
 @dataclass
@@ -180,6 +190,12 @@ class DecodeWorker:
             self._leave()
 
     async def run(self) -> None:
+        """The batch loop, and the inbox's orphan timer beside it; forever."""
+        async with anyio.create_task_group() as group:
+            group.start_soon(self.inbox.sweep_every, self.config.orphan_timeout / 4)
+            await self._loop()
+
+    async def _loop(self) -> None:
         """The batch loop: admit joins and leaves, step, hand out tokens; forever."""
         try:
             while True:
@@ -204,6 +220,8 @@ class DecodeWorker:
             finished=self._counts.finished, failed=self._counts.failed,
             tokens=self._counts.tokens, steps=batch.steps, pieces_in=inbox.pieces,
             kv_bytes_in=inbox.bytes, reused_tokens=self._counts.reused_tokens,
+            kv_pending_bytes=inbox.held_bytes, kv_orphans_dropped=inbox.orphans_dropped,
+            kv_lanes_refused=inbox.refused_lanes,
         )
 
     def check_integrity(self) -> None:
@@ -230,8 +248,13 @@ class DecodeWorker:
         if opening.end != len(request.prompt):
             raise KVTransferError(f"KV of {request.request_id!r} covers {opening.end} tokens, "
                                   f"the prompt has {len(request.prompt)}")
+        if not 0 <= opening.start < opening.end:
+            # The last token is always computed: its logits give the first output token.
+            raise KVTransferError(f"KV of {request.request_id!r} starts at token "
+                                  f"{opening.start}, not below the prompt's {opening.end}")
         base = self._base(request, opening.start)
         cache: RequestCache = await self.model.import_kv(opening, base, assembly.pieces)
+        assembly.free()
         self._counts.reused_tokens += opening.start
         return cache
 

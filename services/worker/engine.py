@@ -92,11 +92,15 @@ class ModelEngine:
         return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
 
     def compute_prefill(self, job: PrefillJob, emit: Emit, snapshot_every: int) -> int:
-        """Prefill the suffix chunk by chunk, emitting each piece as its layer finishes."""
+        """Prefill the suffix chunk by chunk, emitting each piece as its layer finishes; a
+        cancelled job stops at the next chunk."""
         cfg, request = self.model.cfg, job.request
         snapshots = block_boundaries(job.reused, job.length, cfg.block_size, snapshot_every)
         result = None
         for index, ((start, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
+            if job.cancelled:
+                # Nobody reads the first token of a cancelled job.
+                return 0
             on_layer = self._exporter(job, index * cfg.n_layers, pieces, end, emit)
             result = prefill(self.model, request.prompt[start:end], job.cache,
                              snapshot_at=[n for n in snapshots if start < n <= end],

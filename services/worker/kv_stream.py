@@ -12,10 +12,10 @@ is about (1 + tail) / 2 of compute-then-transfer, tail being the states' and the
 share of the bytes (layer-wise streaming alone leaves a whole full-attention layer, often the
 largest, for the end).
 
-The decode side's `KVInbox` collects the pieces of all lanes of a request in a `KVAssembly`
-(checking the stream is for its model before any piece), then `import_pieces`
-joins each layer's consecutive full-attention pieces (checksums checked first) and rebuilds
-the cache with the model's `KVImporter` on top of the KV it already holds.
+The decode side's `KVInbox` (services.worker.kv_inbox) collects the pieces of all lanes of a
+request in a `KVAssembly` (checking the stream is for its model before any piece), then
+`import_pieces` joins each layer's consecutive full-attention pieces (checksums checked first)
+and rebuilds the cache with the model's `KVImporter` on top of the KV it already holds.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from __future__ import annotations
 import itertools
 import logging
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import anyio
 import msgspec
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from services.contract.errors import DataPathError, KVTransferError, RequestError
-from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
+from services.contract.errors import DataPathError, KVTransferError
+from services.contract.messages import KVChunk, KVClose
 from services.model.cache import RequestCache, torch_dtype
 from services.model.config import (
     FULL_ATTENTION_KINDS,
@@ -141,178 +141,6 @@ async def release(pieces: MemoryObjectReceiveStream[Computed],
     for lane, chunk in held:
         lanes[lane].send_nowait(chunk)
     return compute_end
-
-
-class KVAssembly:
-    """One request's incoming KV: the lanes' pieces, the first token, or why it failed."""
-
-    def __init__(self, request_id: str, created: float) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.claimed = False
-        self.opening: KVOpen | None = None
-        self.pieces: dict[tuple[int, int], bytes] = {}  # (layer, start) -> encoded piece
-        self.first_token: int | None = None
-        self.failure: KVTransferError | None = None
-        self._closed: set[int] = set()
-        self._opened: set[int] = set()
-        self._changed = anyio.Event()
-
-    @property
-    def ready(self) -> bool:
-        lanes = self.opening.lanes if self.opening else -1
-        return len(self._closed) == lanes and self.first_token is not None
-
-    @property
-    def finished(self) -> bool:
-        return self.ready or self.failure is not None
-
-    def open_lane(self, opening: KVOpen) -> None:
-        first = self.opening or opening
-        for name in ("start", "end", "lanes", "config_hash", "dtype"):
-            if getattr(first, name) != getattr(opening, name):
-                raise KVTransferError(f"lane {opening.lane} of {self.request_id!r}: {name}="
-                                      f"{getattr(opening, name)!r}, an earlier lane said "
-                                      f"{getattr(first, name)!r}")
-        if not 0 <= opening.lane < opening.lanes or opening.lane in self._opened:
-            raise KVTransferError(f"lane must be a new lane in [0, {opening.lanes}), got "
-                                  f"{opening.lane} for {self.request_id!r}")
-        self.opening = first
-        self._opened.add(opening.lane)
-
-    def add(self, chunk: KVChunk) -> None:
-        key = (chunk.layer, chunk.start)
-        if key in self.pieces:
-            raise KVTransferError(f"piece (layer {chunk.layer}, start {chunk.start}) of "
-                                  f"{self.request_id!r} arrived twice")
-        self.pieces[key] = chunk.data
-
-    def close_lane(self, lane: int) -> None:
-        self._closed.add(lane)
-        self._signal()
-
-    def fail(self, error: KVTransferError) -> None:
-        if self.failure is None:
-            self.failure = error
-        self._signal()
-
-    async def wait(self) -> None:
-        while not self.finished:
-            await self._changed.wait()
-
-    def _signal(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-
-class KVInboxStatistics(msgspec.Struct, frozen=True):
-    counters: ClassVar[frozenset[str]] = frozenset({"lanes", "pieces", "bytes", "failed_lanes"})
-
-    assemblies: int
-    lanes: int
-    pieces: int
-    bytes: int
-    failed_lanes: int
-
-
-class KVInbox:
-    """A decode worker's incoming KV streams: one `KVAssembly` per request, whichever of its
-    lanes or its decode stream comes first. KV that nobody asks to decode is dropped after
-    `orphan_timeout` seconds."""
-
-    def __init__(self, name: str, model: tuple[str, str, str], orphan_timeout: float) -> None:
-        self.name = name
-        self.model = model  # (family, config_hash, dtype) the worker accepts
-        self.orphan_timeout = orphan_timeout
-        self._assemblies: dict[str, KVAssembly] = {}
-        self._counts = dict.fromkeys(("lanes", "pieces", "bytes", "failed_lanes"), 0)
-
-    def expects(self, request_id: str) -> bool:
-        """True when a decode stream for `request_id` is open and waits for its KV."""
-        assembly = self._assemblies.get(request_id)
-        return assembly is not None and assembly.claimed
-
-    async def receive(self, opening: KVOpen, items: AsyncIterator[msgspec.Struct],
-                      peer: str = "?") -> KVAccepted:
-        """One upload lane: check it is for this model, collect its pieces, close it."""
-        assembly = self._assembly(opening.request_id)
-        count = nbytes = 0
-        try:
-            self._check_model(opening)
-            assembly.open_lane(opening)
-            async for item in items:
-                count, nbytes = count + 1, nbytes + self._take(assembly, opening, item)
-            expected = opening.pieces + (opening.lane == 0)
-            if count != expected:
-                raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} ended "
-                                      f"after {count} items, expected {expected}")
-            assembly.close_lane(opening.lane)
-        except BaseException as exc:
-            self._counts["failed_lanes"] += 1
-            assembly.fail(lane_error(exc, opening, peer, count))
-            raise
-        self._counts["lanes"] += 1
-        return KVAccepted(request_id=opening.request_id, lane=opening.lane, pieces=count,
-                          bytes=nbytes)
-
-    def claim(self, request_id: str) -> KVAssembly:
-        """The assembly a decode stream waits on; RequestError if another stream has it."""
-        assembly = self._assembly(request_id)
-        if assembly.claimed:
-            raise RequestError(f"request_id {request_id!r} is already being decoded")
-        assembly.claimed = True
-        return assembly
-
-    def release(self, request_id: str) -> None:
-        self._assemblies.pop(request_id, None)
-
-    def statistics(self) -> KVInboxStatistics:
-        return KVInboxStatistics(assemblies=len(self._assemblies), **self._counts)
-
-    def _check_model(self, opening: KVOpen) -> None:
-        theirs = (opening.family, opening.config_hash, opening.dtype)
-        if theirs != self.model:
-            raise KVTransferError(
-                f"KV stream of {opening.request_id!r} is for model (family, config_hash, "
-                f"dtype)={theirs}, but {self.name} serves {self.model}"
-            )
-
-    def _take(self, assembly: KVAssembly, opening: KVOpen, item: msgspec.Struct) -> int:
-        if isinstance(item, KVChunk):
-            assembly.add(item)
-            self._counts["pieces"] += 1
-            self._counts["bytes"] += item.size
-            return item.size
-        if isinstance(item, KVClose) and opening.lane == 0:
-            assembly.first_token = item.first_token
-            return 0
-        raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} carried an "
-                              f"unexpected {type(item).__name__}")
-
-    def _assembly(self, request_id: str) -> KVAssembly:
-        assembly = self._assemblies.get(request_id)
-        if assembly is None:
-            self._drop_orphans()
-            assembly = KVAssembly(request_id, anyio.current_time())
-            self._assemblies[request_id] = assembly
-        return assembly
-
-    def _drop_orphans(self) -> None:
-        cutoff = anyio.current_time() - self.orphan_timeout
-        for rid in [r for r, a in self._assemblies.items() if not a.claimed and a.created < cutoff]:
-            log.warning("dropping the KV of %r: nobody asked to decode it", rid)
-            del self._assemblies[rid]
-
-
-def lane_error(exc: BaseException, opening: KVOpen, peer: str, count: int) -> KVTransferError:
-    """What a decode stream is told when one of its KV lanes broke."""
-    if isinstance(exc, KVTransferError):
-        return exc
-    return KVTransferError(
-        f"KV lane {opening.lane} of {opening.request_id!r} from {peer} was cut off after "
-        f"{count} of {opening.pieces + (opening.lane == 0)} items: "
-        f"{type(exc).__name__}: {exc or 'cancelled'}"
-    )
 
 
 def expected_kv_bytes(cfg: ModelConfig, length: int, start: int, dtype: str) -> int:

@@ -40,6 +40,7 @@ from services.contract.messages import (
     PrefillDone,
     PrefillRequest,
 )
+from services.contract.prefix import reusable_blocks
 from services.model.model import HybridLM
 from services.worker.compute import (
     ComputeRunner,
@@ -75,7 +76,8 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 class PrefillStatistics(msgspec.Struct, frozen=True):
     counters: ClassVar[frozenset[str]] = frozenset(
-        {"jobs", "failures", "computed_tokens", "reused_tokens", "kv_bytes_sent", "pieces_sent"}
+        {"jobs", "failures", "cancelled", "computed_tokens", "reused_tokens", "kv_bytes_sent",
+         "pieces_sent"}
     )
 
     queue_depth: int
@@ -86,12 +88,15 @@ class PrefillStatistics(msgspec.Struct, frozen=True):
     reused_tokens: int
     kv_bytes_sent: int
     pieces_sent: int
+    # Jobs given up by their caller (an Abort, a cut connection), queued or running.
+    cancelled: int = 0
 
 
 @dataclass
 class _Counts:
     jobs: int = 0
     failures: int = 0
+    cancelled: int = 0
     computed_tokens: int = 0
     reused_tokens: int = 0
 
@@ -147,6 +152,10 @@ class PrefillWorker:
             async with self._slot:
                 self._queued, self._running, running = self._queued - 1, self._running + 1, True
                 return await self._run(job, anyio.current_time() - queued_at)
+        except anyio.get_cancelled_exc_class():
+            # Queued: it leaves the queue; running: its compute stops at the next chunk.
+            self._counts.cancelled += 1
+            raise
         except BaseException:
             self._counts.failures += 1
             raise
@@ -162,7 +171,7 @@ class PrefillWorker:
             queue_depth=self._queued, running=self._running, jobs=self._counts.jobs,
             failures=self._counts.failures, computed_tokens=self._counts.computed_tokens,
             reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sent[1],
-            pieces_sent=self._sent[0],
+            pieces_sent=self._sent[0], cancelled=self._counts.cancelled,
         )
 
     def check_integrity(self) -> None:
@@ -190,7 +199,7 @@ class PrefillWorker:
         _check_request(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
         hashes = prompt_hashes(request.prompt, cfg.block_size)
         # At least one token must be computed: its logits give the first output token.
-        cache = self.store.resume(hashes, (length - 1) // cfg.block_size)
+        cache = self.store.resume(hashes, reusable_blocks(length, cfg.block_size))
         if cache is None:
             cache = self.model.empty_cache()
         size = self.config.chunk_tokens if request.chunk_tokens is None else (

@@ -103,29 +103,48 @@ def model_info(model: HybridLM, source: str) -> ModelInfo:
                      block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
 
 
-def serve_prefill(node: Node, worker: PrefillWorker,
-                  admit: Callable[[], None] = lambda: None) -> None:
-    """Registers the prefill handler on `node`; `admit` raises when the worker may not take
-    new prefill work (its role gate)."""
+class HandlerSlots(msgspec.Struct, frozen=True, kw_only=True):
+    """Handler slots of the data path's pools (mesh.pools), apart from the node's shared ones
+    (status, role, cache reports, events): a decode stream waiting for its KV never holds a
+    slot the KV upload needs, and neither holds one a status poll needs."""
 
-    @node.handles(PrefillRequest)
+    prefill: int = 64  # prefill calls queued or running (one computes at a time)
+    decode: int = 64  # decode streams at once: DecodeConfig.max_streams
+    upload: int = 16  # KV upload lanes being received at once
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "upload"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} handler slots must be >= 1, got "
+                                  f"{getattr(self, name)}")
+
+
+def serve_prefill(node: Node, worker: PrefillWorker,
+                  admit: Callable[[], None] = lambda: None, *, slots: int | None = None) -> None:
+    """Registers the prefill handler on `node` (in a pool of `slots`, if given); `admit`
+    raises when the worker may not take new prefill work (its role gate)."""
+
+    @node.handles(PrefillRequest, slots=slots)
     async def on_prefill(request: PrefillRequest, ctx: Context) -> PrefillDone:
         admit()
         return await worker.prefill(request)
 
 
 def serve_decode(node: Node, worker: DecodeWorker,
-                 admit: Callable[[], None] = lambda: None) -> None:
-    """Registers the decode handlers on `node`; `admit` raises when the worker may not take
-    new decode work (its role gate). KV for a request already being decoded always gets in."""
+                 admit: Callable[[], None] = lambda: None, *,
+                 upload_slots: int | None = None) -> None:
+    """Registers the decode handlers on `node`: decode streams in a pool of the worker's
+    `max_streams` slots, uploads in one of `upload_slots` (if given); `admit` raises when the
+    worker may not take new decode work (its role gate). KV for a request already being
+    decoded always gets in."""
 
-    @node.accepts_stream(KVOpen)
+    @node.accepts_stream(KVOpen, slots=upload_slots)
     async def on_kv(opening: KVOpen, items: Mailbox[msgspec.Struct], ctx: Context) -> KVAccepted:
         if not worker.inbox.expects(opening.request_id):
             admit()
         return await worker.inbox.receive(opening, items, ctx.peer)
 
-    @node.serves_stream(DecodeRequest)
+    @node.serves_stream(DecodeRequest, slots=worker.config.max_streams)
     async def on_decode(
         request: DecodeRequest, ctx: Context
     ) -> AsyncGenerator[msgspec.Struct, None]:
@@ -214,10 +233,15 @@ class WorkerService:
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
             link_of=link_of_peer(ctx.topology, self.cluster), runner=runner,
         )
+        self.slots = HandlerSlots(prefill=ctx.option("prefill_slots", 64),
+                                  decode=ctx.option("max_streams", 64),
+                                  upload=ctx.option("upload_slots", 16))
         self.decode = DecodeWorker(
             engine, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
                                              slots=ctx.option("slots", 8),
-                                             max_batch=ctx.option("max_batch", 0)),
+                                             max_streams=self.slots.decode,
+                                             max_batch=ctx.option("max_batch", 0),
+                                             orphan_timeout=ctx.option("orphan_timeout", 120.0)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
         )
         self._register()
@@ -233,8 +257,10 @@ class WorkerService:
         return Pacing(CostModel.load(profile), Pacer(self.ctx.time_scale), 1.0 / scale)
 
     def _register(self) -> None:
-        serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"))
-        serve_decode(self.node, self.decode, lambda: self._admit("decode"))
+        serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"),
+                      slots=self.slots.prefill)
+        serve_decode(self.node, self.decode, lambda: self._admit("decode"),
+                     upload_slots=self.slots.upload)
         serve_events(self.node, self.bus)
 
         @self.node.handles(StatusQuery)
@@ -286,6 +312,7 @@ class WorkerService:
             queue_depth=prefill.queue_depth + decode.waiting,
             running=prefill.running + decode.running,
             cached_blocks=self.store.statistics().blocks, model=self.info,
+            max_streams=self.slots.decode if self.role == "decode" else 0,
         )
 
     def _publish_status(self) -> None:

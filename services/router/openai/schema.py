@@ -23,7 +23,7 @@ multi-turn chat as incremental prefill (only the new text's KV is computed and s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -38,6 +38,11 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOPS)] | None
+# The mesh carries seeds as msgpack integers; OpenAI documents an int64 seed.
+Seed = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+# "text", ["text"], [ids...] or [[ids...]]: typed to two levels, so that no body, however
+# deeply nested, makes the decoder recurse past them (a 400 at the first level too deep).
+Prompt = str | list[int | str | list[int]]
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,7 +56,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,7 +69,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[Any]
+    prompt: Prompt
     echo: bool = False
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
     logprobs: None = None
@@ -146,9 +151,12 @@ def decode_request(body: bytes, kind: type[R]) -> R:
         raise InvalidRequest(f"invalid request{where}: {exc}", param=param) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        # Typed fields stop deep nesting early; this is the edge's last word on the rest.
+        raise InvalidRequest("request body nests JSON too deeply") from exc
 
 
-def _prompt_tokens(prompt: str | list[Any], tokenizer: TokenizerLike,
+def _prompt_tokens(prompt: Prompt | list[int], tokenizer: TokenizerLike,
                    nested: bool = False) -> tuple[list[int], str]:
     """A single prompt as token ids, and its text ("" when given as ids).
 
@@ -158,12 +166,13 @@ def _prompt_tokens(prompt: str | list[Any], tokenizer: TokenizerLike,
         return tokenizer.encode(prompt), prompt
     if len(prompt) == 1 and isinstance(prompt[0], str | list) and not nested:
         return _prompt_tokens(prompt[0], tokenizer, nested=True)
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+    ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+    if prompt and len(ids) == len(prompt):
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt token ids must lie in [0, {tokenizer.vocab_size}), "
                                  f"got {bad[0]}", param="prompt")
-        return list(prompt), ""
+        return ids, ""
     raise InvalidRequest("prompt must be one string or one list of token ids (batches of "
                          f"prompts are not supported), got {str(prompt)[:80]!r}", param="prompt")
 
