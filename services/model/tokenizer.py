@@ -47,9 +47,15 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+CORPUS_NAME = "tinyshakespeare.txt"
+
+
 def default_corpus_path() -> Path:
-    """The training text lives beside the project, in ../shared/data/corpus/ (never downloaded)."""
-    return repo_root().parent / "shared" / "data" / "corpus" / "tinyshakespeare.txt"
+    """The training text (never downloaded): data/corpus/ inside the project where it has been
+    moved there, else beside the project in ../shared/data/corpus/."""
+    inside = repo_root() / "data" / "corpus" / CORPUS_NAME
+    return inside if inside.is_file() else repo_root().parent / "shared" / "data" / "corpus" / (
+        CORPUS_NAME)
 
 
 def file_sha256(path: Path) -> str:

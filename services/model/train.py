@@ -152,6 +152,14 @@ def evaluate(
     return total / count
 
 
+def held_out_nats_per_char(model: nn.Module, text: str, tokenizer: TokenizerLike,
+                           seq_len: int = 256) -> float:
+    """Next-token loss per character of `text` (non-overlapping windows of seq_len tokens,
+    as `evaluate`), run in the model's own dtype: what the model scores as served."""
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    return evaluate(model, ids, seq_len) * ids.numel() / len(text)
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """Decay matrices only; norms, biases and per-head scalars train without weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
