@@ -419,7 +419,7 @@ def rtt_cpu(m: dict[str, float]) -> float:
 
 
 def label(role: str) -> str:
-    return "raw socket, recv_into" if role == "raw" else f"mesh on {role}"
+    return "raw blocking sockets" if role == "raw" else f"mesh on {role}"
 
 
 def us(m: dict[str, float], key: str) -> str:
@@ -428,6 +428,7 @@ def us(m: dict[str, float], key: str) -> str:
 
 def report(medians: dict[str, dict[str, float]], quick: bool) -> dict[str, Any]:
     raw = medians["raw"]
+    print("bulk ratios against the raw byte-moving limit (recv_into, nothing decoded)")
     print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'small msg/s':>13}")
     for role, m in medians.items():
         print(f"{label(role):<22}{m['bulk'] / 1e9:>10.2f}{m['bulk'] / raw['bulk']:>7.2f}"
