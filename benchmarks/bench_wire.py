@@ -8,18 +8,22 @@ trip about 96 us). Left to itself the kernel often puts both ends of a round tri
 the round trip then costs no cross-CPU wake-ups (raw about 22 us) and its time is simply the
 CPU work of both sides: `--pin same` measures that case on purpose.
 The client (this process) measures, for each:
-  bulk   1 MiB frames: raw `sendall` of encoded frames vs `node.stream_to` items; GB/s
+  bulk   1 MiB frames: `node.stream_to` items against the byte-moving limit of a plain socket
+         (raw: the same frame bytes, encoded once, `sendall` on one side and `recv_into` a
+         preallocated buffer on the other, nothing decoded); GB/s. The raw side's framed
+         msgspec stream (encode and decode every frame) is reported beside it as raw_msgspec
   small  ~200-byte messages: raw, one `sendall` each; mesh, `node.cast` (batched by the outbox)
   rtt    ~200-byte request/reply: raw send+recv vs `node.call`; microseconds per round trip,
          wall time and CPU time (client process + server process, from /proc/<pid>/schedstat)
   bare rtt: the same bytes echoed, no mesh, in the mesh server's process, through anyio's
          socket streams and through the mesh's own (mesh.tcp): the event loop's share of the
          mesh round trip, and the floor under it
-Both sides encode and decode every message with msgspec (the raw side with a plain length
-prefix and the same message Structs). Each figure is the median of several repetitions taken
-in turns, since the 2-vCPU host has slow windows (docs/engineering-notes.md G12). The two sides of
-a round
-trip run one after the other, so its wall time is about the CPU time of both plus wake-ups;
+Apart from the bulk limit, both sides encode and decode every message with msgspec (the raw
+side with a plain length prefix and the same message Structs). Each figure is the median of
+several repetitions taken in turns, since the 2-vCPU host has slow windows
+(docs/engineering-notes.md G12).
+The two sides of a round trip run one after the other, so its wall time is about the CPU
+time of both plus wake-ups;
 CPU time is less disturbed by other load on the host than wall time. Every process runs with
 MALLOC_TOP_PAD_=64 MiB: without it glibc trims and regrows the heap per received chunk
 (docs/engineering-notes.md G3). The last line printed is one JSON object.
@@ -202,14 +206,48 @@ class RawClient:
         return clock.per(n)
 
 
+def bytes_serve(conn: socket.socket) -> None:
+    """The byte-moving limit: per transfer an 8-byte total, then that many bytes read with
+    recv_into a preallocated buffer (never looked at), then an 8-byte acknowledgement."""
+    buf = memoryview(bytearray(1 << 20))
+    while head := conn.recv(8, socket.MSG_WAITALL):
+        left = int.from_bytes(head, "big")
+        while left:
+            got = conn.recv_into(buf, min(left, len(buf)))
+            if not got:
+                return
+            left -= got
+        conn.sendall(head)
+
+
+def bytes_bulk(port: int, frames: int) -> float:
+    """GB/s of `frames` Chunk frames, encoded once and sent as they are (see bytes_serve)."""
+    data = frame_of(Chunk(0, PAYLOAD))
+    total = frames * len(data)
+    with socket.create_connection((HOST, port)) as sock:
+        start = time.perf_counter()
+        sock.sendall(total.to_bytes(8, "big"))
+        for _ in range(frames):
+            sock.sendall(data)
+        assert int.from_bytes(sock.recv(8, socket.MSG_WAITALL), "big") == total
+        return frames * len(PAYLOAD) / (time.perf_counter() - start)
+
+
 def serve_raw() -> None:
-    with socket.create_server((HOST, 0)) as listener:
-        print(listener.getsockname()[1], flush=True)
+    """Two listeners on two threads: framed msgspec messages, and the bulk byte limit."""
+    import threading
+
+    def loop(listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
         while True:
             conn, _ = listener.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with conn:
-                raw_serve(conn)
+                serve(conn)
+
+    with socket.create_server((HOST, 0)) as framed, socket.create_server((HOST, 0)) as plain:
+        print(framed.getsockname()[1], plain.getsockname()[1], flush=True)
+        threading.Thread(target=loop, args=(plain, bytes_serve), daemon=True).start()
+        loop(framed, raw_serve)
 
 
 # Mesh side -------------------------------------------------------------------------------
@@ -321,7 +359,8 @@ def raw_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str,
     try:
         client.rtt(200, server)
         return {
-            "bulk": client.bulk(sizes["bulk"]),
+            "bulk": bytes_bulk(ports[1], sizes["bulk"]),
+            "bulk_msgspec": client.bulk(sizes["bulk"]),
             "small": client.small(sizes["small"]),
             **client.rtt(sizes["rtt"], server),
         }
@@ -391,17 +430,23 @@ def us(m: dict[str, float], key: str) -> str:
 
 def report(medians: dict[str, dict[str, float]], quick: bool) -> dict[str, Any]:
     raw = medians["raw"]
+    print("bulk ratios against the raw byte-moving limit (recv_into, nothing decoded)")
     print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'small msg/s':>13}")
     for role, m in medians.items():
         print(f"{label(role):<22}{m['bulk'] / 1e9:>10.2f}{m['bulk'] / raw['bulk']:>7.2f}"
               f"{m['small']:>13,.0f}")
+    framed = raw["bulk_msgspec"]
+    print(f"{'raw, msgspec frames':<22}{framed / 1e9:>10.2f}{framed / raw['bulk']:>7.2f}")
     print(f"\n{'path':<22}{'rtt us':>8}{'ratio':>7}{'cpu us (cli+srv)':>20}{'ratio':>7}"
           f"{'bare anyio echo':>17}{'bare mesh.tcp echo':>20}")
     for role, m in medians.items():
         cpu = f"{rtt_cpu(m) * 1e6:.1f} ({us(m, 'rtt_cpu_client')}+{us(m, 'rtt_cpu_server')})"
         print(f"{label(role):<22}{m['rtt'] * 1e6:>8.1f}{m['rtt'] / raw['rtt']:>7.2f}{cpu:>20}"
               f"{rtt_cpu(m) / rtt_cpu(raw):>7.2f}{us(m, 'anyio_rtt'):>17}{us(m, 'fast_rtt'):>20}")
-    result: dict[str, Any] = {"bench": "wire", "quick": quick}
+    # bulk ratios are against the byte-moving limit (raw recv_into, nothing decoded).
+    result: dict[str, Any] = {"bench": "wire", "quick": quick, "bulk_baseline": "recv_into"}
+    result["raw_msgspec_gbytes_per_s"] = round(raw["bulk_msgspec"] / 1e9, 3)
+    result["bulk_ratio_raw_msgspec"] = round(raw["bulk_msgspec"] / raw["bulk"], 3)
     for backend in ("trio", "uvloop"):
         m = medians[backend]
         result[f"bulk_ratio_{backend}"] = round(m["bulk"] / raw["bulk"], 3)

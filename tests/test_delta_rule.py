@@ -20,6 +20,7 @@ from services.model.delta_rule import (
     delta_rule_chunked,
     delta_rule_reference,
     delta_rule_step,
+    delta_rule_step_,
 )
 
 TOL = 1e-5
@@ -159,6 +160,26 @@ def test_step_by_step_equals_reference(gate: str) -> None:
         assert o.shape == (2, 2, 1, 24)
         assert max_err(o, o_ref[:, :, t : t + 1]) <= TOL
     assert state is not None and max_err(state, s_ref) <= TOL
+
+
+@pytest.mark.parametrize("gate", ["channel", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_step_equals_reference(gate: str, dtype: torch.dtype) -> None:
+    x = make_inputs(37, gate=gate, with_state=True, seed=12)
+    o_ref, s_ref = delta_rule_reference(*x)
+    assert x.state is not None
+    state = x.state.clone()
+    for t in range(37):
+        q, k, v, g, beta, _ = piece(x, t, t + 1, None)
+        o = delta_rule_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0].to(dtype), g[:, :, 0],
+                             beta[:, :, 0], state)
+        assert o.shape == (2, 2, 24) and o.dtype == dtype
+        # bf16 only rounds the inputs v and the output; the state stays fp32.
+        assert max_err(o.float(), o_ref[:, :, t]) <= (TOL if dtype == torch.float32 else 0.02)
+    assert max_err(state, s_ref) <= (TOL if dtype == torch.float32 else 0.02)
+    with pytest.raises(DeltaRuleError, match="contiguous fp32"):
+        delta_rule_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0],
+                         state.bfloat16())
 
 
 @pytest.mark.parametrize("gate", ["channel", "scalar"])

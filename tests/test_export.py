@@ -16,6 +16,7 @@ from services.model.batch import DecodeBatch
 from services.model.cache import LinearState, RequestCache, TokenKV, WindowKV
 from services.model.config import FAMILIES, ModelConfig, family_config, kv_bytes, kv_bytes_split
 from services.model.export import (
+    KVDtypeError,
     KVImporter,
     KVImportError,
     KVPiece,
@@ -149,6 +150,8 @@ def test_import_validation_names_the_field(model: HybridLM) -> None:
     rejects("tensors", KVPiece(msgspec.structs.replace(
         header, tensors=header.tensors[:1]), pieces[0].payload))
     rejects("dtype", pieces[0], dtype="bfloat16")
+    with pytest.raises(KVDtypeError, match="piece is float32 but this importer serves bfloat16"):
+        KVImporter(cfg, "bfloat16").add(pieces[0].to_bytes())
     with pytest.raises(KVImportError, match="base cache"):
         KVImporter(cfg, "bfloat16", base=cache)
     importer = KVImporter(cfg)
@@ -186,17 +189,19 @@ def test_bfloat16_roundtrip_and_snapshot_trim() -> None:
     assert outputs[0] == outputs[1] and len(outputs[0]) == 5
 
 
-def test_prefill_here_decode_in_another_process(tmp_path: Path) -> None:
-    """Greedy, 64 tokens, all four families: export, import in a subprocess, decode."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_here_decode_in_another_process(tmp_path: Path, dtype: str) -> None:
+    """Greedy, 64 tokens, all four families: export, import in a subprocess, decode; the
+    same dtype on both sides gives the same tokens bit for bit."""
     jobs, expected = [], []
     for i, family in enumerate(FAMILIES):
-        model = build_model(sharp(family), seed=7)
+        model = build_model(sharp(family), seed=7, dtype=dtype)
         prompt = tokens(90 + 37 * i, seed=i)
         expected.append(generate(model, prompt, 64, stop_on_eos=False).tokens)
         first = prefill(model, prompt)
         pieces = [p.to_bytes() for p in export_cache(first.cache)]
         params = SamplingParams(max_new_tokens=64, stop_on_eos=False)
-        jobs.append(ReplayJob(model.cfg, 7, "float32", pieces, int(first.logits.argmax()),
+        jobs.append(ReplayJob(model.cfg, 7, dtype, pieces, int(first.logits.argmax()),
                               params))
     jobs_file, results_file = tmp_path / "jobs.msgpack", tmp_path / "results.msgpack"
     jobs_file.write_bytes(msgspec.msgpack.encode(jobs))

@@ -11,6 +11,8 @@ import torch
 from services.model.attention import (
     causal_attention,
     causal_attention_reference,
+    ragged_decode_attention,
+    ragged_decode_attention_reference,
     sliding_window_attention,
     sliding_window_attention_reference,
     window_decode_attention,
@@ -213,3 +215,23 @@ def test_window_pairs_count() -> None:
     for prefix, n, window in [(0, 10, 4), (3, 10, 4), (7, 3, 4), (0, 1, 128), (100, 300, 128)]:
         assert _window_pairs(prefix, n, window) == sum(
             min(p, window) + 1 for p in range(prefix, prefix + n))
+
+
+@pytest.mark.parametrize(("hq", "hkv", "shared"), [(4, 2, False), (6, 1, True), (2, 2, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_decode_attention_matches_reference(hq: int, hkv: int, shared: bool,
+                                                   dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    lengths = [1, 37, 64, 5]
+    q = torch.randn(len(lengths), hq, 16, generator=gen).to(dtype)
+    keys = [torch.randn(hkv, n, 16, generator=gen).to(dtype) for n in lengths]
+    values = None if shared else [torch.randn(hkv, n, 16, generator=gen).to(dtype)
+                                  for n in lengths]
+    got = ragged_decode_attention(q, keys, values, scale=0.3)
+    want = ragged_decode_attention_reference(q, keys, values, scale=0.3)
+    assert got.dtype == dtype and got.shape == (4, hq, 16)
+    torch.testing.assert_close(got, want)
+    # Padding is invisible: a request alone gives its row of the batch.
+    alone = ragged_decode_attention(q[1:2], keys[1:2], None if values is None else values[1:2],
+                                    scale=0.3)
+    torch.testing.assert_close(alone[0], got[1])

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from services.model.cache import LinearState
 from services.model.config import ModelConfig
-from services.model.conv import causal_conv1d
-from services.model.delta_rule import delta_rule_chunked, delta_rule_step
+from services.model.conv import causal_conv1d, causal_conv1d_step
+from services.model.delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_
 from services.model.delta_rule_train import delta_rule_trainable
 
 
@@ -86,6 +86,22 @@ class DeltaCore(nn.Module):
             cache.state.copy_(final)
             cache.conv_tail.copy_(new_tail)
         return o.transpose(1, 2), snaps
+
+    def decode(self, x: Tensor, g: Tensor, cache: LinearState) -> Tensor:
+        """One token per request: x [B, 1, C], g [B, H, Dk or 1] -> o [B, 1, H, D].
+
+        The lean path of `forward` with T == 1 (tested equal to it): the conv's one-token
+        step, and the delta rule updating the batch's state buffer in place, with no
+        chunking, snapshots or state copies.
+        """
+        b = x.shape[0]
+        projected = self.qkv(x[:, 0])  # [B, 3HD]
+        conv_out, window = causal_conv1d_step(projected, self.conv_weight, cache.conv_tail)
+        cache.conv_tail.copy_(window)
+        q, k, v = F.silu(conv_out).view(b, 3, self.heads, self.head_dim).unbind(1)
+        q, k = l2_normalise(q), l2_normalise(k)  # [B, H, D]
+        beta = torch.sigmoid(self.beta_proj(x[:, 0]).float())  # [B, H]
+        return delta_rule_step_(q, k, v, g, beta, cache.state)[:, None]
 
 
 def conv_tail_at(projected: Tensor, tail: Tensor | None, pos0: int, boundary: int,

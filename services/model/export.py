@@ -7,7 +7,9 @@ min(end, W) tokens at `end`. Encoded as: 4-byte big-endian header length, the ms
 length, crc32), then the raw tensor bytes. A prefill worker streams pieces layer by layer
 (`export_layer` from a prefill's on_layer hook); a decode worker feeds them to a
 `KVImporter`, optionally on top of a cache that already holds [0, start) - "only what the
-decode side lacks". Payload bytes of a whole export equal `kv_bytes(cfg, length)` exactly.
+decode side lacks". Payload bytes of a whole export equal `kv_bytes(cfg, length, dtype)`
+exactly. The header names the model's dtype (linear states are fp32 in either); an importer
+refuses a piece of another dtype with `KVDtypeError` rather than converting it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ class KVImportError(ModelError, ValueError):
         where = "" if layer is None else f" (layer {layer})"
         super().__init__(f"KV import{where}: {field} expected {expected!r}, got {got!r}")
         self.field, self.expected, self.got = field, expected, got
+
+
+class KVDtypeError(KVImportError):
+    """A piece was exported in another dtype than the importer serves. Pieces are never
+    converted: a bf16 piece widened to fp32 (or fp32 narrowed) would decode differently from
+    the prefill side's own cache, and the byte accounting S_kv(l) would no longer hold."""
+
+    def __init__(self, expected: str, got: str, layer: int | None = None) -> None:
+        ModelError.__init__(
+            self, f"KV import{'' if layer is None else f' (layer {layer})'}: the piece is "
+            f"{got} but this importer serves {expected}; prefill and decode workers must run "
+            f"the model in the same dtype")
+        self.field, self.expected, self.got = "dtype", expected, got
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -225,7 +240,8 @@ class KVImporter:
         cfg = self.cfg
         _expect("family", cfg.family, h.family)
         _expect("config_hash", self._hash, h.config_hash)
-        _expect("dtype", self.dtype, h.dtype)
+        if h.dtype != self.dtype:
+            raise KVDtypeError(self.dtype, h.dtype, h.layer)
         if not 0 <= h.layer < cfg.n_layers:
             raise KVImportError("layer", f"in [0, {cfg.n_layers})", h.layer)
         if h.layer in self._parts:

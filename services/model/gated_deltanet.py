@@ -41,13 +41,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
                 snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
         """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
-        b, t, _ = x.shape
-        h, d = self.heads, self.head_dim
         g = decay(self.a_log, self.a_proj(x), self.dt_bias)  # [B, T, H]
         o, snaps = self.core(x, g.transpose(1, 2)[..., None], cache, pos0, snapshot_at)
+        return self._output(x, o), snaps
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """o [B, T, H, D] -> o_proj(RMSNorm(o) * SiLU gate) [B, T, C]."""
+        b, t, h, d = o.shape
         gate = F.silu(self.z_proj(x)).view(b, t, h, d)
-        return self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d)), snaps
+        out: Tensor = self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d))
+        return out
 
     def decode(self, x: Tensor, cache: LinearState) -> Tensor:
         """x [B, 1, C] against a batched LinearState [B, ...], updated in place."""
-        return self.forward(x, cache)[0]
+        g = decay(self.a_log, self.a_proj(x[:, 0]), self.dt_bias)  # [B, H]
+        return self._output(x, self.core.decode(x, g[..., None], cache))

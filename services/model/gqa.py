@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.model.attention import causal_attention
+from services.model.attention import causal_attention, ragged_decode_attention
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
 from services.model.rope import Rotary, rotate
@@ -78,11 +77,8 @@ class GQA(nn.Module):
         """x [B, 1, C], positions [B]; request i attends over caches[i] plus its new token."""
         b = x.shape[0]
         q, k, v = self.qkv(x, positions[:, None])  # [B, 1, H, D]
-        o = q.new_empty(b, self.hq, self.d)
         for i, kv in enumerate(caches):
             kv.append([k[i].transpose(0, 1), v[i].transpose(0, 1)])  # [Hkv, 1, D]
-            keys, values = (view[None] for view in kv.views())  # [1, Hkv, L, D]
-            o[i] = F.scaled_dot_product_attention(
-                q[i].transpose(0, 1)[None], keys, values, enable_gqa=True
-            )[0, :, 0]
+        views = [kv.views() for kv in caches]  # [Hkv, L, D] each
+        o = ragged_decode_attention(q[:, 0], [x[0] for x in views], [x[1] for x in views])
         return self._output(x, o.reshape(b, 1, self.hq * self.d))

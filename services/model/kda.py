@@ -42,14 +42,24 @@ class KDA(nn.Module):
     def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
                 snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
         """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
+        g = self._decay(x)  # [B, T, H, D]
+        o, snaps = self.core(x, g.transpose(1, 2), cache, pos0, snapshot_at)  # [B, T, H, D]
+        return self._output(x, o), snaps
+
+    def _decay(self, x: Tensor) -> Tensor:
+        """x [B, T, C] -> per-channel log-decay g [B, T, H, D] fp32."""
         b, t, _ = x.shape
         h, d = self.heads, self.head_dim
         raw = self.f_up(self.f_down(x)).view(b, t, h, d)
-        g = decay(self.a_log.view(h, 1), raw, self.dt_bias.view(h, d))  # [B, T, H, D]
-        o, snaps = self.core(x, g.transpose(1, 2), cache, pos0, snapshot_at)  # [B, T, H, D]
+        return decay(self.a_log.view(h, 1), raw, self.dt_bias.view(h, d))
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """o [B, T, H, D] -> o_proj(RMSNorm(o) * sigmoid gate) [B, T, C]."""
+        b, t, h, d = o.shape
         gate = torch.sigmoid(self.g_up(self.g_down(x))).view(b, t, h, d)
-        return self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d)), snaps
+        out: Tensor = self.o_proj((self.o_norm(o) * gate).reshape(b, t, h * d))
+        return out
 
     def decode(self, x: Tensor, cache: LinearState) -> Tensor:
         """x [B, 1, C] against a batched LinearState [B, ...], updated in place."""
-        return self.forward(x, cache)[0]
+        return self._output(x, self.core.decode(x, self._decay(x)[:, 0], cache))

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.model.attention import causal_attention
+from services.model.attention import causal_attention, ragged_decode_attention
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
 from services.model.norm import RMSNorm
@@ -60,13 +59,11 @@ class MLA(nn.Module):
         q = self.q_proj(x).view(b, h, d)
         latent = self.kv_norm(self.kv_down(x))  # [B, 1, r]
         q_latent = torch.einsum("bhd,hdr->bhr", q, self.k_up.weight.view(h, d, r))
-        context = q_latent.new_empty(b, h, r)
         for i, kv in enumerate(caches):
             kv.append([latent[i : i + 1]])
-            keys = kv.views()[0][None]  # [1, 1, L, r]: one latent "head" shared by all
-            context[i] = F.scaled_dot_product_attention(
-                q_latent[i][None, :, None], keys, keys, scale=d**-0.5, enable_gqa=True
-            )[0, :, 0]
+        # One latent "head" [1, L, r] per request, shared by all query heads.
+        context = ragged_decode_attention(q_latent, [kv.views()[0] for kv in caches], None,
+                                          scale=d**-0.5)  # [B, H, r]
         o = torch.einsum("bhr,hvr->bhv", context, self.v_up.weight.view(h, d, r))
         out: Tensor = self.o_proj(o.reshape(b, 1, h * d))
         return out

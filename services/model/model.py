@@ -34,6 +34,7 @@ from services.model.gqa import GQA
 from services.model.kda import KDA
 from services.model.mla import MLA
 from services.model.norm import RMSNorm
+from services.model.precision import resolve_dtype
 from services.model.swa import SlidingWindowAttention
 
 Mixer = KDA | GatedDeltaNet | MLA | GQA | SlidingWindowAttention
@@ -184,10 +185,20 @@ def init_weights(model: HybridLM, generator: torch.Generator) -> None:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> HybridLM:
-    """A randomly initialised model; the same (cfg, seed) gives the same weights anywhere."""
+    """A randomly initialised model; the same (cfg, seed) gives the same weights anywhere.
+
+    dtype: "float32", "bfloat16" or "auto" (`precision.serving_dtype` of the CPU, where the
+    engine runs). Weights are drawn in fp32 and then cast, so every dtype starts from the
+    same values.
+    """
     model = HybridLM(cfg)
     init_weights(model, torch.Generator().manual_seed(seed))
-    return model.to(torch_dtype(dtype)).eval()
+    return cast_model(model, dtype)
+
+
+def cast_model(model: HybridLM, dtype: str) -> HybridLM:
+    """The model in serving form: eval mode, weights in `dtype` ("auto" resolved)."""
+    return model.to(torch_dtype(resolve_dtype(dtype))).eval()
 
 
 def count_params(model: nn.Module) -> int:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from services.model.config import ModelConfig, ModelError, family_config
-from services.model.model import build_model, count_params
+from services.model.model import build_model, cast_model, count_params
 from services.model.tokenizer import (
     ASSETS_DIR,
     TokenizerLike,
@@ -152,6 +152,14 @@ def evaluate(
     return total / count
 
 
+def held_out_nats_per_char(model: nn.Module, text: str, tokenizer: TokenizerLike,
+                           seq_len: int = 256) -> float:
+    """Next-token loss per character of `text` (non-overlapping windows of seq_len tokens,
+    as `evaluate`), run in the model's own dtype: what the model scores as served."""
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    return evaluate(model, ids, seq_len) * ids.numel() / len(text)
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """Decay matrices only; norms, biases and per-head scalars train without weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -277,9 +285,10 @@ def read_meta(path: Path) -> CheckpointMeta:
 
 
 def load_checkpoint(
-    path: Path | None = None,
+    path: Path | None = None, dtype: str = "float32",
 ) -> tuple[nn.Module, ModelConfig, CheckpointMeta]:
-    """Rebuild the model from the config stored in the checkpoint and load its weights (fp32)."""
+    """Rebuild the model from the config stored in the checkpoint and load its weights, then
+    cast them to `dtype` ("float32", "bfloat16" or "auto": see `precision.resolve_dtype`)."""
     path = DEFAULT_CHECKPOINT if path is None else path
     if not path.is_file():
         raise CheckpointError(f"checkpoint path={str(path)!r} is not a file")
@@ -289,8 +298,7 @@ def load_checkpoint(
     with safe_open(str(path), framework="pt") as handle:
         stored = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
     model.load_state_dict(decode_weights(stored), strict=True)
-    model.eval()
-    return model, cfg, meta
+    return cast_model(model, dtype), cfg, meta
 
 
 def checkpoint_is_current(meta: CheckpointMeta) -> bool:

@@ -88,7 +88,7 @@ def load_model(ctx: ServiceContext) -> tuple[HybridLM, str]:
             f"random-init seed {seed}")
     from services.model.train import load_checkpoint
 
-    model, cfg, _ = load_checkpoint(path)
+    model, cfg, _ = load_checkpoint(path, dtype=ctx.option("dtype", "float32"))
     if (cfg.family, cfg.size) != (family, size):
         raise ConfigError(f"service {ctx.name!r}: checkpoint {str(path)!r} holds "
                           f"{cfg.family}/{cfg.size}, options say {family}/{size}")
@@ -344,8 +344,8 @@ class WorkerService:
                 "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
                 "events": self.bus.statistics,
             })
-            log.info("%s serving role %s with %s %s (%s)", self.name, self.role,
-                     self.info.family, self.info.size, self.info.source)
+            log.info("%s serving role %s with %s %s in %s (%s)", self.name, self.role,
+                     self.info.family, self.info.size, self.info.dtype, self.info.source)
             task_status.started(address)
             await anyio.sleep_forever()
 
