@@ -54,8 +54,8 @@ def write_checkpoint(family: str, directory: Path) -> Path:
     return path
 
 
-def reference(family: str, prompt: Sequence[int], n: int) -> list[int]:
-    return generate(noticing_model(family), list(prompt), n, stop_on_eos=False).tokens
+def reference(family: str, prompt: Sequence[int], n: int, stop_on_eos: bool = False) -> list[int]:
+    return generate(noticing_model(family), list(prompt), n, stop_on_eos=stop_on_eos).tokens
 
 
 def s_kv(family: str, length: int) -> int:
