@@ -1,9 +1,16 @@
 """Decode worker on the in-memory mesh: split prefill + transfer + batched decode equals one
-process; second turns reuse the held prefix; broken, foreign and late KV fail one request with
-an explicit error; role switching; readers that leave."""
+process, bit for bit in the imported cache, for every family; second turns reuse the held
+prefix; broken, foreign and late KV fail one request with an explicit error; role switching;
+readers that leave.
+
+The workers load the noticing models of tests/kv_exact.py (greedy output varies and depends on
+the cache), and the mutation tests perturb one KV byte or one state element after import and
+watch each exactness check fail, for all four families."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -25,27 +32,62 @@ from services.contract.messages import (
     TokenChunk,
     WorkerState,
 )
-from services.model.config import family_config
-from services.model.generate import generate
-from services.model.model import HybridLM, build_model
+from services.model.cache import RequestCache
+from services.model.config import kv_bytes_split
+from services.model.export import KVPiece, export_layer
+from services.worker import decode as decode_module
 from services.worker.decode import DecodeWorker
+from services.worker.kv_stream import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
+from tests.kv_exact import (
+    ALL_FAMILIES,
+    MUTATIONS,
+    Mutation,
+    assert_model_notices,
+    cache_bytes,
+    noticing_config,
+    one_process_cache,
+    write_checkpoint,
+)
+from tests.kv_exact import reference as noticing_reference
 
 MAX = 12
+LONG = 64
 SAMPLING = Sampling(max_tokens=MAX, stop_on_eos=False)
+SAMPLING_LONG = Sampling(max_tokens=LONG, stop_on_eos=False)
 
 
-def topology_text(family: str = "kimi-linear", other: str = "kimi-linear") -> str:
-    worker = 'options = {{ family = "{}", size = "tiny", checkpoint = "none" }}'
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("noticing")
+    return {family: write_checkpoint(family, root) for family in ALL_FAMILIES}
+
+
+Topo = Callable[..., str]
+
+
+@pytest.fixture
+def topo(checkpoints: dict[str, Path]) -> Topo:
+    def text(family: str = "kimi-linear", other: str = "kimi-linear") -> str:
+        return topology_text(checkpoints, family, other)
+    return text
+
+
+def worker_options(checkpoints: Mapping[str, Path], family: str) -> str:
+    return (f'options = {{ family = "{family}", size = "tiny", '
+            f'checkpoint = "{checkpoints[family]}" }}')
+
+
+def topology_text(checkpoints: Mapping[str, Path], family: str, other: str) -> str:
     return f"""
 [[clusters]]
 name = "prfaas"
 kind = "prfaas"
-{worker.format(family)}
+{worker_options(checkpoints, family)}
 [[clusters]]
 name = "pd"
 kind = "pd"
-{worker.format(family)}
+{worker_options(checkpoints, family)}
 [[services]]
 name = "p"
 kind = "prefill"
@@ -67,7 +109,7 @@ name = "x"
 kind = "prefill"
 cluster = "prfaas"
 port = 4
-options = {{ family = "{other}" }}
+{worker_options(checkpoints, other)}
 """
 
 
@@ -75,13 +117,8 @@ def tokens(n: int, salt: int = 0) -> list[int]:
     return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
-_models: dict[str, HybridLM] = {}
-
-
 def reference(family: str, prompt: list[int], n: int = MAX) -> list[int]:
-    if family not in _models:
-        _models[family] = build_model(family_config(family, "tiny"), seed=0)
-    return generate(_models[family], prompt, n, stop_on_eos=False).tokens
+    return noticing_reference(family, prompt, n)
 
 
 def decoder(mesh: object, name: str = "d") -> DecodeWorker:
@@ -90,29 +127,102 @@ def decoder(mesh: object, name: str = "d") -> DecodeWorker:
     return service.decode
 
 
-@pytest.mark.trio
-@pytest.mark.parametrize("family", ["kimi-linear", "qwen-next"])
-async def test_split_request_equals_one_process_generation(family: str) -> None:
-    prompt = tokens(150)
-    async with in_process(parse_topology(topology_text(family)), ["p", "d"]) as mesh:
+@dataclass
+class Imported:
+    """One import on the decode worker: its base, the raw pieces, the cache it decodes from."""
+
+    base: RequestCache | None
+    pieces: dict[tuple[int, int], bytes]
+    cache: RequestCache
+
+
+@dataclass
+class Imports:
+    mutation: Mutation | None = None
+    seen: list[Imported] = field(default_factory=list)
+
+
+@pytest.fixture
+def imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[Imports]:
+    """Records every import of the decode worker (and applies `mutation` to the result)."""
+    record = Imports()
+    real = decode_module.import_pieces
+
+    def recording(cfg: object, dtype: str, base: RequestCache | None,
+                  pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+        kept = None if base is None else base.clone(keep_snapshots=False)
+        cache = real(cfg, dtype, base, pieces)  # type: ignore[arg-type]
+        if record.mutation is not None:
+            record.mutation(cache)
+        record.seen.append(Imported(kept, dict(pieces), cache.clone(keep_snapshots=False)))
+        return cache
+
+    monkeypatch.setattr(decode_module, "import_pieces", recording)
+    yield record
+
+
+def sent_payloads(pieces: Mapping[tuple[int, int], bytes]) -> dict[int, bytes]:
+    by_layer: dict[int, list[KVPiece]] = {}
+    for layer, start in sorted(pieces):
+        by_layer.setdefault(layer, []).append(KVPiece.from_bytes(pieces[layer, start]))
+    return {layer: bytes(merge_pieces(group).payload if len(group) > 1 else group[0].payload)
+            for layer, group in by_layer.items()}
+
+
+def assert_import_is_exact(imported: Imported, start: int) -> None:
+    """Bit for bit: the imported cache holds the base's first `start` tokens of full-attention
+    KV and then exactly the bytes that were sent (KV of [start, end) and the end states)."""
+    cache = imported.cache
+    sent = sent_payloads(imported.pieces)
+    assert sorted(sent) == list(range(cache.cfg.n_layers))
+    for layer in range(cache.cfg.n_layers):
+        assert bytes(export_layer(cache, layer, start).payload) == sent[layer], layer
+        if start and cache.cfg.layer_kinds[layer] in ("mla", "gqa"):
+            assert imported.base is not None
+            held = export_layer(cache, layer, 0, start).payload
+            assert held == export_layer(imported.base, layer, 0, start).payload, layer
+
+
+async def split_scenario(topo: Topo, family: str, prompt: list[int]) -> tuple[object, object]:
+    async with in_process(parse_topology(topo(family)), ["p", "d"]) as mesh:
         async with mesh.client() as client:
             with trio.fail_after(60):
                 result = await drive_request(client, prompt, prefill_worker="p",
                                              decode_worker="d", request_id="r",
-                                             sampling=SAMPLING, connections=2)
+                                             sampling=SAMPLING_LONG, connections=2)
         decode = decoder(mesh)
         decode.check_integrity()
-        stats = decode.statistics()
-    assert result.tokens == reference(family, prompt)
-    assert result.finish_reason == "length"
-    assert result.prefill.lanes == 2 and result.prefill.computed_tokens == 150
-    assert (stats.finished, stats.failed, stats.kv_bytes_in) == (1, 0, result.prefill.kv_bytes)
+        return result, decode.statistics()
+
+
+def check_split(family: str, prompt: list[int], outcome: tuple[object, object],
+                imports: Imports) -> None:
+    result, stats = outcome
+    assert len(imports.seen) == 1
+    assert cache_bytes(imports.seen[0].cache) == cache_bytes(one_process_cache(family, prompt))
+    assert_import_is_exact(imports.seen[0], 0)
+    assert result.tokens == reference(family, prompt, LONG)  # type: ignore[attr-defined]
+    assert result.finish_reason == "length"  # type: ignore[attr-defined]
+    prefill = result.prefill  # type: ignore[attr-defined]
+    assert prefill.lanes == 2 and prefill.computed_tokens == 150
+    assert (stats.finished, stats.failed, stats.kv_bytes_in) == (  # type: ignore[attr-defined]
+        1, 0, prefill.kv_bytes)
 
 
 @pytest.mark.trio
-async def test_chunked_prefill_streams_equal_one_process_generation() -> None:
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+async def test_split_request_equals_one_process_generation(
+    topo: Topo, imports: Imports, family: str
+) -> None:
+    prompt = tokens(150)
+    assert_model_notices(family, prompt, LONG)
+    check_split(family, prompt, await split_scenario(topo, family, prompt), imports)
+
+
+@pytest.mark.trio
+async def test_chunked_prefill_streams_equal_one_process_generation(topo: Topo) -> None:
     prompt = tokens(200)
-    async with in_process(parse_topology(topology_text()), ["p", "d"]) as mesh, \
+    async with in_process(parse_topology(topo()), ["p", "d"]) as mesh, \
             mesh.client() as client:
         with trio.fail_after(60):
             result = await drive_request(client, prompt, prefill_worker="p", decode_worker="d",
@@ -122,32 +232,78 @@ async def test_chunked_prefill_streams_equal_one_process_generation() -> None:
     assert (result.prefill.chunks, result.prefill.pieces) == (4, 4 + 3)
 
 
-@pytest.mark.trio
-async def test_second_turn_sends_only_the_new_tokens_kv() -> None:
+async def second_turn_scenario(topo: Topo, family: str) -> tuple[object, ...]:
     first = tokens(150)
-    async with in_process(parse_topology(topology_text()), ["p", "d"]) as mesh:
+    async with in_process(parse_topology(topo(family)), ["p", "d"]) as mesh:
         async with mesh.client() as client:
             with trio.fail_after(60):
                 one = await drive_request(client, first, prefill_worker="p", decode_worker="d",
-                                          request_id="t1", sampling=SAMPLING)
+                                          request_id="t1", sampling=SAMPLING_LONG)
                 second = first + one.tokens + tokens(40, 3)
-                held = (len(first) + MAX - 1) // 64 * 64
                 two = await drive_request(client, second, prefill_worker="p",
                                           decode_worker="d", request_id="t2",
-                                          sampling=SAMPLING, decode_has=held)
+                                          sampling=SAMPLING_LONG, decode_has=HELD)
         stats = decoder(mesh).statistics()
-    assert two.tokens == reference("kimi-linear", second)
-    assert two.prefill.reused_tokens == 128  # the prefill worker resumed from its own cache
-    assert two.prefill.sent_from_token == held == 128
-    assert two.prefill.kv_bytes < one.prefill.kv_bytes
-    assert stats.reused_tokens == held
+    return one, two, second, stats
+
+
+# The decode worker keeps the prompt and all generated tokens but the last (its KV is never
+# computed): 150 + 63 tokens, so 3 whole blocks.
+HELD = (150 + LONG - 1) // 64 * 64
+
+
+def check_second_turn(family: str, outcome: tuple[object, ...], imports: Imports) -> None:
+    _, two, second, stats = outcome
+    fixed, per_token = kv_bytes_split(noticing_config(family), "float32")
+    assert len(imports.seen) == 2
+    assert_import_is_exact(imports.seen[0], 0)
+    assert_import_is_exact(imports.seen[1], HELD)
+    assert two.tokens == reference(family, second, LONG)  # type: ignore[attr-defined]
+    prefill = two.prefill  # type: ignore[attr-defined]
+    assert prefill.reused_tokens == 128  # the prefill worker resumed from its own cache
+    assert prefill.sent_from_token == HELD == 192
+    # S_kv of the incremental part, from the config: the new tokens' KV and the end states;
+    # the worker's count adds each piece's header.
+    incremental = fixed + per_token * (len(second) - HELD)  # type: ignore[arg-type]
+    assert sum(map(len, sent_payloads(imports.seen[1].pieces).values())) == incremental
+    assert incremental < prefill.kv_bytes < 1.05 * incremental
+    assert stats.reused_tokens == HELD  # type: ignore[attr-defined]
 
 
 @pytest.mark.trio
-async def test_concurrent_requests_share_the_batch() -> None:
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+async def test_second_turn_sends_only_the_new_tokens_kv(
+    topo: Topo, imports: Imports, family: str
+) -> None:
+    outcome = await second_turn_scenario(topo, family)
+    assert_model_notices(family, outcome[2], LONG)  # type: ignore[arg-type]
+    check_second_turn(family, outcome, imports)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+async def test_exactness_checks_fail_when_the_imported_kv_is_perturbed(
+    topo: Topo, imports: Imports, family: str, mutation: str
+) -> None:
+    """Mutation check: one flipped KV byte or one changed state element after import makes
+    both exactness tests above fail."""
+    imports.mutation = MUTATIONS[mutation]
+    prompt = tokens(150)
+    split = await split_scenario(topo, family, prompt)
+    with pytest.raises(AssertionError):
+        check_split(family, prompt, split, imports)
+    imports.seen.clear()
+    second = await second_turn_scenario(topo, family)
+    with pytest.raises(AssertionError):
+        check_second_turn(family, second, imports)
+
+
+@pytest.mark.trio
+async def test_concurrent_requests_share_the_batch(topo: Topo) -> None:
     prompts = [tokens(70 + 40 * i, i) for i in range(3)]
     results: dict[int, list[int]] = {}
-    async with in_process(parse_topology(topology_text()), ["p", "q", "d"]) as mesh:
+    async with in_process(parse_topology(topo()), ["p", "q", "d"]) as mesh:
         async with mesh.client() as client, anyio.create_task_group() as tg:
 
             async def one(i: int) -> None:
@@ -167,8 +323,8 @@ async def test_concurrent_requests_share_the_batch() -> None:
 
 
 @pytest.mark.trio
-async def test_kv_for_another_model_is_refused_with_a_clear_error() -> None:
-    topology = parse_topology(topology_text("kimi-linear", "qwen-next"))
+async def test_kv_for_another_model_is_refused_with_a_clear_error(topo: Topo) -> None:
+    topology = parse_topology(topo("kimi-linear", "qwen-next"))
     async with in_process(topology, ["x", "d"]) as mesh, mesh.client() as client:
         with trio.fail_after(60), pytest.raises(RemoteError) as failure:
             await drive_request(client, tokens(80), prefill_worker="x", decode_worker="d",
@@ -180,7 +336,7 @@ async def test_kv_for_another_model_is_refused_with_a_clear_error() -> None:
 
 async def cut_stream(client: object, request_id: str, pieces_sent: int) -> None:
     """A fake prefill worker that opens a lane, sends some pieces, then breaks off."""
-    cfg = family_config("kimi-linear", "tiny")
+    cfg = noticing_config("kimi-linear")
     opening = KVOpen(request_id=request_id, family=cfg.family, config_hash=cfg.config_hash(),
                      dtype="float32", start=0, end=80, pieces=cfg.n_layers)
     with pytest.raises(RuntimeError, match="prefill died"):
@@ -192,8 +348,8 @@ async def cut_stream(client: object, request_id: str, pieces_sent: int) -> None:
 
 
 @pytest.mark.trio
-async def test_a_stream_cut_mid_way_fails_that_request_and_others_go_on() -> None:
-    async with in_process(parse_topology(topology_text()), ["p", "d"]) as mesh:
+async def test_a_stream_cut_mid_way_fails_that_request_and_others_go_on(topo: Topo) -> None:
+    async with in_process(parse_topology(topo()), ["p", "d"]) as mesh:
         async with mesh.client() as client, mesh.client("fake-prefill") as fake:
             request = DecodeRequest(request_id="cut", prompt=tokens(80), sampling=SAMPLING)
             with trio.fail_after(30):
@@ -213,9 +369,9 @@ async def test_a_stream_cut_mid_way_fails_that_request_and_others_go_on() -> Non
 
 @pytest.mark.trio
 async def test_no_kv_within_kv_timeout_fails_the_request(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, topo: Topo,
 ) -> None:
-    async with in_process(parse_topology(topology_text()), ["d"]) as mesh, \
+    async with in_process(parse_topology(topo()), ["d"]) as mesh, \
             mesh.client() as client:
         request = DecodeRequest(request_id="late", prompt=tokens(80), kv_timeout=30.0)
         start = trio.current_time()
@@ -229,8 +385,8 @@ async def test_no_kv_within_kv_timeout_fails_the_request(
 
 
 @pytest.mark.trio
-async def test_pd_worker_switches_role_after_draining() -> None:
-    async with in_process(parse_topology(topology_text()), ["p", "q", "d"]) as mesh, \
+async def test_pd_worker_switches_role_after_draining(topo: Topo) -> None:
+    async with in_process(parse_topology(topo()), ["p", "q", "d"]) as mesh, \
             mesh.client() as client:
         with trio.fail_after(60):
             with pytest.raises(RemoteError) as wrong:
@@ -253,9 +409,9 @@ async def test_pd_worker_switches_role_after_draining() -> None:
 
 
 @pytest.mark.trio
-async def test_a_reader_that_leaves_frees_its_batch_slot() -> None:
+async def test_a_reader_that_leaves_frees_its_batch_slot(topo: Topo) -> None:
     long = Sampling(max_tokens=400, stop_on_eos=False)
-    async with in_process(parse_topology(topology_text()), ["p", "d"]) as mesh, \
+    async with in_process(parse_topology(topo()), ["p", "d"]) as mesh, \
             mesh.client() as client:
         with trio.fail_after(60):
             request = DecodeRequest(request_id="bye", prompt=tokens(70), sampling=long)

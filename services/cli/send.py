@@ -152,8 +152,15 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return next((e for e in found if isinstance(e, Exception)), found[0])
 
 
-async def link_egress_bytes(topology: Topology, timeout: float = 5.0) -> dict[str, int]:
-    """Bytes each link has carried a -> b so far, read from its control API (0 if down)."""
+class LinkStatsError(MeshError):
+    """A link's control API did not answer its byte counters."""
+
+
+async def link_egress_bytes(topology: Topology, timeout: float = 5.0,
+                            strict: bool = False) -> dict[str, int]:
+    """Bytes each link has carried a -> b so far, read from its control API. A link that does
+    not answer reads 0 (for `prfaas send`'s report), or raises LinkStatsError when `strict`
+    (a measurement must not pass on a counter it could not read)."""
     out: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=timeout) as client:
         for link in topology.links:
@@ -163,6 +170,8 @@ async def link_egress_bytes(topology: Topology, timeout: float = 5.0) -> dict[st
                 response = await client.get(url)
                 response.raise_for_status()
             except httpx.HTTPError as exc:
+                if strict:
+                    raise LinkStatsError(f"link {link.name} statistics at {url}: {exc}") from exc
                 log.warning("link %s statistics unavailable: %s", link.name, exc)
                 out[link.name] = 0
                 continue

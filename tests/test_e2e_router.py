@@ -1,0 +1,195 @@
+"""The router's own failure paths over real processes on 127.0.0.1.
+
+`prfaas serve` children (services/cli/launch.py) from a generated topology: router, cache
+directory, link, a PrfaaS prefill worker, a PD prefill and a PD decode worker, random-init
+default-size models (the router's BPE tokenizer cannot decode the tiny models' vocabulary).
+A decode worker killed mid-stream and a prefill worker killed mid-prefill fail the requests
+in flight with explicit errors, and requests after the worker is back succeed; a full router
+answers 429. tests/router_fakes.py keeps the fast in-process versions of these paths.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.cli.launch import launch
+
+pytestmark = pytest.mark.slow
+
+WORKER = 'options = { family = "kimi-linear", size = "default", checkpoint = "none", threads = 1 }'
+# About 270 BPE tokens, well past t = 97.
+LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
+SHORT_PROMPT = "short"
+WORKERS = ["prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
+
+
+def free_ports(n: int) -> list[int]:
+    # The children bind these: the topology file names fixed ports (see the report's notes).
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def topology_text(ports: list[int]) -> str:
+    # t = 19,400 x 0.005 = 97 tokens: the long prompt is offloaded, the short one is not.
+    return f"""
+[[clusters]]
+name = "prfaas"
+kind = "prfaas"
+{WORKER}
+[[clusters]]
+name = "pd"
+kind = "pd"
+{WORKER}
+[[services]]
+name = "router"
+kind = "router"
+port = {ports[0]}
+options = {{ http_port = {ports[1]}, scale = 0.005, max_inflight = 1, tick_s = 0.25 }}
+[[services]]
+name = "cachedir"
+kind = "cachedir"
+port = {ports[2]}
+[[services]]
+name = "link-0"
+kind = "link"
+port = {ports[3]}
+options = {{ control_port = {ports[4]}, proxy_base_port = {ports[5]} }}
+[[services]]
+name = "prfaas-prefill-0"
+kind = "prefill"
+cluster = "prfaas"
+port = {ports[6]}
+[[services]]
+name = "pd-prefill-0"
+kind = "prefill"
+cluster = "pd"
+port = {ports[7]}
+[[services]]
+name = "pd-decode-0"
+kind = "decode"
+cluster = "pd"
+port = {ports[8]}
+[[links]]
+name = "link-0"
+a = "prfaas"
+b = "pd"
+bandwidth_bps = 400e6
+"""
+
+
+class Mesh:
+    def __init__(self, path: Path, root: Path, http_port: int) -> None:
+        self.path, self.root = path, root
+        self.url = f"http://127.0.0.1:{http_port}"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    root = tmp_path_factory.mktemp("router-mesh")
+    ports = free_ports(9)
+    path = root / "topology.toml"
+    path.write_text(topology_text(ports))
+    with launch(path, ["cachedir", "link-0", "router"], log_dir=root):
+        yield Mesh(path, root, ports[1])
+
+
+def completion(mesh: Mesh, prompt: str, max_tokens: int, timeout: float = 60) -> httpx.Response:
+    body = {"model": "prfaas", "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True}
+    return httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=timeout)
+
+
+def succeeds_again(mesh: Mesh, prompt: str, deadline_s: float = 30.0) -> httpx.Response:
+    """The first successful answer once the worker is back (the router re-reads its table on
+    its own tick, so the first tries after a restart may still fail)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        response = completion(mesh, prompt, 8)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            return response
+        time.sleep(0.25)
+
+
+def stream_until_killed(mesh: Mesh, prompt: str, kill: object,
+                        leave: bool = False) -> list[dict[str, object]]:
+    """Streams a long completion, calls kill() after the first token, returns every event
+    (or, with `leave`, closes the stream there: the client cancels)."""
+    body = {"model": "prfaas", "prompt": prompt, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    events: list[dict[str, object]] = []
+    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == 1:
+                kill()  # type: ignore[operator]
+                if leave:
+                    break
+    return events
+
+
+def test_a_decode_worker_killed_mid_stream_fails_its_request_explicitly(mesh: Mesh) -> None:
+    with launch(mesh.path, WORKERS, log_dir=mesh.root) as children:
+        assert succeeds_again(mesh, SHORT_PROMPT).status_code == 200
+        events = stream_until_killed(
+            mesh, SHORT_PROMPT, lambda: children["pd-decode-0"].send_signal(signal.SIGKILL))
+        children["pd-decode-0"].wait(timeout=10)
+    assert "error" in events[-1], events[-1]
+    assert not any(choice.get("finish_reason") == "length"  # type: ignore[union-attr]
+                   for event in events for choice in event.get("choices", []))  # type: ignore[union-attr]
+    with launch(mesh.path, WORKERS, log_dir=mesh.root):
+        after = succeeds_again(mesh, SHORT_PROMPT)
+    assert after.status_code == 200, after.text
+    assert after.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_prefill_worker_killed_mid_prefill_fails_its_request_explicitly(mesh: Mesh) -> None:
+    paced = ["--mode", "emulated", "--time-scale", "2000"]
+    with launch(mesh.path, ["pd-prefill-0", "pd-decode-0"], log_dir=mesh.root), \
+            launch(mesh.path, ["prfaas-prefill-0"], extra_args=paced, log_dir=mesh.root) as slow, \
+            httpx.Client(timeout=60) as client:
+        # Emulated H200 pacing slowed 2000x: the prefill takes seconds; it dies after 1 s.
+        started = time.monotonic()
+        body = {"model": "prfaas", "prompt": LONG_PROMPT, "max_tokens": 8}
+        killer = threading.Timer(
+            1.0, lambda: slow["prfaas-prefill-0"].send_signal(signal.SIGKILL))
+        killer.start()
+        failed = client.post(f"{mesh.url}/v1/completions", json=body)
+        killer.join()
+        elapsed = time.monotonic() - started
+    assert failed.status_code >= 500 and "error" in failed.json(), failed.text
+    assert "prfaas-prefill-0" in failed.text or "prefill" in failed.text, failed.text
+    assert elapsed < 30
+    with launch(mesh.path, WORKERS, log_dir=mesh.root):
+        after = succeeds_again(mesh, LONG_PROMPT)
+    assert after.status_code == 200, after.text
+
+
+def test_a_full_router_answers_429_and_a_cancelled_stream_frees_its_slot(mesh: Mesh) -> None:
+    with launch(mesh.path, WORKERS, log_dir=mesh.root) as children:
+        assert succeeds_again(mesh, SHORT_PROMPT).status_code == 200
+        refused: list[httpx.Response] = []
+        # max_inflight = 1: the stream holds the only slot.
+        stream_until_killed(mesh, SHORT_PROMPT,
+                            lambda: refused.append(completion(mesh, SHORT_PROMPT, 4)), leave=True)
+        after = succeeds_again(mesh, SHORT_PROMPT)
+        assert children["pd-decode-0"].poll() is None
+    assert refused[0].status_code == 429 and "error" in refused[0].json(), refused[0].text
+    assert after.status_code == 200, after.text
