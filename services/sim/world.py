@@ -91,7 +91,7 @@ def sim_topology(d: Deployment) -> Topology:
     # Batches hold BS_max (the decode SLO); streams, prefill calls and uploads wait in
     # queues rather than being refused: the simulation measures queues, not rejections.
     worker_options = {"scale": d.scale, "chunk_tokens": d.chunk_tokens, "max_batch": bs_max,
-                      "max_streams": 1 << 16, "prefill_slots": 1 << 16, "upload_slots": 1 << 10,
+                      "max_streams": 512, "prefill_slots": 512, "upload_slots": 64,
                       "connections": d.connections, "snapshot_every": d.snapshot_every,
                       "cache_mib": d.cache_gib * 1024, "status_interval": d.tick_s}
     clusters = [ClusterSpec(name="pd", kind="pd",

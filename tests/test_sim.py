@@ -1,0 +1,85 @@
+"""The simulation: the live services on virtual time (services/sim).
+
+Small deployments and minutes of virtual time, so each test takes seconds of wall time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from services.cli.sim import sim_main
+from services.paper.hardware import CostModel
+from services.sim.run import SimResult, run_virtual
+from services.sim.workload import Arrival, lognormal
+from services.sim.world import Deployment
+
+pytestmark = pytest.mark.slow
+
+SMALL = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
+                   policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+
+
+def _run(d: Deployment, arrivals: list[Arrival], **options: object) -> SimResult:
+    result, _ = run_virtual(d, arrivals, **options)
+    return result
+
+
+def test_a_seed_gives_the_same_run_twice() -> None:
+    arrivals = lognormal(0.5, 120, SMALL.scale, seed=3)
+    first, second = (_run(SMALL, arrivals) for _ in range(2))
+    assert len(first.records) == len(arrivals) > 20
+    assert msgspec.json.encode(first.records) == msgspec.json.encode(second.records)
+    assert msgspec.json.encode(first.samples) == msgspec.json.encode(second.samples)
+    other = _run(SMALL, lognormal(0.5, 120, SMALL.scale, seed=4))
+    assert msgspec.json.encode(other.records) != msgspec.json.encode(first.records)
+
+
+def test_link_bytes_are_the_s_kv_of_the_offloaded_requests() -> None:
+    """Nothing is cached (fresh blocks), so each offloaded request sends S_kv of its whole
+    modeled length; the link adds only frame headers and stream control on top."""
+    result = _run(SMALL, lognormal(0.5, 180, SMALL.scale, seed=1))
+    offloaded = [r for r in result.records if r.ok and r.cluster == "prfaas"]
+    assert len(offloaded) >= 5 and any(r.cluster == "pd" for r in result.records)
+    kv = CostModel.load("h20").model.kv
+    expected = sum(kv.fixed_bytes + kv.bytes_per_token * r.prompt_tokens / SMALL.scale
+                   for r in offloaded)
+    overhead = result.link_bytes - expected
+    assert 0 <= overhead < 2000 * len(offloaded)
+    assert result.link_bytes == pytest.approx(expected, rel=1e-4)
+
+
+def test_offload_follows_the_threshold_and_the_decode_slo_holds() -> None:
+    result = _run(SMALL, lognormal(0.4, 180, SMALL.scale, seed=2))
+    t = 19400 / 8
+    for record in result.records:
+        assert record.ok, record.error
+        assert (record.cluster == "prfaas") == (record.incremental_len > t)
+        assert record.output_tokens == 1024
+        # 40 tokens/s: the decode batch never exceeds BS_max, so a step stays at the SLO.
+        assert record.tpot_s <= 0.0255
+    assert result.unfinished == 0
+
+
+def test_queues_grow_past_capacity_and_not_below() -> None:
+    light = _run(SMALL, lognormal(0.2, 240, SMALL.scale, seed=5), drain_s=0.0)
+    heavy = _run(SMALL, lognormal(2.0, 240, SMALL.scale, seed=5), drain_s=0.0)
+    assert light.samples[-1].in_flight < 12
+    assert heavy.samples[-1].in_flight > 3 * light.samples[-1].in_flight
+
+
+def test_prfaas_sim_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = sim_main(["--policy", "prfaas", "--rate", "0.5", "--duration", "60",
+                     "--instances", "1/1/1", "--out", str(out), "--no-progress"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"] >= 15 and summary["unfinished"] == 0
+    assert summary["virtual_s"] > 60
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == summary["requests"]
+    assert (out / "ttft_cdf.png").stat().st_size > 1000
+    assert (out / "timeline.png").stat().st_size > 1000
