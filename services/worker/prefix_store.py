@@ -161,6 +161,11 @@ class PrefixStore:
         return WorkerReport(self.worker, cluster, role,
                             [self._run(e) for e in self._entries.values()])
 
+    @property
+    def blocks(self) -> int:
+        """Distinct blocks held (what the worker's status reports, at every poll)."""
+        return len(self._by_hash)
+
     def statistics(self) -> PrefixStoreStatistics:
         return PrefixStoreStatistics(
             entries=len(self._entries),

@@ -311,7 +311,7 @@ class WorkerService:
             name=self.name, cluster=self.cluster, role=self.role, draining=self.draining,
             queue_depth=prefill.queue_depth + decode.waiting,
             running=prefill.running + decode.running,
-            cached_blocks=self.store.statistics().blocks, model=self.info,
+            cached_blocks=self.store.blocks, model=self.info,
             max_streams=self.slots.decode if self.role == "decode" else 0,
         )
 
