@@ -31,6 +31,10 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(
         "services.cli.plan", "plan_main", "the paper's throughput model, grid search"
     ),
+    "sim-dashboard": Command(
+        "services.cli.sim_dashboard", "sim_dashboard_main",
+        "the dashboard on the simulation (virtual time at a chosen speed), or --record a log",
+    ),
 }
 
 
