@@ -40,11 +40,12 @@ from services.sim.live import LOAD_KINDS, LiveConfig, LiveSim
 from services.sim.record import record_virtual, write_events
 from services.sim.run import LinkChange
 from services.sim.workload import Arrival
-from services.sim.world import Deployment
+from services.sim.world import DEFAULT_SCALE, Deployment
 
 log = logging.getLogger(__name__)
 
 DASHBOARD_GROUP = "prfaas.dashboard"
+PAPER_THRESHOLD = 19400.0  # paper tokens (section 4.1)
 DashboardServer = Callable[..., Awaitable[None]]
 
 
@@ -126,10 +127,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def scaled_options(policy: str, scale: float) -> dict[str, Any]:
+    """The prfaas policy's t is in the router's tokens: the paper's case-study optimum
+    (19.4K paper tokens) at the simulation's scale."""
+    return {"threshold": PAPER_THRESHOLD * scale} if policy == "prfaas" else {}
+
+
 def live_sim(args: argparse.Namespace, *, arrivals: Sequence[Arrival] = (),
              changes: Sequence[LinkChange] = (), clock: PacedClock | None = None) -> LiveSim:
+    options = scaled_options(args.policy, DEFAULT_SCALE)
     deployment = Deployment(policy=args.policy, bandwidth_bps=args.bandwidth_gbps * 1e9,
-                            tick_s=args.tick, seed=args.seed)
+                            tick_s=args.tick, seed=args.seed, policy_options=options)
     config = LiveConfig(rate=args.rate, kind=args.kind, output_len=args.output_len,
                         seed=args.seed)
     return LiveSim(deployment, arrivals=arrivals, changes=changes, config=config, clock=clock)

@@ -220,8 +220,10 @@ async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
         async with scheduler.node:
             await scheduler.node.listen()
             await tg.start(scheduler.run)
+            # A live switch back to the deployment's policy (the dashboard's) keeps its options.
             world.control = RouterControl(scheduler, ControlConfig(tick_s=d.tick_s),
-                                          link_probe=_probe(world))
+                                          link_probe=_probe(world),
+                                          policy_options={d.policy: policy_options(d)})
             await tg.start(world.control.run)
             try:
                 yield world
