@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
+.PHONY: demo sim-dashboard test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ browser: $(BROWSER_STAMP)
 demo: $(STAMP)
 	@echo "dashboard: http://127.0.0.1:8080/   OpenAI API: http://127.0.0.1:8000/v1"
 	$(VENV)/bin/honcho start -f Procfile
+
+# The dashboard on the simulated paper deployment (no GPU, no mesh): SPEED x the wall clock.
+SPEED ?= 10
+sim-dashboard: $(STAMP)
+	$(VENV)/bin/prfaas sim-dashboard --speed $(SPEED) --port 8080
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks

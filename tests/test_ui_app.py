@@ -1,4 +1,5 @@
-"""The dashboard without a browser: series, state, hub, SSE, replay, controls, demo mesh, app."""
+"""The dashboard without a browser: series, state, hub, SSE, replay, controls, the app - fed by
+the simulation (services/sim: the live services over an in-memory network, virtual time)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
+from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, sim_events
 
 from services.contract import events as t
+from services.router.policies import POLICIES
+from services.sim.clock import PacedClock
+from services.sim.controls import SimControls
+from services.sim.live import LiveConfig, LiveSim
+from services.sim.record import record_events, record_virtual
+from services.sim.world import Deployment
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import (
@@ -31,12 +39,10 @@ from ui.controls import (
     LinkUpdate,
     PolicyRequest,
     RoleRequest,
+    SpeedRequest,
     ThresholdRequest,
     WorkloadRequest,
 )
-from ui.demo import DemoControls, SyntheticSource, record
-from ui.demo_mesh import SyntheticMesh
-from ui.demo_model import SyntheticConfig, kv_bytes, prefill_seconds, route
 from ui.errors import ControlError, ReplayError, UiConfigError
 from ui.hub import EventHub, FeedBatch, NoSource
 from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay, write_log
@@ -201,15 +207,15 @@ def assert_points_equal(got: SeriesPoint, want: SeriesPoint) -> None:
             assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (field, a, b)
 
 
-def test_series_points_match_the_reference_on_the_synthetic_stream() -> None:
+def test_series_points_match_the_reference_on_the_simulation() -> None:
     config = DashboardConfig(bucket_s=1.0, window_s=5.0)
-    events = record(SyntheticConfig(seed=3, rate=3.0), 40.0)
+    events = list(sim_events(40.0))
     aggregator = SeriesAggregator(config)
     points: list[SeriesPoint] = []
     for event in events:
         points += aggregator.observe(event)
-    # The last samples are stamped exactly 40.0, which closes the bucket ending there.
-    assert [p.ts for p in points] == [float(i) for i in range(1, 41)]
+    # A point a second: the samples of second 39 close the bucket ending there.
+    assert [p.ts for p in points] == [float(i) for i in range(1, 40)]
     for point in points:
         assert_points_equal(point, reference_point(events, point.ts, config))
     assert any(p.ttft_p50_s for p in points) and any(p.cache_hit for p in points)
@@ -294,7 +300,7 @@ def test_state_keeps_every_bound_and_tracks_flows_roles_and_requests() -> None:
 
 def test_snapshot_and_request_view_round_trip_through_json() -> None:
     state = DashboardState(DashboardConfig())
-    for event in record(SyntheticConfig(seed=1), 10.0):
+    for event in sim_events(10.0):
         state.apply(event)
     snapshot = state.snapshot(42, "live")
     again = msgspec.json.decode(msgspec.json.encode(snapshot), type=Snapshot)
@@ -404,14 +410,21 @@ async def test_event_stream_says_hello_batches_bursts_beats_and_ends(
 
 
 def test_log_round_trip_and_the_packaged_sample(tmp_path: Path) -> None:
-    events = record(SyntheticConfig(seed=2), 5.0)
+    events = list(sim_events(10.0))
     path = tmp_path / "run.jsonl"
     assert write_log(path, events) == len(events)
     assert read_log(path) == events
     sample = PACKAGED_REPLAYS / "sample.jsonl"
-    assert sample.stat().st_size < 200_000
-    kinds = {type(e) for e in read_log(sample)}
+    assert sample.stat().st_size < 500_000
+    recorded = read_log(sample)
+    kinds = {type(e) for e in recorded}
     assert {t.RoutingDecision, t.KVFlow, t.LinkStats, t.WorkerStatus, t.RequestDone} <= kinds
+    # Recorded from the simulated paper deployment (prfaas sim-dashboard --record): its
+    # workers, its link, minutes of virtual time.
+    workers = {e.worker for e in recorded if isinstance(e, t.WorkerStatus)}
+    assert len(workers) == 12 and {e.link for e in recorded if isinstance(e, t.LinkStats)} == {
+        "link-0"}
+    assert recorded[-1].ts - recorded[0].ts >= 100
 
 
 def test_read_log_names_the_bad_line(tmp_path: Path) -> None:
@@ -533,16 +546,10 @@ async def test_http_controls_drive_the_real_link_control_api() -> None:
     await client.update_link(LinkUpdate(bandwidth_bps=None))
     unshaped = shaper.params
     assert unshaped.bandwidth_bps is None
-    # The demo can put the real link in the loop: the simulation follows what it answers.
-    mesh = SyntheticMesh(SyntheticConfig(seed=1))
-    demo = DemoControls(mesh, client)
-    await demo.update_link(LinkUpdate(bandwidth_bps=5e8, up=True))
-    assert shaper.params.bandwidth_bps == 5e8 and mesh.link.params["bandwidth_bps"] == 5e8
-    assert mesh.link.params["delay_ms"] == pytest.approx(20.0)  # set on the link above
-    [stats] = [e for e in mesh.advance_to(0.0) if isinstance(e, t.LinkStats)][-1:]
-    assert stats.bandwidth_bps == 5e8 and stats.delay_s == pytest.approx(0.02)
-    assert (await demo.state())["link"]["bandwidth_bps"] == 5e8
-    await demo.aclose()
+    with pytest.raises(ControlError, match="a live mesh runs in real time") as info:
+        await client.set_speed(SpeedRequest(10.0))
+    assert info.value.status == 409
+    await client.aclose()
 
 
 def test_control_requests_round_trip_and_name_bad_fields() -> None:
@@ -561,76 +568,95 @@ def test_control_requests_round_trip_and_name_bad_fields() -> None:
         msgspec.json.decode(b'{"speed": 2}', type=LinkUpdate)
 
 
-# The synthetic mesh.
+# The simulation as the dashboard's source: its events and its controls.
 
 
-def test_synthetic_mesh_is_seeded_ordered_and_consistent() -> None:
-    config = SyntheticConfig(seed=5, rate=3.0)
-    events = record(config, 30.0)
-    assert events == record(config, 30.0) and events != record(SyntheticConfig(seed=6), 30.0)
+def test_simulation_events_are_consistent_and_cover_every_service() -> None:
+    events = sim_events(40.0)
+    assert list(events) == list(sim_events(40.0))  # deterministic (and cached)
     assert [e.ts for e in events] == sorted(e.ts for e in events)
     for event in events:
         assert t.decode_json(t.encode_json(event)) == event
     decisions = {e.request_id: e for e in events if isinstance(e, t.RoutingDecision)}
-    assert len(decisions) > 60
+    assert len(decisions) >= 20 and {d.cluster for d in decisions.values()} == {"prfaas", "pd"}
     for d in decisions.values():
-        assert d.cluster in ("prfaas", "pd")
-        if d.threshold is not None:
-            assert (d.cluster == "prfaas") == (d.incremental_len > d.threshold), d
+        assert (d.cluster == "prfaas") == (d.incremental_len > (d.threshold or 0)), d
     finished = [e for e in events if isinstance(e, t.RequestDone)]
     assert finished and all(e.request_id in decisions and e.ok for e in finished)
-    assert any(e.cached_tokens for e in finished)
+    assert any(e.cached_tokens for e in finished)  # follow-up turns hit the caches
+    # Every service's bus reaches the feed: router, workers, cache directory, link samples.
+    sources = {e.source for e in events}
+    assert {"router", "cachedir", "link-0"} <= sources
+    assert len({e.worker for e in events if isinstance(e, t.WorkerStatus)}) == SMALL_WORKERS
+    links = [e for e in events if isinstance(e, t.LinkStats)]
+    assert len(links) >= 39 and {(x.a, x.b, x.bandwidth_bps) for x in links} == {
+        ("prfaas", "pd", SMALL.bandwidth_bps)}
+    assert max(x.throughput_bps for x in links) > 0
     flows: dict[str, list[t.KVFlow]] = {}
     for event in events:
         if isinstance(event, t.KVFlow):
             flows.setdefault(event.request_id, []).append(event)
     for steps in flows.values():
-        assert [s.layers_done for s in steps] == sorted(s.layers_done for s in steps)
-        if steps[-1].phase == "done":
-            assert steps[-1].bytes_done == steps[-1].bytes_total == kv_bytes(steps[-1].tokens_sent)
-            assert steps[-1].layers_done == steps[-1].layers_total
-    assert any(s[0].via_link == "wan" for s in flows.values())
-    assert any(s[0].via_link is None for s in flows.values())
+        assert [s.bytes_done for s in steps] == sorted(s.bytes_done for s in steps)
+    assert {s[0].via_link for s in flows.values()} == {"link-0", None}
+    offloaded = {rid for rid, d in decisions.items() if d.cluster == "prfaas"}
+    assert {rid for rid, s in flows.items() if s[0].via_link} <= offloaded
 
 
-def test_cost_figures_and_routing_rules() -> None:
-    assert prefill_seconds(32768) == pytest.approx(1.84) and prefill_seconds(0) == 0
-    assert prefill_seconds(4608) == pytest.approx((0.44 + 0.72) / 2)
-    assert kv_bytes(32768) / 2**20 == pytest.approx(701.3, rel=0.01)  # paper Table 5
-    assert kv_bytes(131072) / 2**20 == pytest.approx(2316.3, rel=0.01)
-    assert route("prfaas", 1000, 5000, 0, 4500, scarce=True).remote is False
-    assert route("prfaas", 1000, 5000, 4500, 0, scarce=True).remote is True  # PD cache only
-    assert route("prfaas", 1000, 5000, 4500, 0, scarce=False).remote is False
-    assert route("length", 1000, 5000, 4500, 4500, scarce=False).remote is True
-    assert route("pd-only", 1.0, 5000, 0, 0, scarce=False).threshold is None
+@asynccontextmanager
+async def running(sim: LiveSim) -> AsyncIterator[SimControls]:
+    """The simulation running in a task, its controls once its world is open."""
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(sim.run, lambda event: None)
+        with anyio.fail_after(60):
+            while sim.world is None:
+                await anyio.sleep(0.1)
+        yield SimControls(sim)
+        tasks.cancel_scope.cancel()
 
 
 @pytest.mark.trio
-async def test_demo_controls_change_the_simulation() -> None:
-    mesh = SyntheticMesh(SyntheticConfig(seed=1, rate=4.0, auto_threshold=False))
-    controls = DemoControls(mesh)
-    mesh.advance_to(5.0)
-    await controls.update_link(LinkUpdate(bandwidth_bps=1e9, up=False))
-    [stats] = [e for e in mesh.advance_to(5.0) if isinstance(e, t.LinkStats)]
-    assert stats.bandwidth_bps == 1e9 and stats.up is False
-    await controls.set_threshold(ThresholdRequest(1.0))
-    await controls.set_policy(PolicyRequest("pd-only"))
-    await controls.set_role("pd-prefill-0", RoleRequest("decode"))
-    later = mesh.advance_to(30.0)
-    mesh.check_integrity()
-    assert mesh.statistics().link.flows == len(mesh.link.flows)
-    roles = [(e.old, e.new) for e in later if isinstance(e, t.RoleChanged)]
-    assert roles == [("prefill", "draining"), ("draining", "decode")]
-    placed = [e for e in later if isinstance(e, t.RoutingDecision)]
-    assert placed and all(d.cluster == "pd" and d.policy == "pd-only" for d in placed)
-    await controls.workload(WorkloadRequest("stop"))
-    assert not [e for e in mesh.advance_to(60.0) if isinstance(e, t.RoutingDecision)]
-    state = await controls.state()
-    assert state["router"]["policy"] == "pd-only" and state["link"]["up"] is False
-    with pytest.raises(ControlError, match="only PD workers change role"):
-        await controls.drain("prfaas-prefill-0")
-    with pytest.raises(ControlError, match="policy must be one of"):
-        await controls.set_policy(PolicyRequest("fastest"))
+async def test_sim_controls_act_on_the_world(autojump_clock: trio.testing.MockClock) -> None:
+    sim = LiveSim(SMALL, config=LiveConfig(rate=2.0, output_len=16))
+    assert (await SimControls(sim).state())["errors"]["router"].endswith("not running (yet)")
+    async with running(sim) as controls:
+        world = sim.world
+        assert world is not None and sim.load is not None
+        answer = await controls.update_link(LinkUpdate(bandwidth_bps=1e9, delay_ms=20.0))
+        assert answer["bandwidth_bps"] == 1e9 and answer["delay_ms"] == pytest.approx(20.0)
+        shaper = world.links["link-0"].shaper
+        assert shaper.params.bandwidth_bps == 1e9 and shaper.params.delay_s == pytest.approx(0.02)
+        router = await controls.set_policy(PolicyRequest("homogeneous"))
+        assert router["policy"] == world.scheduler.policy.name == "homogeneous"
+        assert router["policies"] == list(POLICIES)  # the one list: the registered policies
+        await controls.set_policy(PolicyRequest("prfaas"))
+        assert world.scheduler.policy.threshold == 19400 / 8  # the deployment's options again
+        pinned = await controls.set_threshold(ThresholdRequest(1000.0))
+        assert pinned["threshold"] == 1000.0 and pinned["threshold_override"] is True
+        await anyio.sleep(20.0)
+        assert sim.load.statistics().sent >= 20
+        await controls.workload(WorkloadRequest("stop"))
+        sent = sim.load.statistics().sent
+        await anyio.sleep(20.0)
+        assert sim.load.statistics().sent == sent and not sim.load.running
+        load = (await controls.workload(WorkloadRequest("start", rate=5.0, kind="long")))
+        assert load["workload"]["running"] and load["workload"]["rate"] == 5.0
+        await controls.drain("pd-decode-1")
+        assert world.scheduler.workers.get("pd-decode-1").draining
+        with pytest.raises(ControlError, match="only PD workers change role") as info:
+            await controls.set_role("prfaas-prefill-0", RoleRequest("decode"))
+        assert info.value.status == 409
+        with pytest.raises(ControlError, match="policy must be one of") as info:
+            await controls.set_policy(PolicyRequest("fastest"))
+        assert info.value.status == 400
+        with pytest.raises(ControlError, match="unknown parameter"):
+            await controls.update_link({"nope": 1})
+        with pytest.raises(ControlError, match="not paced") as info:
+            await controls.set_speed(SpeedRequest(10.0))
+        assert info.value.status == 409
+        state = await controls.state()
+        assert state["sim"]["deployment"] == "small" and state["sim"]["virtual_s"] >= 40
+        assert state["link"]["bandwidth_bps"] == 1e9 and state["router"]["policy"] == "prfaas"
 
 
 # The page's own model, run in node when it is installed (no DOM needed).
@@ -640,10 +666,12 @@ def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed; the browser tests cover the page's model")
-    config = SyntheticConfig(
-        seed=4, rate=30.0, prfaas_prefill=4, pd_prefill=4, pd_decode=4, bandwidth_bps=2e9
-    )
-    events = record(config, 20.0)
+    # The simulated paper deployment (12 workers) flooded at 30 requests a second.
+    deployment = Deployment(bandwidth_bps=2e9, policy_options={"threshold": 19400 / 8})
+    events = record_virtual(deployment, 20.0, config=LiveConfig(rate=30.0, output_len=16))
+    # A prefill streams one request's KV at a time, so the simulation keeps a dozen transfers
+    # in flight at most: 60 more open ones test the page's bound on flows.
+    events += [flow(100.0 + i, f"open-{i}", "start") for i in range(60)]
     script = Path(__file__).parent / "ui_fixtures" / "model_check.mjs"
     result = subprocess.run(
         [node, "--experimental-default-type=module", str(script)],
@@ -655,7 +683,7 @@ def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
     out = json.loads(result.stdout)
     decisions = [e for e in events if isinstance(e, t.RoutingDecision)]
     assert out["events"] == len(events) and out["workers"] == 12
-    # A 2 Gbps link at 30 req/s backs transfers up far beyond what the page draws.
+    assert len(decisions) > 400  # beyond every bound of the page's model
     assert (out["decisions"], out["fresh"], out["requests"]) == (50, 50, 400)
     assert out["maxFlows"] == out["flowBound"] == 48
     assert out["lastDecision"] == decisions[-1].request_id
@@ -681,10 +709,11 @@ async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def demo_app(config: SyntheticConfig | None = None) -> tuple[Starlette, SyntheticMesh]:
-    mesh = SyntheticMesh(config or SyntheticConfig(seed=1, rate=4.0))
-    source = SyntheticSource(mesh, clock=anyio.current_time, tick_s=0.05)
-    return build_app(source, DemoControls(mesh)), mesh
+def sim_app(rate: float = 2.0, **options: Any) -> tuple[Starlette, LiveSim]:
+    """The dashboard on the small simulated deployment (its world opens in the lifespan)."""
+    sim = LiveSim(SMALL, config=LiveConfig(rate=rate, output_len=16), **options)
+    config = DashboardConfig(live_mode="simulated", policies=tuple(POLICIES))
+    return build_app(sim, SimControls(sim), config=config), sim
 
 
 EXTERNAL_URL = re.compile(rb"""(https?:)?//[a-z0-9.-]+\.[a-z]{2,}""", re.I)
@@ -701,18 +730,21 @@ def test_page_assets_are_local_only() -> None:
 async def test_app_serves_page_static_snapshot_requests_stats_and_metrics(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    app, _ = demo_app()
+    app, _ = sim_app()
     async with client_for(app) as client:
         page = await client.get("/")
         assert page.status_code == 200
-        for testid in ("topology", "decisions", "charts", "controls", "waterfall", "replay-log"):
+        for testid in ("topology", "decisions", "charts", "controls", "waterfall", "replay-log",
+                       "ctl-speed"):
             assert f'data-testid="{testid}"' in page.text
+        assert f'data-policies="{",".join(POLICIES)}"' in page.text
         assert 'src="http://ui/static/app.js"' in page.text
         for name in ("app.js", "style.css", "topology.js", "favicon.svg"):
             assert (await client.get(f"/static/{name}")).status_code == 200
         await anyio.sleep(20.0)
         snapshot = msgspec.json.decode((await client.get("/api/snapshot")).content, type=Snapshot)
         assert snapshot.decisions and snapshot.workers and snapshot.links and snapshot.series
+        assert snapshot.mode == "simulated" and snapshot.config.policies == tuple(POLICIES)
         rid = snapshot.decisions[-1].request_id
         view = (await client.get(f"/api/requests/{rid}")).json()
         assert view["decision"]["request_id"] == rid and view["phases"]
@@ -721,7 +753,8 @@ async def test_app_serves_page_static_snapshot_requests_stats_and_metrics(
             "no request 'nope'"
         )
         stats = (await client.get("/api/stats")).json()
-        assert stats["hub"]["published"] > 100 and stats["state"]["workers"] == 6
+        assert stats["hub"]["published"] > 100
+        assert stats["state"]["workers"] == SMALL_WORKERS
         metrics = (await client.get("/metrics")).text
         assert re.search(r"^prfaas_ui_hub_published_total \d+", metrics, re.M)
         assert "prfaas_ui_state_decisions " in metrics
@@ -732,25 +765,40 @@ async def test_app_serves_page_static_snapshot_requests_stats_and_metrics(
 async def test_app_forwards_controls_and_rejects_bad_bodies(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    app, mesh = demo_app()
+    clock = PacedClock(60.0)  # never runs: the speed control only sets its rate
+    app, sim = sim_app(clock=clock)
     async with client_for(app) as client:
+        with anyio.fail_after(60):
+            while sim.world is None:
+                await anyio.sleep(0.1)
         answer = await client.post("/api/control/link", json={"bandwidth_bps": 3e9, "delay_ms": 40})
         assert answer.status_code == 200 and answer.json()["bandwidth_bps"] == 3e9
-        assert mesh.link.params["delay_ms"] == 40
+        assert sim.world.links["link-0"].shaper.params.delay_s == pytest.approx(0.04)
         await anyio.sleep(1.0)
-        assert app.state.hub.state.links["wan"].bandwidth_bps == 3e9  # reported back as telemetry
+        hub: EventHub = app.state.hub
+        assert hub.state.links["link-0"].bandwidth_bps == 3e9  # reported back as telemetry
         assert (
-            await client.post("/api/control/policy", json={"policy": "length"})
+            await client.post("/api/control/policy", json={"policy": "naive-hetero"})
         ).status_code == 200
+        await anyio.sleep(0.1)
+        assert hub.state.policy == "naive-hetero"  # the router's ThresholdChanged, as telemetry
+        await client.post("/api/control/policy", json={"policy": "prfaas"})
         assert (await client.post("/api/control/threshold", json={"t": 4096})).json()[
             "threshold"
         ] == 4096
-        await client.post("/api/control/workload", json={"action": "stop"})
-        assert mesh.running is False
+        await anyio.sleep(0.1)
+        assert hub.state.policy == "prfaas" and hub.state.threshold == 4096
+        stopped = await client.post("/api/control/workload", json={"action": "stop"})
+        assert stopped.json()["workload"]["running"] is False and sim.load is not None
+        assert sim.load.running is False
         await client.post("/api/control/workers/pd-decode-1/drain")
-        assert mesh.workers["pd-decode-1"].role == "draining"
+        assert sim.world.scheduler.workers.get("pd-decode-1").draining
+        speed = await client.post("/api/control/speed", json={"speed": 600})
+        assert speed.status_code == 200 and speed.json()["speed"] == clock.rate == 600
+        assert (await client.post("/api/control/speed", json={"speed": 0})).status_code == 400
         state = (await client.get("/api/control/state")).json()
-        assert state["router"]["policy"] == "length" and state["link"]["delay_ms"] == 40
+        assert state["router"]["policy"] == "prfaas" and state["link"]["delay_ms"] == 40
+        assert state["sim"]["speed"] == 600
         bad = await client.post("/api/control/link", json={"loss": 5})
         assert bad.status_code == 400 and "$.loss" in bad.json()["error"]
         bad = await client.post("/api/control/workload", content=b"{nope")
@@ -765,11 +813,11 @@ async def test_app_forwards_controls_and_rejects_bad_bodies(
 async def test_app_replays_a_log_then_returns_to_live(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    write_log(tmp_path / "mine.jsonl", record(SyntheticConfig(seed=9, rate=2.0), 12.0))
-    # The live mesh's clock starts at 1000, so its events are told apart from the log's.
-    mesh = SyntheticMesh(SyntheticConfig(seed=1, start_ts=1000.0))
-    source = SyntheticSource(mesh, clock=anyio.current_time)
-    app = build_app(source, DemoControls(mesh), replay_dirs=(tmp_path,))
+    recorded = await record_events(SMALL, 12.0, arrivals=conversations(12.0))
+    write_log(tmp_path / "mine.jsonl", recorded)
+    # The live simulation's events are stamped as times of day, told apart from the log's.
+    sim = LiveSim(SMALL, config=LiveConfig(rate=2.0, output_len=16))
+    app = build_app(sim, SimControls(sim), replay_dirs=(tmp_path,))
     async with client_for(app) as client:
         listing = (await client.get("/api/replay")).json()
         assert [log["name"] for log in listing["logs"]] == ["mine.jsonl", "sample.jsonl"]
@@ -797,7 +845,7 @@ async def test_app_replays_a_log_then_returns_to_live(
         assert missing.status_code == 404
         live = (await client.post("/api/replay", json={"action": "stop"})).json()
         assert live["state"] == "idle" and hub.snapshot().mode == "live"
-        # The live mesh's next arrival is random: wait for it (virtual time, bounded).
+        # The live load's next arrival is random: wait for it (virtual time, bounded).
         with anyio.fail_after(60):
             while not hub.state.decisions:
                 await anyio.sleep(0.5)
@@ -817,15 +865,23 @@ async def read_sse_until(host: str, port: int, wanted: set[str]) -> tuple[bytes,
     return received, seen
 
 
+@pytest.fixture
+def paced_clock() -> PacedClock:
+    """Virtual time at 50x the wall clock (pytest-trio runs the test on it): real sockets,
+    and a simulation that shows a minute of traffic in about a second."""
+    return PacedClock(50.0)
+
+
 @pytest.mark.trio
-async def test_serve_ui_streams_events_over_real_http_and_stops_cleanly() -> None:
-    mesh = SyntheticMesh(SyntheticConfig(seed=1, rate=20.0))
-    source = SyntheticSource(mesh, clock=anyio.current_time, tick_s=0.02)
+async def test_serve_ui_streams_events_over_real_http_and_stops_cleanly(
+    paced_clock: PacedClock,
+) -> None:
+    sim = LiveSim(SMALL, arrivals=conversations(60.0, rate=2.0), clock=paced_clock)
     async with anyio.create_task_group() as tasks:
-        host, port = await tasks.start(serve_ui, "127.0.0.1", 0, source, DemoControls(mesh))
+        host, port = await tasks.start(serve_ui, "127.0.0.1", 0, sim, SimControls(sim))
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
             assert (await client.get("/")).status_code == 200
-        with anyio.fail_after(10):
+        with anyio.fail_after(600):  # virtual: 12 s of wall time
             received, seen = await read_sse_until(host, port, {"decision", "worker", "kvflow"})
         tasks.cancel_scope.cancel()
     head = received.split(b"\r\n\r\n", 1)[0].lower()

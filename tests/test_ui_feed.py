@@ -354,7 +354,7 @@ async def test_the_ui_runner_shows_the_link_and_moves_its_bandwidth(
         assert refused.status_code == 503 and "router" in refused.json()["error"]
 
 
-def test_snapshot_mode_says_simulated_for_the_synthetic_source() -> None:
+def test_snapshot_mode_says_simulated_for_the_simulation() -> None:
     from ui.config import DashboardConfig
     from ui.hub import EventHub
 
@@ -365,12 +365,14 @@ def test_snapshot_mode_says_simulated_for_the_synthetic_source() -> None:
     assert msgspec.to_builtins(hub.snapshot())["mode"] == "replay"
 
 
-def test_prfaas_serve_runs_the_mesh_dashboard_and_simulates_only_the_ui(
+def test_prfaas_serve_runs_the_mesh_dashboard_and_has_no_synthetic_mode(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert runner_for("ui") is run_ui
-    assert serve_main(["cachedir", "--simulated"]) == 2
-    assert "--simulated is for the dashboard (kind 'ui'), not 'cachedir'" in capsys.readouterr().err
+    # The synthetic demo is gone: the simulation's dashboard is `prfaas sim-dashboard`.
+    with pytest.raises(SystemExit):
+        serve_main(["ui", "--simulated"])
+    assert "unrecognized arguments: --simulated" in capsys.readouterr().err
 
 
 @pytest.mark.trio

@@ -1,6 +1,6 @@
-"""`python -m ui [--simulated]`: the dashboard alone (the offline demo, or recorded logs only).
+"""`python -m ui`: the dashboard alone (recorded logs; controls of a running link and router).
 
-The dashboard of the real mesh is `prfaas serve ui`.
+The dashboard of the real mesh is `prfaas serve ui`, of the simulation `prfaas sim-dashboard`.
 """
 
 import sys

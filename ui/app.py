@@ -12,6 +12,7 @@
     POST /api/control/workload   {"action": "start"|"stop", "rate": req/s, "kind": "mixed"}
     POST /api/control/workers/{name}/role   {"role": "prefill"|"decode"}
     POST /api/control/workers/{name}/drain
+    POST /api/control/speed      {"speed": virtual s per wall s} (a simulation only)
     GET  /api/replay             recorded logs and the replay's status
     POST /api/replay             {"action": "play", "name", "speed"} | pause | resume | speed | stop
     GET  /metrics                Prometheus text of the statistics above
@@ -43,12 +44,13 @@ from ui.controls import (
     LinkUpdate,
     PolicyRequest,
     RoleRequest,
+    SpeedRequest,
     ThresholdRequest,
     WorkloadRequest,
 )
 from ui.errors import ControlError, ReplayError
 from ui.hub import EventHub, EventSource
-from ui.replay import PACKAGED_REPLAYS, ReplayRunner
+from ui.replay import PACKAGED_REPLAYS, ReplayRunner, Sleep
 from ui.sse import event_stream
 
 HERE = Path(__file__).parent
@@ -149,6 +151,10 @@ class _Controls:
     async def drain(self, request: Request) -> Response:
         return json_response(await self.controls.drain(request.path_params["name"]))
 
+    async def speed(self, request: Request) -> Response:
+        body = await decode_body(request, SpeedRequest)
+        return json_response(await self.controls.set_speed(body))
+
 
 class _Replay:
     def __init__(self, runner: ReplayRunner) -> None:
@@ -187,13 +193,16 @@ def build_app(
     config: DashboardConfig | None = None,
     hub: EventHub | None = None,
     replay_dirs: tuple[Path, ...] = (),
+    replay_sleep: Sleep = anyio.sleep,
 ) -> Starlette:
     """The dashboard app: `source` feeds it (a task of its lifespan), `controls` act on the mesh.
 
-    Replays are looked up in `replay_dirs`, then in the packaged `ui/replays/`.
+    Replays are looked up in `replay_dirs`, then in the packaged `ui/replays/`; they wait
+    with `replay_sleep`, given wall seconds (a simulation's loop runs on virtual time: it
+    passes a sleep that converts).
     """
     hub = hub if hub is not None else EventHub(config or DashboardConfig())
-    runner = ReplayRunner(hub, (*replay_dirs, PACKAGED_REPLAYS))
+    runner = ReplayRunner(hub, (*replay_dirs, PACKAGED_REPLAYS), replay_sleep)
     pages, control, replay = _Pages(hub, _registry(hub)), _Controls(controls), _Replay(runner)
 
     @asynccontextmanager
@@ -223,6 +232,7 @@ def build_app(
         Route("/api/control/workload", control.workload, methods=["POST"]),
         Route("/api/control/workers/{name}/role", control.role, methods=["POST"]),
         Route("/api/control/workers/{name}/drain", control.drain, methods=["POST"]),
+        Route("/api/control/speed", control.speed, methods=["POST"]),
         Route("/api/replay", replay.list),
         Route("/api/replay", replay.command, methods=["POST"]),
     ]

@@ -14,8 +14,11 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     title: str = "PrfaaS mesh"
     # What the page's mode badge says while live events flow: "simulated" when the source is
-    # the synthetic demo (ui.demo), so nobody mistakes it for the real mesh.
+    # the simulation (prfaas sim-dashboard), so nobody mistakes it for the real mesh.
     live_mode: Literal["live", "simulated"] = "live"
+    # The routing policies the page offers before the router's state says (the source side
+    # passes services.router.policies' registered names; the dashboard knows none itself).
+    policies: tuple[str, ...] = ()
     # Clusters whose prefill counts as offloaded (the PrfaaS side of the link).
     prfaas_clusters: tuple[str, ...] = ("prfaas",)
     max_decisions: int = 200  # routing decisions kept for a page that connects mid-run

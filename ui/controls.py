@@ -7,7 +7,9 @@ needs no CORS and no knowledge of addresses. The services' JSON answers pass thr
 Contracts (docs/architecture.md section 4): link control API at the topology's link address, e.g.
 http://127.0.0.1:8474 (netem/control.py: GET /link, POST /link partial update); router admin
 API, e.g. http://127.0.0.1:8000 (POST /admin/policy, /admin/threshold, /admin/workload,
-/admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state).
+/admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state). A simulation
+implements the same protocol on its world (services/sim/controls.py), plus the speed of its
+virtual time.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ class RoleRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Literal["prefill", "decode"]
 
 
+class SpeedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Virtual seconds per wall second: for a simulation (a live mesh runs in real time)."""
+
+    speed: Annotated[float, msgspec.Meta(gt=0, le=100_000)]
+
+
 def check_worker_name(name: str) -> str:
     if not _WORKER_NAME.fullmatch(name):
         raise ControlError(400, f"worker must be a plain name ([A-Za-z0-9._-]), got {name!r}")
@@ -63,7 +71,8 @@ class ControlClient(Protocol):
     """What the dashboard can ask of the mesh; every method answers the service's JSON."""
 
     async def state(self) -> JsonObject:
-        """{"link": GET /link or None, "router": GET /admin/state or None, "errors": {...}}."""
+        """{"link": GET /link or None, "router": GET /admin/state or None, "errors": {...}},
+        and from a simulation "sim": {"speed", "achieved", "virtual_s", ...}."""
         ...
 
     async def update_link(self, update: LinkUpdate) -> JsonObject: ...
@@ -77,6 +86,10 @@ class ControlClient(Protocol):
     async def set_role(self, worker: str, request: RoleRequest) -> JsonObject: ...
 
     async def drain(self, worker: str) -> JsonObject: ...
+
+    async def set_speed(self, request: SpeedRequest) -> JsonObject:
+        """A simulation's pace; a real mesh refuses (409)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -161,6 +174,10 @@ class HttpControlClient:
     async def drain(self, worker: str) -> JsonObject:
         path = f"/admin/workers/{check_worker_name(worker)}/drain"
         return await self._call("router", "POST", path, {})
+
+    async def set_speed(self, request: SpeedRequest) -> JsonObject:
+        raise ControlError(409, "speed: a live mesh runs in real time (speed is for the "
+                                "simulation: prfaas sim-dashboard)")
 
     async def aclose(self) -> None:
         for client in (self._link, self._router):

@@ -6,6 +6,12 @@ where they enter the dashboard, so the app maps exactly these types to HTTP answ
 
 from __future__ import annotations
 
+# Shared with every implementation of the controls (the simulation's too), so it is the
+# contract's; the dashboard re-exports it.
+from services.contract.errors import ControlError
+
+__all__ = ["ControlError", "ReplayError", "UiConfigError", "UiError"]
+
 
 class UiError(Exception):
     """Base of every error the dashboard raises."""
@@ -13,14 +19,6 @@ class UiError(Exception):
 
 class UiConfigError(UiError, ValueError):
     """A configuration value out of range; the message names the parameter and the value."""
-
-
-class ControlError(UiError):
-    """A control request the dashboard could not carry out; `status` is the HTTP answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class ReplayError(UiError):

@@ -3,8 +3,10 @@
 Live it runs on asyncio with uvloop; tests run it on trio. The listening socket is bound here
 (port 0 picks a free one) and reported through `task_status`, so a caller knows where to look.
 On the real mesh the dashboard is `prfaas serve ui` (ui/feed.py feeds it every
-service's events); `ui_main` (`python -m ui`) is the dashboard alone: the offline demo with
-`--simulated`, else recorded logs only.
+service's events); on the simulation it is `prfaas sim-dashboard` (services/cli/sim_dashboard.py
+finds `serve_dashboard` through the entry point `prfaas.dashboard:serve`: services never
+import ui); `ui_main` (`python -m ui`) is the dashboard alone: recorded logs, controls forwarded to
+a link and a router if they run.
 """
 
 from __future__ import annotations
@@ -13,18 +15,22 @@ import argparse
 import logging
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
+from ui.errors import UiConfigError
 from ui.hub import EventHub, EventSource, NoSource
+from ui.replay import Sleep
 
 DEFAULT_PORT = 8080
 DEFAULT_LINK_URL = "http://127.0.0.1:8474"
@@ -45,45 +51,60 @@ async def serve_ui(
     *,
     config: DashboardConfig | None = None,
     replay_dirs: tuple[Path, ...] = (),
+    replay_sleep: Sleep = anyio.sleep,
     task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serves the dashboard until cancelled; reports the bound (host, port) when listening."""
+    """Serves the dashboard until cancelled; reports the bound (host, port) when listening.
+
+    `replay_sleep` waits wall seconds for the replays (see `build_app`)."""
     hub = EventHub(config or DashboardConfig())
-    app = build_app(source, controls, hub=hub, replay_dirs=replay_dirs)
+    app = build_app(source, controls, hub=hub, replay_dirs=replay_dirs,
+                    replay_sleep=replay_sleep)
     # Ending the feeds first lets every open event stream finish within the grace.
     await serve_http(app, host, port, log_name="ui.http", before_stop=hub.close,
                      task_status=task_status)
+
+
+async def serve_dashboard(
+    host: str,
+    port: int,
+    source: EventSource,
+    controls: ControlClient,
+    *,
+    options: Mapping[str, Any] | None = None,
+    replay_dirs: tuple[Path, ...] = (),
+    replay_sleep: Sleep = anyio.sleep,
+    task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """`serve_ui` for callers that cannot import ui: the simulation's CLI finds it through the
+    entry point `prfaas.dashboard:serve`, and gives the configuration as plain options (the
+    fields of `DashboardConfig`), checked here."""
+    try:
+        config = msgspec.convert(dict(options or {}), DashboardConfig)
+    except msgspec.ValidationError as exc:
+        raise UiConfigError(f"dashboard options: {exc}") from exc
+    await serve_ui(host, port, source, controls, config=config, replay_dirs=replay_dirs,
+                   replay_sleep=replay_sleep, task_status=task_status)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ui", description="the dashboard alone")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--simulated", "--demo", action="store_true", dest="simulated",
-                        help="offline demo: feed it a synthetic mesh (the page says 'simulated')")
     parser.add_argument("--link-url", default=DEFAULT_LINK_URL, help="the link's control API")
     parser.add_argument("--router-url", default=DEFAULT_ROUTER_URL, help="the router's admin API")
     parser.add_argument("--replay-dir", type=Path, action="append", default=[])
-    parser.add_argument("--seed", type=int, default=0, help="of the synthetic mesh")
-    parser.add_argument("--rate", type=float, default=2.0, help="synthetic requests per second")
     return parser
 
 
 def ui_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m ui [--simulated]`: the synthetic mesh, or (without it) recorded logs only;
-    the dashboard of the real mesh is `prfaas serve ui`."""
-    from ui.demo import synthetic_demo
-    from ui.demo_model import SyntheticConfig
-
+    """`python -m ui`: recorded logs, and the controls of a link and a router if they run;
+    the dashboard of the real mesh is `prfaas serve ui`, of the simulation
+    `prfaas sim-dashboard`."""
     args = _parser().parse_args(argv)
-    source: EventSource
-    controls: ControlClient
+    source: EventSource = NoSource()
+    controls: ControlClient = HttpControlClient.connect(args.link_url, args.router_url)
     config = DashboardConfig()
-    if args.simulated:
-        source, controls = synthetic_demo(SyntheticConfig(seed=args.seed, rate=args.rate))
-        config = DashboardConfig(live_mode="simulated")
-    else:
-        source, controls = NoSource(), HttpControlClient.connect(args.link_url, args.router_url)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
 

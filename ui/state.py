@@ -55,6 +55,7 @@ class PageConfig(msgspec.Struct, frozen=True):
     title: str
     prfaas_clusters: tuple[str, ...]
     table_rows: int
+    policies: tuple[str, ...] = ()  # registered policy names, from the source side
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,7 +173,8 @@ class DashboardState:
         return Snapshot(
             seq=seq,
             mode=mode,
-            config=PageConfig(config.title, config.prfaas_clusters, config.table_rows),
+            config=PageConfig(config.title, config.prfaas_clusters, config.table_rows,
+                              config.policies),
             policy=self.policy,
             threshold=self.threshold,
             decisions=list(self.decisions),

@@ -34,6 +34,10 @@ COMMANDS: dict[str, Command] = {
     "sim": Command(
         "services.cli.sim", "sim_main", "the live services at paper scale on virtual time"
     ),
+    "sim-dashboard": Command(
+        "services.cli.sim_dashboard", "sim_dashboard_main",
+        "the dashboard on the simulation (virtual time at a chosen speed), or --record a log",
+    ),
 }
 
 

@@ -2,7 +2,6 @@
 
     prfaas serve pd-decode-0 [--topology FILE] [--backend uvloop|asyncio|trio]
                              [--mode live|emulated] [--time-scale X]
-    prfaas serve ui --simulated    the dashboard alone, fed by a synthetic mesh (offline demo)
 
 The topology (services/cli/topology.toml unless a file is given) says what NAME is: its kind picks
 the runner (an entry point of group `prfaas.runners`, loaded lazily), its options configure it
@@ -78,8 +77,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="emulated mode: wall seconds per modeled second")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--simulated", action="store_true",
-                        help="ui only: an offline demo fed by a synthetic mesh, not the real one")
     return parser.parse_args(argv)
 
 
@@ -99,28 +96,15 @@ def serve_main(argv: list[str] | None = None) -> int:
         ctx = ServiceContext(topology, topology.service(args.name), args.mode, args.time_scale,
                              announce=_announce)
         run_ = runner_for(ctx.spec.kind)
-        if args.simulated and ctx.spec.kind != "ui":
-            raise ConfigError(f"--simulated is for the dashboard (kind 'ui'), not {args.name!r} "
-                              f"of kind {ctx.spec.kind!r}")
     except MeshError as exc:
         print(f"prfaas serve: {exc}", file=sys.stderr)
         return 2
-    if args.simulated:
-        return _simulated_ui(ctx)
     backend = cast(Backend, args.backend)
     try:
         run(_forever, run_, ctx, backend=backend)
     except KeyboardInterrupt:
         log.info("interrupted")
     return 0
-
-
-def _simulated_ui(ctx: ServiceContext) -> int:
-    """`prfaas serve ui --simulated`: the dashboard at the ui service's address, fed by the
-    synthetic mesh (ui.demo); its page says `simulated` where the live one says `live`."""
-    (demo,) = entry_points(group="prfaas.dashboard", name="main")
-    host, port = ctx.option("http_host", ctx.spec.host), ctx.option("http_port", 8080)
-    return cast(int, demo.load()(["--simulated", "--host", host, "--port", str(port)]))
 
 
 async def _forever(runner: Runner, ctx: ServiceContext) -> None:

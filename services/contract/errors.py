@@ -26,3 +26,14 @@ class PrefixCacheError(Exception):
 
 class UnknownWorkerError(PrefixCacheError, LookupError):
     """A worker or cluster name the directory does not know."""
+
+
+class ControlError(Exception):
+    """A control request of the dashboard (link, policy, threshold, load, roles, speed) that
+    could not be carried out; `status` is its HTTP answer. It lives in the contract so that
+    every implementation of the dashboard's controls (ui's HTTP forwarder to the services,
+    the simulation's own) raises the one type the dashboard answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -20,7 +20,7 @@ from mesh.topology import LinkSpec
 from mesh.transport import Address
 from netem.control import serve_link
 from netem.proxy import ProxyConfig, ProxyStatistics, Route
-from netem.shaper import LinkParams
+from netem.shaper import LinkParams, LinkStatistics
 from services.contract.events import Event, LinkStats
 from services.service import ServiceContext, link_routes, link_service_of, serve_events
 
@@ -48,11 +48,12 @@ def proxy_config(ctx: ServiceContext) -> ProxyConfig:
     return ProxyConfig(chunk_bytes=ctx.option("chunk_bytes", default.chunk_bytes))
 
 
-def link_stats(source: str, link: str, stats: ProxyStatistics) -> LinkStats:
-    """A dashboard sample; the egress direction is a -> b (PrfaaS -> PD)."""
-    params, egress = stats.link.params, stats.link.egress
+def link_stats(source: str, link: str, stats: LinkStatistics) -> LinkStats:
+    """A dashboard sample of a shaper; the egress direction is a -> b (PrfaaS -> PD). The
+    simulation publishes the same samples of its in-memory links (services/sim/feed.py)."""
+    params, egress = stats.params, stats.egress
     return LinkStats(
-        ts=stats.link.time, source=source, link=link,
+        ts=stats.time, source=source, link=link,
         bandwidth_bps=params.bandwidth_bps or 0.0, delay_s=params.delay_s,
         jitter_s=params.jitter_s, loss=params.loss_rate, up=params.up,
         throughput_bps=egress.throughput_bps, utilisation=egress.utilisation,
@@ -74,7 +75,7 @@ async def run_link(
     serve_events(node, bus)
 
     def publish(stats: ProxyStatistics) -> None:
-        bus.publish(link_stats(ctx.name, link.name, stats))
+        bus.publish(link_stats(ctx.name, link.name, stats.link))
 
     async with node, anyio.create_task_group() as tg:
         address = await node.listen()

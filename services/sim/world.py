@@ -12,7 +12,7 @@ link and moves KV with none of its own code: only compute and payload bytes are 
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from netem.memory import MemoryLink, MemoryRoute
 from netem.shaper import LinkParams, LinkShaper
-from services.cachedir.service import run_cachedir
+from services.cachedir.service import CacheDirService, run_cachedir
 from services.contract.messages import CODEC_MESSAGES, ModelInfo
 from services.link.frames import payload_weight
 from services.paper.hardware import CostModel
@@ -135,6 +135,7 @@ class SimWorld:
     control: RouterControl
     workers: dict[str, WorkerService] = field(default_factory=dict)
     links: dict[str, MemoryLink] = field(default_factory=dict)
+    cachedir: CacheDirService | None = None  # its bus carries the cache events
     refused: list[str] = field(default_factory=list)  # requests the router turned away
 
     def link_sample(self) -> LinkSample | None:
@@ -150,9 +151,11 @@ class SimWorld:
                           stalls=egress.stalls, up=shaper.params.up)
 
 
-def _context(topology: Topology, name: str, transport: MemoryTransport) -> ServiceContext:
+def _context(topology: Topology, name: str, transport: MemoryTransport,
+             expose: Callable[[str, object], None] = lambda name, service: None,
+             ) -> ServiceContext:
     return ServiceContext(topology, topology.service(name), "emulated", 1.0, transport,
-                          codec=Codec(CODEC_MESSAGES))
+                          expose=expose, codec=Codec(CODEC_MESSAGES))
 
 
 def _engine(d: Deployment) -> ModeledEngine:
@@ -210,14 +213,20 @@ async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
     world = SimWorld(d, topology, scheduler, RouterControl(scheduler, ControlConfig(
         tick_s=d.tick_s)))
     async with anyio.create_task_group() as tg:
-        await tg.start(run_cachedir, _context(topology, "cachedir", transport))
+        exposed: dict[str, object] = {}
+        await tg.start(run_cachedir, _context(topology, "cachedir", transport,
+                                              exposed.__setitem__))
+        cachedir = exposed.get("cachedir")
+        world.cachedir = cachedir if isinstance(cachedir, CacheDirService) else None
         await _start_links(world, hub, tg)
         await _start_workers(world, transport, tg)
         async with scheduler.node:
             await scheduler.node.listen()
             await tg.start(scheduler.run)
+            # A live switch back to the deployment's policy (the dashboard's) keeps its options.
             world.control = RouterControl(scheduler, ControlConfig(tick_s=d.tick_s),
-                                          link_probe=_probe(world))
+                                          link_probe=_probe(world),
+                                          policy_options={d.policy: policy_options(d)})
             await tg.start(world.control.run)
             try:
                 yield world

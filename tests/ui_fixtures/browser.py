@@ -2,35 +2,28 @@
 
 `default_mesh` is the real default mesh: router, cache directory, prefill and decode workers,
 link and dashboard as `prfaas serve` processes on 127.0.0.1 (ui_fixtures.mesh). The page's
-load test measures the page, not the mesh: `synthetic_mesh` feeds it the synthetic mesh (a
-real link service beside it, the dashboard in a background event loop) at rates the real
-mesh cannot reach on two cores.
+load test measures the page, not the mesh: `sim_dashboard` serves it the simulation (the
+live services over an in-memory network, services/sim) in a background trio loop whose
+virtual time runs at a chosen speed, so that it reaches rates the real mesh cannot reach on
+two cores.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from playwright.sync_api import BrowserContext, Playwright
 
-from netem.control import serve_link
-from netem.proxy import Route
-from netem.shaper import LinkParams
-from ui.config import DashboardConfig
-from ui.controls import HttpControlClient
-from ui.demo import DemoControls, SyntheticSource
-from ui.demo_mesh import SyntheticMesh
-from ui.demo_model import SyntheticConfig
-from ui.serve import serve_ui
+from services.cli.sim_dashboard import serve_sim_dashboard
+from services.sim.live import LiveSim
+from ui.serve import serve_dashboard
 from ui_fixtures.mesh import real_mesh
 
 CHROMIUM = "/usr/bin/chromium"
@@ -76,32 +69,18 @@ def _keep_logs(root: Path) -> None:
         (target / log.name).write_bytes(log.read_bytes())
 
 
-@dataclass
-class Synthetic:
-    url: str  # the dashboard
-    link_url: str  # the real link's control API
-    mesh: SyntheticMesh
-
-
 @contextmanager
-def synthetic_mesh(config: SyntheticConfig) -> Iterator[Synthetic]:
-    """Link + synthetic mesh + dashboard (mode `simulated`) in one background loop."""
+def sim_dashboard(sim: LiveSim) -> Iterator[str]:
+    """The dashboard on `sim`, as `prfaas sim-dashboard` serves it, in a background trio loop
+    on the sim's clock; yields its URL. The simulation and the server stop on exit."""
     portal: BlockingPortal
-    with start_blocking_portal(backend="asyncio") as portal:
-        params = LinkParams(bandwidth_bps=config.bandwidth_bps, delay_s=config.delay_ms / 1e3)
-        # The route's upstream is never dialled: the synthetic mesh moves no real bytes.
-        _, endpoints = portal.start_task(serve_link, [Route(0, 9)], params, 0, name=config.link)
-        link_url = "http://{}:{}".format(*endpoints.control)
-        mesh = SyntheticMesh(msgspec.structs.replace(config, start_ts=time.time()))
-        controls = DemoControls(mesh, HttpControlClient.connect(link_url, None))
+    options = {"clock": sim.clock} if sim.clock is not None else {}
+    with start_blocking_portal(backend="trio", backend_options=options) as portal:
         _, (host, port) = portal.start_task(
-            partial(serve_ui, config=DashboardConfig(live_mode="simulated")),
-            "127.0.0.1", 0, SyntheticSource(mesh), controls,
-        )
+            partial(serve_sim_dashboard, server=serve_dashboard), sim, "127.0.0.1", 0)
         try:
-            yield Synthetic(f"http://{host}:{port}/", link_url, mesh)
+            yield f"http://{host}:{port}/"
         finally:
-            # Cancels the dashboard and the link: both shut down in order, then the loop ends.
             portal.call(portal.stop, True)
 
 

@@ -17,6 +17,9 @@ export class Controls {
   constructor(root) {
     this.$ = (id) => root.querySelector(`#${id}`);
     this.status = this.$("ctl-status");
+    // The registered policies, from the source side (empty on a live mesh until the router says).
+    this.policies = (document.body.dataset.policies || "").split(",").filter(Boolean);
+    if (this.policies.length) fillSelect(this.$("ctl-policy"), this.policies, undefined);
     this.bind();
   }
 
@@ -41,6 +44,7 @@ export class Controls {
     this.$("ctl-start").addEventListener("click", () =>
       this.send("workload", { action: "start", rate: Number(this.$("ctl-rate").value), kind: "mixed" }));
     this.$("ctl-stop").addEventListener("click", () => this.send("workload", { action: "stop" }));
+    this.$("ctl-speed").addEventListener("change", (e) => this.send("speed", { speed: Number(e.target.value) }));
     const worker = () => encodeURIComponent(this.$("ctl-worker").value);
     this.$("ctl-drain").addEventListener("click", () => this.send(`workers/${worker()}/drain`, {}));
     this.$("ctl-to-prefill").addEventListener("click", () =>
@@ -92,6 +96,7 @@ export class Controls {
     }
     if (state.link) this.showLink(state.link);
     if (state.router) this.showRouter(state.router);
+    this.showSim(state.sim);
     const errors = Object.values(state.errors || {});
     if (errors.length && !this.status.textContent) this.say(errors.join("; "), true);
   }
@@ -109,8 +114,21 @@ export class Controls {
     this.showLoss();
   }
 
+  // A simulation's clock: its speed control, and how far virtual time has run.
+  showSim(sim) {
+    this.$("ctl-sim").hidden = !sim;
+    if (!sim) return;
+    const speed = this.$("ctl-speed");
+    if (sim.speed && document.activeElement !== speed) {
+      if (![...speed.options].some((o) => Number(o.value) === sim.speed)) speed.add(new Option(`${sim.speed}×`, sim.speed));
+      speed.value = String(sim.speed);
+    }
+    const achieved = sim.achieved ? ` · running at ${sim.achieved.toFixed(1)}×` : "";
+    this.$("ctl-sim-clock").textContent = `t = ${sim.virtual_s.toFixed(0)} s${achieved}`;
+  }
+
   showRouter(router) {
-    fillSelect(this.$("ctl-policy"), router.policies || [router.policy], router.policy);
+    fillSelect(this.$("ctl-policy"), router.policies || (this.policies.length ? this.policies : [router.policy]), router.policy);
     const workers = (router.workers || []).map((w) => (typeof w === "string" ? w : w.name));
     fillSelect(this.$("ctl-worker"), workers, this.$("ctl-worker").value || workers[0]);
     const t = this.$("ctl-threshold");

@@ -1,0 +1,80 @@
+"""`PacedClock`: virtual time paced to the wall clock, never ahead of the simulation's work.
+
+Watching the simulation live (the dashboard) needs virtual time to pass at `rate` times the
+wall clock. trio's `MockClock(rate=...)` does that, but it keeps advancing while the loop is
+busy: when the simulation cannot keep up, every timer fires late in virtual time and the
+modeled compute stretches by the lag. This clock stands still while tasks run (as an
+autojumping clock does: computing costs no virtual time), advances at `rate` only while the
+loop waits, and never past the next deadline, so each timer fires exactly on time. When the
+machine cannot keep up, the run is slower than asked (`statistics().achieved`), not wrong.
+
+trio asks `deadline_to_sleep_time` only when no task is runnable, just before it waits: that
+call marks the wait's start; the first `current_time` after it ends the wait and freezes time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import msgspec
+import trio
+
+from mesh.errors import ConfigError
+
+MAX_RATE = 1e6
+
+
+class ClockStatistics(msgspec.Struct, frozen=True):
+    rate: float  # virtual seconds per wall second asked for
+    virtual_s: float  # since the clock started
+    wall_s: float
+    achieved: float  # virtual_s / wall_s over the run so far
+
+
+def check_rate(rate: float) -> float:
+    if not (math.isfinite(rate) and 0 < rate <= MAX_RATE):
+        raise ConfigError(f"rate must be a number in (0, {MAX_RATE:g}], got {rate!r}")
+    return float(rate)
+
+
+class PacedClock(trio.abc.Clock):
+    """Virtual time at `rate` x wall time while the loop waits, frozen while it works."""
+
+    def __init__(self, rate: float = 1.0, *, wall: Callable[[], float] = time.perf_counter
+                 ) -> None:
+        self._rate = check_rate(rate)
+        self._wall = wall
+        self._virtual = 0.0  # the frozen time, or the time the current wait began at
+        self._since: float | None = None  # wall time the current wait began; None: not waiting
+        self._cap = math.inf  # the deadline the current wait is for
+        self._started = wall()
+
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+    @rate.setter
+    def rate(self, rate: float) -> None:
+        # Set from a task, so the loop is not waiting: the next wait takes the new rate.
+        self._rate = check_rate(rate)
+
+    def start_clock(self) -> None:
+        self._started = self._wall()
+
+    def current_time(self) -> float:
+        if self._since is not None:
+            waited = (self._wall() - self._since) * self._rate
+            self._virtual, self._since = min(self._virtual + waited, self._cap), None
+        return self._virtual
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        now = self.current_time()
+        self._since, self._cap = self._wall(), deadline
+        return (deadline - now) / self._rate
+
+    def statistics(self) -> ClockStatistics:
+        wall = self._wall() - self._started
+        return ClockStatistics(self._rate, self._virtual, wall,
+                               self._virtual / wall if wall > 0 else 0.0)

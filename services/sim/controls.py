@@ -1,0 +1,173 @@
+"""The dashboard's controls acting on a simulated world (the shape of ui's `ControlClient`).
+
+Each control does to the world what the live services' APIs do to a mesh, with the same code:
+link changes go through netem's own `/link` update rules to the link's shaper, the policy,
+threshold and worker roles through the router's control plane (`RouterControl`), and the
+answers have the shapes of GET /link and GET /admin/state, so the page cannot tell them
+apart. Two controls exist only here: the page's load is the simulation's `LiveLoad`, and the
+speed of virtual time is the `PacedClock`'s rate. Errors are the contract's `ControlError`.
+
+The requests are ui's control structs; they are read through small protocols, since the
+simulation sits beside the dashboard, not above it (services never import ui).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from mesh.errors import ConfigError
+from netem.control import apply_link_update, params_view
+from netem.shaper import LinkError
+from services.contract.errors import ControlError
+from services.router.errors import RouterError
+from services.sim.clock import MAX_RATE
+from services.sim.live import LiveSim
+from services.sim.world import SimWorld
+
+JsonObject = dict[str, Any]
+
+
+class PolicyChange(Protocol):
+    @property
+    def policy(self) -> str: ...
+
+
+class ThresholdChange(Protocol):
+    @property
+    def t(self) -> float | None: ...
+
+
+class LoadChange(Protocol):
+    @property
+    def action(self) -> str: ...
+    @property
+    def rate(self) -> float: ...
+    @property
+    def kind(self) -> str: ...
+
+
+class RoleChange(Protocol):
+    @property
+    def role(self) -> Any: ...
+
+
+class SpeedChange(Protocol):
+    @property
+    def speed(self) -> float: ...
+
+
+def _refused(exc: RouterError) -> ControlError:
+    return ControlError(exc.status, f"router: {exc.message}")
+
+
+class SimControls:
+    """Controls over `sim`'s world while it runs; 503 before it has opened."""
+
+    def __init__(self, sim: LiveSim) -> None:
+        self.sim = sim
+
+    def _world(self) -> SimWorld:
+        if self.sim.world is None:
+            raise ControlError(503, "the simulation is not running (yet)")
+        return self.sim.world
+
+    def _link_view(self, world: SimWorld) -> JsonObject | None:
+        for name, link in world.links.items():
+            stats = msgspec.to_builtins(link.shaper.statistics())
+            return {"name": name, **params_view(link.shaper.params), "statistics": stats}
+        return None
+
+    def _router_view(self, world: SimWorld) -> JsonObject:
+        load = self.sim.load
+        workload = msgspec.to_builtins(load.statistics()) if load is not None else None
+        return {**world.control.state(), "workload": workload}
+
+    def _sim_view(self) -> JsonObject:
+        clock = self.sim.clock
+        return {"deployment": self.sim.deployment.name, "virtual_s": self.sim.virtual_s(),
+                "speed": clock.rate if clock is not None else None,
+                "achieved": clock.statistics().achieved if clock is not None else None}
+
+    async def state(self) -> JsonObject:
+        result: JsonObject = {"link": None, "router": None, "errors": {}, "sim": None}
+        try:
+            world = self._world()
+        except ControlError as exc:
+            result["errors"] = {"link": str(exc), "router": str(exc)}
+            return result
+        result["link"], result["router"] = self._link_view(world), self._router_view(world)
+        result["sim"] = self._sim_view()
+        if result["link"] is None:
+            result["errors"]["link"] = "link: this deployment has no PrfaaS cluster, no link"
+        return result
+
+    async def update_link(self, update: object) -> JsonObject:
+        world = self._world()
+        view = self._link_view(world)
+        if view is None:
+            raise ControlError(503, "link: this deployment has no PrfaaS cluster, no link")
+        shaper = world.links[view["name"]].shaper
+        try:
+            shaper.set_params(apply_link_update(shaper.params, msgspec.to_builtins(update)))
+        except LinkError as exc:
+            raise ControlError(400, f"link: {exc}") from exc
+        return self._link_view(world) or {}
+
+    async def set_policy(self, request: PolicyChange) -> JsonObject:
+        world = self._world()
+        try:
+            world.control.set_policy(request.policy)
+        except RouterError as exc:
+            raise _refused(exc) from exc
+        return self._router_view(world)
+
+    async def set_threshold(self, request: ThresholdChange) -> JsonObject:
+        world = self._world()
+        try:
+            world.control.set_threshold(request.t)
+        except RouterError as exc:
+            raise _refused(exc) from exc
+        return self._router_view(world)
+
+    async def workload(self, request: LoadChange) -> JsonObject:
+        world = self._world()
+        load = self.sim.load
+        if load is None:
+            raise ControlError(503, "the simulation's load is not running")
+        try:
+            load.start(request.rate, request.kind) if request.action == "start" else load.stop()
+        except ConfigError as exc:
+            raise ControlError(400, f"load: {exc}") from exc
+        return self._router_view(world)
+
+    async def set_role(self, worker: str, request: RoleChange) -> JsonObject:
+        world = self._world()
+        try:
+            world.control.convert(worker, request.role,
+                                  f"converted to {request.role} from the dashboard")
+        except RouterError as exc:
+            raise _refused(exc) from exc
+        return self._router_view(world)
+
+    async def drain(self, worker: str) -> JsonObject:
+        world = self._world()
+        try:
+            world.control.drain(worker, "drained from the dashboard")
+        except RouterError as exc:
+            raise _refused(exc) from exc
+        return self._router_view(world)
+
+    async def set_speed(self, request: SpeedChange) -> JsonObject:
+        clock = self.sim.clock
+        if clock is None:
+            raise ControlError(409, "this simulation runs as fast as it can, not paced")
+        if not 0 < request.speed <= MAX_RATE:
+            raise ControlError(400, f"speed must be within (0, {MAX_RATE:g}], got "
+                                    f"{request.speed!r}")
+        clock.rate = request.speed
+        return self._sim_view()
+
+    async def aclose(self) -> None:
+        return None
