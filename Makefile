@@ -23,9 +23,11 @@ $(BROWSER_STAMP): $(STAMP)
 
 browser: $(BROWSER_STAMP)
 
+# The supervisor (services/cli/supervisor.py) runs the Procfile, restarts a process that dies,
+# prints the ready line once the router says ready, and exits 0 on Ctrl-C. It generates an
+# admin token for the run unless PRFAAS_ADMIN_TOKEN is set.
 demo: $(STAMP)
-	@echo "dashboard: http://127.0.0.1:8080/   OpenAI API: http://127.0.0.1:8000/v1"
-	$(VENV)/bin/honcho start -f Procfile
+	exec $(VENV)/bin/prfaas up --procfile Procfile
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("services.paper", 2),
     ("netem", 2),
     ("services.service", 2),
+    ("services.access", 2),
     ("services.router", 3),
     ("services.worker", 3),
     ("services.cachedir", 3),
