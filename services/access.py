@@ -22,6 +22,8 @@ import msgspec
 from mesh.errors import ConfigError
 
 TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
+# Where the supervisor's control API listens (`prfaas up` sets it for its children).
+SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
 AUTHORIZATION = "authorization"
 
 

@@ -136,6 +136,16 @@ class DemoControls:
         self.mesh.sample_now(measure=False)
         return self._router_view()
 
+    async def processes(self) -> JsonObject:
+        # The synthetic mesh runs inside this process: no supervisor, no processes to show.
+        return {"processes": [], "stopping": False}
+
+    async def kill(self, process: str) -> JsonObject:
+        raise ControlError(503, "the simulated mesh has no processes to kill")
+
+    async def restart(self, process: str) -> JsonObject:
+        raise ControlError(503, "the simulated mesh has no processes to restart")
+
     async def aclose(self) -> None:
         if self._link is not None:
             await self._link.aclose()

@@ -21,6 +21,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
+from services.access import token_from_env
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
@@ -83,7 +84,8 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
         source, controls = synthetic_demo(SyntheticConfig(seed=args.seed, rate=args.rate))
         config = DashboardConfig(live_mode="simulated")
     else:
-        source, controls = NoSource(), HttpControlClient.connect(args.link_url, args.router_url)
+        source, controls = NoSource(), HttpControlClient.connect(
+            args.link_url, args.router_url, token=token_from_env())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"dashboard: http://{args.host}:{args.port}/", flush=True)
 

@@ -88,8 +88,8 @@ class Child:
         self.since = time.time()
         self.last_exit: int | None = None
         self._process: anyio.abc.Process | None = None
-        self._exited = anyio.Event()
         self._wake = anyio.Event()
+        self._spawned = anyio.Event()
         self._planned = self._stopping = False
 
     def status(self) -> ProcessStatus:
@@ -126,11 +126,11 @@ class Child:
         return self._stopping
 
     async def _spawn(self) -> None:
-        self._exited = anyio.Event()
         self._process = await anyio.open_process(
             self.spec.command, stdin=None, stdout=-1, stderr=-2, env=dict(self.env),
             start_new_session=True)
         self._set("up")
+        self._spawned.set()
 
     async def _watch(self) -> None:
         """Forwards the output until the process exits; the exit status lands in last_exit."""
@@ -144,7 +144,6 @@ class Child:
             with anyio.move_on_after(1.0):
                 await drained.wait()
             tg.cancel_scope.cancel()
-        self._exited.set()
 
     async def _forward(self, stream: anyio.abc.ByteReceiveStream, drained: anyio.Event) -> None:
         pending = b""
@@ -190,24 +189,32 @@ class Child:
         return True
 
     async def _terminate(self) -> None:
-        if self.signal(signal.SIGTERM):
-            with anyio.move_on_after(self.policy.stop_timeout_s):
-                await self._exited.wait()
-            if self.signal(signal.SIGKILL):
-                await self._exited.wait()
+        """SIGTERM, then SIGKILL after stop_timeout_s; returns once the process is gone.
+        It waits on the process itself, not on `run`: on cancellation `run` is gone first."""
+        process = self._process
+        if process is None or not self.signal(signal.SIGTERM):
+            return
+        with anyio.move_on_after(self.policy.stop_timeout_s):
+            await process.wait()
+        if self.signal(signal.SIGKILL):
+            await process.wait()
 
     async def restart(self) -> None:
-        """A planned restart: stop now (or cut the backoff short), start at once."""
+        """A planned restart: stop now (or cut the backoff short), start at once; returns
+        once the new process runs."""
+        self._spawned = anyio.Event()
         self._planned = self.state != "down"
         self._wake.set()
         if self._planned:
             self._set("restarting")
             await self._terminate()
+        await self._spawned.wait()
 
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
         await self._terminate()
+        self._set("stopped")
 
 
 class Supervisor:

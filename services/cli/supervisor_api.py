@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.access import check_admin
+from services.access import SUPERVISOR_URL_ENV, check_admin
 from services.cli.supervisor import Supervisor, SupervisorError
 
-SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
+__all__ = ["SUPERVISOR_URL_ENV", "supervisor_app"]
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
