@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo test lint bench bench-wire bench-model bench-link bench-cachedir bench-policies train browser clean
+.PHONY: demo chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-policies train browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ browser: $(BROWSER_STAMP)
 # admin token for the run unless PRFAAS_ADMIN_TOKEN is set.
 demo: $(STAMP)
 	exec $(VENV)/bin/prfaas up --procfile Procfile
+
+# Fault scenarios against the real mesh (services/chaos/); writes docs/reliability.md.
+# About 5-10 minutes on 2 cores; CHAOS_ARGS=--quick for a short run.
+chaos: $(STAMP)
+	$(VENV)/bin/prfaas chaos $(CHAOS_ARGS)
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks

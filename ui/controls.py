@@ -180,6 +180,9 @@ class HttpControlClient:
         return await self._call("router", "POST", path, {})
 
     async def processes(self) -> JsonObject:
+        # Not run by `prfaas up` (tests, `prfaas serve ui` alone): nothing to show, no error.
+        if self._clients["supervisor"] is None:
+            return {"processes": [], "stopping": False, "supervised": False}
         return await self._call("supervisor", "GET", "/processes")
 
     async def kill(self, process: str) -> JsonObject:

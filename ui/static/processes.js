@@ -29,6 +29,10 @@ export class Processes {
       return;
     }
     const processes = answer.processes || [];
+    if (answer.supervised === false) {
+      this.note.textContent = "not run by a supervisor";
+      return;
+    }
     this.note.textContent = processes.length ? `${processes.filter((p) => p.state === "up").length}/${processes.length} up` : "none";
     for (const process of processes) this.show(process);
     this.onStates(new Map(processes.map((p) => [p.name, p.state])));
