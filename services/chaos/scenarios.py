@@ -82,13 +82,17 @@ class Run:
         return any(w.get("name") == name and w.get("up") for w in workers) or not any(
             w.get("name") == name for w in workers)
 
-    async def recovered(self, since: float, names: tuple[str, ...] = ()) -> float | None:
-        """Seconds from `since` until every name is up (supervisor and router) and a probe
-        request completes; None past RECOVER_LIMIT_S."""
+    async def recovered(self, since: float, names: tuple[str, ...] = (),
+                        old_pids: dict[str, int] | None = None) -> float | None:
+        """Seconds from `since` until every name is up again (a new pid when `old_pids` names
+        the killed one; up in the supervisor and the router) and a probe request completes;
+        None past RECOVER_LIMIT_S."""
+        old = old_pids or {}
         with anyio.move_on_after(RECOVER_LIMIT_S):
             while True:
                 states = await self.processes()
-                up = all(states[n]["state"] == "up" for n in names)
+                up = all(states[n]["state"] == "up" and states[n]["pid"] != old.get(n)
+                         for n in names)
                 if up and all([await self.worker_up(n) for n in names]) and await self.probe():
                     return time.monotonic() - since
                 await anyio.sleep(0.25)
@@ -144,9 +148,10 @@ def kill_scenario(service: str, kind: str) -> Scenario:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(load.run, window)
                 await anyio.sleep(2.0)
+                old_pid = (await run.processes())[service]["pid"]
                 killed_at = time.monotonic()
                 await run.faults.kill(service)
-                recover = await run.recovered(killed_at, (service,))
+                recover = await run.recovered(killed_at, (service,), {service: old_pid})
             return recover, [f"kill -9 at 2 s of a {window:.0f} s load at "
                              f"{run.load_config.rate:.0f} req/s"]
         return await measure(run, f"kill-{kind}", f"kill -9 of {service} ({kind}) mid-stream "
@@ -159,9 +164,10 @@ async def cachedir_restart(run: Run) -> ScenarioResult:
         async with anyio.create_task_group() as tg:
             tg.start_soon(load.run, 6.0 if run.quick else 10.0)
             await anyio.sleep(2.0)
+            old_pid = (await run.processes())["cachedir"]["pid"]
             at = time.monotonic()
             await run.faults.restart("cachedir")
-            recover = await run.recovered(at, ("cachedir",))
+            recover = await run.recovered(at, ("cachedir",), {"cachedir": old_pid})
         return recover, ["planned restart (SIGTERM, start at once) at 2 s"]
     return await measure(run, "cachedir-restart", "restart of the cache directory under load",
                          ("cachedir",), body)
