@@ -29,7 +29,6 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("services.paper", 2),
     ("netem", 2),
     ("services.service", 2),
-    ("services.access", 2),
     ("services.router", 3),
     ("services.worker", 3),
     ("services.cachedir", 3),
@@ -195,4 +194,4 @@ def test_a_cycle_is_caught() -> None:
 
 def test_no_module_sits_flat_in_services() -> None:
     flat = sorted(p.name for p in (ROOT / "services").glob("*.py"))
-    assert flat == ["__init__.py", "access.py", "data.py", "service.py"]
+    assert flat == ["__init__.py", "data.py", "service.py"]

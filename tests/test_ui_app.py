@@ -26,11 +26,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 
-from services.access import bearer_headers
 from services.cli.procfile import ProcessSpec
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
 from services.contract import events as t
+from services.contract.access import bearer_headers
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import (

@@ -10,7 +10,7 @@ API, e.g. http://127.0.0.1:8000 (POST /admin/policy, /admin/threshold, /admin/wo
 /admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state); the supervisor's
 control API of `prfaas up` (services/cli/supervisor_api.py: GET /processes, POST
 /processes/{name}/kill, /processes/{name}/restart). Every call carries the run's admin token
-(`Authorization: Bearer TOKEN`, services/access.py) when the dashboard has one.
+(`Authorization: Bearer TOKEN`, services/contract/access.py) when the dashboard has one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Protocol
 import httpx
 import msgspec
 
-from services.access import bearer_headers
+from services.contract.access import bearer_headers
 from ui.errors import ControlError
 
 JsonObject = dict[str, Any]

@@ -30,7 +30,7 @@ from mesh.errors import ConfigError, MeshError
 from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address
-from services.access import SUPERVISOR_URL_ENV, token_from_env
+from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
 from services.contract.messages import Subscribe
 from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics

@@ -21,7 +21,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
-from services.access import token_from_env
+from services.contract.access import token_from_env
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from services.access import TOKEN_ENV, bearer_headers
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
+from services.contract.access import TOKEN_ENV, bearer_headers
 
 PORT_KEYS = ("port", "http_port", "metrics_port", "control_port", "proxy_base_port")
 SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0", "router",

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.access import SUPERVISOR_URL_ENV, check_admin
 from services.cli.supervisor import Supervisor, SupervisorError
+from services.contract.access import SUPERVISOR_URL_ENV, check_admin
 
 __all__ = ["SUPERVISOR_URL_ENV", "supervisor_app"]
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}

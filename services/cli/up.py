@@ -33,11 +33,11 @@ import msgspec
 from mesh.errors import MeshError
 from mesh.http import serve_http
 from mesh.topology import Topology, load_topology
-from services.access import TOKEN_ENV, token_from_env
 from services.cli.procfile import ProcessSpec, load_procfile
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import SUPERVISOR_URL_ENV, supervisor_app
+from services.contract.access import TOKEN_ENV, token_from_env
 
 READY_STATUSES = ("ready", "ok")
 

@@ -8,7 +8,7 @@
     GET  /admin/state
 
 The admin API shares the API's port (one URL for the dashboard to know) and is guarded
-instead (services/access.py): with PRFAAS_ADMIN_TOKEN set (`prfaas up` always sets one) every
+instead (services/contract/access.py): with PRFAAS_ADMIN_TOKEN set (`prfaas up` sets one) every
 /admin/* request needs `Authorization: Bearer TOKEN` (401 otherwise), a router bound beyond
 loopback refuses to start without a token, and a request whose Origin is not the router's
 own is refused (403) whatever its token.
@@ -51,7 +51,7 @@ from werkzeug.exceptions import HTTPException
 from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.transport import Address
-from services.access import check_admin, require_token_beyond_loopback, token_from_env
+from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
