@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo sim-dashboard test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
+.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +23,16 @@ $(BROWSER_STAMP): $(STAMP)
 
 browser: $(BROWSER_STAMP)
 
+# The supervisor (services/cli/supervisor.py) runs the Procfile, restarts a process that dies,
+# prints the ready line once the router says ready, and exits 0 on Ctrl-C. It generates an
+# admin token for the run unless PRFAAS_ADMIN_TOKEN is set.
 demo: $(STAMP)
-	@echo "dashboard: http://127.0.0.1:8080/   OpenAI API: http://127.0.0.1:8000/v1"
-	$(VENV)/bin/honcho start -f Procfile
+	exec $(VENV)/bin/prfaas up --procfile Procfile
+
+# Fault scenarios against the real mesh (services/chaos/); writes docs/reliability.md.
+# About 5-10 minutes on 2 cores; CHAOS_ARGS=--quick for a short run.
+chaos: $(STAMP)
+	$(VENV)/bin/prfaas chaos $(CHAOS_ARGS)
 
 # The dashboard on the simulated paper deployment (no GPU, no mesh): SPEED x the wall clock.
 SPEED ?= 10

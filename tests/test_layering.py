@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("ui", 3),
     ("services.sim", 4),
     ("services.cli", 5),
+    ("services.chaos", 6),  # runs the mesh under services.cli's supervisor
 )
 
 

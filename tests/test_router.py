@@ -35,14 +35,14 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def router(config: SchedulerConfig | None = None, policy: str = "prfaas",
-                 options: dict[str, object] | None = None
+                 options: dict[str, object] | None = None, admin_token: str | None = None
                  ) -> AsyncIterator[tuple[FakeMesh, RouterApp]]:
     async with fake_mesh(policy, options, timing=FAST, config=config) as mesh:
         corpus = ByteTokenizer().encode("to be or not to be " * 50)
         workload = DemoWorkload(mesh.scheduler, corpus, WorkloadConfig(scale=1 / 256,
                                                                        max_tokens=2))
         app = RouterApp(mesh.scheduler, mesh.control, workload,
-                        Limits(max_context=400, models=("prfaas",)))
+                        Limits(max_context=400, models=("prfaas",)), admin_token)
         async with anyio.create_task_group() as group:
             group.start_soon(workload.run)
             yield mesh, app
@@ -262,6 +262,37 @@ async def test_models_health_and_metrics() -> None:
         assert 'prfaas_router_tokens_total{kind="completion"} 3.0' in text
         assert 'prfaas_router_worker_up{role="decode",worker="pd-decode-0"} 1.0' in text
         assert "prfaas_router_threshold_tokens 19400.0" in text
+
+
+@pytest.mark.anyio
+async def test_admin_api_needs_the_token_and_refuses_foreign_origins() -> None:
+    async with router(admin_token="s3cret") as (_, app):
+        client = app.app.test_client()
+        good = {"authorization": "Bearer s3cret"}
+        missing = await client.post("/admin/threshold", json={"t": 50})
+        wrong = await client.post("/admin/threshold", json={"t": 50},
+                                  headers={"authorization": "Bearer nope"})
+        state = await client.get("/admin/state")
+        evil = await client.post("/admin/threshold", data=b'{"t": 50}', headers={
+            **good, "origin": "http://evil.example", "content-type": "text/plain"})
+        assert [r.status_code for r in (missing, wrong, state, evil)] == [401, 401, 401, 403]
+        assert (await evil.get_json())["status"] == 403
+        assert app.scheduler.policy.threshold == 19400.0
+        ok = await client.post("/admin/threshold", json={"t": 50}, headers=good)
+        assert ok.status_code == 200 and (await ok.get_json())["threshold"] == 50.0
+        # The API itself takes no token; the admin token guards /admin/* only.
+        assert (await client.get("/v1/models")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_admin_api_without_a_token_still_refuses_foreign_origins() -> None:
+    async with router() as (_, app):
+        client = app.app.test_client()
+        evil = await client.post("/admin/policy", data=b'{"policy": "naive-hetero"}',
+                                 headers={"origin": "http://evil.example",
+                                          "content-type": "text/plain"})
+        assert evil.status_code == 403
+        assert app.scheduler.policy.name == "prfaas"
 
 
 @pytest.mark.anyio

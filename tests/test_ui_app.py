@@ -4,10 +4,13 @@ the simulation (services/sim: the live services over an in-memory network, virtu
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +28,11 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, sim_events
 
+from services.cli.procfile import ProcessSpec
+from services.cli.supervisor import RestartPolicy, Supervisor
+from services.cli.supervisor_api import supervisor_app
 from services.contract import events as t
+from services.contract.access import bearer_headers
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
 from services.sim.controls import SimControls
@@ -703,9 +710,12 @@ def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
 
 @asynccontextmanager
 async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the page's own origin, sending the CSRF token the page would (ui.guard)."""
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
+        headers = {"x-csrf-token": app.state.csrf_token}
+        async with httpx.AsyncClient(transport=transport, base_url="http://ui",
+                                     headers=headers) as client:
             yield client
 
 
@@ -898,3 +908,90 @@ async def test_a_dashboard_without_source_or_services_still_answers() -> None:
         answer = await client.post("/api/control/policy", json={"policy": "prfaas"})
         assert answer.status_code == 503
         assert (await client.get("/api/snapshot")).json()["decisions"] == []
+
+
+# Processes: the supervisor's view through the dashboard, and the guard on its POSTs.
+
+SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
+           "'import time; time.sleep(600)'")
+
+
+@pytest.mark.trio
+async def test_dashboard_shows_a_killed_worker_down_and_back_through_the_supervisor() -> None:
+    supervisor = Supervisor([ProcessSpec("router", SLEEPER), ProcessSpec("pd-decode-0", SLEEPER)],
+                            dict(os.environ), output=lambda name, line: None,
+                            policy=RestartPolicy(initial_backoff_s=0.5, max_backoff_s=1.0))
+    api = httpx.AsyncClient(transport=httpx.ASGITransport(app=supervisor_app(supervisor, "tok")),
+                            base_url="http://127.0.0.1:8090", headers=bearer_headers("tok"))
+    app = build_app(NoSource(), HttpControlClient(None, None, api))
+    async with trio.open_nursery() as nursery, client_for(app) as client:
+        await nursery.start(supervisor.run)
+
+        async def states() -> dict[str, tuple[str, int]]:
+            listed = (await client.get("/api/control/processes")).json()["processes"]
+            return {p["name"]: (p["state"], p["pid"]) for p in listed}
+
+        before = await states()
+        assert {name: state for name, (state, _) in before.items()} == {
+            "router": "up", "pd-decode-0": "up"}
+        killed = await client.post("/api/control/processes/pd-decode-0/kill")
+        assert killed.status_code == 200
+        seen: set[str] = set()
+        with trio.fail_after(10):
+            while True:
+                now = await states()
+                seen.add(now["pd-decode-0"][0])
+                if now["pd-decode-0"][0] == "up" and now["pd-decode-0"][1] != before[
+                        "pd-decode-0"][1]:
+                    break
+                await trio.sleep(0.05)
+        assert "down" in seen
+        assert now["router"] == before["router"]
+        restarted = (await client.post("/api/control/processes/router/restart")).json()
+        assert restarted["restarts"] == 1
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_dashboard_posts_need_its_origin_and_csrf_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    app, sim = sim_app()
+    async with client_for(app) as client:
+        with anyio.fail_after(60):
+            while sim.world is None:
+                await anyio.sleep(0.1)
+        page = (await client.get("/")).text
+        assert f'<meta name="csrf-token" content="{app.state.csrf_token}">' in page
+        evil = await client.post("/api/control/policy", content=b'{"policy": "homogeneous"}',
+                                 headers={"origin": "http://evil.example",
+                                          "content-type": "text/plain"})
+        no_token = await client.post("/api/control/policy", json={"policy": "homogeneous"},
+                                     headers={"x-csrf-token": ""})
+        wrong = await client.post("/api/control/policy", json={"policy": "homogeneous"},
+                                  headers={"x-csrf-token": "guess"})
+        assert [r.status_code for r in (evil, no_token, wrong)] == [403, 403, 403]
+        assert evil.json()["status"] == 403
+        assert sim.world.scheduler.policy.name != "homogeneous"
+        same = await client.post("/api/control/policy", json={"policy": "homogeneous"},
+                                 headers={"origin": "http://ui"})
+        assert same.status_code == 200 and sim.world.scheduler.policy.name == "homogeneous"
+
+
+@pytest.mark.trio
+async def test_http_control_client_sends_the_admin_token() -> None:
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"processes": []})
+
+    client = HttpControlClient.connect("http://link", "http://router",
+                                       supervisor_url="http://sup", token="abc")
+    for inner in client._clients.values():
+        assert inner is not None
+        inner._transport = httpx.MockTransport(handler)
+    await client.processes()
+    await client.set_policy(PolicyRequest(policy="prfaas"))
+    await client.aclose()
+    assert seen == ["Bearer abc", "Bearer abc"]

@@ -13,15 +13,21 @@
     POST /api/control/workers/{name}/role   {"role": "prefill"|"decode"}
     POST /api/control/workers/{name}/drain
     POST /api/control/speed      {"speed": virtual s per wall s} (a simulation only)
+    GET  /api/control/processes  the supervisor's processes: state, pid, restarts, since
+    POST /api/control/processes/{name}/kill      SIGKILL (a crash; the supervisor restarts it)
+    POST /api/control/processes/{name}/restart   a planned restart
     GET  /api/replay             recorded logs and the replay's status
     POST /api/replay             {"action": "play", "name", "speed"} | pause | resume | speed | stop
     GET  /metrics                Prometheus text of the statistics above
 
-Errors answer `{"error": message, "status": code}`.
+Errors answer `{"error": message, "status": code}`. Every POST passes ui.guard first: its
+Origin (when sent) must be the dashboard's and its `x-csrf-token` header the token served in
+the page, else 403.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,6 +37,7 @@ import anyio
 import msgspec
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -49,6 +56,7 @@ from ui.controls import (
     WorkloadRequest,
 )
 from ui.errors import ControlError, ReplayError
+from ui.guard import CsrfGuard
 from ui.hub import EventHub, EventSource
 from ui.replay import PACKAGED_REPLAYS, ReplayRunner, Sleep
 from ui.sse import event_stream
@@ -85,13 +93,14 @@ async def _error(request: Request, exc: Exception) -> Response:
 class _Pages:
     """The page, the feed and the read-only API."""
 
-    def __init__(self, hub: EventHub, registry: CollectorRegistry) -> None:
+    def __init__(self, hub: EventHub, registry: CollectorRegistry, csrf_token: str) -> None:
         self.hub = hub
         self.registry = registry
+        self.csrf_token = csrf_token
         self.templates = Jinja2Templates(directory=HERE / "templates")
 
     async def index(self, request: Request) -> Response:
-        context = {"config": self.hub.config}
+        context = {"config": self.hub.config, "csrf_token": self.csrf_token}
         return self.templates.TemplateResponse(request, "index.html", context)
 
     async def events(self, request: Request) -> Response:
@@ -154,6 +163,14 @@ class _Controls:
     async def speed(self, request: Request) -> Response:
         body = await decode_body(request, SpeedRequest)
         return json_response(await self.controls.set_speed(body))
+    async def processes(self, request: Request) -> Response:
+        return json_response(await self.controls.processes())
+
+    async def kill(self, request: Request) -> Response:
+        return json_response(await self.controls.kill(request.path_params["name"]))
+
+    async def restart(self, request: Request) -> Response:
+        return json_response(await self.controls.restart(request.path_params["name"]))
 
 
 class _Replay:
@@ -194,16 +211,20 @@ def build_app(
     hub: EventHub | None = None,
     replay_dirs: tuple[Path, ...] = (),
     replay_sleep: Sleep = anyio.sleep,
+    csrf_token: str | None = None,
 ) -> Starlette:
     """The dashboard app: `source` feeds it (a task of its lifespan), `controls` act on the mesh.
 
     Replays are looked up in `replay_dirs`, then in the packaged `ui/replays/`; they wait
     with `replay_sleep`, given wall seconds (a simulation's loop runs on virtual time: it
-    passes a sleep that converts).
+    passes a sleep that converts). POSTs need `csrf_token` (a fresh random one unless given;
+    `app.state.csrf_token`) and no foreign Origin (ui.guard).
     """
     hub = hub if hub is not None else EventHub(config or DashboardConfig())
+    token = csrf_token or secrets.token_urlsafe(24)
     runner = ReplayRunner(hub, (*replay_dirs, PACKAGED_REPLAYS), replay_sleep)
-    pages, control, replay = _Pages(hub, _registry(hub)), _Controls(controls), _Replay(runner)
+    pages, control = _Pages(hub, _registry(hub), token), _Controls(controls)
+    replay = _Replay(runner)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -233,11 +254,16 @@ def build_app(
         Route("/api/control/workers/{name}/role", control.role, methods=["POST"]),
         Route("/api/control/workers/{name}/drain", control.drain, methods=["POST"]),
         Route("/api/control/speed", control.speed, methods=["POST"]),
+        Route("/api/control/processes", control.processes),
+        Route("/api/control/processes/{name}/kill", control.kill, methods=["POST"]),
+        Route("/api/control/processes/{name}/restart", control.restart, methods=["POST"]),
         Route("/api/replay", replay.list),
         Route("/api/replay", replay.command, methods=["POST"]),
     ]
     handlers = {ControlError: _error, ReplayError: _error}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
+                    middleware=[Middleware(CsrfGuard, token=token)])
     app.state.hub = hub
+    app.state.csrf_token = token
     app.state.replay = runner
     return app

@@ -7,9 +7,12 @@ needs no CORS and no knowledge of addresses. The services' JSON answers pass thr
 Contracts (docs/architecture.md section 4): link control API at the topology's link address, e.g.
 http://127.0.0.1:8474 (netem/control.py: GET /link, POST /link partial update); router admin
 API, e.g. http://127.0.0.1:8000 (POST /admin/policy, /admin/threshold, /admin/workload,
-/admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state). A simulation
-implements the same protocol on its world (services/sim/controls.py), plus the speed of its
-virtual time.
+/admin/workers/{name}/role, /admin/workers/{name}/drain; GET /admin/state); the supervisor's
+control API of `prfaas up` (services/cli/supervisor_api.py: GET /processes, POST
+/processes/{name}/kill, /processes/{name}/restart). Every call carries the run's admin token
+(`Authorization: Bearer TOKEN`, services/contract/access.py) when the dashboard has one. A
+simulation implements the same protocol on its world (services/sim/controls.py), plus the
+speed of its virtual time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Annotated, Any, Literal, Protocol
 import httpx
 import msgspec
 
+from services.contract.access import bearer_headers
 from ui.errors import ControlError
 
 JsonObject = dict[str, Any]
@@ -91,6 +95,14 @@ class ControlClient(Protocol):
         """A simulation's pace; a real mesh refuses (409)."""
         ...
 
+    async def processes(self) -> JsonObject:
+        """The supervisor's GET /processes: {"processes": [...], "stopping": bool}."""
+        ...
+
+    async def kill(self, process: str) -> JsonObject: ...
+
+    async def restart(self, process: str) -> JsonObject: ...
+
     async def aclose(self) -> None: ...
 
 
@@ -119,23 +131,28 @@ def _error_text(response: httpx.Response) -> str:
 class HttpControlClient:
     """Forwards controls over HTTP; a missing client (None) answers 503 for its service."""
 
-    def __init__(self, link: httpx.AsyncClient | None, router: httpx.AsyncClient | None) -> None:
-        self._link = link
-        self._router = router
+    def __init__(self, link: httpx.AsyncClient | None, router: httpx.AsyncClient | None,
+                 supervisor: httpx.AsyncClient | None = None) -> None:
+        self._clients = {"link": link, "router": router, "supervisor": supervisor}
 
     @classmethod
     def connect(
-        cls, link_url: str | None, router_url: str | None, *, timeout_s: float = 3.0
+        cls, link_url: str | None, router_url: str | None, *, supervisor_url: str | None = None,
+        token: str | None = None, timeout_s: float = 3.0,
     ) -> HttpControlClient:
-        """Clients for the given base URLs (the topology's addresses); None: not available."""
+        """Clients for the given base URLs (the topology's addresses); None: not available.
+        Each sends `token` (the run's admin token) when one is given."""
+        headers = bearer_headers(token)
 
         def client(url: str | None) -> httpx.AsyncClient | None:
-            return None if url is None else httpx.AsyncClient(base_url=url, timeout=timeout_s)
+            if url is None:
+                return None
+            return httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers)
 
-        return cls(client(link_url), client(router_url))
+        return cls(client(link_url), client(router_url), client(supervisor_url))
 
     async def _call(self, service: str, method: str, path: str, body: object = None) -> JsonObject:
-        client = self._link if service == "link" else self._router
+        client = self._clients[service]
         if client is None:
             raise ControlError(503, f"{service}: no {service} is configured for this dashboard")
         content = None if body is None else msgspec.json.encode(body)
@@ -178,8 +195,21 @@ class HttpControlClient:
     async def set_speed(self, request: SpeedRequest) -> JsonObject:
         raise ControlError(409, "speed: a live mesh runs in real time (speed is for the "
                                 "simulation: prfaas sim-dashboard)")
+    async def processes(self) -> JsonObject:
+        # Not run by `prfaas up` (tests, `prfaas serve ui` alone): nothing to show, no error.
+        if self._clients["supervisor"] is None:
+            return {"processes": [], "stopping": False, "supervised": False}
+        return await self._call("supervisor", "GET", "/processes")
+
+    async def kill(self, process: str) -> JsonObject:
+        path = f"/processes/{check_worker_name(process)}/kill"
+        return await self._call("supervisor", "POST", path, {"signal": "KILL"})
+
+    async def restart(self, process: str) -> JsonObject:
+        path = f"/processes/{check_worker_name(process)}/restart"
+        return await self._call("supervisor", "POST", path, {})
 
     async def aclose(self) -> None:
-        for client in (self._link, self._router):
+        for client in self._clients.values():
             if client is not None:
                 await client.aclose()

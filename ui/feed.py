@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -29,6 +30,7 @@ from mesh.errors import ConfigError, MeshError
 from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address
+from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
 from services.contract.messages import Subscribe
 from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
@@ -224,7 +226,9 @@ async def run_ui(
     # Direct addresses: the dashboard reads every service, never through a link's proxy.
     node = Node(ctx.name, ctx.codec, ctx.transport, topology.address)
     feed = MeshFeed(node, event_peers(topology))
-    controls = HttpControlClient.connect(link_control_url(topology), router_http_url(topology))
+    controls = HttpControlClient.connect(
+        link_control_url(topology), router_http_url(topology),
+        supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token_from_env())
     host, port = ctx.option("http_host", ctx.spec.host), ctx.option("http_port", 8080)
     async with node, anyio.create_task_group() as tasks:
         address = await node.listen()

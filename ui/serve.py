@@ -25,6 +25,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
+from services.contract.access import token_from_env
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
@@ -103,7 +104,8 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
     `prfaas sim-dashboard`."""
     args = _parser().parse_args(argv)
     source: EventSource = NoSource()
-    controls: ControlClient = HttpControlClient.connect(args.link_url, args.router_url)
+    controls: ControlClient = HttpControlClient.connect(args.link_url, args.router_url,
+                                                        token=token_from_env())
     config = DashboardConfig()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"dashboard: http://{args.host}:{args.port}/", flush=True)

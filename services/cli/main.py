@@ -20,6 +20,10 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("services.cli.serve", "serve_main", "run one service of the mesh by name"),
+    "up": Command("services.cli.up", "up_main",
+                  "run the Procfile's processes under a supervisor that restarts them"),
+    "chaos": Command("services.chaos.cli", "chaos_main",
+                     "fault scenarios against the real mesh; writes docs/reliability.md"),
     "send": Command(
         "services.cli.send", "send_main", "drive one prompt through a prefill and a decode worker"
     ),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Coroutine
 from importlib.metadata import entry_points
@@ -37,6 +38,8 @@ DEFAULT_TOPOLOGY_PATH = Path(__file__).parent / "topology.toml"
 # Each service kind's runner, registered as an entry point (pyproject.toml), so that the CLI
 # finds the dashboard (ui/) without services importing it.
 RUNNER_GROUP = "prfaas.runners"
+# `prfaas up --topology FILE` hands its file to every child through this variable.
+TOPOLOGY_ENV = "PRFAAS_TOPOLOGY"
 
 
 class Runner(Protocol):
@@ -92,7 +95,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         text = DEFAULT_TOPOLOGY_PATH.read_text(encoding="utf-8")
-        topology = load_topology(args.topology, text)
+        topology = load_topology(args.topology or os.environ.get(TOPOLOGY_ENV) or None, text)
         ctx = ServiceContext(topology, topology.service(args.name), args.mode, args.time_scale,
                              announce=_announce)
         run_ = runner_for(ctx.spec.kind)

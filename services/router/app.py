@@ -7,6 +7,12 @@
          "kind"}, /admin/workers/{name}/role {"role"}, /admin/workers/{name}/drain
     GET  /admin/state
 
+The admin API shares the API's port (one URL for the dashboard to know) and is guarded
+instead (services/contract/access.py): with PRFAAS_ADMIN_TOKEN set (`prfaas up` sets one) every
+/admin/* request needs `Authorization: Bearer TOKEN` (401 otherwise), a router bound beyond
+loopback refuses to start without a token, and a request whose Origin is not the router's
+own is refused (403) whatever its token.
+
 Every response to a generation carries header `x-prfaas-cluster` and, in its body (the final
 chunk when streaming), `prfaas: {"request_id", "cluster", "cached_tokens", ...}`. Errors of
 the OpenAI API are OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`);
@@ -45,6 +51,7 @@ from werkzeug.exceptions import HTTPException
 from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.transport import Address
+from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
@@ -106,9 +113,10 @@ class RouterApp:
     """The Quart app over one scheduler, its control plane and its demo workload."""
 
     def __init__(self, scheduler: Scheduler, control: RouterControl, workload: DemoWorkload,
-                 limits: Limits) -> None:
+                 limits: Limits, admin_token: str | None = None) -> None:
         self.scheduler, self.control, self.workload = scheduler, control, workload
         self.limits = limits
+        self.admin_token = admin_token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))
         self.app = Quart(__name__)
@@ -131,10 +139,20 @@ class RouterApp:
                          methods=["POST"])
         app.add_url_rule("/admin/workers/<name>/drain", view_func=self.drain,
                          methods=["POST"])
+        app.before_request(self._check_admin)
         app.register_error_handler(RouterError, self._router_error)
         app.register_error_handler(AdminError, self._admin_error)
         app.register_error_handler(HTTPException, self._http_error)
         app.register_error_handler(Exception, self._internal_error)
+
+    async def _check_admin(self) -> None:
+        """/admin/*: the run's admin token when one is set, and no foreign Origin."""
+        if not request.path.startswith("/admin/"):
+            return
+        headers = {key.lower(): value for key, value in request.headers.items()}
+        refusal = check_admin(headers, self.admin_token, f"{request.scheme}://{request.host}")
+        if refusal is not None:
+            raise AdminError(refusal.status, refusal.message)
 
     async def completions(self) -> Response:
         body = decode_request(await request.get_data(True, False, False), CompletionRequest)
@@ -319,6 +337,8 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
         raise ConfigError("the router needs --backend uvloop or asyncio (Quart is asyncio-only, "
                           "docs/engineering-notes.md G6), not trio")
     config = router_config(ctx.spec.options)
+    admin_token = token_from_env()
+    require_token_beyond_loopback(config.http_host, admin_token, "the router's admin API")
     scheduler = build_scheduler(ctx, config)
     serve_events(scheduler.node, scheduler.events)
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
@@ -330,7 +350,7 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
         control = RouterControl(scheduler, ControlConfig(tick_s=config.tick_s),
                                 link_probe=http_link_probe(client, url) if url else None,
                                 policy_options=config.policy_options())
-        app = RouterApp(scheduler, control, workload, limits)
+        app = RouterApp(scheduler, control, workload, limits, admin_token)
         address = await scheduler.node.listen()
         await group.start(scheduler.run)
         await group.start(control.run)

@@ -169,5 +169,17 @@ class SimControls:
         clock.rate = request.speed
         return self._sim_view()
 
+    async def processes(self) -> JsonObject:
+        # The simulation's services are tasks of one process: no supervisor, nothing to kill.
+        return {"processes": [], "stopping": False, "supervised": False}
+
+    async def kill(self, process: str) -> JsonObject:
+        raise ControlError(409, f"kill {process!r}: the simulation's services are tasks of one "
+                                "process, not processes (prfaas up runs the live mesh)")
+
+    async def restart(self, process: str) -> JsonObject:
+        raise ControlError(409, f"restart {process!r}: the simulation's services are tasks of "
+                                "one process, not processes")
+
     async def aclose(self) -> None:
         return None

@@ -4,6 +4,7 @@
 
 import { Charts } from "./charts.js";
 import { Controls } from "./controls.js";
+import { Processes } from "./processes.js";
 import { Feed } from "./feed.js";
 import { Model } from "./model.js";
 import { ReplayPanel } from "./replay.js";
@@ -180,7 +181,14 @@ setInterval(() => {
   $("topbar-drops").textContent = String(feed.dropped);
 }, 1000);
 
-new Controls(document).start();
+const controls = new Controls(document);
+controls.start();
+const showProcesses = (states) => {
+  topology.setProcesses(states);
+  model.dirty.topology = true;
+  schedule();
+};
+new Processes(document, showProcesses, (text, error) => controls.say(text, error)).start();
 new ReplayPanel(document).start();
 feed.start();
 window.prfaasDashboard = { model, feed, timings }; // for the browser tests and the curious

@@ -22,6 +22,7 @@ export class Topology {
     this.prfaas = new Set(prfaasClusters);
     this.chips = new Map(); // worker -> {group, x, y, w, h, ...}
     this.flowNodes = new Map(); // request_id -> <g>
+    this.processes = new Map(); // process name -> supervisor state (up, down, restarting)
     this.layers = {
       clusters: svgEl("g"), link: svgEl("g"), chips: svgEl("g"), flows: svgEl("g"),
     };
@@ -104,15 +105,27 @@ export class Topology {
     );
   }
 
+  /** The supervisor's states; a worker whose process is not up shows it on its chip. */
+  setProcesses(states) {
+    this.processes = states;
+  }
+
   updateChip(worker) {
     const chip = this.chips.get(worker.worker);
     if (!chip) return;
-    const state = `${worker.role} ${worker.busy ? "busy" : "idle"}`;
+    const process = this.processes.get(worker.worker) ?? "up";
+    if (chip.process !== process) {
+      chip.group.dataset.process = process;
+      chip.process = process;
+    }
+    const state = `${worker.role} ${worker.busy ? "busy" : "idle"}${process === "up" ? "" : ` ${process}`}`;
     if (chip.state !== state) {
       chip.group.setAttribute("class", `chip ${state}`);
       chip.state = state;
     }
-    const role = `${worker.role} · q ${worker.queue_depth} · run ${worker.running}`;
+    const role = process === "up"
+      ? `${worker.role} · q ${worker.queue_depth} · run ${worker.running}`
+      : `${process.toUpperCase()} (${worker.role})`;
     if (chip.role.textContent !== role) chip.role.textContent = role;
     chip.queue.setAttribute("width", Math.min(worker.queue_depth / 8, 1) * chip.w);
     chip.title.textContent = `${worker.worker}: ${role}, ${worker.cached_blocks} cached blocks`;

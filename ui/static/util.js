@@ -109,10 +109,14 @@ export async function getJSON(url) {
   return answer(response);
 }
 
+// The page's CSRF token (ui/guard.py): every POST sends it back. Read when posting, so the
+// module also loads where there is no document (the Node checks of tests/ui_fixtures).
+const csrfToken = () => document.querySelector('meta[name="csrf-token"]')?.content ?? "";
+
 export async function postJSON(url, body) {
   const response = await fetch(url, {
     method: "POST",
-    headers: { "content-type": "application/json" },
+    headers: { "content-type": "application/json", "x-csrf-token": csrfToken() },
     body: JSON.stringify(body ?? {}),
   });
   return answer(response);

@@ -1,0 +1,114 @@
+"""`prfaas chaos`: the fault scenarios against the real default mesh; writes the report.
+
+    prfaas chaos [--quick] [--only NAME ...] [--out docs/reliability.md]
+                 [--max-inflight N] [--workdir DIR]
+
+Starts the default mesh under `prfaas up` on free ports of 127.0.0.1 (services.chaos.mesh),
+runs each scenario (services.chaos.scenarios) in order, writes the Markdown report
+(services.chaos.report) and prints one JSON line: scenarios run, passed, and seconds taken.
+Exit status 0 when the run completed (whatever the verdicts), 2 when the mesh did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import httpx
+
+from services.chaos.faults import Faults
+from services.chaos.mesh import ChaosMeshError, MeshConfig, running_mesh
+from services.chaos.report import render, verdict
+from services.chaos.scenarios import SCENARIOS, Run, ScenarioResult
+
+HEADER = """# Reliability: what the mesh does when things break
+
+Written by `make chaos` (`prfaas chaos`, services/chaos/). The default mesh's processes run
+under the supervisor (`prfaas up`) on 127.0.0.1, the default model with one torch thread
+per worker, admission limit {max_inflight}; each scenario breaks one thing under load.
+Every request has a deadline of 30 s: *completed* is a whole answer, *explicit errors* are
+HTTP errors or error events, *hung* is no answer by the deadline, *lost* is neither answer
+nor error (connection refused or reset, a stream cut without an error). *Time to recover*
+runs from the kill (or from the end of the fault) until the service is up again, the router
+lists it up, and a probe request completes. RSS is read from /proc for each service.
+
+Acceptance: 0 hung and 0 lost; no deaths beyond the ones the scenario causes; every killed
+service back and serving within 10 s; RSS after each scenario within 20% of the start; at
+10x the admission limit every request answered (200 or 429) within 5 s of its admission
+decision. Run: {when}, {mode}, {host}, {seconds:.0f} s in all.
+"""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prfaas chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="shorter faults, 1,000 frames and 200 bodies")
+    parser.add_argument("--only", action="append", choices=sorted(SCENARIOS), default=[])
+    parser.add_argument("--out", type=Path, default=Path("docs/reliability.md"))
+    parser.add_argument("--max-inflight", type=int, default=8)
+    parser.add_argument("--workdir", type=Path, help="mesh log and files (default: temporary)")
+    return parser.parse_args(argv)
+
+
+async def run_scenarios(run: Run, names: list[str]) -> list[ScenarioResult]:
+    run.rss_start = await run.rss()
+    results = []
+    for name in names:
+        print(f"chaos: {name} ...", file=sys.stderr, flush=True)
+        result = await SCENARIOS[name](run)
+        failures = verdict(result).failures
+        print(f"chaos: {name}: {result.outcomes} recover {result.recover_s} "
+              f"{'PASS' if not failures else 'FAIL: ' + '; '.join(failures)}",
+              file=sys.stderr, flush=True)
+        results.append(result)
+    return results
+
+
+async def _main(args: argparse.Namespace, workdir: Path, config: MeshConfig
+                ) -> list[ScenarioResult]:
+    with running_mesh(workdir, config) as mesh:
+        assert mesh.urls is not None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+        async with httpx.AsyncClient(base_url=mesh.urls.api, timeout=httpx.Timeout(None),
+                                     limits=limits) as client:
+            faults = Faults(client, mesh.urls.supervisor, mesh.urls.link_control,
+                            mesh.headers())
+            run = Run(mesh, client, faults, args.quick, config.max_inflight)
+            return await run_scenarios(run, args.only or list(SCENARIOS))
+
+
+def chaos_main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    config = MeshConfig(max_inflight=args.max_inflight)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="prfaas-chaos-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            results = anyio.run(_main, args, workdir, config, backend="asyncio")
+        except ChaosMeshError as exc:
+            print(f"prfaas chaos: {exc}", file=sys.stderr)
+            return 2
+    seconds = time.monotonic() - started
+    header = HEADER.format(max_inflight=args.max_inflight,
+                           when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                           mode="--quick" if args.quick else "full", seconds=seconds,
+                           host=f"{platform.machine()}, {_cpus()} CPUs")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(results, header))
+    passed = sum(verdict(r).passed for r in results)
+    print(json.dumps({"scenarios": len(results), "passed": passed,
+                      "seconds": round(seconds, 1), "report": str(args.out)}))
+    return 0
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,113 @@
+"""docs/reliability.md: one table per scenario and the acceptance verdict of each.
+
+Acceptance (the reliability issue): 0 hung and 0 lost; no service deaths beyond the ones the
+scenario causes; every killed service back and serving within 10 s; every service's RSS after
+the scenario within 20% of its RSS at the run's start; at 10x the admission limit every
+request answered (200 or 429) within 5 s of its admission decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from services.chaos.scenarios import ScenarioResult
+
+RECOVER_GOAL_S = 10.0
+RSS_TOLERANCE = 0.20
+ADMISSION_GOAL_S = 5.0
+MIB = 1024 * 1024
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    passed: bool
+    failures: tuple[str, ...]
+
+
+def verdict(result: ScenarioResult) -> Verdict:
+    failures: list[str] = []
+    for outcome in ("hung", "lost"):
+        if result.outcomes.get(outcome, 0):
+            failures.append(f"{result.outcomes[outcome]} {outcome}")
+    unexpected = {n: d for n, d in result.deaths.items() if n not in result.killed}
+    expected_extra = {n: d - 1 for n, d in result.deaths.items() if n in result.killed and d > 1}
+    if unexpected or expected_extra:
+        failures.append(f"unexpected deaths {unexpected or expected_extra}")
+    if result.recover_s is None or (result.killed and result.recover_s > RECOVER_GOAL_S):
+        failures.append(f"not back and serving within {RECOVER_GOAL_S:.0f} s "
+                        f"({_seconds(result.recover_s)})")
+    grown = rss_outside(result)
+    if grown:
+        failures.append(f"RSS not within 20% of start: {', '.join(grown)}")
+    if result.name == "overload-10x":
+        bad = {s: c for s, c in result.statuses.items() if s not in ("200", "429")}
+        if bad:
+            failures.append(f"answers other than 200/429: {bad}")
+        slow = result.max_after_admission_s
+        if slow is None or slow > ADMISSION_GOAL_S:
+            failures.append(f"slowest answer {_seconds(slow)} after its admission decision")
+    return Verdict(not failures, tuple(failures))
+
+
+def rss_outside(result: ScenarioResult) -> list[str]:
+    out = []
+    for name, start in result.rss_start.items():
+        after = result.rss_after.get(name, 0)
+        if start and abs(after - start) > RSS_TOLERANCE * start:
+            out.append(f"{name} {start / MIB:.0f}->{after / MIB:.0f} MiB")
+    return out
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def scenario_section(result: ScenarioResult) -> str:
+    v = verdict(result)
+    o = result.outcomes
+    lines = [
+        f"### {result.name}: {'PASS' if v.passed else 'FAIL'}", "",
+        f"{result.description}. {' '.join(result.notes)}", "",
+        "| requests sent | completed | explicit errors | hung | lost | service deaths "
+        "(caused / other) | time to recover |",
+        "|---|---|---|---|---|---|---|",
+        f"| {result.sent} | {o.get('completed', 0)} | {o.get('error', 0)} | "
+        f"{o.get('hung', 0)} | {o.get('lost', 0)} | {_deaths(result)} | "
+        f"{_seconds(result.recover_s)} |", "",
+        "| service | RSS at start (MiB) | peak RSS (MiB) | RSS after (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for name in result.rss_start:
+        lines.append(f"| {name} | {result.rss_start[name] / MIB:.0f} | "
+                     f"{result.rss_peak.get(name, 0) / MIB:.0f} | "
+                     f"{result.rss_after.get(name, 0) / MIB:.0f} |")
+    statuses = ", ".join(f"{s}: {c}" for s, c in sorted(result.statuses.items()))
+    lines += ["", f"HTTP statuses: {statuses or 'none'}."]
+    if result.max_after_admission_s is not None:
+        lines.append(f"Slowest answer after its admission decision: "
+                     f"{result.max_after_admission_s:.2f} s.")
+    if v.failures:
+        lines.append(f"Fails: {'; '.join(v.failures)}.")
+    return "\n".join(lines) + "\n"
+
+
+def _deaths(result: ScenarioResult) -> str:
+    caused = sum(d for n, d in result.deaths.items() if n in result.killed)
+    other = {n: d for n, d in result.deaths.items() if n not in result.killed}
+    return f"{caused} / {sum(other.values())}" + (f" {other}" if other else "")
+
+
+def render(results: Sequence[ScenarioResult], header: str) -> str:
+    passed = sum(verdict(r).passed for r in results)
+    summary = ["| scenario | verdict | sent | completed | errors | hung | lost | recover |",
+               "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        o = r.outcomes
+        summary.append(f"| {r.name} | {'PASS' if verdict(r).passed else 'FAIL'} | {r.sent} | "
+                       f"{o.get('completed', 0)} | {o.get('error', 0)} | {o.get('hung', 0)} | "
+                       f"{o.get('lost', 0)} | {_seconds(r.recover_s)} |")
+    parts = [header, f"{passed} of {len(results)} scenarios pass.", "",
+             "\n".join(summary), "", "## Scenarios", ""]
+    parts += [scenario_section(r) for r in results]
+    return "\n".join(parts)

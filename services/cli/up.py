@@ -1,0 +1,133 @@
+"""`prfaas up`: the whole demo mesh under the supervisor, until Ctrl-C or SIGTERM.
+
+    prfaas up [--procfile Procfile] [--topology FILE] [--control-port 8090]
+
+Runs every process of the Procfile (services.cli.supervisor: prefixed output, restarts with
+backoff, an orderly stop), serves the supervisor's control API on 127.0.0.1 (the dashboard's
+kill and restart buttons), and prints one line
+
+    ready: dashboard http://127.0.0.1:8080/ API http://127.0.0.1:8000/v1
+
+once the router's /health answers 200 with status "ready" (or "ok", what a router without
+the readiness check answers when every worker is up). Every child gets the run's admin token
+in PRFAAS_ADMIN_TOKEN (one is generated unless the environment has one), the control API's
+URL in PRFAAS_SUPERVISOR_URL, and the topology file in PRFAAS_TOPOLOGY (`prfaas serve`
+reads it when given no --topology). Ctrl-C or SIGTERM stops every child, last started first,
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+
+import anyio
+import httpx
+import msgspec
+
+from mesh.errors import MeshError
+from mesh.http import serve_http
+from mesh.topology import Topology, load_topology
+from services.cli.procfile import ProcessSpec, load_procfile
+from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
+from services.cli.supervisor import RestartPolicy, Supervisor
+from services.cli.supervisor_api import SUPERVISOR_URL_ENV, supervisor_app
+from services.contract.access import TOKEN_ENV, token_from_env
+
+READY_STATUSES = ("ready", "ok")
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    dashboard: str
+    api: str
+    health: str
+
+
+def endpoints(topology: Topology) -> Endpoints:
+    """The dashboard's and the router's URLs, from the topology (the defaults otherwise)."""
+    router = next(iter(topology.find(kind="router")), None)
+    ui = next(iter(topology.find(kind="ui")), None)
+    api = "http://127.0.0.1:8000"
+    if router is not None:
+        api = f"http://{router.options.get('http_host', router.host)}:" \
+              f"{router.options.get('http_port', 8000)}"
+    dashboard = "http://127.0.0.1:8080/"
+    if ui is not None:
+        dashboard = f"http://{ui.options.get('http_host', ui.host)}:" \
+                    f"{ui.options.get('http_port', 8080)}/"
+    return Endpoints(dashboard, f"{api}/v1", f"{api}/health")
+
+
+async def wait_ready(health_url: str, interval_s: float = 0.5) -> None:
+    """Polls the router's /health until it says ready (forever: the caller bounds it)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            try:
+                response = await client.get(health_url)
+                status = response.json().get("status") if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                status = None
+            if status in READY_STATUSES:
+                return
+            await anyio.sleep(interval_s)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prfaas up", description=__doc__.splitlines()[0])
+    parser.add_argument("--procfile", type=Path, default=Path("Procfile"))
+    parser.add_argument("--topology", type=Path, help="topology TOML (default: embedded)")
+    parser.add_argument("--control-port", type=int, default=8090,
+                        help="the supervisor's control API on 127.0.0.1 (0: any free port)")
+    parser.add_argument("--initial-backoff", type=float, default=0.5)
+    parser.add_argument("--max-backoff", type=float, default=5.0)
+    return parser.parse_args(argv)
+
+
+def up_main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        specs = load_procfile(args.procfile)
+        topology = load_topology(args.topology, DEFAULT_TOPOLOGY_PATH.read_text("utf-8"))
+        policy = RestartPolicy(initial_backoff_s=args.initial_backoff,
+                               max_backoff_s=args.max_backoff)
+    except MeshError as exc:
+        print(f"prfaas up: {exc}", file=sys.stderr)
+        return 2
+    token = token_from_env() or secrets.token_urlsafe(24)
+    env = {**os.environ, TOKEN_ENV: token}
+    if args.topology is not None:
+        env[TOPOLOGY_ENV] = str(args.topology.resolve())
+    anyio.run(partial(_run, specs, env, policy, args.control_port, endpoints(topology)),
+              backend="asyncio", backend_options={"use_uvloop": True})
+    return 0
+
+
+async def _run(specs: tuple[ProcessSpec, ...], env: dict[str, str], policy: RestartPolicy,
+               control_port: int, urls: Endpoints) -> None:
+    # Children read `env` when they start: the control API's URL is in it by then.
+    supervisor = Supervisor(specs, env, policy=policy)
+    app = supervisor_app(supervisor, env.get(TOKEN_ENV))
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            host, port = await tg.start(partial(serve_http, app, "127.0.0.1", control_port,
+                                                log_name="supervisor.http"))
+            env[SUPERVISOR_URL_ENV] = f"http://{host}:{port}"
+            print(f"supervisor: control API on http://{host}:{port}/processes", flush=True)
+            tg.start_soon(_announce_ready, urls)
+            await tg.start(supervisor.run)
+            async for signum in signals:
+                print(f"supervisor: {signal.Signals(signum).name}: stopping every process",
+                      flush=True)
+                await supervisor.stop()
+                tg.cancel_scope.cancel()
+                break
+
+
+async def _announce_ready(urls: Endpoints) -> None:
+    await wait_ready(urls.health)
+    print(f"ready: dashboard {urls.dashboard} API {urls.api}", flush=True)

@@ -1,0 +1,76 @@
+"""Who may change the mesh: the admin token and the Origin rule, shared by every admin API.
+
+One token per run (`prfaas up` generates it and passes it to every child in
+PRFAAS_ADMIN_TOKEN): the router's `/admin/*` routes, the supervisor's control API and the
+dashboard's calls to both carry it as `Authorization: Bearer TOKEN`. A service bound beyond
+loopback refuses to start without one; on loopback it is optional but honoured when set.
+
+The Origin rule stops a web page from driving an admin API through the browser of someone
+on the machine (cross-site request forgery): a request that carries an Origin header must
+come from the API's own origin. Server-side callers (the dashboard's proxy, curl) send none.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from collections.abc import Mapping
+
+import msgspec
+
+from mesh.errors import ConfigError
+
+TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
+# Where the supervisor's control API listens (`prfaas up` sets it for its children).
+SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
+AUTHORIZATION = "authorization"
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    """Why an admin request is refused: 401 (no or wrong token) or 403 (foreign origin)."""
+
+    status: int
+    message: str
+
+
+def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run's admin token, or None when none is set (an empty value counts as none)."""
+    value = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
+    return value or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_beyond_loopback(host: str, token: str | None, what: str) -> None:
+    """Refuses to serve an admin API on a non-loopback address without a token."""
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"{what} binds {host}, beyond loopback: set {TOKEN_ENV} (an admin "
+                          f"token) or bind 127.0.0.1")
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    return {} if token is None else {AUTHORIZATION: f"Bearer {token}"}
+
+
+def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str) -> Refusal | None:
+    """None when the request may act; else why not. `headers` keys are lower case."""
+    origin = headers.get("origin")
+    if origin is not None and origin != own_origin:
+        return Refusal(403, f"cross-origin admin request from {origin!r} refused")
+    if token is None:
+        return None
+    given = headers.get(AUTHORIZATION, "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not value:
+        return Refusal(401, "admin token required (Authorization: Bearer TOKEN)")
+    if not hmac.compare_digest(value.encode(), token.encode()):
+        return Refusal(401, "wrong admin token")
+    return None

@@ -1,0 +1,201 @@
+"""services.cli.supervisor and `prfaas up`: tiny children killed, brought back, stopped in order."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mesh.errors import ConfigError
+from services.cli.procfile import ProcessSpec, parse_procfile
+from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
+from services.cli.supervisor_api import supervisor_app
+
+SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
+           "'import time; print(\"up\", flush=True); time.sleep(600)'")
+FAST = RestartPolicy(initial_backoff_s=0.2, max_backoff_s=0.8, healthy_after_s=30.0,
+                     stop_timeout_s=5.0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not check():
+            await trio.sleep(0.02)
+
+
+def test_procfile_parses_names_and_commands() -> None:
+    specs = parse_procfile("# comment\n\nweb: exec serve --port 1\nworker-0:  run it\n")
+    assert specs == (ProcessSpec("web", "exec serve --port 1"), ProcessSpec("worker-0", "run it"))
+    with pytest.raises(ConfigError, match="unique"):
+        parse_procfile("a: x\na: y\n")
+    with pytest.raises(ConfigError, match="expected 'name: command'"):
+        parse_procfile("no colon here\n")
+
+
+@pytest.mark.trio
+async def test_killed_child_comes_back_within_backoff_others_untouched() -> None:
+    lines: list[tuple[str, str]] = []
+    specs = [ProcessSpec(name, SLEEPER) for name in ("a", "b", "c")]
+    supervisor = Supervisor(specs, dict(os.environ), policy=FAST,
+                            output=lambda name, line: lines.append((name, line)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        await until(lambda: sum(line == "up" for _, line in lines) == 3)
+        before = {c.name: c for c in supervisor.statistics().processes}
+        killed_at = time.monotonic()
+        await supervisor.kill("b")
+        await until(lambda: _status(supervisor, "b").pid != before["b"].pid
+                    and _status(supervisor, "b").state == "up")
+        back_s = time.monotonic() - killed_at
+        b = _status(supervisor, "b")
+        assert (b.deaths, b.restarts, b.last_exit) == (1, 1, -signal.SIGKILL)
+        assert back_s < FAST.initial_backoff_s + 2.0
+        for name in ("a", "c"):
+            assert _status(supervisor, name) == before[name]
+            assert alive(before[name].pid or 0)
+        pids = [p.pid or 0 for p in supervisor.statistics().processes]
+        await supervisor.stop()
+        nursery.cancel_scope.cancel()
+    assert not any(alive(pid) for pid in pids)
+    assert {p.state for p in supervisor.statistics().processes} == {"stopped"}
+    assert ("b", "up") in lines and any("exited with status -9" in line for _, line in lines)
+
+
+def _status(supervisor: Supervisor, name: str) -> ProcessStatus:
+    return supervisor.child(name).status()
+
+
+@pytest.mark.trio
+async def test_crashing_child_backs_off_doubling() -> None:
+    supervisor = Supervisor([ProcessSpec("crash", "exit 3")], dict(os.environ), policy=FAST,
+                            output=lambda name, line: None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        # Starts at about 0, 0.2, 0.6, 1.4 (0.2 doubling to 0.8): 3 or 4 deaths in 1.6 s;
+        # without the backoff it would be hundreds.
+        await trio.sleep(1.6)
+        crash = _status(supervisor, "crash")
+        nursery.cancel_scope.cancel()
+    assert 2 <= crash.deaths <= 5
+    assert crash.last_exit == 3
+
+
+@pytest.mark.trio
+async def test_restart_is_planned_and_immediate() -> None:
+    supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ),
+                            policy=RestartPolicy(initial_backoff_s=5.0),
+                            output=lambda name, line: None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        first = _status(supervisor, "a").pid
+        await supervisor.restart("a")
+        # Quicker than the 5 s backoff a death would wait.
+        await until(lambda: _status(supervisor, "a").pid != first, timeout_s=3.0)
+        a = _status(supervisor, "a")
+        assert (a.restarts, a.deaths, a.state) == (1, 0, "up")
+        nursery.cancel_scope.cancel()
+    assert not alive(first or 0)
+
+
+@pytest.mark.trio
+async def test_control_api_lists_kills_and_refuses_strangers() -> None:
+    supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ), policy=FAST,
+                            output=lambda name, line: None)
+    app = supervisor_app(supervisor, "s3cret")
+    auth = {"authorization": "Bearer s3cret"}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8090") as c:
+            assert (await c.get("/processes")).status_code == 401
+            wrong = await c.post("/processes/a/kill", headers={"authorization": "Bearer no"})
+            assert wrong.status_code == 401
+            evil = await c.post("/processes/a/kill", content=b"{}", headers={
+                **auth, "origin": "http://evil.example", "content-type": "text/plain"})
+            assert evil.status_code == 403
+            assert _status(supervisor, "a").deaths == 0
+            listed = (await c.get("/processes", headers=auth)).json()
+            assert [p["name"] for p in listed["processes"]] == ["a"]
+            assert listed["processes"][0]["state"] == "up"
+            killed = await c.post("/processes/a/kill", headers=auth, json={"signal": "KILL"})
+            assert killed.status_code == 200
+            await until(lambda: _status(supervisor, "a").deaths == 1)
+            assert (await c.post("/processes/nope/restart", headers=auth)).status_code == 404
+        nursery.cancel_scope.cancel()
+
+
+HEALTH_SERVER = """
+import http.server, json, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ready"}).encode()
+        self.send_response(200); self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args): pass
+# Not ready at once: the ready line must wait for /health, not come at start.
+time.sleep(1.0)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.slow
+def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """The CLI end to end: the ready line once /health says ready; SIGTERM stops all, exit 0."""
+    port = free_port()
+    server = tmp_path / "health.py"
+    server.write_text(HEALTH_SERVER)
+    python = shlex.quote(sys.executable)
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(f"sleeper: {SLEEPER}\nrouter: exec {python} {server} {port}\n")
+    topology = tmp_path / "topology.toml"
+    topology.write_text(f'[[services]]\nname = "router"\nkind = "router"\nport = 1\n'
+                        f'options = {{ http_port = {port} }}\n')
+    child = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
+         "--topology", str(topology), "--control-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "t"}, cwd=tmp_path)
+    try:
+        assert child.stdout is not None
+        seen: list[str] = []
+        for line in child.stdout:
+            seen.append(line)
+            if line.startswith("ready:") or len(seen) > 50:
+                break
+        assert seen[-1].strip() == (f"ready: dashboard http://127.0.0.1:8080/ "
+                                    f"API http://127.0.0.1:{port}/v1"), seen
+        assert any(line.startswith("sleeper") and "| up" in line for line in seen), seen
+        child.send_signal(signal.SIGTERM)
+        rest = child.communicate(timeout=30)[0]
+        assert child.returncode == 0, rest
+        assert "stopping every process" in rest
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
