@@ -37,6 +37,8 @@ from services.contract.messages import (
     ModelInfo,
     PrefillDone,
     PrefillRequest,
+    PrefixPushed,
+    PushPrefix,
     ReportCache,
     SetRole,
     StatusQuery,
@@ -52,6 +54,7 @@ from services.service import ServiceContext, link_of_peer, serve_events, serve_m
 from services.worker.compute import Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
 
 log = logging.getLogger(__name__)
@@ -114,12 +117,16 @@ def serve_prefill(node: Node, worker: PrefillWorker,
 
 
 def serve_decode(node: Node, worker: DecodeWorker,
-                 admit: Callable[[], None] = lambda: None) -> None:
+                 admit: Callable[[], None] = lambda: None,
+                 prefixes: PrefixTransfer | None = None) -> None:
     """Registers the decode handlers on `node`; `admit` raises when the worker may not take
-    new decode work (its role gate). KV for a request already being decoded always gets in."""
+    new decode work (its role gate). KV for a request already being decoded always gets in;
+    a prefix pushed to this worker (KVOpen purpose "prefix") goes to `prefixes`."""
 
     @node.accepts_stream(KVOpen)
     async def on_kv(opening: KVOpen, items: Mailbox[msgspec.Struct], ctx: Context) -> KVAccepted:
+        if opening.purpose == "prefix" and prefixes is not None:
+            return await prefixes.receive(opening, items, ctx.peer)
         if not worker.inbox.expects(opening.request_id):
             admit()
         return await worker.inbox.receive(opening, items, ctx.peer)
@@ -204,13 +211,15 @@ class WorkerService:
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
         self.reporter = CacheReporter(self.node, cachedir, self.report)
         pacing = self._pacing()
+        self.transfer = PrefixTransfer(self.name, model, self.store, self.lanes,
+                                       report=self.reporter.submit)
         self.prefill = PrefillWorker(
             model, self.store, self.lanes,
             PrefillConfig(name=self.name, cluster=self.cluster,
                           snapshot_every=ctx.option("snapshot_every", 1),
                           chunk_tokens=ctx.option("chunk_tokens", 512)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
-            link_of=link_of_peer(ctx.topology, self.cluster),
+            link_of=link_of_peer(ctx.topology, self.cluster), transfer=self.transfer,
         )
         self.decode = DecodeWorker(
             model, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
@@ -227,7 +236,7 @@ class WorkerService:
 
     def _register(self) -> None:
         serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"))
-        serve_decode(self.node, self.decode, lambda: self._admit("decode"))
+        serve_decode(self.node, self.decode, lambda: self._admit("decode"), self.transfer)
         serve_events(self.node, self.bus)
 
         @self.node.handles(StatusQuery)
@@ -238,6 +247,10 @@ class WorkerService:
         async def on_set_role(msg: SetRole, ctx: Context) -> WorkerState:
             await self.switch(msg.role, msg.reason or f"asked by {ctx.peer}")
             return self.state()
+
+        @self.node.handles(PushPrefix)
+        async def on_push(msg: PushPrefix, ctx: Context) -> PrefixPushed:
+            return await self.transfer.push(msg)
 
         @self.node.handles(ReportCache)
         async def on_report(msg: ReportCache, ctx: Context) -> WorkerReport:
@@ -308,6 +321,7 @@ class WorkerService:
             tg.start_soon(serve_metrics, self.ctx, {
                 "node": self.node.statistics, "prefill": self.prefill.statistics,
                 "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
+                "prefix_transfer": self.transfer.statistics,
                 "events": self.bus.statistics,
             })
             log.info("%s serving role %s with %s %s (%s)", self.name, self.role,
