@@ -23,6 +23,7 @@ from mesh.topology import Topology, parse_topology
 from mesh.transport import TcpTransport
 from services.cli.launch import in_process
 from services.contract.messages import Sampling
+from services.contract.prefix import block_hashes
 from services.model.config import family_config
 from services.model.generate import generate
 from services.model.model import build_model
@@ -136,8 +137,51 @@ async def test_a_prefix_cached_only_in_the_other_cluster_moves_once_and_only_the
     assert IdTokenizer().encode(text) == reference(second)
 
 
-async def _cached(scheduler: Scheduler, prompt: list[int]) -> bool:
-    from services.contract.prefix import block_hashes
-
+async def _cached(scheduler: Scheduler, prompt: list[int], worker: str = "p") -> bool:
+    """The directory knows `worker` can resume the prompt's first 3 blocks."""
     match = await scheduler._lookup(block_hashes(prompt, scheduler.config.block_size))
-    return scheduler.workers.resumable_blocks("prfaas", match) >= 3
+    return scheduler.workers.resumable_of(worker, match) >= 3
+
+
+POLICIES = {
+    "homogeneous": {},
+    "naive-hetero": {},
+    "prfaas": {"threshold": 100.0},
+    "prfaas-dynamic": {"token_scale": 1 / 200},
+    "dynamo": {"max_local_prefill_length": 100},
+}
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("name", list(POLICIES))
+async def test_every_policy_resumes_from_the_prefix_its_decision_counts(name: str) -> None:
+    """Whatever the policy and wherever the prefix is cached, the prefill worker resumes
+    from the decision's `resume_prefix` (moving it first when it lies elsewhere)."""
+    topo = topology()
+    cfg = family_config("kimi-linear", "tiny")
+    first = [(i * 5) % 500 + 2 for i in range(200)]
+    second = first + [(i * 3) % 500 + 5 for i in range(40)]
+    async with in_process(topo, ["cachedir", "link", "p", "q", "d"], transport=TcpTransport(),
+                          via_links=True) as mesh, \
+            mesh.client("router") as node, anyio.create_task_group() as group:
+        scheduler = Scheduler(node, create_policy(name, POLICIES[name]),
+                              WorkerTable.from_topology(topo), IdTokenizer(),
+                              SchedulerConfig(block_size=cfg.block_size, connections=2))
+        await group.start(scheduler.run)
+        with trio.fail_after(120):
+            one = await scheduler.submit(request(first))
+            await one.collect()
+            holder = one.placement.prefill_worker
+            while scheduler.workers.get(holder).prefills or \
+                    not await _cached(scheduler, second, holder):
+                await trio.sleep(0.05)
+            two = await scheduler.submit(request(second))
+            text, _ = await two.collect()
+        group.cancel_scope.cancel()
+    for handle in (one, two):
+        assert handle.prefill is not None
+        assert handle.placement.decision.resume_prefix == handle.prefill.reused_tokens
+    assert two.prefill is not None and two.prefill.reused_tokens == 192
+    if name != "dynamo":  # dynamo counts the PD hit only, by its own rule
+        assert two.placement.decision.counted_prefix == 192
+    assert IdTokenizer().encode(text) == reference(second)
