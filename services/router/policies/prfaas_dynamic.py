@@ -30,7 +30,8 @@ Theta_prfaas, Theta_pd-p and Theta_pd-d (the throughput model on the recent leng
 current t, measured completions for a stage that stayed backed up), and convert the least
 loaded worker of the other role when a stage's queue is `imbalance` times the other's, or
 when Eq. 8 is off by more than `roles.margin` and one conversion brings it closer (the router
-drains the worker first); then re-solve t for the new N_p / N_d (Eq. 7). Nothing is converted while a worker is still draining; t is solved for the shape the
+drains the worker first); then re-solve t for the new N_p / N_d (Eq. 7). Nothing is
+converted while a worker is still draining; t is solved for the shape the
 pending conversion will leave.
 
 The paper gives no watermark, step, average or period (docs/paper-notes.md section 3.4 "What is
