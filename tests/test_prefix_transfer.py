@@ -185,3 +185,58 @@ async def test_every_policy_resumes_from_the_prefix_its_decision_counts(name: st
     if name != "dynamo":  # dynamo counts the PD hit only, by its own rule
         assert two.placement.decision.counted_prefix == 192
     assert IdTokenizer().encode(text) == reference(second)
+
+
+def two_prfaas_topology() -> Topology:
+    """services/cli/topologies/two-prfaas.toml's shape, on free ports, with the tiny model."""
+    cachedir, la, lb, ca, cb, pa, pb, a, b, q, d = free_ports(11)
+    worker = ('options = { family = "kimi-linear", size = "tiny", checkpoint = "none", '
+              'threads = 1, connections = 2 }')
+    text = "".join(f'[[clusters]]\nname = "{c}"\nkind = "{k}"\n{worker}\n'
+                   for c, k in (("prfaas-a", "prfaas"), ("prfaas-b", "prfaas"), ("pd", "pd")))
+    for name, kind, cluster, port in (("a", "prefill", "prfaas-a", a),
+                                      ("b", "prefill", "prfaas-b", b),
+                                      ("q", "prefill", "pd", q), ("d", "decode", "pd", d)):
+        text += (f'[[services]]\nname = "{name}"\nkind = "{kind}"\ncluster = "{cluster}"\n'
+                 f"port = {port}\n")
+    text += f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {cachedir}\n'
+    for name, port, control, proxy, side in (("link-a", la, ca, pa, "prfaas-a"),
+                                             ("link-b", lb, cb, pb, "prfaas-b")):
+        text += (f'[[services]]\nname = "{name}"\nkind = "link"\nport = {port}\n'
+                 f"options = {{ control_port = {control}, proxy_base_port = {proxy} }}\n"
+                 f'[[links]]\nname = "{name}"\na = "{side}"\nb = "pd"\nbandwidth_bps = 1e9\n')
+    return parse_topology(text)
+
+
+async def egress(topo: Topology, link: str) -> int:
+    port = topo.service(link).options["control_port"]
+    async with httpx.AsyncClient() as client:
+        view = (await client.get(f"http://127.0.0.1:{port}/link")).json()
+    return int(view["statistics"]["link"]["egress"]["bytes_out"])
+
+
+@pytest.mark.trio
+async def test_two_prfaas_clusters_both_take_long_requests_each_over_its_own_link() -> None:
+    topo = two_prfaas_topology()
+    cfg = family_config("kimi-linear", "tiny")
+    names = ["cachedir", "link-a", "link-b", "a", "b", "q", "d"]
+    prompts = [[(i * 7 + 31 * k) % 500 + 1 for i in range(150)] for k in range(4)]
+    async with in_process(topo, names, transport=TcpTransport(), via_links=True) as mesh, \
+            mesh.client("router") as node, anyio.create_task_group() as group:
+        scheduler = Scheduler(node, create_policy("prfaas", {"threshold": 100.0}),
+                              WorkerTable.from_topology(topo), IdTokenizer(),
+                              SchedulerConfig(block_size=cfg.block_size, connections=2))
+        await group.start(scheduler.run)
+        handles = []
+        with trio.fail_after(120):
+            for prompt in prompts:
+                handles.append(await scheduler.submit(request(prompt)))
+                await handles[-1].collect()
+            moved = {link: await egress(topo, link) for link in ("link-a", "link-b")}
+        group.cancel_scope.cancel()
+    used = [h.placement.prefill_worker for h in handles]
+    assert sorted(used) == ["a", "a", "b", "b"]  # equal clusters: both take long requests
+    for link, worker in (("link-a", "a"), ("link-b", "b")):
+        sent = sum(h.prefill.kv_bytes for h in handles
+                   if h.prefill is not None and h.placement.prefill_worker == worker)
+        assert sent <= moved[link] <= 1.05 * sent + 8192  # its KV crossed its own link
