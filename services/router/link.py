@@ -60,7 +60,10 @@ def http_link_probe(client: httpx.AsyncClient, url: str, link: str = "") -> Link
 
 def link_url(topology: Topology) -> str | None:
     """GET /link of the first link service, if any."""
-    return next(iter(link_urls(topology).values()), None)
+    for service in topology.find(kind="link"):
+        port = service.options.get("control_port", 8474)
+        return f"http://{service.host}:{port}/link"
+    return None
 
 
 def link_urls(topology: Topology) -> dict[str, str]:
