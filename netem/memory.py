@@ -32,10 +32,12 @@ _Held = tuple[bytes, Admission, int]
 
 
 class MemoryRoute(msgspec.Struct, frozen=True):
-    """Connections to `listen` are forwarded to `upstream` through the link."""
+    """Connections to `listen` are forwarded to `upstream` through the link; a `reverse`
+    route's senders are on the link's far side (their bytes count as ingress)."""
 
     listen: Address
     upstream: Address
+    reverse: bool = False
 
 
 class MemoryLinkStatistics(msgspec.Struct, frozen=True):
@@ -105,8 +107,10 @@ class MemoryLink:
         try:
             async with client, await self._hub.connect(route.upstream) as upstream, \
                     anyio.create_task_group() as tg:
-                tg.start_soon(self._pump, client, upstream, Direction.EGRESS)
-                tg.start_soon(self._pump, upstream, client, Direction.INGRESS)
+                out, back = (Direction.INGRESS, Direction.EGRESS) if route.reverse else (
+                    Direction.EGRESS, Direction.INGRESS)
+                tg.start_soon(self._pump, client, upstream, out)
+                tg.start_soon(self._pump, upstream, client, back)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError) as exc:
             # One side went away: this connection ends, the link goes on.
             log.debug("link connection to %s ended: %r", route.upstream, exc)

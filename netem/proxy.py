@@ -53,6 +53,8 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     upstream_port: int
     listen_host: str = "127.0.0.1"
     upstream_host: str = "127.0.0.1"
+    # The client sits on the link's far side (b -> a): its bytes cross as INGRESS
+    reverse: bool = False
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -282,13 +284,15 @@ class LinkProxy:
                 logger.warning("upstream unreachable, closing client: %s", exc)
                 return
             with upstream:
-                await self._serve_pair(SocketChannel(conn), SocketChannel(upstream))
+                await self._serve_pair(SocketChannel(conn), SocketChannel(upstream),
+                                       route.reverse)
 
-    async def _serve_pair(self, client: SocketChannel, upstream: SocketChannel) -> None:
+    async def _serve_pair(self, client: SocketChannel, upstream: SocketChannel,
+                          reverse: bool) -> None:
         self._open += 1
         self._total += 1
         try:
-            await self.pump_connection(client, upstream)
+            await self.pump_connection(client, upstream, reverse=reverse)
         except* OSError as group:
             # A reset or broken pipe ends this connection only, never the proxy.
             self._errors += 1
@@ -296,11 +300,15 @@ class LinkProxy:
         finally:
             self._open -= 1
 
-    async def pump_connection(self, client: ByteChannel, upstream: ByteChannel) -> None:
-        """Pump both directions until both reach end of stream (half-close is forwarded)."""
+    async def pump_connection(self, client: ByteChannel, upstream: ByteChannel, *,
+                              reverse: bool = False) -> None:
+        """Pump both directions until both reach end of stream (half-close is forwarded).
+        The client's bytes are EGRESS (a -> b), or INGRESS on a `reverse` route."""
+        out, back = ((Direction.INGRESS, Direction.EGRESS) if reverse
+                     else (Direction.EGRESS, Direction.INGRESS))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._pump, client, upstream, Direction.EGRESS)
-            tg.start_soon(self._pump, upstream, client, Direction.INGRESS)
+            tg.start_soon(self._pump, client, upstream, out)
+            tg.start_soon(self._pump, upstream, client, back)
 
     async def _pump(self, src: ByteChannel, dst: ByteChannel, direction: Direction) -> None:
         flow = self._shaper.open_flow(direction)

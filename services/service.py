@@ -44,34 +44,45 @@ def link_service_of(topology: Topology, link: LinkSpec) -> ServiceSpec:
 
 
 class LinkRoute(msgspec.Struct, frozen=True):
-    """One proxy route of a link: `service` is reached at `listen`, forwarded to `upstream`."""
+    """One proxy route of a link: `service` is reached at `listen`, forwarded to `upstream`;
+    `reverse`: the route carries b -> a (its senders are in cluster b)."""
 
     service: str
     listen: Address
     upstream: Address
+    reverse: bool = False
 
 
 def link_routes(topology: Topology, link: LinkSpec) -> list[LinkRoute]:
     """The routes of `link`: one per worker of cluster b (the receiving, PD side), in file
-    order, at the link service's options.proxy_base_port + i. Senders in cluster a use them."""
+    order, at the link service's options.proxy_base_port + i, used by senders in cluster a;
+    then one per worker of cluster a at the next ports, used by senders in cluster b (a
+    cached prefix moved to a PrfaaS worker, services/worker/prefix_pull.py)."""
     proxy = link_service_of(topology, link)
     base = int(proxy.options.get("proxy_base_port", 0))
     if base < 1:
         raise ConfigError(f"link service {proxy.name!r}: options.proxy_base_port must be a "
                           f"port, got {proxy.options.get('proxy_base_port')!r}")
-    workers = [s for s in topology.find(cluster=link.b) if s.kind in WORKER_KINDS]
-    return [LinkRoute(s.name, Address(proxy.host, base + i), s.address)
-            for i, s in enumerate(workers)]
+    forward = [s for s in topology.find(cluster=link.b) if s.kind in WORKER_KINDS]
+    backward = [s for s in topology.find(cluster=link.a) if s.kind in WORKER_KINDS]
+    return ([LinkRoute(s.name, Address(proxy.host, base + i), s.address)
+             for i, s in enumerate(forward)] +
+            [LinkRoute(s.name, Address(proxy.host, base + len(forward) + i), s.address, True)
+             for i, s in enumerate(backward)])
+
+
+def _routes_from(topology: Topology, cluster: str) -> list[tuple[LinkSpec, LinkRoute]]:
+    """The routes senders in `cluster` use: forward routes of links it is side a of,
+    reverse routes of links it is side b of."""
+    return [(link, route) for link in topology.links for route in link_routes(topology, link)
+            if (link.a, link.b)[route.reverse] == cluster]
 
 
 def resolve_from(topology: Topology, cluster: str) -> Callable[[str], Address]:
-    """The resolver of a node in `cluster`: peers in a cluster it has a link to (as side a)
-    through that link's proxy, everyone else directly. A `#suffix` names a lane (another
-    connection to the same peer)."""
-    via: dict[str, Address] = {}
-    for link in topology.links:
-        if link.a == cluster:
-            via.update((r.service, r.listen) for r in link_routes(topology, link))
+    """The resolver of a node in `cluster`: peers in a cluster it has a link to through that
+    link's proxy, everyone else directly. A `#suffix` names a lane (another connection to
+    the same peer)."""
+    via = {r.service: r.listen for _, r in _routes_from(topology, cluster)}
 
     def resolve(peer: str) -> Address:
         name = peer.split("#", 1)[0]
@@ -82,10 +93,7 @@ def resolve_from(topology: Topology, cluster: str) -> Callable[[str], Address]:
 
 def link_of_peer(topology: Topology, cluster: str) -> Callable[[str], str | None]:
     """The link name a peer is reached through from `cluster`, None when direct."""
-    names: dict[str, str] = {}
-    for link in topology.links:
-        if link.a == cluster:
-            names.update((r.service, link.name) for r in link_routes(topology, link))
+    names = {r.service: link.name for link, r in _routes_from(topology, cluster)}
     return lambda peer: names.get(peer.split("#", 1)[0])
 
 

@@ -170,3 +170,40 @@ def test_plan_main_knobs_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         plan_main(["--help"])
     assert exit_info.value.code == 0
+
+
+def test_two_equal_prfaas_clusters_by_hand(model: ThroughputModel,
+                                           lengths: TruncatedLogNormal) -> None:
+    """Two PrfaaS clusters of 2 instances, each on its own 4 Gbps link (tight enough that
+    bandwidth binds), feeding 3 + 5 PD instances: Eqs. 1-8 by hand."""
+    two = replace(model, links_bps=(4e9, 4e9))
+    shape = ClusterShape(4, 3, 5, prfaas_split=(2, 2))
+    t = 19_400.0
+    point = two.evaluate(lengths, t, shape)
+    p = lengths.survival(t)
+    l_short, l_long = lengths.conditional_means(t)
+    assert model.prfaas is not None
+    s_kv, t_long = model.prfaas.kv_bytes(l_long), model.prfaas.prefill_time_full(l_long)
+    per_cluster = min(2 / t_long, 4e9 / (8 * s_kv))  # Eq. 3, one cluster under its link
+    assert per_cluster == 4e9 / (8 * s_kv)  # 4 Gbps binds: each cluster egress-limited
+    theta_prfaas = 2 * per_cluster
+    theta_pd_p = 3 / model.pd.prefill_time_full(l_short)  # Eq. 4
+    bs_max, step_s = model.pd.decode_slo()
+    theta_pd_d = 5 * bs_max / (step_s * 1024)  # Eq. 5
+    lam = min(theta_prfaas / p, theta_pd_p / (1 - p), theta_pd_d)  # Eq. 6
+    assert point.theta_prfaas == pytest.approx(theta_prfaas)
+    assert point.lambda_max == pytest.approx(lam)
+    assert point.prfaas_limit == "bandwidth"
+    # Eq. 2 per cluster: each carries half the offloaded KV, together lam * p * S_kv.
+    egress = lam * p * 8 * s_kv
+    assert point.egress_split_bps == pytest.approx((egress / 2, egress / 2))
+    # One cluster of 4 on one 8 Gbps link has the same ceiling; on one 4 Gbps link, half.
+    assert replace(model, bandwidth_bps=8e9).evaluate(
+        lengths, t, ClusterShape(4, 3, 5)).theta_prfaas == pytest.approx(theta_prfaas)
+    assert replace(model, bandwidth_bps=4e9).evaluate(
+        lengths, t, ClusterShape(4, 3, 5)).theta_prfaas == pytest.approx(theta_prfaas / 2)
+
+
+def test_split_must_sum_to_the_prfaas_instances() -> None:
+    with pytest.raises(ValueError, match="prfaas_split"):
+        ClusterShape(4, 3, 5, prfaas_split=(2, 1))

@@ -94,7 +94,9 @@ def test_bandwidth_cut_raises_t_and_offloading_falls_then_recovers() -> None:
 
 
 def quiet_policy(**options: object) -> PrfaasDynamicPolicy:
-    """A policy whose window never fills (t is solved on the initial distribution)."""
+    """A policy whose window never fills (t is solved on the initial distribution), its
+    long-term loop off unless `roles` is given (it re-balances Eq. 8 once t has moved)."""
+    options.setdefault("roles", RoleConfig(enabled=False))
     return PrfaasDynamicPolicy(DynamicConfig(min_samples=10**6, **options))  # type: ignore[arg-type]
 
 
@@ -337,3 +339,34 @@ def test_config_errors_name_the_option() -> None:
         RoleConfig(period_s=math.inf)
     with pytest.raises(PolicyError, match=r"prfaas_profile must model prefill time .*'cpu'"):
         PrfaasDynamicPolicy(DynamicConfig(prfaas_profile="cpu"))
+
+
+def test_eq8_out_of_balance_converts_within_two_periods_and_t_is_resolved() -> None:
+    """Short requests only (all under t): PD prefill outruns decode by far (Eq. 8), with no
+    queue backed up anywhere. On virtual time, the long-term loop converts one PD prefill
+    worker to decode at the end of a period, within two, then re-solves t for the new shape."""
+    policy = PrfaasDynamicPolicy(DynamicConfig(
+        min_samples=20, roles=RoleConfig(period_s=30.0)))
+    for i in range(40):  # the recent lengths: 2K to 4K tokens
+        policy.decide(RouteInputs(request_id=f"r{i}", total_len=2_000 + 50 * i))
+    state = pd_state(n_p=2, n_d=2)
+    solves = policy.statistics().solves
+    actions: list[object] = []
+    for now in range(61):
+        actions += policy.tick(float(now), state)
+        if any(isinstance(a, ConvertWorker) for a in actions):
+            break
+    (conversion,) = [a for a in actions if isinstance(a, ConvertWorker)]
+    assert now <= 60 and (conversion.from_role, conversion.to_role) == ("prefill", "decode")
+    assert "Eq. 8" in conversion.reason and "decode is the bottleneck" in conversion.reason
+    assert policy.statistics().solves > solves  # t re-solved for N_p / N_d = 1 / 3
+    assert (policy.statistics().n_p, policy.statistics().n_d) == (1, 3)
+    rates = policy._roles.last_rates
+    assert rates is not None and rates[0] + rates[1] > 1.3 * rates[2]
+
+
+def test_balanced_eq8_converts_nothing() -> None:
+    policy = PrfaasDynamicPolicy(DynamicConfig(min_samples=10**6,
+                                               roles=RoleConfig(period_s=30.0)))
+    actions = sustain(policy, pd_state(), 130)  # the paper's shape: 3.25 vs 3.91 req/s
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]

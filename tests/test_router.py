@@ -350,10 +350,11 @@ def test_router_options() -> None:
     assert config.policy_options()["prfaas"]["threshold"] == 9700.0
     with pytest.raises(ValueError, match="frobnicate"):
         router_config({"frobnicate": 1})
-    # The default prefix rule is pinned scarce for the policies that take one.
-    assert config.scheduler_config().scarce_pinned == ("prfaas", "prfaas-dynamic")
-    auto = router_config({"bandwidth": "auto", "block_size": 16}).scheduler_config()
-    assert auto.scarce_pinned == () and auto.block_size == 16
+    # The default prefix rule is "auto": abundant while the link is calm (the cache moves).
+    assert config.bandwidth == "auto"
+    assert config.policy_options()["prfaas"]["bandwidth"] == "auto"
+    auto = router_config({"block_size": 16}).scheduler_config()
+    assert auto.block_size == 16 and auto.links == ()
 
 
 @pytest.mark.trio

@@ -13,10 +13,9 @@ import trio.testing
 from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
 
 from services.contract.events import RequestDone
+from services.contract.messages import PrefixPull
 from services.router.errors import NoWorkerAvailable, QueueFull
-from services.router.policies.prfaas import threshold_rule
-from services.router.policy import RouteInputs
-from services.router.scheduler import SchedulerConfig, note_scarce_pin
+from services.router.scheduler import SchedulerConfig
 
 
 @pytest.mark.trio
@@ -87,41 +86,26 @@ async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
 
 
 @pytest.mark.trio
-async def test_a_pinned_scarce_rule_says_which_remote_cache_it_leaves_unused(
+async def test_the_abundant_rule_pulls_the_other_clusters_cache_to_the_compute_worker(
         autojump_clock: trio.testing.MockClock) -> None:
-    config = SchedulerConfig(block_size=BLOCK, connections=2, scarce_pinned=("prfaas",))
-    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"},
+    config = SchedulerConfig(block_size=BLOCK, connections=2)
+    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "auto"},
                          config=config) as mesh:
         first = list(range(1, 201))
         answer, _ = await (await mesh.scheduler.submit(generation(first, max_tokens=8))
                            ).collect()
         await anyio.sleep(1.0)
         second = first + [ord(c) + 1 for c in answer] + list(range(60, 90))
-        await (await mesh.scheduler.submit(generation(second))).collect()
+        handle = await mesh.scheduler.submit(generation(second))
+        await handle.collect()
         one, two = decisions(await mesh.take_events())
-        assert "pinned" not in one.reason  # nothing cached anywhere: nothing given up
-        # Scarce: l = 238 > t on PrfaaS, resuming its own 192; the abundant rule would count
-        # those 192 (l = 46 <= t) and prefill on PD, pulling them across the link.
-        assert (two.cluster, two.incremental_len, two.cached_prfaas) == ("prfaas", 238, 192)
-        assert two.reason.endswith(
-            "; scarce rule pinned, since cross-cluster cache transfer is not in the data "
-            "path: the abundant rule would prefill l = 46 on PD prefill, pulling 192 cached "
-            "tokens from prfaas")
-
-
-def test_the_note_is_only_for_decisions_the_abundant_rule_would_make_otherwise() -> None:
-    scarce = threshold_rule(RouteInputs(request_id="r", total_len=40_000, cached_pd=30_000),
-                            19_400, scarce=True)
-    # The PD cache is the longest already: the abundant rule pulls nothing either.
-    assert note_scarce_pin(RouteInputs(request_id="r", total_len=40_000, cached_pd=30_000),
-                           scarce) == scarce
-    inputs = RouteInputs(request_id="r", total_len=60_000, cached_prfaas=1_000,
-                         cached_pd=15_000)
-    noted = note_scarce_pin(inputs, threshold_rule(inputs, 19_400, scarce=True))
-    assert noted.reason.endswith("prefill l = 45,000 on PrfaaS, pulling 14,000 cached tokens "
-                                 "from pd")
-    abundant = threshold_rule(inputs, 19_400, scarce=False)
-    assert note_scarce_pin(inputs, abundant) == abundant  # not scarce: nothing to say
+        assert one.cluster == "prfaas" and handle.placement.cluster == "pd"
+        # Calm link: the 192 tokens cached in PrfaaS count (l = 46 <= t), so PD prefills
+        # and fetches them from the PrfaaS worker first, striped over the link's lanes.
+        assert (two.cluster, two.incremental_len, two.cached_prfaas) == ("pd", 46, 192)
+        assert not two.bandwidth_scarce and "pull 192 cached tokens from prfaas" in two.reason
+        assert handle.placement.pull == PrefixPull(holder="prfaas-prefill-0", tokens=192,
+                                                   connections=2)
 
 
 @pytest.mark.trio

@@ -86,14 +86,18 @@ def test_options_come_from_the_service_then_its_cluster() -> None:
 
 def test_cross_cluster_peers_go_through_the_link_and_lanes_share_an_address() -> None:
     routes = link_routes(TOPOLOGY, TOPOLOGY.links[0])
-    assert [(r.service, r.listen.port, r.upstream.port) for r in routes] == [
-        ("q", 7300, 7002), ("d", 7301, 7003)]
+    assert [(r.service, r.listen.port, r.upstream.port, r.reverse) for r in routes] == [
+        ("q", 7300, 7002, False), ("d", 7301, 7003, False), ("p", 7302, 7001, True)]
     from_prfaas = resolve_from(TOPOLOGY, "prfaas")
     assert from_prfaas("d") == from_prfaas("d#2") == Address("127.0.0.1", 7301)
     assert from_prfaas("p") == Address("127.0.0.1", 7001)
-    assert resolve_from(TOPOLOGY, "pd")("d") == Address("127.0.0.1", 7003)
+    from_pd = resolve_from(TOPOLOGY, "pd")
+    assert from_pd("d") == Address("127.0.0.1", 7003)
+    # A PD worker pushing a cached prefix to PrfaaS crosses the same link, the other way.
+    assert from_pd("p#1") == Address("127.0.0.1", 7302)
     assert link_of_peer(TOPOLOGY, "prfaas")("d#1") == "wan"
     assert link_of_peer(TOPOLOGY, "pd")("d") is None
+    assert link_of_peer(TOPOLOGY, "pd")("p") == "wan"
 
 
 def test_the_default_topology_is_the_designs() -> None:

@@ -266,7 +266,7 @@ def test_config_errors_name_the_parameter() -> None:
 def test_the_default_topology_feeds_the_dashboard_from_every_publishing_service() -> None:
     topology = default_topology()
     assert event_peers(topology) == ["router", "cachedir", "prfaas-prefill-0", "pd-prefill-0",
-                                     "pd-decode-0", "link-0"]
+                                     "pd-decode-0", "pd-prefill-1", "pd-decode-1", "link-0"]
     assert link_control_url(topology) == "http://127.0.0.1:8474"
     assert router_http_url(topology) == "http://127.0.0.1:8000"
     assert dashboard_config(topology).prfaas_clusters == ("prfaas",)

@@ -21,6 +21,8 @@ services.contract.errors.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from services.contract.errors import UnknownWorkerError
@@ -70,6 +72,43 @@ class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     connections: int = 1
     overlap: bool = True
     chunk_tokens: int | None = None  # None: the worker's own setting; 0: one chunk
+    # A cached prefix this worker lacks, to fetch from another worker before computing
+    # (the abundant prefix rule's cross-cluster cache transfer, paper section 3.3)
+    pull: PrefixPull | None = None
+
+
+class PrefixPull(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a prefill worker gets the cached prefix of its prompt's first `tokens` tokens
+    (a block multiple, ending at a state snapshot of `holder`) before it computes the rest.
+    connections: lanes the holder may stripe the prefix's KV over."""
+
+    holder: str
+    tokens: int
+    connections: int = 1
+
+
+class PushPrefix(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """To the worker holding `prompt` (a cached prefix, ending at one of its snapshots):
+    stream its KV to `target` as a KV upload (KVOpen with purpose "prefix"; lane 0 ends with
+    KVClose, first_token -1), sending full-attention KV from token `target_has_tokens` on
+    (the target holds the rest) and every fixed-size state at the prefix's end."""
+
+    request_id: str
+    prompt: list[int]
+    target: str
+    target_has_tokens: int = 0
+    connections: int = 1
+
+
+class PrefixPushed(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The holder's answer once the target accepted every lane of the prefix's KV."""
+
+    request_id: str
+    worker: str
+    tokens: int
+    kv_bytes: int
+    pieces: int
+    lanes: int
 
 
 class PrefillDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -128,6 +167,9 @@ class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     pieces: int
     lane: int = 0
     lanes: int = 1
+    # "decode": a prompt's KV for the decode worker; "prefix": a cached prefix pushed to a
+    # prefill worker's prefix store (PushPrefix)
+    purpose: Literal["decode", "prefix"] = "decode"
 
 
 class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -148,7 +190,8 @@ class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 
 class KVClose(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """The last item of lane 0: the prefill is done and this is the first sampled token."""
+    """The last item of lane 0: the prefill is done and this is the first sampled token
+    (-1 on a prefix push: nothing was sampled)."""
 
     request_id: str
     first_token: int
@@ -317,6 +360,8 @@ class Echo(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 CODEC_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     PrefillRequest,
     PrefillDone,
+    PushPrefix,
+    PrefixPushed,
     DecodeRequest,
     TokenChunk,
     KVOpen,

@@ -37,7 +37,7 @@ def link_of_service(ctx: ServiceContext) -> LinkSpec:
 
 def proxy_routes(ctx: ServiceContext, link: LinkSpec) -> list[Route]:
     return [Route(listen_port=r.listen.port, upstream_port=r.upstream.port,
-                  listen_host=r.listen.host, upstream_host=r.upstream.host)
+                  listen_host=r.listen.host, upstream_host=r.upstream.host, reverse=r.reverse)
             for r in link_routes(ctx.topology, link)]
 
 

@@ -30,16 +30,29 @@ from services.paper.workload import LengthDistribution, TruncatedLogNormal
 
 @dataclass(frozen=True)
 class ClusterShape:
-    """Instance counts: PrfaaS prefill, PD prefill (N_p) and PD decode (N_d)."""
+    """Instance counts: PrfaaS prefill, PD prefill (N_p) and PD decode (N_d).
+
+    `prfaas_split`: the PrfaaS instances per PrfaaS cluster when several feed the PD cluster
+    (summing to n_prfaas; empty: one cluster)."""
 
     n_prfaas: int
     n_p: int
     n_d: int
+    prfaas_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("n_prfaas", "n_p", "n_d"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.prfaas_split and (sum(self.prfaas_split) != self.n_prfaas
+                                  or min(self.prfaas_split) < 0):
+            raise ValueError(f"prfaas_split must be counts >= 0 summing to n_prfaas="
+                             f"{self.n_prfaas}, got {self.prfaas_split!r}")
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """PrfaaS instances per PrfaaS cluster."""
+        return self.prfaas_split or (self.n_prfaas,)
 
 
 class OperatingPoint(msgspec.Struct, frozen=True):
@@ -59,16 +72,22 @@ class OperatingPoint(msgspec.Struct, frozen=True):
     egress_bps: float
     bound: str
     prfaas_limit: str
+    egress_split_bps: tuple[float, ...] = ()  # Eq. 2 per PrfaaS cluster (several clusters)
 
 
 @dataclass(frozen=True)
 class ThroughputModel:
-    """Eqs. 3-6 for one PrfaaS cluster (None: none) feeding one PD cluster."""
+    """Eqs. 3-6 for PrfaaS clusters (None: none) feeding one PD cluster.
+
+    Several PrfaaS clusters (a shape's `prfaas_split`) each have their own link to the PD
+    cluster, of `links_bps[i]` (empty: `bandwidth_bps` each); Theta_prfaas is the sum of
+    each cluster's Eq. 3 under its own link, and Eq. 2 gives each cluster's egress."""
 
     prfaas: CostModel | None
     pd: CostModel
     bandwidth_bps: float
     output_len: int = 1024
+    links_bps: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
@@ -87,6 +106,25 @@ class ThroughputModel:
     def theta_prfaas(self, l_long: float, n_prfaas: int) -> float:
         return min(self.prfaas_limits(l_long, n_prfaas))
 
+    def site_links(self, shape: ClusterShape) -> list[tuple[int, float]]:
+        """(instances, link bandwidth) per PrfaaS cluster of `shape`."""
+        sites = shape.sites
+        links = self.links_bps or (self.bandwidth_bps,) * len(sites)
+        if len(links) != len(sites):
+            raise ValueError(f"links_bps names {len(links)} links for {len(sites)} PrfaaS "
+                             "clusters")
+        return list(zip(sites, links, strict=True))
+
+    def site_thetas(self, l_long: float, shape: ClusterShape) -> list[float]:
+        """Eq. 3 per PrfaaS cluster, each under its own link."""
+        return [replace(self, bandwidth_bps=bw).theta_prfaas(l_long, n) if bw > 0 else 0.0
+                for n, bw in self.site_links(shape)]
+
+    def theta_prfaas_shape(self, l_long: float, shape: ClusterShape) -> float:
+        if not shape.prfaas_split and not self.links_bps:
+            return self.theta_prfaas(l_long, shape.n_prfaas)
+        return sum(self.site_thetas(l_long, shape))
+
     def theta_pd_p(self, l_short: float, n_p: int) -> float:
         return n_p / self.pd.prefill_time_full(l_short) if n_p else 0.0
 
@@ -99,7 +137,7 @@ class ThroughputModel:
         """The three terms of Eq. 6: the arrival rate each stage alone could sustain."""
         p = lengths.survival(t)
         l_short, l_long = lengths.conditional_means(t)
-        prfaas = self.theta_prfaas(l_long, shape.n_prfaas) / p if p > 0 else math.inf
+        prfaas = self.theta_prfaas_shape(l_long, shape) / p if p > 0 else math.inf
         pd_p = self.theta_pd_p(l_short, shape.n_p) / (1 - p) if p < 1 else math.inf
         return prfaas, pd_p, self.theta_pd_d(shape.n_d)
 
@@ -110,11 +148,17 @@ class ThroughputModel:
         demands = self.stage_demands(lengths, t, shape)
         lam = min(demands)
         compute, bandwidth = self.prfaas_limits(l_long, shape.n_prfaas)
+        theta = self.theta_prfaas_shape(l_long, shape)
+        if shape.prfaas_split or self.links_bps:
+            bandwidth = compute if theta >= compute else theta
         egress = lam * p * 8.0 * self.prfaas.kv_bytes(l_long) if self.prfaas and p else 0.0
+        thetas = self.site_thetas(l_long, shape) if shape.prfaas_split else []
+        # Eq. 2 per cluster: its share of the offloaded requests times their KV
+        split = tuple(egress * th / theta if theta else 0.0 for th in thetas)
         return OperatingPoint(
             lambda_max=lam, t=t if math.isfinite(t) else None,
-            n_prfaas=shape.n_prfaas, n_p=shape.n_p, n_d=shape.n_d,
-            theta_prfaas=min(compute, bandwidth), theta_pd_p=self.theta_pd_p(l_short, shape.n_p),
+            n_prfaas=shape.n_prfaas, n_p=shape.n_p, n_d=shape.n_d, egress_split_bps=split,
+            theta_prfaas=theta, theta_pd_p=self.theta_pd_p(l_short, shape.n_p),
             theta_pd_d=demands[2], p=p, l_short=l_short, l_long=l_long, egress_bps=egress,
             bound=("prfaas", "pd_p", "pd_d")[demands.index(lam)],
             prfaas_limit=("" if not p or not shape.n_prfaas

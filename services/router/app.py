@@ -55,7 +55,7 @@ from services.contract.access import check_admin, require_token_beyond_loopback,
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
-from services.router.link import http_link_probe, link_url
+from services.router.link import LinkEnds, http_link_probe, link_ends, link_urls
 from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
 from services.router.metrics import SchedulerCollector
 from services.router.openai.schema import (
@@ -278,10 +278,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Router tokens per paper token: scales t (19.4K in the paper), prfaas-dynamic's model
     # and the demo workload's lengths to the small model.
     scale: float = 1 / 32
-    # The prefix rule: the data path has no cross-cluster cache transfer yet, so by default
-    # each cluster's cache counts alone ("scarce", and a decision's reason says so where the
-    # abundant rule would have pulled a remote cache); "auto" lets link utilisation choose.
-    bandwidth: Literal["auto", "scarce", "abundant"] = "scarce"
+    # The prefix rule (paper section 3.3): "auto" counts the best cache anywhere while the
+    # link is calm (moving it across, services/worker/prefix_pull.py) and each cluster's own
+    # under load; "scarce" / "abundant" pin one rule.
+    bandwidth: Literal["auto", "scarce", "abundant"] = "auto"
     max_context: int = 4096
     max_inflight: int = 64
     block_size: int = 64  # must equal the workers' model block size
@@ -303,11 +303,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
                 "dynamo": {"max_local_prefill_length": round(t)}}
 
-    def scheduler_config(self) -> SchedulerConfig:
-        pinned = tuple(name for name, options in self.policy_options().items()
-                       if options.get("bandwidth") == "scarce")
+    def scheduler_config(self, links: tuple[LinkEnds, ...] = ()) -> SchedulerConfig:
         return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
-                               connections=self.connections, scarce_pinned=pinned)
+                               connections=self.connections, links=links)
 
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:
@@ -322,7 +320,7 @@ def build_scheduler(ctx: ServiceContext, config: RouterConfig) -> Scheduler:
     tokenizer: TokenizerLike = ByteTokenizer() if config.tokenizer == "byte" else load_default()
     policy = create_policy(config.policy, config.policy_options().get(config.policy))
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(ctx.topology), tokenizer,
-                     config.scheduler_config())
+                     config.scheduler_config(link_ends(ctx.topology)))
 
 
 async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = (
@@ -344,11 +342,12 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
         scale=config.scale, max_prompt=config.max_context - 64))
     limits = Limits(max_context=config.max_context, models=(config.model,))
-    url = link_url(ctx.topology)
+    urls = link_urls(ctx.topology)
     async with httpx.AsyncClient(timeout=2.0) as client, scheduler.node, \
             anyio.create_task_group() as group:
         control = RouterControl(scheduler, ControlConfig(tick_s=config.tick_s),
-                                link_probe=http_link_probe(client, url) if url else None,
+                                link_probes=[http_link_probe(client, url, name)
+                                             for name, url in urls.items()],
                                 policy_options=config.policy_options())
         app = RouterApp(scheduler, control, workload, limits, admin_token)
         address = await scheduler.node.listen()

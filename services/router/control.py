@@ -1,7 +1,7 @@
 """The router's control plane: the control loops and the admin actions over one scheduler.
 
 - `tick` (every `tick_s`): poll each worker's `WorkerState` (services/router/workers.py),
-  sample the link, feed both to the policy, apply what the policy's `tick` returns (a
+  sample every link, feed both to the policy, apply what the policy's `tick` returns (a
   threshold move is announced as `ThresholdChanged`; a role conversion drains the worker,
   then switches it: `RoleChanged` old -> "draining" -> new);
 - the admin API (services/router/app.py maps it to HTTP): switch policy, pin or clear t, drain
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -65,12 +65,13 @@ class RouterControl:
         config: ControlConfig | None = None,
         *,
         link_probe: LinkProbe | None = None,
+        link_probes: Sequence[LinkProbe] = (),
         policy_options: Mapping[str, Mapping[str, object]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.config = config or ControlConfig()
         self._counts = dict.fromkeys(("ticks", "link_samples", "link_misses", "conversions"), 0)
-        self._link_probe = link_probe
+        self._link_probes = [*([link_probe] if link_probe else []), *link_probes]
         self._policy_options = dict(policy_options or {})
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = (
@@ -98,12 +99,11 @@ class RouterControl:
                 self._policy_conversion(action.worker, action.to_role, action.reason)
 
     async def _sample_link(self) -> None:
-        if self._link_probe is None:
-            return
-        sample = await self._link_probe()
-        self._counts["link_samples" if sample else "link_misses"] += 1
-        if sample is not None:
-            self.scheduler.observe_link(sample)
+        for probe in self._link_probes:
+            sample = await probe()
+            self._counts["link_samples" if sample else "link_misses"] += 1
+            if sample is not None:
+                self.scheduler.observe_link(sample)
 
     def _policy_conversion(self, name: str, role: Role, reason: str) -> None:
         """A conversion the policy asked for; one the table refuses is logged, not fatal."""

@@ -1,36 +1,41 @@
-"""The router's view of the PrfaaS egress link: samples from the link's control API.
+"""The router's view of the links between clusters: samples from each link's control API.
 
-The link service (netem/control.py) answers GET /link with its parameters and statistics;
-the control loop (services/router/control.py) turns one answer per tick into the policy's
-`LinkSample`. A link that does not answer gives no sample, and the policy holds still.
+Each link service (netem/control.py) answers GET /link with its parameters and statistics;
+the control loop (services/router/control.py) turns one answer per link per tick into a
+`LinkSample`, which the scheduler keeps per link (`LinkBook`) so that each PrfaaS cluster is
+judged by its own link to the request's PD cluster. A link that does not answer gives no
+sample, and the policy holds still.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 import httpx
+import msgspec
 
 from mesh.topology import Topology
 from services.router.policy import LinkSample
+from services.service import link_service_of
 
 log = logging.getLogger(__name__)
 
 LinkProbe = Callable[[], Awaitable[LinkSample | None]]
 
 
-def link_sample(view: Mapping[str, Any], now: float) -> LinkSample:
+def link_sample(view: Mapping[str, Any], now: float, link: str = "") -> LinkSample:
     """The policy's link sample from the link's GET /link answer (netem/control.py)."""
     egress = view["statistics"]["link"]["egress"]
-    return LinkSample(now=now, utilisation=float(egress["utilisation"]),
+    return LinkSample(now=now, link=link, utilisation=float(egress["utilisation"]),
                       bandwidth_bps=float(view.get("bandwidth_bps") or 0.0),
                       stalls=int(egress["stalls"]), up=bool(view["up"]))
 
 
-def http_link_probe(client: httpx.AsyncClient, url: str) -> LinkProbe:
+def http_link_probe(client: httpx.AsyncClient, url: str, link: str = "") -> LinkProbe:
     """Samples the link's control API; a link that does not answer gives no sample (logged
     when it stops answering and when it is back, not at every tick)."""
     answering = [True]
@@ -39,7 +44,7 @@ def http_link_probe(client: httpx.AsyncClient, url: str) -> LinkProbe:
         try:
             response = await client.get(url)
             response.raise_for_status()
-            sample = link_sample(response.json(), anyio.current_time())
+            sample = link_sample(response.json(), anyio.current_time(), link)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             if answering[0]:
                 log.warning("no link samples from %s: %s", url, exc)
@@ -54,8 +59,62 @@ def http_link_probe(client: httpx.AsyncClient, url: str) -> LinkProbe:
 
 
 def link_url(topology: Topology) -> str | None:
-    """GET /link of the first link service (the PrfaaS egress link), if any."""
+    """GET /link of the first link service, if any."""
     for service in topology.find(kind="link"):
         port = service.options.get("control_port", 8474)
         return f"http://{service.host}:{port}/link"
     return None
+
+
+def link_urls(topology: Topology) -> dict[str, str]:
+    """GET /link of every link of the topology, by link name."""
+    out = {}
+    for link in topology.links:
+        service = link_service_of(topology, link)
+        port = service.options.get("control_port", 8474)
+        out[link.name] = f"http://{service.host}:{port}/link"
+    return out
+
+
+class LinkEnds(msgspec.Struct, frozen=True):
+    """A link of the topology: its name and the clusters it joins (a: PrfaaS side)."""
+
+    name: str
+    a: str
+    b: str
+
+
+def link_ends(topology: Topology) -> tuple[LinkEnds, ...]:
+    return tuple(LinkEnds(link.name, link.a, link.b) for link in topology.links)
+
+
+class LinkBook:
+    """The latest sample of each link and its recent stalls (over `stall_window_s`)."""
+
+    def __init__(self, links: Sequence[LinkEnds], stall_window_s: float) -> None:
+        self._ends = {(e.a, e.b): e.name for e in links}
+        self._ends.update({(e.b, e.a): e.name for e in links})
+        self.stall_window_s = stall_window_s
+        self._samples: dict[str, LinkSample] = {}
+        self._stalls: dict[str, deque[tuple[float, int]]] = {}
+
+    def observe(self, sample: LinkSample) -> None:
+        self._samples[sample.link] = sample
+        history = self._stalls.setdefault(sample.link, deque())
+        history.append((sample.now, sample.stalls))
+        while history and history[0][0] < sample.now - self.stall_window_s:
+            history.popleft()
+
+    def between(self, a: str, b: str) -> str:
+        """The name of the link joining clusters a and b ("" when none is known)."""
+        return self._ends.get((a, b), "")
+
+    def sample(self, a: str, b: str) -> LinkSample | None:
+        """The latest sample of the link between a and b; an unnamed sample stands for any."""
+        name = self.between(a, b)
+        return self._samples.get(name) or self._samples.get("")
+
+    def recent_stalls(self, a: str, b: str) -> int:
+        name = self.between(a, b)
+        history = self._stalls.get(name) or self._stalls.get("")
+        return history[-1][1] - history[0][1] if history else 0

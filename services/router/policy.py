@@ -52,8 +52,30 @@ def _check_finite(name: str, value: float, low: float = 0.0) -> None:
         raise PolicyError(f"{name} must be a finite number >= {low}, got {value!r}")
 
 
+class PrfaasSite(msgspec.Struct, frozen=True, kw_only=True):
+    """One PrfaaS cluster as one request sees it (several may feed the PD cluster)."""
+
+    name: str
+    cached: int = 0  # resumable prefix of its best prefill worker (tokens)
+    queue: int = 0  # its queued prefill jobs
+    link_utilisation: float = 0.0  # egress of its link to the request's PD cluster
+    link_stalls: int = 0
+    available: bool = True  # it has a serving prefill worker and its link is up
+
+
+def site_key(site: PrfaasSite, sent: int) -> tuple[int, float, int, int, str]:
+    """How PrfaaS clusters are ranked for a request: the longest cached prefix first, then
+    the most link headroom (utilisation in steps of 0.1, so noise does not decide), the
+    shortest queue, and the fewest requests sent so far (spreads equal clusters)."""
+    return (-site.cached, round(site.link_utilisation, 1), site.queue, sent, site.name)
+
+
 class RouteInputs(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a policy may look at for one request (tokens, 0..1, queue lengths, s)."""
+    """Everything a policy may look at for one request (tokens, 0..1, queue lengths, s).
+
+    The PrfaaS fields describe one PrfaaS cluster, `prfaas_cluster`; with several
+    (`prfaas_sites`), `Policy.narrow` fills them from the one the request would use.
+    """
 
     request_id: str
     total_len: int
@@ -65,6 +87,9 @@ class RouteInputs(msgspec.Struct, frozen=True, kw_only=True):
     queue_pd: int = 0  # ... in the PD cluster
     prfaas_available: bool = True  # False: no PrfaaS worker, or the link is down
     now: float = 0.0
+    prfaas_cluster: str = "prfaas"  # the PrfaaS cluster the fields above describe
+    pd_cluster: str = "pd"  # the PD cluster of the request's decode worker
+    prfaas_sites: tuple[PrfaasSite, ...] = ()  # every PrfaaS cluster (empty: just the one)
 
     def __post_init__(self) -> None:
         for name in ("total_len", "cached_prfaas", "cached_pd", "link_stalls",
@@ -103,9 +128,10 @@ class RequestFinished(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LinkSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One sample of the PrfaaS egress link (telemetry.LinkStats carries the same fields)."""
+    """One sample of a PrfaaS egress link (telemetry.LinkStats carries the same fields)."""
 
     now: float
+    link: str = ""  # its name in the topology ("": the only link)
     utilisation: float  # throughput / bandwidth
     bandwidth_bps: float  # the link's configured rate now; 0 = unshaped
     stalls: int  # cumulative stall count of the link
@@ -130,7 +156,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
-    """Every worker of both clusters, for the control loops."""
+    """Every worker of every cluster, for the control loops."""
 
     workers: tuple[WorkerState, ...] = ()
 
@@ -180,6 +206,8 @@ class Policy(Protocol):
     @property
     def threshold(self) -> float | None: ...
 
+    def narrow(self, inputs: RouteInputs) -> RouteInputs: ...
+
     def decide(self, inputs: RouteInputs) -> Decision: ...
 
     def observe(self, feedback: Feedback) -> None: ...
@@ -209,6 +237,21 @@ class PolicyBase(Generic[_Config]):
         self._override: float | None = None
         self._decisions = self._to_prfaas = self._transfers = self._finished = 0
         self._last_reason = ""
+        self._sent: dict[str, int] = {}  # requests sent to each PrfaaS cluster
+
+    def narrow(self, inputs: RouteInputs) -> RouteInputs:
+        """`inputs` with the PrfaaS fields of the PrfaaS cluster a request would go to
+        (`site_key`); unavailable when none is. Unchanged without `prfaas_sites`."""
+        sites = [s for s in inputs.prfaas_sites if s.available]
+        if not inputs.prfaas_sites:
+            return inputs
+        if not sites:
+            return msgspec.structs.replace(inputs, prfaas_available=False)
+        best = min(sites, key=lambda s: site_key(s, self._sent.get(s.name, 0)))
+        return msgspec.structs.replace(
+            inputs, cached_prfaas=best.cached, queue_prfaas=best.queue,
+            link_utilisation=best.link_utilisation, link_stalls=best.link_stalls,
+            prfaas_available=True, prfaas_cluster=best.name)
 
     def _default_config(self) -> _Config:
         return self.config_type()  # type: ignore[return-value]
@@ -231,6 +274,8 @@ class PolicyBase(Generic[_Config]):
         decision = self._decide(inputs)
         self._decisions += 1
         self._to_prfaas += decision.cluster == "prfaas"
+        if decision.cluster == "prfaas":
+            self._sent[inputs.prfaas_cluster] = self._sent.get(inputs.prfaas_cluster, 0) + 1
         self._transfers += decision.cross_cluster_cache_transfer
         self._last_reason = decision.reason
         return decision

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 
-from services.contract.messages import PrefillDone
+from services.contract.messages import PrefillDone, PrefixPull
 from services.contract.types import Cluster
 from services.router.errors import RouterError
 from services.router.openai.schema import GenerationRequest
@@ -32,6 +32,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int  # the prefix the prefill worker resumes from (the policy's view)
     decode_has_tokens: int  # the prefix whose KV the decode worker already holds
     decision: Decision
+    pull: PrefixPull | None = None  # the cached prefix the prefill worker fetches first
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):

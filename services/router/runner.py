@@ -67,7 +67,7 @@ class RequestRunner:
         return PrefillRequest(
             request_id=p.request_id, prompt=request.prompt, decode_worker=p.decode_worker,
             decode_has_tokens=p.decode_has_tokens, sampling=request.sampling,
-            connections=lanes if p.cluster == "prfaas" else 1)
+            connections=lanes if p.cluster == "prfaas" else 1, pull=p.pull)
 
     async def _prefill(self, handle: RequestHandle, scope: anyio.CancelScope) -> None:
         worker = handle.placement.prefill_worker

@@ -19,15 +19,19 @@ decode stream is aborted at its worker (an Abort frame), and the prefill call is
 The control loops (services/router/control.py) feed it link samples (`observe_link`) and
 keep its worker table (services/router/workers.py: roles, draining, liveness) current.
 
-The data path has no cross-cluster cache transfer yet, so the router pins the policies that
-take a prefix rule to the scarce one (`scarce_pinned`); where the abundant rule would have
-pulled another cluster's longer cache, the decision's reason says so (`note_scarce_pin`).
+Several PrfaaS and PD clusters: the decode worker is chosen first (its cluster is the
+request's PD cluster); the inputs hold each PrfaaS cluster's cache, queue and own link
+(`PrfaasSite`), and the policy narrows them to one (`Policy.narrow`). When the decision
+resumes from a prefix the chosen prefill worker lacks (the abundant rule counted a cache in
+another cluster, or placement chose a worker without it), the prefill request names the
+worker that holds it (`PrefixPull`) and the prefill worker fetches it first
+(services/worker/prefix_pull.py), so the prefix a decision counts is the one the worker
+resumes from.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -40,30 +44,27 @@ from mesh.errors import ConfigError, MeshError
 from mesh.events import EventBus
 from mesh.node import Node
 from services.contract.events import Event, RequestDone
-from services.contract.messages import PrefixMatch, PrefixQuery, PrefixReply
+from services.contract.messages import PrefixMatch, PrefixPull, PrefixQuery, PrefixReply
 from services.contract.prefix import block_hashes, reusable_blocks
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
+from services.router.link import LinkBook, LinkEnds
 from services.router.openai.schema import GenerationRequest
 from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
-from services.router.policies.prfaas import threshold_rule
 from services.router.policy import (
     Decision,
     LinkSample,
     Policy,
+    PrfaasSite,
     RequestFinished,
     RouteInputs,
     decision_event,
-    format_tokens,
 )
 from services.router.requests import Finished, Placement, RequestHandle, RequestIds
 from services.router.runner import RequestRunner
 from services.router.workers import WorkerTable
 
 log = logging.getLogger(__name__)
-
-NO_CACHE_TRANSFER = "cross-cluster cache transfer is not in the data path"
-
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Bounds and deadlines (seconds on the scheduler's clock)."""
@@ -77,8 +78,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # KV lanes for a cross-cluster prefill, at most the worker's own (1 within a cluster)
     connections: int = 4
     stall_window_s: float = 30.0
-    # Policies the router pinned to the scarce prefix rule because of NO_CACHE_TRANSFER
-    scarce_pinned: tuple[str, ...] = ()
+    links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_inflight", "connections"):
@@ -122,23 +122,6 @@ class _Counts:
     cached_tokens: int = 0
 
 
-def note_scarce_pin(inputs: RouteInputs, decision: Decision) -> Decision:
-    """`decision`, its reason saying what the pinned scarce rule gave up, if anything: where
-    the abundant rule (best cache anywhere) would have pulled another cluster's cache."""
-    if not decision.bandwidth_scarce or decision.threshold is None:
-        return decision
-    abundant = threshold_rule(inputs, decision.threshold, scarce=False)
-    if not abundant.cross_cluster_cache_transfer:
-        return decision
-    own, source = ((inputs.cached_prfaas, "pd") if abundant.cluster == "prfaas"
-                   else (inputs.cached_pd, "prfaas"))
-    where = "PrfaaS" if abundant.cluster == "prfaas" else "PD prefill"
-    note = (f"; scarce rule pinned, since {NO_CACHE_TRANSFER}: the abundant rule would prefill "
-            f"l = {format_tokens(abundant.incremental_len)} on {where}, pulling "
-            f"{format_tokens(abundant.resume_prefix - own)} cached tokens from {source}")
-    return msgspec.structs.replace(decision, reason=decision.reason + note)
-
-
 class Scheduler:
     """Places and runs requests over `node`; run `run()` in a task group to serve."""
 
@@ -160,8 +143,7 @@ class Scheduler:
         self.events: EventBus[Event] = bus or EventBus()
         self.clock = clock
         self.tokenizer = tokenizer
-        self._link: LinkSample | None = None
-        self._stall_history: deque[tuple[float, int]] = deque()
+        self.links = LinkBook(self.config.links, self.config.stall_window_s)
         self._active: dict[str, RequestHandle] = {}
         self._group: anyio.abc.TaskGroup | None = None
         self._ids = RequestIds()
@@ -223,9 +205,12 @@ class Scheduler:
     async def _place(self, request: GenerationRequest) -> Placement:
         request_id = self._ids.next()
         match = await self._lookup(self._reusable_hashes(request.prompt))
-        inputs = self._inputs(request_id, len(request.prompt), match)
-        decision = self._decide(inputs)
-        prefill, decode = self._choose_workers(decision, match)
+        decode = self._choose_decode(match)
+        inputs = self.policy.narrow(self._inputs(request_id, len(request.prompt), match,
+                                                 self.workers.cluster_of(decode)))
+        decision = self.policy.decide(inputs)
+        prefill = self._choose_prefill(decision, inputs, match)
+        pull = self._pull(decision, prefill, match)
         self._counts.to_prfaas += decision.cluster == "prfaas"
         self.events.publish(decision_event(
             inputs, decision, policy=self.policy.name, prefill_worker=prefill,
@@ -235,7 +220,8 @@ class Scheduler:
             request_id=request_id, cluster=decision.cluster, prefill_worker=prefill,
             decode_worker=decode, prompt_tokens=len(request.prompt),
             cached_tokens=decision.resume_prefix, decision=decision,
-            decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size)
+            decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size,
+            pull=pull)
 
     def _reusable_hashes(self, prompt: list[int]) -> list[int]:
         # Only blocks strictly below the last token are asked for: every cached length the
@@ -243,24 +229,43 @@ class Scheduler:
         bs = self.config.block_size
         return block_hashes(prompt[: reusable_blocks(len(prompt), bs) * bs], bs)
 
-    def _decide(self, inputs: RouteInputs) -> Decision:
-        decision = self.policy.decide(inputs)
-        if self.policy.name in self.config.scarce_pinned:
-            return note_scarce_pin(inputs, decision)
-        return decision
-
-    def _choose_workers(self, decision: Decision, match: PrefixMatch | None) -> tuple[str, str]:
-        bs = self.config.block_size
+    def _choose_decode(self, match: PrefixMatch | None) -> str:
         if self.workers.decode_full():
             self._reject_full("every decode worker holds as many streams as it can")
         try:
-            return (choose_prefill_worker(
-                        self.workers.prefill_candidates(decision.cluster, match, bs)),
-                    choose_decode_worker(self.workers.decode_candidates(match, bs)))
+            return choose_decode_worker(self.workers.decode_candidates(
+                match, self.config.block_size))
         except PlacementError as exc:
             self._counts.rejected_no_worker += 1
             raise NoWorkerAvailable(f"no worker can serve this request: {exc}",
                                     code="no_worker") from exc
+
+    def _choose_prefill(self, decision: Decision, inputs: RouteInputs,
+                        match: PrefixMatch | None) -> str:
+        name = inputs.prfaas_cluster if decision.cluster == "prfaas" else inputs.pd_cluster
+        # Inputs built without cluster names (by hand, in tests) place in the kind at large.
+        cluster = name if name in self.workers.clusters(decision.cluster) else None
+        try:
+            return choose_prefill_worker(self.workers.prefill_candidates(
+                decision.cluster, match, self.config.block_size, cluster))
+        except PlacementError as exc:
+            self._counts.rejected_no_worker += 1
+            raise NoWorkerAvailable(f"no worker can serve this request: {exc}",
+                                    code="no_worker") from exc
+
+    def _pull(self, decision: Decision, prefill: str,
+              match: PrefixMatch | None) -> PrefixPull | None:
+        """Where `prefill` gets the prefix the decision resumes from, if it lacks it."""
+        bs = self.config.block_size
+        want = decision.resume_prefix // bs
+        if want <= self.workers.resumable_of(prefill, match):
+            return None
+        holder = self.workers.holder(match, want, exclude=prefill)
+        if holder is None:
+            return None
+        across = self.workers.cluster_of(holder) != self.workers.cluster_of(prefill)
+        lanes = min(self.config.connections, self.workers.lanes(holder)) if across else 1
+        return PrefixPull(holder=holder, tokens=want * bs, connections=lanes)
 
     async def _lookup(self, hashes: list[int]) -> PrefixMatch | None:
         if not hashes:
@@ -278,19 +283,34 @@ class Scheduler:
         self._directory_answers = True
         return reply.match
 
-    def _inputs(self, request_id: str, total: int, match: PrefixMatch | None) -> RouteInputs:
+    def _inputs(self, request_id: str, total: int, match: PrefixMatch | None,
+                pd: str) -> RouteInputs:
+        # A prefill computes at least one token: a cached prefix counts up to the last block
+        # boundary before the prompt's end, as far as the worker can resume.
         bs = self.config.block_size
-        link = self._link
+        cap = (total - 1) // bs * bs
+        sites = tuple(self._site(name, pd, match, cap)
+                      for name in self.workers.clusters("prfaas"))
+        first = sites[0] if sites else PrfaasSite(name="prfaas", available=False)
         return RouteInputs(
-            request_id=request_id, total_len=total,
-            cached_prfaas=min(total, self.workers.resumable_blocks("prfaas", match) * bs),
-            cached_pd=min(total, self.workers.resumable_blocks("pd", match) * bs),
+            request_id=request_id, total_len=total, cached_prfaas=first.cached,
+            cached_pd=min(cap, self.workers.resumable_blocks("pd", match, pd) * bs),
+            link_utilisation=first.link_utilisation, link_stalls=first.link_stalls,
+            queue_prfaas=first.queue, queue_pd=self.workers.prefill_queue("pd", pd),
+            prfaas_available=first.available, now=self.clock(), prfaas_cluster=first.name,
+            pd_cluster=pd, prfaas_sites=sites)
+
+    def _site(self, name: str, pd: str, match: PrefixMatch | None, cap: int) -> PrfaasSite:
+        """One PrfaaS cluster's cache, queue and link to the PD cluster `pd`."""
+        link = self.links.sample(name, pd)
+        return PrfaasSite(
+            name=name,
+            cached=min(cap, self.workers.resumable_blocks("prfaas", match, name)
+                       * self.config.block_size),
+            queue=self.workers.prefill_queue("prfaas", name),
             link_utilisation=link.utilisation if link else 0.0,
-            link_stalls=self._recent_stalls(),
-            queue_prfaas=self.workers.prefill_queue("prfaas"),
-            queue_pd=self.workers.prefill_queue("pd"),
-            prfaas_available=self.workers.has_prefill("prfaas") and (link is None or link.up),
-            now=self.clock())
+            link_stalls=self.links.recent_stalls(name, pd),
+            available=self.workers.has_prefill("prfaas", name) and (link is None or link.up))
 
     async def _serve(self, handle: RequestHandle) -> None:
         """Runs one request to its end; its failure is the request's, never the router's."""
@@ -353,17 +373,8 @@ class Scheduler:
         return self._group
 
     def observe_link(self, sample: LinkSample) -> None:
-        self._link = sample
-        self._stall_history.append((sample.now, sample.stalls))
-        while self._stall_history and \
-                self._stall_history[0][0] < sample.now - self.config.stall_window_s:
-            self._stall_history.popleft()
+        self.links.observe(sample)
         self.policy.observe(sample)
-
-    def _recent_stalls(self) -> int:
-        if not self._stall_history:
-            return 0
-        return self._stall_history[-1][1] - self._stall_history[0][1]
 
     def active(self) -> list[Placement]:
         return [h.placement for h in self._active.values()]

@@ -137,9 +137,19 @@ class WorkerTable:
                            param="name")
         return worker
 
-    def _serving(self, kind: Cluster, role: Role) -> list[WorkerEntry]:
+    def _serving(self, kind: Cluster, role: Role, cluster: str | None = None
+                 ) -> list[WorkerEntry]:
         return [w for w in self._workers.values()
-                if w.spec.kind == kind and w.role == role and w.serving]
+                if w.spec.kind == kind and w.role == role and w.serving
+                and cluster in (None, w.spec.cluster)]
+
+    def clusters(self, kind: Cluster) -> list[str]:
+        """The names of the clusters of `kind` that hold workers, in topology order."""
+        return list(dict.fromkeys(w.spec.cluster for w in self._workers.values()
+                                  if w.spec.kind == kind))
+
+    def cluster_of(self, name: str) -> str:
+        return self.get(name).spec.cluster
 
     @staticmethod
     def _blocks(match: PrefixMatch | None) -> dict[str, tuple[int, int]]:
@@ -148,12 +158,13 @@ class WorkerTable:
         return {w.worker: (w.blocks_held, w.blocks_resumable) for w in match.workers}
 
     def prefill_candidates(self, kind: Cluster, match: PrefixMatch | None,
-                           block_size: int) -> list[WorkerLoad]:
-        """Serving prefill workers of `kind`; their cached prefix is what they can resume."""
+                           block_size: int, cluster: str | None = None) -> list[WorkerLoad]:
+        """Serving prefill workers of `kind` (in `cluster`, if named); their cached prefix is
+        what they can resume."""
         blocks = self._blocks(match)
         return [WorkerLoad(name=w.spec.name, role="prefill", queue=w.prefills,
                            cached_prefix_tokens=blocks.get(w.spec.name, (0, 0))[1] * block_size)
-                for w in self._serving(kind, "prefill")]
+                for w in self._serving(kind, "prefill", cluster)]
 
     def decode_candidates(self, match: PrefixMatch | None,
                           block_size: int) -> list[WorkerLoad]:
@@ -176,11 +187,27 @@ class WorkerTable:
                 if w.polled is not None and w.polled.max_streams > 0]
         return sum(said) if said else None
 
-    def resumable_blocks(self, kind: Cluster, match: PrefixMatch | None) -> int:
-        """The longest prefix a serving prefill worker of `kind` can resume from (blocks)."""
+    def resumable_blocks(self, kind: Cluster, match: PrefixMatch | None,
+                         cluster: str | None = None) -> int:
+        """The longest prefix a serving prefill worker of `kind` (in `cluster`, if named) can
+        resume from (blocks)."""
         blocks = self._blocks(match)
-        return max((blocks.get(w.spec.name, (0, 0))[1] for w in self._serving(kind, "prefill")),
-                   default=0)
+        return max((blocks.get(w.spec.name, (0, 0))[1]
+                    for w in self._serving(kind, "prefill", cluster)), default=0)
+
+    def resumable_of(self, name: str, match: PrefixMatch | None) -> int:
+        """The prefix (blocks) worker `name` can resume from."""
+        return self._blocks(match).get(name, (0, 0))[1]
+
+    def holder(self, match: PrefixMatch | None, blocks: int, exclude: str) -> str | None:
+        """A live worker other than `exclude` that can resume `blocks` blocks (to push them
+        to another worker): prefill workers first, then the least busy."""
+        have = self._blocks(match)
+        holders = [w for w in self._workers.values() if w.up and w.spec.name != exclude
+                   and have.get(w.spec.name, (0, 0))[1] >= blocks]
+        best = min(holders, key=lambda w: (w.role != "prefill", w.prefills + w.decodes,
+                                           w.spec.name), default=None)
+        return best.spec.name if best else None
 
     def lanes(self, name: str) -> int:
         return self.get(name).spec.lanes
@@ -188,9 +215,10 @@ class WorkerTable:
     def held_blocks(self, name: str, match: PrefixMatch | None) -> int:
         return self._blocks(match).get(name, (0, 0))[0]
 
-    def prefill_queue(self, kind: Cluster) -> int:
+    def prefill_queue(self, kind: Cluster, cluster: str | None = None) -> int:
         return sum(w.prefills for w in self._workers.values()
-                   if w.spec.kind == kind and w.role == "prefill")
+                   if w.spec.kind == kind and w.role == "prefill"
+                   and cluster in (None, w.spec.cluster))
 
     def ready(self) -> bool:
         """Whether a prefill and a decode worker serve, each having answered a status poll
@@ -198,8 +226,8 @@ class WorkerTable:
         answering = [w for w in self._workers.values() if w.serving and w.polled is not None]
         return all(any(w.role == role for w in answering) for role in WORKER_KINDS)
 
-    def has_prefill(self, kind: Cluster) -> bool:
-        return bool(self._serving(kind, "prefill"))
+    def has_prefill(self, kind: Cluster, cluster: str | None = None) -> bool:
+        return bool(self._serving(kind, "prefill", cluster))
 
     def dispatched(self, prefill: str, decode: str) -> None:
         self._workers[prefill].prefills += 1

@@ -32,6 +32,7 @@ from services.contract.messages import CODEC_MESSAGES, ModelInfo
 from services.link.frames import payload_weight
 from services.paper.hardware import CostModel
 from services.router.control import ControlConfig, RouterControl
+from services.router.link import link_ends
 from services.router.policies import create_policy
 from services.router.policy import LinkSample
 from services.router.scheduler import Scheduler, SchedulerConfig
@@ -146,7 +147,7 @@ class SimWorld:
             return None
         shaper = link.shaper
         egress = shaper.statistics().egress
-        return LinkSample(now=anyio.current_time(), utilisation=egress.utilisation,
+        return LinkSample(now=anyio.current_time(), link="link-0", utilisation=egress.utilisation,
                           bandwidth_bps=shaper.params.bandwidth_bps or 0.0,
                           stalls=egress.stalls, up=shaper.params.up)
 
@@ -173,7 +174,8 @@ def _info(engine: ModeledEngine) -> ModelInfo:
 async def _start_links(world: SimWorld, hub: MemoryHub, tg: anyio.abc.TaskGroup) -> None:
     weight = payload_weight(Codec(CODEC_MESSAGES))
     for spec in world.topology.links:
-        routes = [MemoryRoute(r.listen, r.upstream) for r in link_routes(world.topology, spec)]
+        routes = [MemoryRoute(r.listen, r.upstream, r.reverse)
+                  for r in link_routes(world.topology, spec)]
         shaper = LinkShaper(LinkParams(bandwidth_bps=spec.bandwidth_bps, delay_s=spec.delay_s),
                             anyio.current_time, random.Random(world.deployment.seed))
         world.links[spec.name] = link = MemoryLink(hub, routes, shaper, weight)
@@ -196,7 +198,7 @@ def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) ->
     ctx = _context(topology, "router", transport)
     policy = create_policy(d.policy, policy_options(d))
     config = SchedulerConfig(block_size=ModeledConfig().block_size, max_inflight=1_000_000,
-                             connections=d.connections)
+                             connections=d.connections, links=link_ends(topology))
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
                      ModeledTokenizer(ModeledConfig()),
                      config)

@@ -10,6 +10,8 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
    compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
    worker has accepted every lane ("KV fully received").
+(0. With `request.pull`, first fetch that cached prefix from the worker holding it:
+   services.worker.prefix_pull.)
 4. Keep the new cache (with snapshots at block boundaries) in the store and report the
    stored and evicted blocks to the cache directory.
 
@@ -53,6 +55,7 @@ from services.worker.compute import (
 )
 from services.worker.engine import Engine, as_engine
 from services.worker.kv_stream import chunk_bounds, stream_failure, stream_plan
+from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,7 @@ class PrefillWorker:
         report: Callable[[StoreChange], None] | None = None,
         link_of: Callable[[str], str | None] = lambda peer: None,
         runner: ComputeRunner | None = None,
+        transfer: PrefixTransfer | None = None,
     ) -> None:
         if not lanes:
             raise RequestError("lanes must hold at least the worker's own node, got none")
@@ -126,6 +130,7 @@ class PrefillWorker:
         self._bus = bus or EventBus()
         self._report = report
         self._link_of = link_of
+        self._transfer = transfer
         self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
         self._slot = anyio.Lock()
@@ -144,6 +149,8 @@ class PrefillWorker:
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
         queued_at = anyio.current_time()
+        if self._transfer is not None and request.pull is not None:
+            await self._transfer.pull(request)  # a cached prefix from another worker first
         job = self._plan(request)
         self._enter()
         self._phase(request.request_id, "queued")

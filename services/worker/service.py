@@ -37,6 +37,8 @@ from services.contract.messages import (
     ModelInfo,
     PrefillDone,
     PrefillRequest,
+    PrefixPushed,
+    PushPrefix,
     ReportCache,
     SetRole,
     StatusQuery,
@@ -48,11 +50,18 @@ from services.model.cache import dtype_name
 from services.model.config import family_config
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
-from services.service import ServiceContext, link_of_peer, serve_events, serve_metrics
+from services.service import (
+    ServiceContext,
+    StatisticsSource,
+    link_of_peer,
+    serve_events,
+    serve_metrics,
+)
 from services.worker.compute import ComputeRunner, Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import Engine, ModelEngine
 from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
 
 log = logging.getLogger(__name__)
@@ -132,14 +141,18 @@ def serve_prefill(node: Node, worker: PrefillWorker,
 
 def serve_decode(node: Node, worker: DecodeWorker,
                  admit: Callable[[], None] = lambda: None, *,
-                 upload_slots: int | None = None) -> None:
+                 upload_slots: int | None = None,
+                 prefixes: PrefixTransfer | None = None) -> None:
     """Registers the decode handlers on `node`: decode streams in a pool of the worker's
     `max_streams` slots, uploads in one of `upload_slots` (if given); `admit` raises when the
     worker may not take new decode work (its role gate). KV for a request already being
-    decoded always gets in."""
+    decoded always gets in; a prefix pushed to this worker (KVOpen purpose "prefix") goes to
+    `prefixes`."""
 
     @node.accepts_stream(KVOpen, slots=upload_slots)
     async def on_kv(opening: KVOpen, items: Mailbox[msgspec.Struct], ctx: Context) -> KVAccepted:
+        if opening.purpose == "prefix" and prefixes is not None:
+            return await prefixes.receive(opening, items, ctx.peer)
         if not worker.inbox.expects(opening.request_id):
             admit()
         return await worker.inbox.receive(opening, items, ctx.peer)
@@ -225,6 +238,10 @@ class WorkerService:
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
         self.reporter = CacheReporter(self.node, cachedir, self.report)
         pacing = self._pacing()
+        # Moving cached KV between workers needs real caches: a modeled engine has none.
+        self.transfer = PrefixTransfer(self.name, engine.model, self.store, self.lanes,
+                                       report=self.reporter.submit) if isinstance(
+            engine, ModelEngine) else None
         self.prefill = PrefillWorker(
             engine, self.store, self.lanes,
             PrefillConfig(name=self.name, cluster=self.cluster,
@@ -232,6 +249,7 @@ class WorkerService:
                           chunk_tokens=ctx.option("chunk_tokens", 512)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
             link_of=link_of_peer(ctx.topology, self.cluster), runner=runner,
+            transfer=self.transfer,
         )
         self.slots = HandlerSlots(prefill=ctx.option("prefill_slots", 64),
                                   decode=ctx.option("max_streams", 64),
@@ -260,7 +278,7 @@ class WorkerService:
         serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"),
                       slots=self.slots.prefill)
         serve_decode(self.node, self.decode, lambda: self._admit("decode"),
-                     upload_slots=self.slots.upload)
+                     upload_slots=self.slots.upload, prefixes=self.transfer)
         serve_events(self.node, self.bus)
 
         @self.node.handles(StatusQuery)
@@ -271,6 +289,12 @@ class WorkerService:
         async def on_set_role(msg: SetRole, ctx: Context) -> WorkerState:
             await self.switch(msg.role, msg.reason or f"asked by {ctx.peer}")
             return self.state()
+
+        @self.node.handles(PushPrefix)
+        async def on_push(msg: PushPrefix, ctx: Context) -> PrefixPushed:
+            if self.transfer is None:
+                raise WrongRole(f"{self.name} keeps modeled caches: it has no KV to push")
+            return await self.transfer.push(msg)
 
         @self.node.handles(ReportCache)
         async def on_report(msg: ReportCache, ctx: Context) -> WorkerReport:
@@ -339,11 +363,14 @@ class WorkerService:
             tg.start_soon(self.decode.run)
             tg.start_soon(self.reporter.run)
             tg.start_soon(self._publish_status_every, self.ctx.option("status_interval", 1.0))
-            tg.start_soon(serve_metrics, self.ctx, {
+            sources: dict[str, StatisticsSource] = {
                 "node": self.node.statistics, "prefill": self.prefill.statistics,
                 "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
                 "events": self.bus.statistics,
-            })
+            }
+            if self.transfer is not None:
+                sources["prefix_transfer"] = self.transfer.statistics
+            tg.start_soon(serve_metrics, self.ctx, sources)
             log.info("%s serving role %s with %s %s in %s (%s)", self.name, self.role,
                      self.info.family, self.info.size, self.info.dtype, self.info.source)
             task_status.started(address)

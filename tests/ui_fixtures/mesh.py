@@ -91,9 +91,10 @@ def topology_text(base: Topology | None = None) -> str:
     topology = base or default_topology()
     parts = [_table("clusters", {"name": c.name, "kind": c.kind, "options": c.options})
              for c in topology.clusters]
-    receivers = {link.b for link in topology.links}
-    workers_b = max((len([s for s in topology.find(cluster=b) if s.kind in WORKER_KINDS])
-                     for b in receivers), default=1)
+    # A link routes to the workers of both its clusters (b's first, then a's, reversed).
+    workers_b = max((len([s for s in topology.services if s.kind in WORKER_KINDS
+                          and s.cluster in (link.a, link.b)]) for link in topology.links),
+                    default=1)
     for s in topology.services:
         options = _moved_options(s.kind, s.options, workers_b)
         parts.append(_table("services", {"name": s.name, "kind": s.kind, "cluster": s.cluster,

@@ -25,12 +25,13 @@ most one per `dwell_s`, each only if t changes by more than `min_rel_change`:
 Between the watermarks nothing moves, and a queue must fall to half the surge before it stops
 vetoing: those gaps are the hysteresis.
 
-Long-term loop (every `roles.period_s`; services/router/policies/roles.py): compare the mean queue
-per PD prefill worker with the mean queue per decode worker over the period (the paper:
-"monitors queue depth ... at each stage"); if one is >= `imbalance` times the other and
->= `min_backlog`, convert the least loaded worker of the other role (the router drains it
-first), then re-solve t for the new N_p / N_d (Eq. 8 restored by measurement, Eq. 7 by the
-solver). Nothing is converted while a worker is still draining; t is solved for the shape the
+Long-term loop (every `roles.period_s`; services/router/policies/roles.py): re-estimate
+Theta_prfaas, Theta_pd-p and Theta_pd-d (the throughput model on the recent lengths and the
+current t, measured completions for a stage that stayed backed up), and convert the least
+loaded worker of the other role when a stage's queue is `imbalance` times the other's, or
+when Eq. 8 is off by more than `roles.margin` and one conversion brings it closer (the router
+drains the worker first); then re-solve t for the new N_p / N_d (Eq. 7). Nothing is
+converted while a worker is still draining; t is solved for the shape the
 pending conversion will leave.
 
 The paper gives no watermark, step, average or period (docs/paper-notes.md section 3.4 "What is
@@ -72,6 +73,7 @@ from services.router.policy import (
     PolicyBase,
     PolicyError,
     PolicyStatistics,
+    RequestFinished,
     RouteInputs,
     SetThreshold,
     format_tokens,
@@ -202,7 +204,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._stalls_seen: int | None = None
         self._last_stall = self._last_change = -math.inf
         self._calm_since: float | None = None
-        self._roles = RoleBalancer(cfg.roles)
+        self._roles = RoleBalancer(cfg.roles, self.stage_rates)
         self._solves = 0
         self._t = self._solve(-math.inf)
 
@@ -218,8 +220,17 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._window.append(decision.incremental_len / self.config.token_scale)
         return decision
 
+    def stage_rates(self, shape: ClusterShape) -> tuple[float, float, float]:
+        """The model's Theta_prfaas, Theta_pd-p, Theta_pd-d (req/s) for `shape`, on the
+        recent lengths at the current t (what the long-term loop compares, Eq. 8)."""
+        t = self._t / self.config.token_scale
+        point = self._model.evaluate(self.lengths(), t, shape)
+        return point.theta_prfaas, point.theta_pd_p, point.theta_pd_d
+
     def observe(self, feedback: Feedback) -> None:
         super().observe(feedback)
+        if isinstance(feedback, RequestFinished) and feedback.ok:
+            self._roles.finished(feedback.cluster)
         if isinstance(feedback, LinkSample):
             self._utilisation.update(feedback.now, feedback.utilisation)
             self._link = feedback
