@@ -45,13 +45,17 @@ class MeshConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_backoff_s: float = 5.0
 
 
-def free_port(span: int = 1) -> int:
-    """A free port whose next `span - 1` ports were free too when asked (a proxy's range)."""
-    for _ in range(50):
+def free_port(span: int = 1, taken: set[int] | None = None) -> int:
+    """A free port whose next `span - 1` ports were free too when asked (a proxy's range),
+    none of them in `taken` (ports handed out already but not bound yet); adds them there."""
+    taken = set() if taken is None else taken
+    for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port: int = s.getsockname()[1]
-        if all(_is_free(port + i) for i in range(1, span)):
+        ports = range(port, port + span)
+        if taken.isdisjoint(ports) and all(_is_free(p) for p in ports[1:]):
+            taken.update(ports)
             return port
     raise ChaosMeshError("no free port range found")
 
@@ -69,12 +73,15 @@ def chaos_topology(config: MeshConfig) -> dict[str, Any]:
     """The default topology as a dict, ports moved to free ones, the model chosen."""
     data = tomllib.loads(DEFAULT_TOPOLOGY_PATH.read_text(encoding="utf-8"))
     data["services"] = [s for s in data["services"] if s["name"] in SERVICES]
+    # A link proxies one port per worker each way (services/service.py link_routes).
+    workers = sum(s["kind"] in ("prefill", "decode") for s in data["services"])
+    taken: set[int] = set()
     for service in data["services"]:
-        service["port"] = free_port()
+        service["port"] = free_port(1, taken)
         options = service.setdefault("options", {})
         for key in PORT_KEYS[1:]:
             if key in options:
-                options[key] = free_port(4 if key == "proxy_base_port" else 1)
+                options[key] = free_port(workers if key == "proxy_base_port" else 1, taken)
         if service["kind"] == "router":
             options["max_inflight"] = config.max_inflight
     for cluster in data["clusters"]:
