@@ -35,7 +35,7 @@ from services.contract.messages import (
 from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer
-from services.worker import decode as decode_module
+from services.worker import engine as engine_module
 from services.worker.decode import DecodeWorker
 from services.worker.kv_stream import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
@@ -146,7 +146,8 @@ class Imports:
 def imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[Imports]:
     """Records every import of the decode worker (and applies `mutation` to the result)."""
     record = Imports()
-    real = decode_module.import_pieces
+    # The real model's engine imports a stream's pieces (services/worker/engine.py).
+    real = engine_module.import_pieces
 
     def recording(cfg: object, dtype: str, base: RequestCache | None,
                   pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
@@ -157,7 +158,7 @@ def imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[Imports]:
         record.seen.append(Imported(kept, dict(pieces), cache.clone(keep_snapshots=False)))
         return cache
 
-    monkeypatch.setattr(decode_module, "import_pieces", recording)
+    monkeypatch.setattr(engine_module, "import_pieces", recording)
     yield record
 
 

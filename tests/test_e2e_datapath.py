@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ from tests.kv_exact import (
     write_checkpoint,
 )
 from tests.kv_exact import reference as noticing_reference
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +53,6 @@ FAMILIES = {"kimi-linear": 0, "qwen-next": 1, "mimo": 2, "dense": 3}
 SAMPLING = Sampling(max_tokens=64, stop_on_eos=False)
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def worker_options(checkpoint: Path, family: str, extra: str = "") -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from services.cli.launch import launch
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ SHORT_PROMPT = "short"
 WORKERS = ["prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
 
 
-def free_ports(n: int) -> list[int]:
-    # The children bind these: the topology file names fixed ports (see the report's notes).
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def topology_text(ports: list[int]) -> str:

@@ -12,8 +12,6 @@ one-process generation.
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 import httpx
 import pytest
@@ -32,6 +30,7 @@ from services.router.policies import create_policy
 from services.router.scheduler import Scheduler, SchedulerConfig
 from services.router.workers import WorkerTable
 from services.worker.kv_stream import expected_kv_bytes
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +51,6 @@ class IdTokenizer:
         return "".join(chr(BASE + i) for i in ids)
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def topology() -> Topology:

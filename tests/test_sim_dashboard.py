@@ -3,6 +3,7 @@ the recording of replays, and the entry point that lets services reach ui withou
 
 from __future__ import annotations
 
+import re
 import time
 import tomllib
 from pathlib import Path
@@ -142,6 +143,8 @@ async def test_the_sim_dashboard_serves_the_simulation_and_its_speed(
             assert abs(snapshot["decisions"][0]["ts"] - time.time()) < 3600
             state = (await client.get("/api/control/state")).json()
             assert state["sim"]["speed"] == 50 and state["router"]["policies"] == list(POLICIES)
+            # The page hands its CSRF token to its scripts; POSTs send it back (ui/guard.py).
+            client.headers["x-csrf-token"] = await csrf_token(client)
             faster = await client.post("/api/control/speed", json={"speed": 200})
             assert faster.json()["speed"] == 200 and paced_clock.rate == 200
             # Replays wait wall seconds, though this loop's clock runs 200 times faster.
@@ -194,3 +197,10 @@ def test_record_writes_a_replay_of_the_simulated_deployment(tmp_path: Path) -> N
     assert {t.RoutingDecision, t.LinkStats, t.WorkerStatus, t.RequestPhase} <= {
         type(e) for e in events}
     assert sim_dashboard.sim_dashboard_main(["--record", str(out), "--rate", "-1"]) == 2
+
+
+async def csrf_token(client: httpx.AsyncClient) -> str:
+    page = (await client.get("/")).text
+    found = re.search(r'<meta name="csrf-token" content="([^"]+)">', page)
+    assert found is not None
+    return found.group(1)

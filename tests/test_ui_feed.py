@@ -8,7 +8,7 @@ link service, and moves the link's bandwidth through the dashboard's control.
 
 from __future__ import annotations
 
-import socket
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,6 +31,7 @@ from services.cli.serve import default_topology, runner_for, serve_main
 from services.contract.events import AnyEvent, Event, WorkerStatus
 from services.contract.messages import CODEC_MESSAGES, Echo, Subscribe
 from services.service import serve_events
+from tests.ports import free_ports
 from ui.feed import (
     FeedConfig,
     MeshFeed,
@@ -274,15 +275,6 @@ def test_the_default_topology_feeds_the_dashboard_from_every_publishing_service(
     assert (link_control_url(bare), router_http_url(bare), event_peers(bare)) == (None, None, [])
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 async def poll(client: httpx.AsyncClient, path: str, done: Callable[[Any], bool]) -> Any:
@@ -339,6 +331,8 @@ async def test_the_ui_runner_shows_the_link_and_moves_its_bandwidth(
         snapshot = await poll(client, "/api/snapshot", lambda s: len(s["links"]) == 1)
         assert snapshot["mode"] == "live"
         assert snapshot["links"][0]["bandwidth_bps"] == 1e9
+        # The page hands its CSRF token to its scripts; POSTs send it back (ui/guard.py).
+        client.headers["x-csrf-token"] = await csrf_token(client)
         answer = await client.post("/api/control/link", json={"bandwidth_bps": 2e9})
         assert answer.status_code == 200 and answer.json()["bandwidth_bps"] == 2e9
         await poll(client, "/api/snapshot", lambda s: s["links"][0]["bandwidth_bps"] == 2e9)
@@ -391,3 +385,10 @@ async def test_monotonic_stamps_become_wall_time(autojump_clock: trio.abc.Clock)
     # The event says when it happened as a time of day, whatever the service's clock.
     assert abs(collector.events[0].ts - time.time()) < 5.0
     assert collector.events[0].ts > stamped_at + 1e6
+
+
+async def csrf_token(client: httpx.AsyncClient) -> str:
+    page = (await client.get("/")).text
+    found = re.search(r'<meta name="csrf-token" content="([^"]+)">', page)
+    assert found is not None
+    return found.group(1)

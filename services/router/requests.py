@@ -105,8 +105,9 @@ class RequestHandle:
 class RequestIds:
     """Request ids unique across router restarts: a random prefix and a counter."""
 
-    def __init__(self) -> None:
-        self._prefix = secrets.token_hex(3)
+    def __init__(self, prefix: str = "") -> None:
+        # A given prefix makes ids reproducible (the simulation, run twice with one seed).
+        self._prefix = prefix or secrets.token_hex(3)
         self._n = 0
 
     def next(self) -> str:

@@ -80,6 +80,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stall_window_s: float = 30.0
     links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
 
+    id_prefix: str = ""  # request ids req-PREFIX-N; "" draws a random prefix
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_inflight", "connections"):
             if getattr(self, name) < 1:
@@ -146,7 +148,7 @@ class Scheduler:
         self.links = LinkBook(self.config.links, self.config.stall_window_s)
         self._active: dict[str, RequestHandle] = {}
         self._group: anyio.abc.TaskGroup | None = None
-        self._ids = RequestIds()
+        self._ids = RequestIds(self.config.id_prefix)
         self._counts = _Counts()
         self._directory_answers = True
         self._placing = 0

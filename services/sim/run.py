@@ -152,7 +152,7 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
                 samples: list[Sample] = []
                 tg.start_soon(_sampler, world, start, sample_s, samples, in_flight, progress)
                 tg.start_soon(_apply_changes, world, start, changes)
-                await _send_all(world, start, arrivals, pending, in_flight)
+                await _send_all(world, start, arrivals, pending, in_flight, tg)
                 with anyio.move_on_after(max(0.0, start + end - anyio.current_time())):
                     while in_flight[0]:
                         await anyio.sleep(1.0)
@@ -171,12 +171,13 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
 
 
 async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
-                    pending: dict[str, Arrival], in_flight: list[int]) -> None:
-    async with anyio.create_task_group() as tg:
-        for arrival in arrivals:
-            await anyio.sleep_until(start + arrival.at)
-            in_flight[0] += 1
-            tg.start_soon(_one, world, arrival, pending, in_flight)
+                    pending: dict[str, Arrival], in_flight: list[int],
+                    tg: anyio.abc.TaskGroup) -> None:
+    """Each arrival at its time, as a task of `tg` (the run's: it may end them unfinished)."""
+    for arrival in arrivals:
+        await anyio.sleep_until(start + arrival.at)
+        in_flight[0] += 1
+        tg.start_soon(_one, world, arrival, pending, in_flight)
 
 
 async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],

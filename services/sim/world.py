@@ -198,7 +198,8 @@ def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) ->
     ctx = _context(topology, "router", transport)
     policy = create_policy(d.policy, policy_options(d))
     config = SchedulerConfig(block_size=ModeledConfig().block_size, max_inflight=1_000_000,
-                             connections=d.connections, links=link_ends(topology))
+                             connections=d.connections, links=link_ends(topology),
+                             id_prefix=f"{d.name}{d.seed}")
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
                      ModeledTokenizer(ModeledConfig()),
                      config)
