@@ -25,7 +25,8 @@ from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
-WORKER = 'options = { family = "kimi-linear", size = "default", checkpoint = "none", threads = 1 }'
+WORKER = ('options = { family = "kimi-linear", size = "default", checkpoint = "none", '
+          'threads = 1, profile = "h200" }')
 # About 270 BPE tokens, well past t = 97.
 LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
 SHORT_PROMPT = "short"
@@ -155,6 +156,8 @@ def test_a_prefill_worker_killed_mid_prefill_fails_its_request_explicitly(mesh: 
     with launch(mesh.path, ["pd-prefill-0", "pd-decode-0"], log_dir=mesh.root), \
             launch(mesh.path, ["prfaas-prefill-0"], extra_args=paced, log_dir=mesh.root) as slow, \
             httpx.Client(timeout=60) as client:
+        # The router re-admits a worker it saw down a moment after it answers again.
+        wait_for_workers_up(client, mesh, 3)
         # Emulated H200 pacing slowed 2000x: the prefill takes seconds; it dies after 1 s.
         started = time.monotonic()
         body = {"model": "prfaas", "prompt": LONG_PROMPT, "max_tokens": 8}
@@ -183,3 +186,12 @@ def test_a_full_router_answers_429_and_a_cancelled_stream_frees_its_slot(mesh: M
         assert children["pd-decode-0"].poll() is None
     assert refused[0].status_code == 429 and "error" in refused[0].json(), refused[0].text
     assert after.status_code == 200, after.text
+
+
+def wait_for_workers_up(client: httpx.Client, mesh: Mesh, count: int) -> None:
+    """Until the router's /health counts `count` workers up (bounded: 40 polls)."""
+    for _ in range(40):
+        if client.get(f"{mesh.url}/health").json().get("workers_up") == count:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"the router never saw {count} workers up")
