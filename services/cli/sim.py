@@ -5,6 +5,7 @@
     prfaas sim --scenario trace --out sim-trace            the Mooncake conversation trace
     prfaas sim --scenario burst --out sim-burst            gamma arrivals, role conversions
     prfaas sim --policy prfaas --rate 3 --duration 600     one run of the paper deployment
+    prfaas sim --policy prfaas --rate 1 --dashboard        the same, live on the dashboard
 
 Each scenario writes DIR/summary.json, DIR/records.jsonl, DIR/table.md and PNG plots, and
 shows its progress in virtual time on the terminal. `--quick` shortens every run (a smoke
@@ -70,6 +71,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--instances", default="4/3/5",
                         help="one run: PrfaaS prefill / PD prefill / PD decode instances")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="serve the dashboard on the simulation instead of a report "
+                             "(prfaas sim-dashboard with --policy and --rate)")
+    parser.add_argument("--speed", type=float, default=10.0,
+                        help="--dashboard: virtual seconds per wall second")
+    parser.add_argument("--port", type=int, default=8080, help="--dashboard: its HTTP port")
     return parser.parse_args(argv)
 
 
@@ -125,6 +132,12 @@ def _virtual(runs: Any) -> float:
 
 def sim_main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if args.dashboard:
+        from services.cli.sim_dashboard import sim_dashboard_main
+
+        return sim_dashboard_main(["--speed", str(args.speed), "--port", str(args.port),
+                                   "--policy", args.policy, "--rate", str(args.rate),
+                                   "--seed", str(args.seed)])
     args.out.mkdir(parents=True, exist_ok=True)
     progress = ProgressBar(not args.no_progress)
     try:

@@ -88,7 +88,9 @@ def run_rate(d: Deployment, rate: float, window_s: float, seed: int,
     arrivals = lognormal(rate, window_s, d.scale, seed)
     result = _run(d, arrivals, f"{d.name} @ {rate:.2f} req/s", window_s, progress)
     g = growth(result, rate, window_s)
-    return SweepPoint(rate, g < GROWTH_LIMIT and result.unfinished == 0, g, result)
+    failed = sum(not r.ok for r in result.records)
+    return SweepPoint(rate, g < GROWTH_LIMIT and failed == 0 and result.unfinished == 0, g,
+                      result)
 
 
 def _run(d: Deployment, arrivals: Sequence[Arrival], what: str, total: float,

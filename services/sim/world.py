@@ -46,6 +46,7 @@ HOST = "sim"
 # Served tokens per paper token: a 64-token block is one 512-token block of the traces.
 DEFAULT_SCALE = 1 / 8
 GIB = 1 << 30
+PATIENCE_S = 86_400.0
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -197,7 +198,10 @@ async def _start_workers(world: SimWorld, transport: MemoryTransport,
 def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) -> Scheduler:
     ctx = _context(topology, "router", transport)
     policy = create_policy(d.policy, policy_options(d))
+    # No request gives up: past capacity the queues grow (what the scenarios measure) rather
+    # than requests failing after the live mesh's 60 s KV wait.
     config = SchedulerConfig(block_size=ModeledConfig().block_size, max_inflight=1_000_000,
+                             kv_timeout_s=PATIENCE_S, request_timeout_s=PATIENCE_S,
                              connections=d.connections, links=link_ends(topology),
                              id_prefix=f"{d.name}{d.seed}")
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
