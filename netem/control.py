@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
-import hypercorn.asyncio
-import hypercorn.trio
 import msgspec
-import sniffio
 from anyio.abc import TaskStatus
-from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -47,9 +43,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
+from mesh.http import serve_http
 from netem.control_access import WriteGuard, check_bind
 from netem.link_metrics import LinkCollector
-from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route, listen_tcp
+from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route
 from netem.shaper import (
     LinkError,
     LinkParamError,
@@ -388,17 +385,6 @@ class LinkEndpoints(msgspec.Struct, frozen=True):
     control: tuple[str, int]
 
 
-async def _serve_http(app: Starlette, config: HypercornConfig, stop: anyio.Event) -> None:
-    serve: Callable[..., Awaitable[None]] = (
-        hypercorn.trio.serve
-        if sniffio.current_async_library() == "trio"
-        else hypercorn.asyncio.serve
-    )
-    # Shielded so that cancelling serve_link still shuts hypercorn down gracefully.
-    with anyio.CancelScope(shield=True):
-        await serve(app, config, shutdown_trigger=stop.wait)
-
-
 async def _report_statistics(
     proxy: LinkProxy, on_stats: Callable[[ProxyStatistics], None], interval_s: float
 ) -> None:
@@ -437,21 +423,10 @@ async def serve_link(
     app = create_control_app(
         proxy, name=name, admin_token=admin_token, loopback_only=admin_token is None
     )
-    http = HypercornConfig()
-    http.errorlog = logging.getLogger("netem.control.http")
-    http.accesslog = None
-    http.graceful_timeout = 1.0
-    stop = anyio.Event()
-    with listen_tcp(control_host, control_port) as control:
-        # hypercorn owns (and closes) a duplicate of our socket; we close ours.
-        http.bind = [f"fd://{os.dup(control.fileno())}"]
-        async with anyio.create_task_group() as tg:
-            route_addresses = await tg.start(proxy.run)
-            tg.start_soon(_serve_http, app, http, stop)
-            if on_stats is not None:
-                tg.start_soon(_report_statistics, proxy, on_stats, stats_interval_s)
-            task_status.started(LinkEndpoints(route_addresses, control.getsockname()[:2]))
-            try:
-                await anyio.sleep_forever()
-            finally:
-                stop.set()
+    async with anyio.create_task_group() as tg:
+        route_addresses = await tg.start(proxy.run)
+        control = await tg.start(partial(serve_http, app, control_host, control_port,
+                                         log_name="netem.control.http"))
+        if on_stats is not None:
+            tg.start_soon(_report_statistics, proxy, on_stats, stats_interval_s)
+        task_status.started(LinkEndpoints(route_addresses, control))
