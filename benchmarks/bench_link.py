@@ -84,8 +84,8 @@ def run_proxy(upstream_port: int, backend: str) -> None:
     import anyio
 
     from netem.control import serve_link
+    from netem.params import LinkParams
     from netem.proxy import Route
-    from netem.shaper import LinkParams
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:

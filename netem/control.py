@@ -46,15 +46,9 @@ from starlette.routing import Route as HttpRoute
 from mesh.http import serve_http
 from netem.control_access import WriteGuard, check_bind
 from netem.link_metrics import LinkCollector
+from netem.params import LinkError, LinkParamError, LinkParams, check_number, shown
 from netem.proxy import LinkProxy, ProxyConfig, ProxyStatistics, Route
-from netem.shaper import (
-    LinkError,
-    LinkParamError,
-    LinkParams,
-    LinkShaper,
-    check_number,
-    shown,
-)
+from netem.shaper import LinkShaper
 
 logger = logging.getLogger(__name__)
 

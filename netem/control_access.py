@@ -24,7 +24,7 @@ import msgspec
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from netem.shaper import LinkParamError, shown
+from netem.params import LinkParamError, shown
 
 _WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -32,16 +32,8 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from netem.shaper import (
-    Admission,
-    Direction,
-    Flow,
-    LinkError,
-    LinkParamError,
-    LinkParams,
-    LinkShaper,
-    LinkStatistics,
-)
+from netem.params import LinkError, LinkParamError, LinkParams
+from netem.shaper import Admission, Direction, Flow, LinkShaper, LinkStatistics
 
 logger = logging.getLogger(__name__)
 

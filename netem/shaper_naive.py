@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
-from netem.shaper import LinkParams
+from netem.params import LinkParams
 
 
 class ChunkEvent(NamedTuple):

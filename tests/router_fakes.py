@@ -25,7 +25,8 @@ from mesh.topology import Topology, parse_topology
 from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from netem.control import apply_link_update
-from netem.shaper import Direction, LinkParams, LinkShaper
+from netem.params import LinkParams
+from netem.shaper import Direction, LinkShaper
 from services.cachedir.service import CacheDirService
 from services.contract.events import Event, RoutingDecision
 from services.contract.messages import (

@@ -19,8 +19,9 @@ from netem_channels import pumped, send_then_eof
 from prometheus_client import REGISTRY, generate_latest
 
 from netem.control import LinkEndpoints, create_control_app, serve_link
+from netem.params import LinkParamError, LinkParams
 from netem.proxy import LinkProxy, ProxyStatistics, Route
-from netem.shaper import Direction, LinkParamError, LinkParams, LinkShaper
+from netem.shaper import Direction, LinkShaper
 
 JSON = {"content-type": "application/json"}
 

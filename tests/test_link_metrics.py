@@ -7,8 +7,9 @@ import random
 from prometheus_client import CollectorRegistry
 
 from netem.link_metrics import LinkCollector
+from netem.params import LinkParams
 from netem.proxy import LinkProxy, Route
-from netem.shaper import Direction, LinkParams, LinkShaper
+from netem.shaper import Direction, LinkShaper
 
 
 def test_collector_reads_statistics_per_direction_and_per_link() -> None:

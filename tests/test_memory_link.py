@@ -10,7 +10,8 @@ import pytest
 from mesh.transport import Address, MemoryHub
 from mesh.wire import HEADER_SIZE
 from netem.memory import MemoryLink, MemoryRoute, frames
-from netem.shaper import LinkParams, LinkShaper
+from netem.params import LinkParams
+from netem.shaper import LinkShaper
 
 LISTEN, UPSTREAM = Address("sim", 1), Address("sim", 2)
 

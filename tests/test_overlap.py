@@ -35,8 +35,9 @@ from mesh.transport import (
     memory_pipe,
 )
 from mesh.wire import Codec
+from netem.params import LinkParams
 from netem.proxy import LinkProxy, ProxyConfig, Route
-from netem.shaper import LinkParams, LinkShaper
+from netem.shaper import LinkShaper
 from services.contract.messages import (
     CODEC_MESSAGES,
     KVAccepted,

@@ -17,8 +17,9 @@ import trio.testing
 from anyio.abc import SocketStream
 from netem_channels import pumped, send_then_eof
 
+from netem.params import LinkParamError, LinkParams
 from netem.proxy import LinkProxy, ProxyConfig, Route
-from netem.shaper import LinkParamError, LinkParams, LinkShaper
+from netem.shaper import LinkShaper
 
 
 @pytest.mark.trio

@@ -13,14 +13,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netem.shaper import (
-    Admission,
-    Direction,
-    LinkError,
-    LinkParamError,
-    LinkParams,
-    LinkShaper,
-)
+from netem.params import LinkError, LinkParamError, LinkParams
+from netem.shaper import Admission, Direction, LinkShaper
 from netem.shaper_naive import ChunkEvent, reference_release_times
 
 

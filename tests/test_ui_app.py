@@ -538,8 +538,9 @@ async def test_http_controls_translate_upstream_and_transport_errors() -> None:
 @pytest.mark.trio
 async def test_http_controls_drive_the_real_link_control_api() -> None:
     from netem.control import create_control_app
+    from netem.params import LinkParams
     from netem.proxy import LinkProxy, Route
-    from netem.shaper import LinkParams, LinkShaper
+    from netem.shaper import LinkShaper
 
     shaper = LinkShaper(LinkParams(), anyio.current_time, random.Random(0))
     app = create_control_app(LinkProxy([Route(9001, 9002)], shaper), name="wan")

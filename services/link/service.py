@@ -19,8 +19,9 @@ from mesh.events import EventBus
 from mesh.topology import LinkSpec
 from mesh.transport import Address
 from netem.control import serve_link
+from netem.params import LinkParams
 from netem.proxy import ProxyConfig, ProxyStatistics, Route
-from netem.shaper import LinkParams, LinkStatistics
+from netem.shaper import LinkStatistics
 from services.contract.events import Event, LinkStats
 from services.service import ServiceContext, link_routes, link_service_of, serve_events
 

@@ -19,7 +19,7 @@ import msgspec
 
 from mesh.errors import ConfigError
 from netem.control import apply_link_update, params_view
-from netem.shaper import LinkError
+from netem.params import LinkError
 from services.contract.errors import ControlError
 from services.router.errors import RouterError
 from services.sim.clock import MAX_RATE

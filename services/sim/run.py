@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from mesh.events import Subscription
-from netem.shaper import LinkParams
+from netem.params import LinkParams
 from services.contract.events import Event, RequestDone, RoleChanged, RoutingDecision
 from services.contract.messages import Sampling
 from services.router.errors import RouterError

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from netem.shaper import LinkParams
+from netem.params import LinkParams
 from services.data import trace_path
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
 from services.router.policies import REGISTERED

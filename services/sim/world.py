@@ -26,7 +26,8 @@ from mesh.topology import ClusterSpec, LinkSpec, ServiceSpec, Topology
 from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from netem.memory import MemoryLink, MemoryRoute
-from netem.shaper import LinkParams, LinkShaper
+from netem.params import LinkParams
+from netem.shaper import LinkShaper
 from services.cachedir.service import CacheDirService, run_cachedir
 from services.contract.messages import CODEC_MESSAGES, ModelInfo
 from services.link.frames import payload_weight
