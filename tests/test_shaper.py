@@ -352,9 +352,11 @@ def test_rate_and_delay_changes_mid_flight_equal_per_byte_reference(
 ) -> None:
     chunks, outages = chunk_events(raw), outage_spans(outage_slots)
     # Changes sit on quarter-millisecond offsets: never tied with an arrival or outage edge.
-    # Jitter stays as it was: this test is about rates and delays (a jitter change while a
-    # chunk waits out an outage on an unshaped link draws differently in the reference).
-    changes = sorted(((slot * 1e-3 + 2.5e-4, msgspec.structs.replace(new, jitter_s=params.jitter_s))
+    # Jitter and loss stay as they were: this test is about rates and delays (the random
+    # draws of a chunk waiting out an outage on an unshaped link differ in the reference
+    # when jitter or loss change meanwhile).
+    kept = {"jitter_s": params.jitter_s, "loss_rate": params.loss_rate, "rto_s": params.rto_s}
+    changes = sorted(((slot * 1e-3 + 2.5e-4, msgspec.structs.replace(new, **kept))
                       for slot, new in change_list), key=_time)
     fast = run_fast(chunks, params, seed, outages, changes)
     slow = reference_release_times(chunks, params, random.Random(seed), outages, changes)
