@@ -61,6 +61,7 @@ import msgspec
 from services.paper.hardware import CostModel
 from services.paper.planner import ClusterShape, ThroughputModel, solve_threshold
 from services.paper.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+from services.router.policies.ewma import Ewma
 from services.router.policies.prfaas import check_watermark, threshold_rule
 from services.router.policies.roles import RoleBalancer, RoleConfig
 from services.router.policy import (
@@ -149,25 +150,6 @@ class DynamicStatistics(PolicyStatistics, frozen=True):
     queue_prfaas: float
     queue_pd: float
     calm_since: float | None  # when the link became calm; None while it is not
-
-
-class Ewma:
-    """Exponential average over a time constant `tau_s` on the caller's clock; it starts at
-    its first sample, and a `tau_s` of 0 follows the raw samples."""
-
-    def __init__(self, tau_s: float) -> None:
-        self.tau_s = tau_s
-        self.value = 0.0
-        self._at: float | None = None
-
-    def update(self, now: float, sample: float) -> float:
-        if self._at is None or self.tau_s == 0.0:
-            self.value = sample
-        else:
-            weight = 1.0 - math.exp(-max(now - self._at, 0.0) / self.tau_s)
-            self.value += weight * (sample - self.value)
-        self._at = now
-        return self.value
 
 
 class _Signals(msgspec.Struct, frozen=True):
