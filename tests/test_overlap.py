@@ -124,8 +124,8 @@ Arrival = tuple[str, int, float]  # request, layer (-1: the close), virtual time
 
 
 @asynccontextmanager
-async def datapath(model: HybridLM, arrivals: list[Arrival]) -> AsyncIterator[
-        tuple[PrefillWorker, KVInbox, LinkShaper]]:
+async def datapath(model: HybridLM, arrivals: list[Arrival], pacing: Pacing | None = None,
+                   ) -> AsyncIterator[tuple[PrefillWorker, KVInbox, LinkShaper]]:
     """Prefill worker -> link -> decode inbox, on one memory network; arrivals noted."""
     hub, codec = MemoryHub(), Codec(CODEC_MESSAGES)
     shaper = LinkShaper(LinkParams(delay_s=0.001), anyio.current_time, random.Random(0))
@@ -149,7 +149,7 @@ async def datapath(model: HybridLM, arrivals: list[Arrival]) -> AsyncIterator[
         transport = LinkedTransport(hub, proxy, pumps)
         lanes = [Node(f"p#{k}", codec, transport, {"d": DECODE}) for k in range(2)]
         async with lanes[0], lanes[1]:
-            pacing = Pacing(CostModel.load("h200"), Pacer(1.0))
+            pacing = pacing or Pacing(CostModel.load("h200"), Pacer(1.0))
             worker = PrefillWorker(model, PrefixStore("p", cfg.block_size), lanes,
                                    PrefillConfig(name="p", chunk_tokens=CHUNK), pacing=pacing,
                                    runner=InlineRunner())
@@ -229,3 +229,21 @@ async def test_pieces_leave_when_their_modeled_layer_ends(
     for layer in range(4):
         assert ends[layer] <= by_layer[layer] < ends[layer] + 0.01
     assert done.compute_s == pytest.approx(ends[-1])
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("profile", ["h200", "h20"])
+async def test_emulation_paces_at_the_modeled_length(
+    model: HybridLM, autojump_clock: trio.testing.MockClock, profile: str
+) -> None:
+    """At the demo's scale (a served token stands for 32), a 32x longer request takes what
+    the profile says a 32x longer request takes, on either hardware."""
+    cost = CostModel.load(profile)
+    pacing = Pacing(cost, Pacer(1.0), tokens_per_served=32)
+    short, long = 64, 64 * 32
+    async with datapath(model, [], pacing) as (worker, _, _):
+        quick = await run(worker, 11, prompt=tokens(short, 11), chunk_tokens=0)
+        slow = await run(worker, 12, prompt=tokens(long, 12), chunk_tokens=0)
+    expected = cost.prefill_time(long * 32) / cost.prefill_time(short * 32)
+    assert expected > 5
+    assert slow.compute_s / quick.compute_s == pytest.approx(expected, rel=0.10)
