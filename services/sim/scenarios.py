@@ -212,7 +212,7 @@ class DipOutcome:
     dip: tuple[float, float]  # (start, end) of the dip, virtual s
 
 
-def bandwidth_dip(rate: float = 2.6, before_s: float = 600.0, dip_s: float = 600.0,
+def bandwidth_dip(rate: float = 1.6, before_s: float = 600.0, dip_s: float = 600.0,
                   after_s: float = 600.0, low_bps: float = 5e9, seed: int = 0,
                   progress: Progress | None = None) -> DipOutcome:
     """Static prfaas against prfaas-dynamic through a 10-minute dip of the link."""
