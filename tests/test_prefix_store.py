@@ -165,3 +165,17 @@ def test_store_refuses_a_chain_that_does_not_fit_the_cache(model: HybridLM) -> N
         store.store(prompt_hashes(ids, BLOCK)[:1], cached(model, ids))
     with pytest.raises(PrefixStoreError, match="budget_bytes must be >= 0, got -1"):
         PrefixStoreConfig(budget_bytes=-1)
+
+
+def test_the_prefix_index_finds_what_a_scan_of_every_entry_finds(model: HybridLM) -> None:
+    store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=1 << 40))
+    shared = tokens(3 * BLOCK, salt=9)
+    chains = [shared[:BLOCK], tokens(2 * BLOCK, salt=1), shared[: 2 * BLOCK], tokens(BLOCK, salt=2)]
+    for ids in chains:
+        store.store(prompt_hashes(ids, BLOCK), cached(model, ids, snapshots=False))
+    for ids in [shared, shared[: 2 * BLOCK], tokens(2 * BLOCK, salt=1) + shared, tokens(BLOCK, 5)]:
+        hashes = prompt_hashes(ids, BLOCK)
+        assert store.prefixes_of(hashes) == store.prefixes_of_reference(hashes)
+    # The two-block prefix of `shared` folded the one-block one; it is what `shared` extends.
+    assert [e.hashes for e in store.prefixes_of(prompt_hashes(shared, BLOCK))] == [
+        tuple(prompt_hashes(shared[: 2 * BLOCK], BLOCK))]

@@ -145,7 +145,7 @@ class PrefixStore:
             return StoreChange(None, [])
         if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
             cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
-        for old in [e for e in self._entries.values() if self._extends(hashes, e)]:
+        for old in self.prefixes_of(hashes):
             self._fold(old, cache)
         entry = _Entry(self._next_id, tuple(hashes), cache, _entry_bytes(cache))
         self._next_id += 1
@@ -220,6 +220,22 @@ class PrefixStore:
     def _extends(self, hashes: Sequence[int], old: _Entry) -> bool:
         n = len(old.hashes)
         return n <= len(hashes) and hashes[n - 1] == old.hashes[-1]
+
+    def prefixes_of(self, hashes: Sequence[int]) -> list[_Entry]:
+        """The entries whose chain `hashes` extends, found through the block index: an entry
+        qualifies when its last block is block i of `hashes` (a hash names its whole chain)."""
+        found = []
+        for i, block_hash in enumerate(hashes):
+            for entry_id, index in self._by_hash.get(block_hash, {}).items():
+                entry = self._entries[entry_id]
+                if index == i and len(entry.hashes) == i + 1:
+                    found.append(entry)
+        return sorted(found, key=lambda e: e.id)
+
+    def prefixes_of_reference(self, hashes: Sequence[int]) -> list[_Entry]:
+        """`prefixes_of` by a scan of every entry (the slow, obvious reference)."""
+        return sorted((e for e in self._entries.values() if self._extends(hashes, e)),
+                      key=lambda e: e.id)
 
     def _fold(self, old: _Entry, cache: RequestCache) -> None:
         """The new cache holds all of `old`'s blocks: take its snapshots, drop it quietly."""
