@@ -20,6 +20,7 @@ from services.worker.kv_stream import (
     import_pieces,
     lane_of,
     merge_pieces,
+    out_of_range,
     stream_plan,
 )
 
@@ -115,3 +116,9 @@ def test_assembly_is_ready_when_every_lane_closed_and_the_first_token_known() ->
     assert assembly.ready and assembly.finished
     assembly.fail(KVTransferError("late"))
     assert assembly.failure is not None
+
+
+@pytest.mark.parametrize("tokens", [[], [0, 5, 9], [3, 10, 2], [-1, 4], [4, 9, 12, -3], [10]])
+def test_out_of_range_names_the_first_bad_id_as_a_scan_does(tokens: list[int]) -> None:
+    expected = next((t for t in tokens if not 0 <= t < 10), None)
+    assert out_of_range(tokens, 10) == expected

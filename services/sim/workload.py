@@ -39,7 +39,7 @@ class Arrival(msgspec.Struct, frozen=True):
 def block_tokens(block_id: int) -> list[int]:
     """The served tokens of one block: distinct per id, never the end-of-text id 0."""
     base = (block_id % (1 << 22)) * BLOCK
-    return [base + j + 1 for j in range(BLOCK)]
+    return list(range(base + 1, base + BLOCK + 1))
 
 
 def prompt_of(block_ids: Sequence[int], length: int) -> list[int]:

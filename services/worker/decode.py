@@ -41,6 +41,7 @@ from services.model.sampling import SamplingParams
 from services.worker.compute import Pacing, sampling_params
 from services.worker.engine import Engine, as_engine
 from services.worker.kv_inbox import KVAssembly, KVInbox
+from services.worker.kv_stream import out_of_range
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ def result_reason(result: StepResult, request_id: str) -> str:
 def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
     if not request.prompt:
         raise RequestError("prompt must hold at least one token, got 0")
-    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
     if not request.kv_timeout > 0:

@@ -219,3 +219,11 @@ def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,
         return importer.finish()
     except ModelError as exc:
         raise KVTransferError(f"KV rejected: {exc}") from exc
+
+
+def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:
+    """The first token id outside [0, vocab), or None (min and max run in C: prompts of the
+    paper's lengths are tens of thousands of ids)."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
+        return None
+    return next(t for t in tokens if not 0 <= t < vocab)

@@ -54,7 +54,7 @@ from services.worker.compute import (
     sampling_params,
 )
 from services.worker.engine import Engine, as_engine
-from services.worker.kv_stream import chunk_bounds, stream_failure, stream_plan
+from services.worker.kv_stream import chunk_bounds, out_of_range, stream_failure, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
 
@@ -328,7 +328,7 @@ def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: i
     length = len(request.prompt)
     if length < 1:
         raise RequestError(f"prompt must hold at least one token, got {length}")
-    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
     has = request.decode_has_tokens
