@@ -28,6 +28,7 @@ import msgspec
 from netem.params import LinkParams
 from services.data import trace_path
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
+from services.paper.workload import TruncatedLogNormal
 from services.router.policies import REGISTERED
 from services.sim.run import LinkChange, Record, SimResult, run_virtual
 from services.sim.workload import Arrival, lognormal, trace
@@ -259,9 +260,18 @@ def _fresh_blocks(index: int, arrival: Arrival) -> tuple[int, ...]:
 
 def burst(rate: float = 2.2, duration_s: float = 1800.0, cv: float = 4.0, seed: int = 0,
           progress: Progress | None = None) -> SimResult:
-    """Gamma arrivals (CV `cv`) under prfaas-dynamic, whose long-term loop converts roles."""
+    """Gamma arrivals (CV `cv`) under prfaas-dynamic; for the middle third of the run the
+    bursts are short chats (mean about 2.7K tokens), which load decode far more than prefill:
+    the long-term loop should move PD prefill instances to decode, and back after."""
     plan = solve_scenario(Scenario())
     base = paper_deployments(plan)["prfaas_pd"]
     d = msgspec.structs.replace(base, name="burst", policy="prfaas-dynamic", policy_options={})
-    arrivals = lognormal(rate, duration_s, d.scale, seed, burstiness=1.0 / cv ** 2)
+    third = duration_s / 3
+    shape = 1.0 / cv ** 2
+    short = TruncatedLogNormal(7.6, 1.0, 128.0, 131072.0)
+    arrivals = (lognormal(rate, third, d.scale, seed, burstiness=shape)
+                + lognormal(rate * 1.6, third, d.scale, seed + 1, burstiness=shape,
+                            lengths=short, start_s=third)
+                + lognormal(rate, third, d.scale, seed + 2, burstiness=shape,
+                            start_s=2 * third))
     return _run(d, arrivals, "burst", duration_s, progress)

@@ -57,16 +57,19 @@ def served(paper_len: float, scale: float) -> int:
 
 
 def lognormal(rate: float, duration_s: float, scale: float, seed: int, *,
-              burstiness: float = 1.0, output_len: int = 1024) -> list[Arrival]:
+              burstiness: float = 1.0, output_len: int = 1024,
+              lengths: TruncatedLogNormal | None = None, start_s: float = 0.0,
+              ) -> list[Arrival]:
     """The paper's workload (truncated log-normal, mu 9.90, sigma 1.00) at `rate` req/s for
-    `duration_s`; burstiness 1 is Poisson, below 1 burstier (gamma shape; CV = 1/sqrt(k))."""
+    `duration_s`; burstiness 1 is Poisson, below 1 burstier (gamma shape; CV = 1/sqrt(k)).
+    `lengths` replaces the paper's distribution; arrivals start at `start_s`."""
     rng = random.Random(seed)
     count = max(1, math.ceil(rate * duration_s * 1.2) + 10)
     times = (poisson_arrivals(count, rate, rng) if burstiness == 1.0
              else gamma_arrivals(count, rate, burstiness, rng))
-    lengths = TruncatedLogNormal.paper()
+    lengths = lengths or TruncatedLogNormal.paper()
     out = []
-    for index, at in enumerate(t for t in times if t < duration_s):
+    for index, at in enumerate(start_s + t for t in times if t < duration_s):
         paper_len = lengths.sample(rng)
         # Fresh block ids per request: nothing is shared (the paper's case study).
         first = (seed * 1_000_003 + index) * 512
