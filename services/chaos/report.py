@@ -2,7 +2,8 @@
 
 Acceptance (the reliability issue): 0 hung and 0 lost; no service deaths beyond the ones the
 scenario causes; every killed service back and serving within 10 s; every service's RSS after
-the scenario within 20% of its RSS at the run's start; at 10x the admission limit every
+the scenario within 20% of its RSS at the scenario's start (after a warm-up load); at 10x the
+admission limit every
 request answered (200 or 429) within 5 s of its admission decision.
 """
 

@@ -1,7 +1,7 @@
 """The scenarios: each breaks one thing under load and measures what the clients saw.
 
 Every scenario reports requests sent, completed, explicit errors, hung and lost (load.py),
-the service deaths it caused and those it did not, each service's RSS (at the run's start,
+the service deaths it caused and those it did not, each service's RSS (at the scenario's start,
 its peak during the scenario, and after it settled) and the time until the broken part was
 back and serving (a probe request answered, and a killed worker up in the router's table).
 """
