@@ -66,7 +66,7 @@ def topology_text(ports: list[int], checkpoints: dict[str, Path]) -> str:
         '[[clusters]]\nname = "pd"\nkind = "pd"\n',
         f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {ports[0]}\n',
         f'[[services]]\nname = "link-0"\nkind = "link"\nport = {ports[1]}\n'
-        f"options = {{ control_port = {ports[2]}, proxy_base_port = {ports[9]} }}\n",
+        f"options = {{ control_port = {ports[2]}, proxy_base_port = {ports[3]} }}\n",
     ]
     for family, i in FAMILIES.items():
         options = worker_options(checkpoints[family], family, ", connections = 2")
