@@ -24,9 +24,9 @@ from mesh.server import Context
 from mesh.topology import Topology, parse_topology
 from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
-from netem.control import apply_link_update
 from netem.params import LinkParams
 from netem.shaper import Direction, LinkShaper
+from netem.toxics import apply_link_update
 from services.cachedir.service import CacheDirService
 from services.contract.events import Event, RoutingDecision
 from services.contract.messages import (

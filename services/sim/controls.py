@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import msgspec
 
 from mesh.errors import ConfigError
-from netem.control import apply_link_update, params_view
 from netem.params import LinkError
+from netem.toxics import apply_link_update, params_view
 from services.contract.errors import ControlError
 from services.router.errors import RouterError
 from services.sim.clock import MAX_RATE
