@@ -48,7 +48,7 @@ from mesh.handlers import (
 from mesh.mailbox import Mailbox, MailboxStatistics
 from mesh.membership import check_secret, require_secret_beyond_loopback
 from mesh.peers import Peers
-from mesh.pools import Pool, PoolStatistics
+from mesh.pools import Pool, Pools, PoolStatistics, check_slots
 from mesh.server import ServerSession
 from mesh.slots import Slots, SlotStatistics
 from mesh.transport import Address, Transport
@@ -130,11 +130,10 @@ class Node:
         resolver = resolve.__getitem__ if isinstance(resolve, Mapping) else resolve
         self._peers = Peers(name, codec, transport, resolver, self.config, self._secret)
         self._handlers = Handlers(codec.messages)
-        self._pool: Pool[Request] = Pool("", self.config.mailbox_size,
-                                         self.config.max_concurrency)
-        self._mailbox: Mailbox[Request] = self._pool.mailbox
-        self._slots: Slots = self._pool.slots
-        self._pools: dict[type[msgspec.Struct], Pool[Request]] = {}
+        self._pools: Pools[Request] = Pools(self.config.mailbox_size,
+                                            self.config.max_concurrency)
+        self._mailbox: Mailbox[Request] = self._pools.shared.mailbox
+        self._slots: Slots = self._pools.shared.slots
         self._stack: AsyncExitStack | None = None
         self._group: anyio.abc.TaskGroup | None = None
         self._servers: set[ServerSession] = set()
@@ -160,7 +159,7 @@ class Node:
     def serves_stream(self, message: type[M], *, slots: int | None = None
                       ) -> Callable[[StreamHandler[M]], StreamHandler[M]]:
         """Registers an async generator `h(msg, ctx)` whose items `open_stream` reads."""
-        _check_slots(message, slots)
+        check_slots(message, slots)
 
         def register(handler: StreamHandler[M]) -> StreamHandler[M]:
             self._handlers.add(self._handlers.streams, message, handler)
@@ -172,7 +171,7 @@ class Node:
     def accepts_stream(self, message: type[M], *, slots: int | None = None
                        ) -> Callable[[UploadHandler[M]], UploadHandler[M]]:
         """Registers `async def h(first, items, ctx) -> reply | None` for `stream_to`."""
-        _check_slots(message, slots)
+        check_slots(message, slots)
 
         def register(handler: UploadHandler[M]) -> UploadHandler[M]:
             self._handlers.add(self._handlers.uploads, message, handler)
@@ -183,16 +182,13 @@ class Node:
 
     def _reserve(self, message: type[msgspec.Struct], slots: int | None) -> None:
         """Gives `message` a pool of `slots` handler slots and workers (None: the shared)."""
-        if slots is None:
-            return
-        pool: Pool[Request] = Pool(message.__name__, self.config.mailbox_size, slots)
-        self._pools[message] = pool
-        if self._group is not None:
+        pool = self._pools.reserve(message, slots)
+        if pool is not None and self._group is not None:
             self._start_workers(pool)
 
     def pool_for(self, message: type[msgspec.Struct]) -> Pool[Request]:
         """The pool requests of type `message` queue and run in."""
-        return self._pools.get(message, self._pool)
+        return self._pools.pool_for(message)
 
     def _start_workers(self, pool: Pool[Request]) -> None:
         assert self._group is not None
@@ -206,7 +202,7 @@ class Node:
         self._stack = AsyncExitStack()
         self._group = await self._stack.enter_async_context(anyio.create_task_group())
         self._group.start_soon(self._peers.watch.run)
-        for pool in (self._pool, *self._pools.values()):
+        for pool in self._pools.all():
             self._start_workers(pool)
         return self
 
@@ -223,7 +219,7 @@ class Node:
                 raise
         finally:
             self._stack = self._group = None
-            for pool in (self._pool, *self._pools.values()):
+            for pool in self._pools.all():
                 pool.mailbox.close()
         raise exc
 
@@ -356,12 +352,12 @@ class Node:
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
             connections_refused=self._refused,
-            pools=tuple(pool.statistics() for pool in self._pools.values()),
+            pools=tuple(pool.statistics() for pool in self._pools.own()),
         )
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the mailbox, every connection and the deadline watch."""
-        for pool in (self._pool, *self._pools.values()):
+        for pool in self._pools.all():
             pool.check_integrity()
         self._peers.watch.check_integrity()
         for session in self._peers.sessions():
@@ -437,8 +433,3 @@ class Node:
         finally:
             self._servers.discard(session)
             self._retired = add_traffic(self._retired, conn.statistics())
-
-
-def _check_slots(message: type[msgspec.Struct], slots: int | None) -> None:
-    if slots is not None and slots < 1:
-        raise ConfigError(f"slots for {message.__name__} must be >= 1, got {slots}")

@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from mesh.errors import ConfigError
 from mesh.mailbox import Mailbox, MailboxStatistics
 from mesh.slots import Slots, SlotStatistics
 
@@ -42,3 +43,36 @@ class Pool(Generic[T]):
     def check_integrity(self) -> None:
         self.mailbox.check_integrity()
         self.slots.check_integrity()
+
+
+class Pools(Generic[T]):
+    """A node's pools: the shared one, and one per message type registered with `slots`."""
+
+    def __init__(self, mailbox_size: int, shared_capacity: int) -> None:
+        self._mailbox_size = mailbox_size
+        self.shared: Pool[T] = Pool("", mailbox_size, shared_capacity)
+        self._own: dict[type[msgspec.Struct], Pool[T]] = {}
+
+    def reserve(self, message: type[msgspec.Struct], slots: int | None) -> Pool[T] | None:
+        """A pool of `slots` handler slots for `message` (None: it uses the shared one)."""
+        check_slots(message, slots)
+        if slots is None:
+            return None
+        pool: Pool[T] = Pool(message.__name__, self._mailbox_size, slots)
+        self._own[message] = pool
+        return pool
+
+    def pool_for(self, message: type[msgspec.Struct]) -> Pool[T]:
+        return self._own.get(message, self.shared)
+
+    def all(self) -> tuple[Pool[T], ...]:
+        """The shared pool first, then the reserved ones."""
+        return (self.shared, *self._own.values())
+
+    def own(self) -> tuple[Pool[T], ...]:
+        return tuple(self._own.values())
+
+
+def check_slots(message: type[msgspec.Struct], slots: int | None) -> None:
+    if slots is not None and slots < 1:
+        raise ConfigError(f"slots for {message.__name__} must be >= 1, got {slots}")

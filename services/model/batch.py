@@ -44,6 +44,12 @@ class StepResult:
     logits: Tensor | None = None
 
 
+def result_reason(result: StepResult, request_id: str) -> str:
+    """How `request_id` finished in `result` ("length" when its last event says nothing)."""
+    reason = next(e.finish_reason for e in result.events if e.request_id == request_id)
+    return reason or "length"
+
+
 class DecodeBatchStatistics(msgspec.Struct, frozen=True):
     members: int
     slots: int

@@ -33,7 +33,7 @@ from mesh.events import EventBus
 from services.contract.errors import DataPathError, KVTransferError, RequestError
 from services.contract.events import Event, RequestPhase
 from services.contract.messages import DecodeRequest, TokenChunk
-from services.model.batch import StepResult, TokenEvent, finish_reason
+from services.model.batch import StepResult, TokenEvent, finish_reason, result_reason
 from services.model.cache import RequestCache
 from services.model.config import ModelError
 from services.model.model import HybridLM
@@ -383,11 +383,6 @@ class DecodeWorker:
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
-
-
-def result_reason(result: StepResult, request_id: str) -> str:
-    reason = next(e.finish_reason for e in result.events if e.request_id == request_id)
-    return reason or "length"
 
 
 def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
