@@ -10,6 +10,7 @@ import pytest
 from services.chaos.cli import chaos_main
 from services.chaos.faults import envelope_frames, malformed_bodies, random_frames
 from services.chaos.load import OUTCOMES
+from services.chaos.mesh import MeshConfig, chaos_topology
 
 pytestmark = pytest.mark.slow
 
@@ -36,3 +37,11 @@ def test_quick_kill_decode_is_measured_and_the_worker_comes_back(tmp_path: Path)
     assert sent > 0 and sum(outcomes) == sent and len(outcomes) == len(OUTCOMES)
     assert cells[7] != "never"
     assert "| 1 / 0 |" in report
+
+
+def test_the_chaos_mesh_gives_every_worker_the_small_cache_budget() -> None:
+    data = chaos_topology(MeshConfig(cache_mib=24.0))
+    workers = [s for s in data["services"] if s["kind"] in ("prefill", "decode")]
+    clusters = {c["name"]: c["options"] for c in data["clusters"]}
+    assert workers and all(
+        {**clusters[s["cluster"]], **s.get("options", {})}["cache_mib"] == 24.0 for s in workers)

@@ -34,7 +34,8 @@ HEADER = """# Reliability: what the mesh does when things break
 
 Written by `make chaos` (`prfaas chaos`, services/chaos/). The default mesh's processes run
 under the supervisor (`prfaas up`) on 127.0.0.1, the default model with one torch thread
-per worker, admission limit {max_inflight}; each scenario breaks one thing under load.
+per worker, a prefix cache budget of {cache_mib:g} MiB per worker, admission limit
+{max_inflight}; each scenario breaks one thing under load.
 Every request has a deadline of 30 s: *completed* is a whole answer, *explicit errors* are
 HTTP errors or error events, *hung* is no answer by the deadline, *lost* is neither answer
 nor error (connection refused or reset, a stream cut without an error). *Time to recover*
@@ -57,6 +58,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/reliability.md"))
     # What the default mesh's workers hold on two cores while answering in seconds.
     parser.add_argument("--max-inflight", type=int, default=4)
+    # Small enough to fill during a scenario's warm-up (services/chaos/mesh.py MeshConfig).
+    parser.add_argument("--cache-mib", type=float, default=32.0,
+                        help="each worker's prefix cache budget in MiB (default 32)")
     parser.add_argument("--workdir", type=Path, help="mesh log and files (default: temporary)")
     return parser.parse_args(argv)
 
@@ -64,21 +68,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 WARM_UP_S = 20.0
 
 
-async def warm_up(run: Run) -> None:
-    """Load the mesh before the first scenario: prefix caches fill to their budget and the
-    allocators reach their working size, so RSS compares a warm service with itself."""
-    await Load(run.client, run.load_config, seed=1).run(5.0 if run.quick else WARM_UP_S)
+async def warm_up(run: Run, seconds: float, seed: int) -> None:
+    """Load the mesh so that RSS compares a warm service with itself: prefix caches fill to
+    their budget and the allocators reach their working size. Half the time every prompt is
+    prefilled in the PD cluster (t pinned past every length), half in the PrfaaS cluster
+    (t = 0), so each prefill worker has seen long prompts before a scenario sends them its
+    way (a killed PrfaaS worker or a cut link moves the long ones to PD prefill)."""
+    for t in (1e12, 0.0):
+        await run.faults.pin_threshold(t)
+        await Load(run.client, run.load_config, seed=seed).run(seconds / 2)
+    await run.faults.pin_threshold(None)
 
 
 async def run_scenarios(run: Run, names: list[str]) -> list[ScenarioResult]:
     print("chaos: warming up ...", file=sys.stderr, flush=True)
-    await warm_up(run)
+    await warm_up(run, 5.0 if run.quick else WARM_UP_S, seed=1)
     results = []
     for name in names:
         # Each scenario is judged against the RSS its services had when it began, warm (a
         # service killed by the last one comes back cold): a leak grows across a scenario; a
         # cache warming up does not.
-        await Load(run.client, run.load_config, seed=2).run(2.0 if run.quick else 12.0)
+        await warm_up(run, 2.0 if run.quick else 12.0, seed=2)
         run.rss_start = await run.rss()
         print(f"chaos: {name} ...", file=sys.stderr, flush=True)
         result = await SCENARIOS[name](run)
@@ -98,14 +108,14 @@ async def _main(args: argparse.Namespace, workdir: Path, config: MeshConfig
         async with httpx.AsyncClient(base_url=mesh.urls.api, timeout=httpx.Timeout(None),
                                      limits=limits) as client:
             faults = Faults(client, mesh.urls.supervisor, mesh.urls.link_control,
-                            mesh.headers())
+                            mesh.headers(), mesh.urls.api)
             run = Run(mesh, client, faults, args.quick, config.max_inflight)
             return await run_scenarios(run, args.only or list(SCENARIOS))
 
 
 def chaos_main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    config = MeshConfig(max_inflight=args.max_inflight)
+    config = MeshConfig(max_inflight=args.max_inflight, cache_mib=args.cache_mib)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prfaas-chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
@@ -116,7 +126,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
             print(f"prfaas chaos: {exc}", file=sys.stderr)
             return 2
     seconds = time.monotonic() - started
-    header = HEADER.format(max_inflight=args.max_inflight,
+    header = HEADER.format(max_inflight=args.max_inflight, cache_mib=args.cache_mib,
                            when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                            mode="--quick" if args.quick else "full", seconds=seconds,
                            host=f"{platform.machine()}, {_cpus()} CPUs")

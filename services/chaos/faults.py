@@ -26,8 +26,9 @@ class Faults:
     """Fault actions against one running mesh (its URLs and admin token)."""
 
     def __init__(self, client: httpx.AsyncClient, supervisor: str, link: str,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], api: str) -> None:
         self.client, self.supervisor, self.link, self.headers = client, supervisor, link, headers
+        self.api = api
 
     async def _post(self, url: str, body: object = None) -> httpx.Response:
         response = await self.client.post(url, json=body if body is not None else {},
@@ -52,6 +53,10 @@ class Faults:
 
     async def link_reset(self) -> None:
         await self._post(f"{self.link}/reset")
+
+    async def pin_threshold(self, t: float | None) -> None:
+        """Pins the router's t (tokens), or clears the pin with None."""
+        await self._post(f"{self.api}/admin/threshold", {"t": t})
 
 
 # Fuzzed mesh frames.

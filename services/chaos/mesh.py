@@ -40,6 +40,10 @@ class ChaosMeshError(Exception):
 
 class MeshConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight: int = 8  # the router's admission limit (its default is 64)
+    # Each worker's prefix cache budget. A cache filling to its budget is not a leak, but a
+    # worker restarted by one scenario refills it during the next and the RSS check would
+    # count that as growth: a small budget fills during each scenario's warm-up.
+    cache_mib: float = 32.0
     ready_timeout_s: float = 180.0
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 5.0
@@ -86,6 +90,7 @@ def chaos_topology(config: MeshConfig) -> dict[str, Any]:
             options["max_inflight"] = config.max_inflight
     for cluster in data["clusters"]:
         cluster["options"]["threads"] = 1
+        cluster["options"]["cache_mib"] = config.cache_mib
     return data
 
 
