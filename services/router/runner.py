@@ -90,11 +90,16 @@ class RequestRunner:
         try:
             async with self.node.open_stream(p.decode_worker, decode,
                                              timeout=cfg.request_timeout_s) as chunks:
+                reason: str | None = None
                 async for chunk in chunks:
                     assert isinstance(chunk, TokenChunk)
-                    reason = self._take(handle, chunk, assembler)
-                    if reason is not None:
+                    reason = reason or self._take(handle, chunk, assembler)
+                    # A stop the worker does not know of (a stop string) leaves the stream,
+                    # which aborts the worker's generation; after the worker's own last
+                    # chunk its End follows at once, read so that no Abort is sent.
+                    if reason is not None and chunk.finish_reason is None:
                         return reason
+                return reason
         except MeshError as exc:
             handle.error = handle.error or UpstreamFailed(
                 f"decode on {p.decode_worker} failed: {exc}")

@@ -8,11 +8,14 @@ prefix store, continuous batching). Only these are modeled:
   and no bytes; its time is the live emulated-mode pacing (`services.worker.compute.Pacing`);
 - decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
   for its size and context, several steps at once until a request finishes, a joining request
-  cuts the run short, or `max_steps` is reached, and emits each member's tokens of those steps
-  as one event: an hour at the paper's rate is millions of tokens, not millions of messages.
+  cuts the run short, or `max_steps` is reached; a member's tokens go out as one event when
+  it finishes (or every `flush` tokens when asked): an hour at the paper's rate is millions of
+  tokens, not millions of messages, and what the simulation measures (the first token, which
+  comes with the prefill, and the last) needs no token in between.
 
 A served token stands for `tokens_per_served` modeled tokens (the simulation serves the
-paper's lengths at 1/8, so a 64-token block is one 512-token block of the Mooncake traces).
+traces' lengths at 1/8, so a 64-token block is one 512-token block of the Mooncake traces,
+and the workloads without prefix reuse at 1/32).
 """
 
 from __future__ import annotations
@@ -133,9 +136,9 @@ class _Run:
 class ModeledBatch:
     """Continuous batching as counts: who is in, how far each has got (module docstring)."""
 
-    def __init__(self, slots: int, flush: int = 128) -> None:
+    def __init__(self, slots: int, flush: int | None = None) -> None:
         self._slots = slots
-        self._flush = flush
+        self._flush = flush or 1 << 62
         self._runs: dict[str, _Run] = {}
         self.steps = self.tokens = self.joined = self.left = 0
 

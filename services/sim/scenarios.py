@@ -32,7 +32,7 @@ from services.paper.workload import TruncatedLogNormal
 from services.router.policies import REGISTERED
 from services.sim.run import LinkChange, Record, SimResult, run_virtual
 from services.sim.workload import Arrival, lognormal, trace
-from services.sim.world import Deployment
+from services.sim.world import CHUNK_PAPER_TOKENS, COARSE_SCALE, DEFAULT_SCALE, Deployment
 
 # The paper's Table 6 (arXiv 2604.15039 v2): Lambda_max, mean and P90 TTFT, offload share.
 PAPER_TABLE6 = {
@@ -53,22 +53,27 @@ class SweepPoint:
     result: SimResult
 
 
-def paper_deployments(plan: PlanResult, bandwidth_bps: float = 100e9) -> dict[str, Deployment]:
-    """Table 6's three deployments, t from the planner (in paper tokens, served at 1/8)."""
+def paper_deployments(plan: PlanResult, bandwidth_bps: float = 100e9,
+                      scale: float = COARSE_SCALE) -> dict[str, Deployment]:
+    """Table 6's three deployments, t from the planner (in paper tokens, served at `scale`:
+    the coarse one unless prefixes must match the traces' blocks)."""
     p = plan.prfaas
     assert p.t is not None
-    scale = Deployment().scale
+    chunk = round(CHUNK_PAPER_TOKENS * scale)
     return {
         "prfaas_pd": Deployment(name="prfaas_pd", n_prfaas=p.n_prfaas, n_pd_prefill=p.n_p,
                                 n_decode=p.n_d, policy="prfaas", bandwidth_bps=bandwidth_bps,
                                 policy_options={"threshold": p.t * scale,
-                                                "bandwidth": "scarce"}),
+                                                "bandwidth": "scarce"},
+                                scale=scale, chunk_tokens=chunk),
         "homogeneous": Deployment(name="homogeneous", n_prfaas=0,
                                   n_pd_prefill=plan.homogeneous.n_p,
-                                  n_decode=plan.homogeneous.n_d, policy="homogeneous"),
+                                  n_decode=plan.homogeneous.n_d, policy="homogeneous",
+                                  scale=scale, chunk_tokens=chunk),
         "naive": Deployment(name="naive", n_prfaas=plan.naive_hetero.n_prfaas, n_pd_prefill=0,
                             n_decode=plan.naive_hetero.n_d, policy="naive-hetero",
-                            bandwidth_bps=bandwidth_bps),
+                            bandwidth_bps=bandwidth_bps, scale=scale,
+                            chunk_tokens=chunk),
     }
 
 
@@ -236,7 +241,7 @@ def trace_policies(speedup: float = 1.0, limit: int | None = None, seed: int = 0
                    progress: Progress | None = None) -> dict[str, SimResult]:
     """The conversation trace under every registered policy, and prfaas without a cache."""
     plan = solve_scenario(Scenario())
-    base = paper_deployments(plan)["prfaas_pd"]
+    base = paper_deployments(plan, scale=DEFAULT_SCALE)["prfaas_pd"]
     arrivals = trace(trace_path(), base.scale, speedup=speedup, limit=limit)
     total = arrivals[-1].at if arrivals else 0.0
     runs = {}
