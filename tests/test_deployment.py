@@ -11,6 +11,7 @@ import pytest
 from benchmarks.compare_policies import mesh_topology
 from mesh.errors import ConfigError
 from mesh.topology import Topology, load_topology, parse_topology
+from services.bench.comparison import format_comparison
 from services.cli.deployment import (
     DEPLOYMENTS,
     cluster_kind,
@@ -118,3 +119,17 @@ def test_the_comparison_gives_every_port_once() -> None:
               if k.endswith("_port") and k != "proxy_base_port"]
     ports += [r.listen.port for link in topology.links for r in link_routes(topology, link)]
     assert len(ports) == len(set(ports))
+
+
+def test_the_printed_table_states_each_shape_even_for_a_failed_run() -> None:
+    results = {}
+    for policy in ("homogeneous", "naive-hetero"):
+        shape = shape_of(deploy(default_topology(), deployment_for(policy)))
+        results[policy] = {"deployment": deployment_for(policy), "shape": shape.text(),
+                           "stages": shape.stages(), "error": "MeshError: no route"}
+    lines = format_comparison(results, "homogeneous").splitlines()
+    row = {line[:32].strip(): line[32:].split() for line in lines[2:]}
+    assert " ".join(row["shape N_prfaas / N_p / N_d"]) == "- / 3 / 2 1 / - / 4"
+    assert " ".join(row["PD prefill workers"]) == "2 x h20 + 1 x h200 -"
+    assert " ".join(row["PD decode workers"]) == "2 x h20 4 x h20"
+    assert row["TTFT mean (ms)"] == ["error", "error"]
