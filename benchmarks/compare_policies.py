@@ -1,18 +1,30 @@
-"""Routing policies compared end to end: homogeneous, naive-hetero and prfaas-dynamic.
+"""Routing policies compared end to end on deployments of equal hardware, as in the paper.
 
-For each policy a fresh default mesh (services/cli/topology.toml) runs as `prfaas serve`
-processes on free ports, workers in emulated mode as in the Procfile, the router's `policy`
-set and its `scale` equal to the bench's (so t is the paper's threshold in served tokens);
-a fresh mesh per policy, so every run starts with empty caches. `prfaas bench` sends the same
-seeded log-normal workload to each. Beside the bench's numbers: the router's GET /admin/state
-once a second (t, each worker's queue) and each worker's /metrics at the end (prefills, KV
-bytes sent, decode steps), which say where the bottleneck is. docs/policies.md reads them.
+Paper Table 6 compares PrfaaS-PD (4 PrfaaS / 3 PD prefill / 5 PD decode) with a homogeneous
+PD cluster (every prefill instance in the PD cluster) and a naive heterogeneous one (every
+prefill on PrfaaS, every PD instance decodes). Each policy runs on its deployment of the
+default mesh (services/cli/topology.toml), drawn by services/cli/deployment.py: homogeneous
+on `homogeneous` (the PrfaaS workers move into the PD cluster as PD prefill workers, keeping
+their hardware profile), naive-hetero on `naive` (the PD prefill workers decode), the others
+(prfaas-dynamic, prfaas, dynamo) on `prfaas-pd` (the topology as it is). Same workers, same
+profiles, only roles and clusters move; the table's first rows state each shape.
+
+Each deployment runs as `prfaas serve` processes on free ports (its generated topology is
+written to the log directory), workers in emulated mode as in the Procfile, the router's
+`policy` set and, for the router and every cluster, `scale` equal to the bench's (so t is the
+paper's threshold in served tokens and workers pace at the paper length); a fresh mesh per
+policy, so every run starts with empty caches. `prfaas bench` sends the same seeded
+log-normal workload to each. Beside the bench's numbers: the router's GET /admin/state once
+a second (t, each worker's queue and role) and each worker's /metrics at the end (prefills,
+KV bytes sent, decode steps), which say where the bottleneck is. docs/policies.md reads them.
 
     .venv/bin/python benchmarks/compare_policies.py [--quick] [--policies a,b] [--log-dir DIR]
 
-It prints one comparison table (ratios against homogeneous, the baseline run first) and ends
-with one JSON line {"bench": "policies", "homogeneous": ..., "naive_hetero": ...,
-"prfaas_dynamic": ...}. Logs of every service are kept under the log directory.
+It prints one comparison table (ratios against homogeneous, the baseline run first; the
+tables are services/bench/comparison.py's), then per worker and per cluster, and ends
+with one JSON line {"bench": "policies", "shapes": {policy: "N_prfaas / N_p / N_d"},
+"homogeneous": ..., "naive_hetero": ..., "prfaas_dynamic": ...}. Logs of every service are
+kept under the log directory.
 """
 
 from __future__ import annotations
@@ -36,18 +48,30 @@ import httpx
 import msgspec
 
 from mesh.errors import MeshError
+from mesh.topology import Topology
 from services.bench.cli import bench_main, parse_goodput
+from services.bench.comparison import format_clusters, format_comparison, format_workers
 from services.bench.report import BenchReport
 from services.bench.stats import RequestResult, SLOs, meets_slos
+from services.cli.deployment import (
+    Shape,
+    cluster_kind,
+    deploy,
+    deployment_for,
+    effective_options,
+    shape_of,
+    topology_text,
+    workers,
+)
 from services.cli.launch import launch
 from services.cli.serve import default_topology
 from services.contract.errors import DataPathError
+from services.service import link_service_of
 
 POLICIES = ("homogeneous", "naive-hetero", "prfaas-dynamic")
 BASELINE = "homogeneous"
 # The paper's decode SLO (section 4.1): 40 tokens/s, i.e. TPOT <= 25 ms.
 PAPER_SLO = SLOs(tpot_ms=25.0)
-WORKER_KINDS = ("prefill", "decode")
 PORT_SCAN_START = 21000  # below Linux's ephemeral range (32768+), so clients never take them
 
 
@@ -87,48 +111,61 @@ def free_block(count: int, start: int = PORT_SCAN_START) -> int:
     raise RuntimeError(f"no {count} consecutive free ports from {start}")
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)  # a topology's numbers are finite (mesh.topology validates them)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"topology value {value!r} has no TOML form here")
+@dataclass(frozen=True)
+class MeshPlan:
+    """One policy's mesh: its deployment's topology on free ports, as text and as parsed."""
+
+    topology: Topology
+    text: str
+    ports: MeshPorts
+    deployment: str
+
+    @property
+    def shape(self) -> Shape:
+        return shape_of(self.topology)
 
 
-def to_toml(data: dict[str, list[dict[str, Any]]]) -> str:
-    """A topology's builtins (arrays of tables with scalar and inline-table values) as TOML."""
-    lines: list[str] = []
-    for table, entries in data.items():
-        for entry in entries:
-            lines.append(f"[[{table}]]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in entry.items()]
-            lines.append("")
-    return "\n".join(lines)
+def _proxy_ports(topology: Topology, link_service: str) -> int:
+    """Ports a link service proxies on: one per worker of each cluster of its links."""
+    clusters = {end for link in topology.links
+                if link_service_of(topology, link).name == link_service
+                for end in (link.a, link.b)}
+    return max(1, sum(1 for s in workers(topology) if s.cluster in clusters))
 
 
-def mesh_topology(policy: str, scale: float) -> tuple[str, MeshPorts]:
-    """The default topology on a block of free ports, the router set to `policy`, `scale`."""
-    data: dict[str, Any] = msgspec.to_builtins(default_topology())
+def mesh_topology(policy: str, scale: float) -> MeshPlan:
+    """`policy`'s deployment (services/cli/deployment.py) of the default topology on a block
+    of free ports; the router set to `policy`, router and workers to `scale`."""
+    deployment = deployment_for(policy)
+    base = deploy(default_topology(), deployment)
+    data: dict[str, Any] = msgspec.to_builtins(base)
     services = data["services"]
     wanted = [(s, key) for s in services for key in sorted(s["options"]) if key.endswith("_port")]
-    pd_workers = sum(1 for s in services if s["kind"] in WORKER_KINDS and s["cluster"] == "pd")
-    port = free_block(len(services) + len(wanted) + pd_workers)
+    width = {s["name"]: _proxy_ports(base, s["name"]) for s in services if s["kind"] == "link"}
+    port = free_block(len(services) + len(wanted) + sum(width.values()))
     for service in services:
         service["port"], port = port, port + 1
     for service, key in wanted:
         service["options"][key] = port
-        port += pd_workers if key == "proxy_base_port" else 1
+        port += width[service["name"]] if key == "proxy_base_port" else 1
+    # Emulated workers pace each request at its paper length: served / the cluster's scale.
+    for cluster in data["clusters"]:
+        cluster["options"]["scale"] = scale
     router = next(s for s in services if s["kind"] == "router")
     router["options"].update(policy=policy, scale=scale)
+    topology = msgspec.convert(data, Topology)
     link = next(s for s in services if s["kind"] == "link")
-    metrics = {s["name"]: s["options"]["metrics_port"] for s in services
-               if s["kind"] in WORKER_KINDS and "metrics_port" in s["options"]}
+    metrics = {s.name: int(s.options["metrics_port"]) for s in workers(topology)
+               if "metrics_port" in s.options}
     ports = MeshPorts(router["options"]["http_port"], link["options"]["control_port"], metrics)
-    return to_toml(data), ports
+    return MeshPlan(topology, topology_text(topology), ports, deployment)
+
+
+def worker_roles(topology: Topology) -> dict[str, str]:
+    """Per worker: its cluster kind, role and hardware profile, e.g. "pd prefill h200"."""
+    return {s.name: f"{cluster_kind(topology, s)} {s.kind} "
+                    f"{effective_options(topology, s).get('profile', '?')}"
+            for s in workers(topology)}
 
 
 class StatePoller:
@@ -159,16 +196,20 @@ class StatePoller:
             self._thread.join()
 
     def summary(self) -> dict[str, Any]:
-        """t first/last/min/max (tokens) and per worker the mean and max queue and running."""
+        """t first/last/min/max (tokens); per worker the mean and max queue and running and
+        the roles the router showed it in, in order (a conversion: decode, draining, prefill)."""
         ts = [s["threshold"] for s in self.samples if isinstance(s.get("threshold"), int | float)]
-        workers: dict[str, dict[str, list[int]]] = {}
+        per_worker: dict[str, dict[str, list[Any]]] = {}
         for sample in self.samples:
             for w in sample.get("workers", []):
-                entry = workers.setdefault(w["name"], {"queue": [], "running": []})
+                entry = per_worker.setdefault(w["name"], {"queue": [], "running": [], "roles": []})
                 entry["queue"].append(w["queue"])
                 entry["running"].append(w["running"])
+                if entry["roles"][-1:] != [w["role"]]:
+                    entry["roles"].append(w["role"])
         queues = {name: {"queue_mean": _mean(v["queue"]), "queue_max": max(v["queue"]),
-                         "running_mean": _mean(v["running"])} for name, v in workers.items()}
+                         "running_mean": _mean(v["running"]), "roles": v["roles"]}
+                  for name, v in per_worker.items()}
         t = (ts[0], ts[-1], min(ts), max(ts)) if ts else (None,) * 4
         return {**dict(zip(("t_first", "t_last", "t_min", "t_max"), t, strict=True)),
                 "state_samples": len(self.samples), "state_errors": self.errors,
@@ -244,25 +285,29 @@ def by_cluster(requests: Sequence[RequestResult]) -> dict[str, dict[str, float]]
 
 def run_policy(policy: str, args: argparse.Namespace, slos: SLOs,
                log_dir: Path) -> dict[str, Any]:
-    """One fresh mesh with `policy`, one bench run; the numbers, or {"error": why}."""
+    """One fresh mesh of `policy`'s deployment, one bench run; the numbers, or {"error": why}.
+    Either way with the deployment, its shape and each worker's role and profile."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    text, ports = mesh_topology(policy, float(Fraction(args.scale)))
+    plan = mesh_topology(policy, float(Fraction(args.scale)))
+    shape = plan.shape
+    facts = {"deployment": plan.deployment, "shape": shape.text(), "stages": shape.stages(),
+             "roles": worker_roles(plan.topology)}
     topology = log_dir / "topology.toml"
-    topology.write_text(text, encoding="utf-8")
-    spec = default_topology()
+    topology.write_text(plan.text, encoding="utf-8")
+    spec = plan.topology
     infra = [s.name for s in spec.services if s.kind in ("cachedir", "link")]
-    workers = [s.name for s in spec.services if s.kind in WORKER_KINDS]
+    names = [s.name for s in workers(spec)]
     backend = ["--backend", args.backend]
     emulated = ["--mode", "emulated", "--time-scale", str(args.time_scale), *backend]
     try:
         with launch(topology, infra, extra_args=backend, log_dir=log_dir), \
-                launch(topology, workers, extra_args=emulated, log_dir=log_dir,
+                launch(topology, names, extra_args=emulated, log_dir=log_dir,
                        ready_timeout=args.ready_timeout), \
                 launch(topology, ["router"], extra_args=backend, log_dir=log_dir):
-            return _bench(policy, bench_args(args), ports, slos, log_dir)
+            return {**facts, **_bench(policy, bench_args(args), plan.ports, slos, log_dir)}
     except (DataPathError, MeshError, OSError, httpx.HTTPError, msgspec.DecodeError) as exc:
         # A policy that fails is reported in the table and the JSON; the others still run.
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {**facts, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _bench(policy: str, workload: list[str], ports: MeshPorts, slos: SLOs,
@@ -282,112 +327,20 @@ def _bench(policy: str, workload: list[str], ports: MeshPorts, slos: SLOs,
     return result
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-ROWS: tuple[tuple[str, str, int, bool], ...] = (
-    # (label, key, digits, ratio against homogeneous)
-    ("completed / failed", "", 0, False),
-    ("TTFT mean (ms)", "ttft_mean_ms", 0, True), ("TTFT p50 (ms)", "ttft_p50_ms", 0, True),
-    ("TTFT p90 (ms)", "ttft_p90_ms", 0, True), ("TTFT p99 (ms)", "ttft_p99_ms", 0, True),
-    ("TPOT mean (ms)", "tpot_mean_ms", 1, True), ("TPOT p90 (ms)", "tpot_p90_ms", 1, True),
-    ("ITL p50 (ms)", "itl_p50_ms", 1, True), ("ITL p90 (ms)", "itl_p90_ms", 1, True),
-    ("throughput (req/s)", "req_per_s", 3, True),
-    ("output throughput (tok/s)", "output_tok_per_s", 2, True),
-    ("goodput, chosen SLO (req/s)", "goodput_req_per_s", 3, True),
-    ("goodput, TPOT <= 25 ms (req/s)", "goodput_paper_slo_req_per_s", 3, True),
-    ("offload fraction", "offload_fraction", 3, False),
-    ("egress (GB)", "egress_gb", 4, False), ("egress mean (Gbps)", "egress_gbps", 4, False),
-    ("t first -> last (tokens)", "", 0, False), ("duration (s)", "duration_s", 1, False),
-    ("host load (1-min avg at end)", "host_load_1m", 1, False),
-)
-
-
-def _cell(result: dict[str, Any], label: str, key: str, digits: int) -> str:
-    if "error" in result:
-        return "error"
-    if label.startswith("completed"):
-        return f"{result['completed']} / {result['failed']}"
-    if label.startswith("t first"):
-        router = result["router"]
-        return f"{_fmt(router['t_first'], 0)} -> {_fmt(router['t_last'], 0)}"
-    return _fmt(result.get(key), digits)
-
-
-def _ratio(result: dict[str, Any], base: dict[str, Any], key: str) -> str:
-    value, ref = result.get(key), base.get(key)
-    if not isinstance(value, int | float) or not isinstance(ref, int | float) or ref == 0:
-        return ""
-    return f" ({value / ref:.2f}x)"
-
-
-def format_comparison(results: dict[str, dict[str, Any]]) -> str:
-    names = list(results)
-    base = results.get(BASELINE, {})
-    header = f"{'metric':<32}" + "".join(f"{n:>24}" for n in names)
-    lines = [header, "-" * len(header)]
-    for label, key, digits, ratio in ROWS:
-        cells = []
-        for name in names:
-            cell = _cell(results[name], label, key, digits)
-            if ratio and name != BASELINE and "error" not in results[name]:
-                cell += _ratio(results[name], base, key)
-            cells.append(f"{cell:>24}")
-        lines.append(f"{label:<32}" + "".join(cells))
-    lines += [f"{n}: {r['error']}" for n, r in results.items() if "error" in r]
-    return "\n".join(lines)
-
-
-def _rows(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain table: the first two columns left-aligned, the others right-aligned."""
-    cells = [[_fmt(v, 2 if isinstance(v, float) and abs(v) < 100 else 0) for v in row]
-             for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) + 2 for i in range(len(header))]
-    return "\n".join("".join(c.ljust(w) if i < 2 else c.rjust(w)
-                              for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-                      for row in cells)
-
-
-def format_workers(results: dict[str, dict[str, Any]]) -> str:
-    """Per worker: mean/max queue and streams at the router, prefills, KV sent, decode batch."""
-    rows = []
-    for policy, r in ((p, r) for p, r in results.items() if "error" not in r):
-        for name, c in r["worker_counters"].items():
-            q = r["router"]["workers"].get(name, {})
-            batch = c["decode_tokens"] / c["decode_steps"] if c["decode_steps"] else None
-            rows.append([policy, name, q.get("queue_mean"), q.get("queue_max"),
-                         q.get("running_mean"), int(c["prefill_jobs"]),
-                         c["prefill_kv_bytes_sent"] / 1e6, batch])
-    return _rows(["policy", "worker", "queue mean", "max", "running", "prefills", "KV MB sent",
-                  "decode batch"], rows)
-
-
-def format_clusters(results: dict[str, dict[str, Any]]) -> str:
-    """Where each policy prefilled: requests, their mean prompt length and mean TTFT."""
-    rows = [[policy, cluster, c["requests"], c["prompt_tokens_mean"], c["ttft_mean_ms"]]
-            for policy, r in results.items() for cluster, c in r.get("by_cluster", {}).items()]
-    return _rows(["policy", "prefill cluster", "requests", "prompt tokens", "TTFT mean ms"], rows)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--quick", action="store_true", help="8 requests at 1 req/s, 8 output tokens")
     add("--policies", default=",".join(POLICIES), help="comma-separated (default: all three)")
     add("--num-requests", type=int, default=40)
-    add("--request-rate", type=float, default=0.5)
+    add("--request-rate", type=float, default=0.8)
     add("--seed", type=int, default=1)
     add("--scale", default="1/64", help="served tokens per paper token (bench and router)")
     add("--output-len", type=int, default=1024, help="output tokens before scaling")
     add("--max-context", type=int, default=2048)
     add("--timeout", type=float, default=300.0, help="per-request timeout (s)")
-    add("--goodput", nargs="+", default=["ttft:1500", "tpot:50"], metavar="KEY:MS",
-        help="the chosen SLO (default: ttft:1500 tpot:50; docs/policies.md says why)")
+    add("--goodput", nargs="+", default=["ttft:5000", "tpot:50"], metavar="KEY:MS",
+        help="the chosen SLO (default: ttft:5000 tpot:50; docs/policies.md says why)")
     add("--backend", default="asyncio", choices=["asyncio", "uvloop"])
     add("--time-scale", type=float, default=1.0, help="emulated workers' wall s per modeled s")
     add("--ready-timeout", type=float, default=180.0, help="workers' model load (s)")
@@ -408,11 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     for policy in sorted(policies, key=lambda p: p != BASELINE):
         results[policy] = run_policy(policy, args, slos, log_root / policy)
         print(f"{policy}: {'error' if 'error' in results[policy] else 'done'}", flush=True)
-    print(format_comparison(results))
+    print(format_comparison(results, BASELINE))
     print(format_workers(results))
     print(format_clusters(results))
-    print(json.dumps({"bench": "policies", **{p.replace("-", "_"): results.get(p)
-                                              for p in POLICIES}}))
+    shapes = {p.replace("-", "_"): r.get("shape") for p, r in results.items()}
+    print(json.dumps({"bench": "policies", "shapes": shapes,
+                      **{p.replace("-", "_"): results.get(p) for p in POLICIES}}))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -1,0 +1,184 @@
+"""Deployments of equal hardware drawn from one topology, as the paper's Table 6 compares them.
+
+The paper (arXiv 2604.15039 v2, section 4 and Table 6) compares PrfaaS-PD with two baselines:
+a homogeneous PD cluster (every prefill instance in the PD cluster) and a naive heterogeneous
+one (every prefill on the PrfaaS cluster, every PD instance decodes). From one topology:
+
+- `prfaas-pd`: the topology as it is (N_prfaas / N_p / N_d).
+- `homogeneous`: every PrfaaS prefill worker moves into the PD cluster as a PD prefill worker,
+  with every option it had (its hardware profile included), so N_p grows by N_prfaas. The
+  PrfaaS cluster and its link stay, empty on the PrfaaS side, so the same processes run.
+- `naive`: every PD prefill worker becomes a decode worker, so N_d grows by N_p.
+
+Each keeps the number of workers and the hardware of each; only roles and clusters move.
+`shape_of` reads a topology's shape back (what a comparison prints).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+
+import msgspec
+
+from mesh.errors import ConfigError
+from mesh.topology import Options, ServiceSpec, Topology
+
+DEPLOYMENTS = ("prfaas-pd", "homogeneous", "naive")
+# The policy each deployment runs with in the paper's comparison; any other policy (prfaas,
+# prfaas-dynamic, dynamo) routes on the PrfaaS-PD deployment.
+POLICY_DEPLOYMENTS = {"homogeneous": "homogeneous", "naive-hetero": "naive"}
+WORKER_KINDS = ("prefill", "decode")
+
+
+def deployment_for(policy: str) -> str:
+    """The deployment `policy` is compared on."""
+    return POLICY_DEPLOYMENTS.get(policy, "prfaas-pd")
+
+
+def cluster_kind(topology: Topology, service: ServiceSpec) -> str:
+    """A worker's cluster kind ("prfaas" or "pd"); a cluster without a kind goes by its name,
+    as the router reads it (services/router/workers.py)."""
+    cluster = topology.cluster(service.cluster)
+    return cluster.kind or cluster.name
+
+
+def effective_options(topology: Topology, service: ServiceSpec) -> Options:
+    """The service's options over its cluster's, as the service itself reads them."""
+    options = dict(topology.cluster(service.cluster).options) if service.cluster else {}
+    options.update(service.options)
+    return options
+
+
+def workers(topology: Topology) -> list[ServiceSpec]:
+    return [s for s in topology.services if s.kind in WORKER_KINDS]
+
+
+class Shape(msgspec.Struct, frozen=True):
+    """The hardware profile of each worker per stage: PrfaaS prefill, PD prefill, PD decode."""
+
+    prfaas: tuple[str, ...]
+    pd_prefill: tuple[str, ...]
+    pd_decode: tuple[str, ...]
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return len(self.prfaas), len(self.pd_prefill), len(self.pd_decode)
+
+    def text(self) -> str:
+        """N_prfaas / N_p / N_d as the paper's Table 6 writes it ("-": none)."""
+        return " / ".join(str(n) if n else "-" for n in self.counts)
+
+    def stages(self) -> dict[str, str]:
+        """Per stage, its workers by profile, e.g. {"pd_prefill": "2 x h20 + 1 x h200"}."""
+        return {name: _by_profile(getattr(self, name))
+                for name in ("prfaas", "pd_prefill", "pd_decode")}
+
+
+def _by_profile(profiles: Iterable[str]) -> str:
+    counts = Counter(profiles)
+    return " + ".join(f"{n} x {p}" for p, n in sorted(counts.items())) or "-"
+
+
+def shape_of(topology: Topology) -> Shape:
+    """The topology's workers per stage, each by its hardware profile ("?" if it names none)."""
+    stages: dict[tuple[str, str], list[str]] = {}
+    for service in workers(topology):
+        profile = str(effective_options(topology, service).get("profile", "?"))
+        stages.setdefault((cluster_kind(topology, service), service.kind), []).append(profile)
+    return Shape(*(tuple(stages.get(key, ())) for key in (
+        ("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))))
+
+
+def deploy(topology: Topology, deployment: str) -> Topology:
+    """`topology` redrawn as `deployment` (module docstring); ConfigError if it is unknown."""
+    if deployment == "prfaas-pd":
+        return topology
+    if deployment == "homogeneous":
+        return _homogeneous(topology)
+    if deployment == "naive":
+        return _naive(topology)
+    raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {deployment!r}")
+
+
+def _pd_cluster(topology: Topology) -> str:
+    names = [c.name for c in topology.clusters if (c.kind or c.name) == "pd"]
+    if len(names) != 1:
+        raise ConfigError(f"a homogeneous deployment needs exactly one PD cluster, got {names}")
+    return names[0]
+
+
+def _homogeneous(topology: Topology) -> Topology:
+    """Each PrfaaS prefill worker becomes a PD prefill worker with the same effective options
+    (the PD cluster's options it does not share are carried as its own)."""
+    pd = _pd_cluster(topology)
+    pd_options = topology.cluster(pd).options
+    moved: dict[str, ServiceSpec] = {}
+    names = NameSource(topology)
+    for s in workers(topology):
+        if cluster_kind(topology, s) == "prfaas" and s.kind == "prefill":
+            own = {k: v for k, v in effective_options(topology, s).items()
+                   if k not in pd_options or pd_options[k] != v}
+            moved[s.name] = msgspec.structs.replace(
+                s, name=names.next(f"{pd}-prefill"), cluster=pd, options=own)
+    return _with_services(topology, moved)
+
+
+def _naive(topology: Topology) -> Topology:
+    """Each PD prefill worker becomes a decode worker of its cluster (options unchanged)."""
+    names = NameSource(topology)
+    turned = {s.name: msgspec.structs.replace(s, name=names.next(f"{s.cluster}-decode"),
+                                              kind="decode")
+              for s in workers(topology)
+              if cluster_kind(topology, s) == "pd" and s.kind == "prefill"}
+    return _with_services(topology, turned)
+
+
+def _with_services(topology: Topology, changed: dict[str, ServiceSpec]) -> Topology:
+    services = tuple(changed.get(s.name, s) for s in topology.services)
+    # Construction validates the result again (names, clusters, addresses).
+    return Topology(clusters=topology.clusters, services=services, links=topology.links,
+                    mesh=topology.mesh)
+
+
+class NameSource:
+    """Fresh service names `stem-i` (the lowest i no service of the topology has yet)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.taken = {s.name for s in topology.services}
+
+    def next(self, stem: str) -> str:
+        i = 0
+        while f"{stem}-{i}" in self.taken:
+            i += 1
+        self.taken.add(f"{stem}-{i}")
+        return f"{stem}-{i}"
+
+
+def topology_text(topology: Topology) -> str:
+    """The topology as TOML that mesh.topology.parse_topology reads back equal: the file a
+    generated deployment runs from (`prfaas serve NAME --topology FILE`)."""
+    data = msgspec.to_builtins(topology)
+    lines: list[str] = []
+    for table in ("clusters", "services", "links"):
+        for entry in data[table]:
+            lines += [f"[[{table}]]", *(f"{k} = {_toml_value(v)}" for k, v in entry.items()), ""]
+    mesh = {k: v for k, v in data["mesh"].items() if v}
+    if mesh:
+        lines += ["[mesh]", *(f"{k} = {_toml_value(v)}" for k, v in mesh.items()), ""]
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        # A topology's numbers are finite (mesh.topology validates ports, bandwidths, delays).
+        return repr(value)
+    if isinstance(value, str):
+        # A JSON string is a TOML basic string (the same escapes).
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"topology value {value!r} has no TOML form")
