@@ -41,7 +41,7 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     token_scale: float = 1.0
     # The workload rate the page offers (req/s): one the deployment holds without queues
     # growing (docs/dashboard.md, "Load").
-    default_rate: float = 0.25
+    default_rate: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("max_decisions", "max_flows", "max_timelines", "max_workers"):

@@ -42,7 +42,7 @@ function withScale(spec, scale) {
   if (spec.id !== "threshold" || scale === 1) return spec;
   return {
     ...spec,
-    title: `threshold t (served tokens; paper = served × ${Math.round(1 / scale)}, scale ${fmtScale(scale)})`,
+    title: `threshold t (served tokens, scale ${fmtScale(scale)})`,
     value: (v) => `${fmtTokens(v)} (${fmtTokens(v / scale)} paper)`,
   };
 }

@@ -189,12 +189,13 @@ export class Topology {
     const view = {
       ...place,
       line: svgEl("line", { class: "link-line", x1: x0, y1: y0, x2: x1, y2: y1 }),
-      name: label(-46),
-      params: label(-30, { "data-testid": "link-bandwidth" }),
-      barBg: svgEl("rect", { class: "link-util-bg", x: x0 + 20, y: y + 14, width: x1 - x0 - 40, height: 8, rx: 4 }),
-      bar: svgEl("rect", { class: "link-util", x: x0 + 20, y: y + 14, width: 0, height: 8, rx: 4 }),
-      util: label(36, { "data-testid": "link-utilisation" }),
-      extra: label(50, { class: "link-label muted" }),
+      // Above and below the five lanes of flow dots and their labels (about +-30 px).
+      name: label(-62),
+      params: label(-46, { "data-testid": "link-bandwidth" }),
+      barBg: svgEl("rect", { class: "link-util-bg", x: x0 + 20, y: y + 30, width: x1 - x0 - 40, height: 8, rx: 4 }),
+      bar: svgEl("rect", { class: "link-util", x: x0 + 20, y: y + 30, width: 0, height: 8, rx: 4 }),
+      util: label(54, { "data-testid": "link-utilisation" }),
+      extra: label(70, { class: "link-label muted" }),
     };
     const group = svgEl("g", { class: "link", "data-testid": "link", "data-link": place.name },
       view.line, view.name, view.params, view.barBg, view.bar, view.util, view.extra);
