@@ -91,10 +91,10 @@ export function rateUnit(bps, fallback = 0) {
   return { name: "kbps", per: 1e3 };
 }
 
-/** A rate in the given unit, unit printed: 3.2 Mbps, 0.00 Gbps. */
+/** A rate in the given unit, unit printed: 20 Mbps, 3.20 Mbps, 0.05 Gbps. */
 export function fmtRate(bps, unit) {
   const value = (bps || 0) / unit.per;
-  const digits = value >= 100 || value === 0 ? 0 : value >= 10 ? 1 : 2;
+  const digits = value >= 100 || Number.isInteger(value) ? 0 : value >= 10 ? 1 : 2;
   return `${value.toFixed(digits)} ${unit.name}`;
 }
 
