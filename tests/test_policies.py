@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.router.policies import create_policy
 from services.router.policies.dynamo import DynamoConfig, DynamoPolicy
 from services.router.policies.homogeneous import HomogeneousPolicy
 from services.router.policies.naive_hetero import NaiveHeteroPolicy
@@ -83,6 +84,22 @@ def test_the_same_request_routes_differently_under_scarce_and_abundant_bandwidth
     abundant = threshold_rule(request, 19_400, scarce=False)
     assert (scarce.cluster, scarce.incremental_len) == ("prfaas", 40_000)
     assert (abundant.cluster, abundant.incremental_len) == ("pd", 5_000)
+
+
+@pytest.mark.parametrize("name", ["prfaas", "prfaas-dynamic"])
+def test_the_reason_names_the_link_state_the_rule_came_from(name: str) -> None:
+    """Issue 15.3: an idle link reads "link calm", a loaded or stalling one "link busy", with
+    the utilisation the policy saw; never "scarce" on a calm link."""
+    policy = create_policy(name, {})
+    calm = policy.decide(inputs(30_000, util=0.03)).reason
+    assert "link calm (util 3% < 50%): best cache anywhere counts" in calm
+    assert "scarce" not in calm and "busy" not in calm
+    busy = policy.decide(inputs(30_000, util=0.85)).reason
+    assert "link busy (util 85% >= 50%): PD cache counts" in busy
+    stalled = policy.decide(inputs(30_000, util=0.03, link_stalls=2)).reason
+    assert "link busy (2 recent stalls, util 3%): PD cache counts" in stalled
+    pinned = create_policy(name, {"bandwidth": "scarce"}).decide(inputs(30_000, util=0.03))
+    assert "bandwidth pinned scarce: PD cache counts" in pinned.reason
 
 
 def test_prfaas_pinned_modes_and_unavailable() -> None:

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, sim_events
 
+from mesh.topology import load_topology
 from services.cli.procfile import ProcessSpec
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
@@ -51,6 +52,7 @@ from ui.controls import (
     WorkloadRequest,
 )
 from ui.errors import ControlError, ReplayError, UiConfigError
+from ui.feed import dashboard_config
 from ui.hub import EventHub, FeedBatch, NoSource
 from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay, write_log
 from ui.series import MAX_GAP_POINTS, SeriesAggregator, SeriesPoint, percentile
@@ -59,6 +61,7 @@ from ui.sse import encode_batch, event_stream
 from ui.state import DashboardState, RequestView, Snapshot
 
 UI = Path(__file__).resolve().parent.parent / "ui"
+TOPOLOGIES = UI.parent / "services" / "cli" / "topologies"
 
 
 def decision(ts: float, rid: str = "r1", cluster: str = "prfaas", **kw: Any) -> t.RoutingDecision:
@@ -704,6 +707,61 @@ def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
     ]
     assert out["waterfallOpen"] == [1, 2, 3, 9]  # a phase still open runs until now
     assert out["slider"] == [2e9, 575, 1e7, 1e11]
+
+
+def health(queued: list[int], ttft: list[float | None]) -> list[dict[str, Any]]:
+    pairs = enumerate(zip(queued, ttft, strict=True))
+    return [{"ts": float(i), "queued": q, "ttft": v} for i, (q, v) in pairs]
+
+
+@pytest.mark.trio
+async def test_the_page_draws_every_cluster_and_link_of_two_prfaas_and_reads_t_and_units(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issues 11.2 and 15.3: the page as served for services/cli/topologies/two-prfaas.toml
+    (its data attributes), through the topology panel's layout, t's paper length, the rate
+    units and the saturation hint, in node."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed; the browser tests cover the page")
+    topology = load_topology(TOPOLOGIES / "two-prfaas.toml", "")
+    app = build_app(NoSource(), HttpControlClient.connect(None, None),
+                    config=dashboard_config(topology))
+    async with client_for(app) as client:
+        page = (await client.get("/")).text
+    links = re.search(r'data-links="([^"]*)"', page)
+    scale = re.search(r'data-token-scale="([^"]*)"', page)
+    assert links is not None and scale is not None
+    workers = [{"cluster": s.cluster} for s in topology.services if s.cluster]
+    steady = health([2] * 15, [0.8] * 15)
+    growing = health(list(range(15)), [0.8] * 15)
+    slower = health([1] * 15, [0.5] * 7 + [1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.6])
+    script = Path(__file__).parent / "ui_fixtures" / "page_check.mjs"
+    request = {"links": links.group(1), "reported": ["link-a", "link-b"],
+               "prfaas": ["prfaas-a", "prfaas-b"], "workers": workers,
+               "scale": float(scale.group(1)), "t": 606.0, "bandwidth_bps": 200e6,
+               "throughput_bps": 3.2e6, "health": [steady, growing, slower, steady[:5]]}
+    result = subprocess.run([node, "--experimental-default-type=module", str(script)],
+                            input=json.dumps(request).encode(), capture_output=True,
+                            timeout=60, check=True)
+    out = json.loads(result.stdout)
+    boxes, drawn = out["boxes"], out["links"]
+    assert sorted(boxes) == ["pd", "prfaas-a", "prfaas-b"]
+    assert [b["prfaas"] for b in (boxes["prfaas-a"], boxes["prfaas-b"], boxes["pd"])] == [
+        True, True, False]
+    # Each link runs from the middle of its own PrfaaS cluster's box into the PD box.
+    assert [(ln["name"], ln["a"], ln["b"]) for ln in drawn] == [
+        ("link-a", "prfaas-a", "pd"), ("link-b", "prfaas-b", "pd")]
+    for line in drawn:
+        box, pd = boxes[line["a"]], boxes["pd"]
+        assert line["y0"] == box["y"] + box["h"] / 2
+        assert pd["y"] <= line["y1"] <= pd["y"] + pd["h"]
+    assert drawn[0]["y0"] < drawn[1]["y0"]
+    assert out["threshold"] == "606 tokens served = 19.4K at paper length (scale 1/32)"
+    assert out["rates"] == ["200 Mbps", "3.20 Mbps"]  # bandwidth and egress in one unit
+    assert out["saturation"][0] is None and out["saturation"][3] is None
+    assert out["saturation"][1].startswith("mesh saturated: queues growing (0 → 14 queued")
+    assert out["saturation"][2].startswith("mesh saturated: TTFT rising (500 ms → 2.60 s")
 
 
 # The app over HTTP (in process) and served by hypercorn.

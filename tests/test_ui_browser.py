@@ -11,18 +11,29 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
+from anyio.from_thread import start_blocking_portal
 from playwright.sync_api import Page, sync_playwright
 from ui_fixtures import browser as ui_fixtures
 
+from mesh.topology import load_topology
+from services.contract import events as ev
+from services.contract.events import AnyEvent
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
 from services.sim.live import LiveConfig, LiveSim
 from services.sim.world import Deployment
+from ui.errors import ControlError
+from ui.feed import dashboard_config
+from ui.serve import serve_ui
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -30,6 +41,7 @@ if not shutil.which(ui_fixtures.CHROMIUM):
     pytest.skip("Debian's chromium is not installed (make browser)", allow_module_level=True)
 
 WAIT_MS = 30_000
+TOPOLOGIES = Path(__file__).resolve().parent.parent / "services" / "cli" / "topologies"
 
 
 @pytest.fixture
@@ -277,4 +289,163 @@ def test_the_fast_simulation_keeps_the_page_responsive_and_bounded(
     assert report["frames"] >= 10 * result["seconds"]
     assert report["long_task_ms_total"] < 0.25 * 1000 * result["seconds"]
     assert report["chromium_cpu_cores"] < 0.9
+    assert page_errors == []
+
+
+class ScriptedSource:
+    """The dashboard's event source, fed by the test (through the portal) instead of a mesh."""
+
+    def __init__(self) -> None:
+        self.publish: Callable[[AnyEvent], None] | None = None
+
+    async def run(self, publish: Callable[[AnyEvent], None]) -> None:
+        self.publish = publish
+        await anyio.sleep_forever()
+
+    def send(self, events: list[AnyEvent]) -> None:
+        assert self.publish is not None
+        for event in events:
+            self.publish(event)
+
+
+class StateOnlyControls:
+    """A router and a link as their admin and control APIs report them; no changes taken."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    async def state(self) -> dict[str, Any]:
+        router = {"policy": "prfaas", "threshold": self.threshold, "threshold_override": False,
+                  "policies": list(POLICIES), "workers": []}
+        link = {"name": "link-a", "bandwidth_bps": 200e6, "delay_ms": 10, "loss": 0.0,
+                "up": True}
+        return {"link": link, "router": router, "errors": {}}
+
+    async def processes(self) -> dict[str, Any]:
+        return {"processes": [], "stopping": False}
+
+    def __getattr__(self, name: str) -> Any:
+        async def refuse(*args: Any) -> Any:
+            raise ControlError(409, f"{name}: this test's controls only report")
+        return refuse
+
+    async def aclose(self) -> None:
+        return None
+
+
+def two_prfaas_events(now: float, scale: float) -> list[AnyEvent]:
+    """Both PrfaaS clusters' workers, both links, a full and an incremental KV flow in flight
+    (one over each link) and one decision whose reason is longer than its column."""
+    t = 19400 * scale
+    workers = [("prfaas-a-prefill-0", "prfaas-a", "prefill"),
+               ("prfaas-b-prefill-0", "prfaas-b", "prefill"),
+               ("pd-prefill-0", "pd", "prefill"), ("pd-decode-0", "pd", "decode")]
+    out: list[AnyEvent] = [
+        ev.WorkerStatus(ts=now, source=w, worker=w, cluster=c, role=r,  # type: ignore[arg-type]
+                        queue_depth=0, running=0, busy=False, cached_blocks=0)
+        for w, c, r in workers]
+    out += [ev.LinkStats(ts=now, source=name, link=name, bandwidth_bps=200e6, delay_s=0.01,
+                         jitter_s=0.0, loss=0.0, up=True, throughput_bps=3.2e6,
+                         utilisation=0.016, queued_bytes=0, stalls=0)
+            for name in ("link-a", "link-b")]
+    for rid, src, via, incremental in (("full-1", "prfaas-a-prefill-0", "link-a", False),
+                                       ("incr-2", "prfaas-b-prefill-0", "link-b", True)):
+        out.append(ev.KVFlow(ts=now, source=src, request_id=rid, src=src, dst="pd-decode-0",
+                             via_link=via, phase="progress", layers_done=4, layers_total=27,
+                             bytes_done=1 << 20, bytes_total=8 << 20, incremental=incremental,
+                             tokens_sent=900))
+    reason = (f"prfaas: l = 1,200 - 0 = 1,200 > t = {t:,.0f} -> PrfaaS (link calm (util 2% < "
+              "50%): best cache anywhere counts)")
+    out.append(ev.RoutingDecision(
+        ts=now, source="router", request_id="req-0123456789abcdef-1", policy="prfaas",
+        total_len=1200, cached_prfaas=0, cached_pd=0, incremental_len=1200, threshold=t,
+        link_utilisation=0.016, queue_prfaas=0, queue_pd=0, cluster="prfaas-a",
+        prefill_worker="prfaas-a-prefill-0", decode_worker="pd-decode-0",
+        bandwidth_scarce=False, reason=reason))
+    return out
+
+
+def queues_growing(now: float) -> list[AnyEvent]:
+    """A PD prefill worker whose queue grows by one a second for 20 s, the link sampled
+    every second meanwhile (so the hub cuts a chart point each second)."""
+    out: list[AnyEvent] = []
+    for i in range(1, 21):
+        out.append(ev.WorkerStatus(ts=now + i, source="pd-prefill-0", worker="pd-prefill-0",
+                                   cluster="pd", role="prefill", queue_depth=i, running=1,
+                                   busy=True, cached_blocks=0))
+        out.append(ev.LinkStats(ts=now + i, source="link-a", link="link-a", bandwidth_bps=200e6,
+                                delay_s=0.01, jitter_s=0.0, loss=0.0, up=True,
+                                throughput_bps=3.2e6, utilisation=0.016, queued_bytes=0,
+                                stalls=0))
+    return out
+
+
+TEXT = "id => document.querySelector(`[data-testid=${id}]`).textContent"
+
+
+def test_two_prfaas_page_draws_both_links_reads_t_units_and_colours_flows(
+    browser_page: Page, page_errors: list[str]
+) -> None:
+    """Issues 11.2, 14.5, 15.3: the page for services/cli/topologies/two-prfaas.toml fed
+    scripted events: both PrfaaS clusters and both links drawn, t with its paper length,
+    rates in one printed unit, top-bar defaults before any request, full and incremental KV
+    flows in different colours, whole texts on hover, the saturation hint."""
+    page = browser_page
+    topology = load_topology(TOPOLOGIES / "two-prfaas.toml", "")
+    config = dashboard_config(topology)
+    scale = config.token_scale
+    source = ScriptedSource()
+    controls = StateOnlyControls(threshold=19400 * scale)
+    with start_blocking_portal(backend="trio") as portal:
+        _, (host, port) = portal.start_task(
+            partial(serve_ui, config=config), "127.0.0.1", 0, source, controls)
+        open_page(page, f"http://{host}:{port}/", page_errors)
+        # Before any request: the router's policy and t, the link's rate; never "-" or "none".
+        paper_t = "606 tokens served = 19.4K at paper length (scale 1/32)"
+        wait_until(page, f"() => ({TEXT})('topbar-threshold') === {json.dumps(paper_t)}")
+        top = {k: page.evaluate(TEXT, f"topbar-{k}") for k in ("policy", "offload", "link")}
+        assert top == {"policy": "prfaas", "offload": "no requests yet", "link": "up · 200 Mbps"}
+        assert page.input_value("#ctl-rate") == str(config.default_rate)
+
+        portal.call(source.send, two_prfaas_events(time.time(), scale))
+        wait_until(page, "document.querySelectorAll('[data-testid=kv-flow]').length === 2")
+        wait_until(page, "document.querySelectorAll('#decisions-body tr').length === 1")
+        boxes = page.eval_on_selector_all("#topology .cluster-box",
+                                          "bs => bs.map(b => b.dataset.cluster)")
+        assert sorted(boxes) == ["pd", "prfaas-a", "prfaas-b"]
+        links = page.eval_on_selector_all(
+            "[data-testid=link]", """gs => gs.map(g => [g.dataset.link,
+                g.querySelector('[data-testid=link-bandwidth]').textContent,
+                g.querySelector('[data-testid=link-utilisation]').textContent])""")
+        assert links == [[name, "200 Mbps · 10 ms", "egress 3.20 Mbps of 200 Mbps (2%)"]
+                         for name in ("link-a", "link-b")]
+        both = "link-a up · 200 Mbps; link-b up · 200 Mbps"
+        wait_until(page, f"() => ({TEXT})('topbar-link') === {json.dumps(both)}")
+        # Full and incremental KV in two colours, the legend's.
+        fills = page.eval_on_selector_all(
+            "[data-testid=kv-flow]", """fs => Object.fromEntries(fs.map(f => [f.dataset.request,
+                [f.getAttribute('class'), getComputedStyle(f.querySelector('circle')).fill]]))""")
+        assert fills["full-1"][0].split()[:2] == ["flow", "full"]
+        assert fills["incr-2"][0].split()[:2] == ["flow", "incremental"]
+        assert fills["full-1"][1] == "rgb(122, 94, 168)"  # --full
+        assert fills["incr-2"][1] == "rgb(31, 138, 138)"  # --incremental
+        # The row's cut texts whole on hover; t at paper length too.
+        row = page.eval_on_selector(
+            "#decisions-body tr", "r => [...r.cells].map(c => c.getAttribute('title'))")
+        assert row[1] == "req-0123456789abcdef-1"
+        assert row[6] == "t = 606 tokens served = 19.4K at paper length (scale 1/32)"
+        assert row[9] is not None and row[9].endswith("best cache anywhere counts)")
+        assert page.is_hidden("[data-testid=saturation]")
+
+        # Queues grow for 20 s: the page says the mesh is saturated; the egress chart's unit.
+        portal.call(source.send, queues_growing(time.time()))
+        wait_until(page, "!document.querySelector('[data-testid=saturation]').hidden")
+        banner = page.evaluate(TEXT, "saturation")
+        assert banner.startswith("mesh saturated: queues growing") and "lower the rate" in banner
+        assert page.evaluate(TEXT, "chart-egress-title") == "egress / bandwidth (Mbps)"
+        assert page.evaluate(TEXT, "chart-egress-value").endswith(" Mbps")
+        assert page.evaluate(TEXT, "chart-threshold-value").endswith("(19.4K paper)")
+        ui_fixtures.OUTPUT.mkdir(exist_ok=True)
+        page.screenshot(path=str(ui_fixtures.OUTPUT / "dashboard-two-prfaas.png"), full_page=True)
+        portal.call(portal.stop, True)
     assert page_errors == []

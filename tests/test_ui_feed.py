@@ -24,14 +24,22 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.server import Context
 from mesh.topology import parse_topology
-from mesh.transport import Address, MemoryHub, MemoryTransport
+from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from mesh.wire import Codec
 from services.cli.launch import in_process
 from services.cli.serve import default_topology, runner_for, serve_main
-from services.contract.events import AnyEvent, Event, WorkerStatus
-from services.contract.messages import CODEC_MESSAGES, Echo, Subscribe
+from services.contract.events import AnyEvent, Event, KVFlow, WorkerStatus
+from services.contract.messages import CODEC_MESSAGES, Echo, Sampling, Subscribe
+from services.contract.prefix import block_hashes
+from services.model.config import family_config, kv_bytes
+from services.router.openai.schema import GenerationRequest
+from services.router.policies import create_policy
+from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.workers import WorkerTable
 from services.service import serve_events
+from services.worker.kv_stream import expected_kv_bytes
 from tests.ports import free_ports
+from tests.test_prefix_transfer import IdTokenizer
 from ui.feed import (
     FeedConfig,
     MeshFeed,
@@ -392,3 +400,93 @@ async def csrf_token(client: httpx.AsyncClient) -> str:
     found = re.search(r'<meta name="csrf-token" content="([^"]+)">', page)
     assert found is not None
     return found.group(1)
+
+
+# A real mesh: the dashboard's feed subscribed to real workers (issue 14.5).
+
+KV_TOKENS = 8  # answer length of each turn
+KV_DTYPE = "float32"  # pinned: "auto" depends on the machine
+
+
+def kv_topology() -> Any:
+    """A PrfaaS prefill, a PD prefill and a PD decode worker of the tiny kimi-linear model, the
+    cache directory and the link, on free ports (as tests/test_prefix_transfer.py's)."""
+    cachedir, link, control, proxy, p, q, d = free_ports(7)
+    worker = ('options = { family = "kimi-linear", size = "tiny", checkpoint = "none", '
+              f'threads = 1, connections = 2, dtype = "{KV_DTYPE}" }}')
+    return parse_topology(
+        f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{worker}\n'
+        f'[[clusters]]\nname = "pd"\nkind = "pd"\n{worker}\n'
+        f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {cachedir}\n'
+        f'[[services]]\nname = "p"\nkind = "prefill"\ncluster = "prfaas"\nport = {p}\n'
+        f'[[services]]\nname = "q"\nkind = "prefill"\ncluster = "pd"\nport = {q}\n'
+        f'[[services]]\nname = "d"\nkind = "decode"\ncluster = "pd"\nport = {d}\n'
+        f'[[services]]\nname = "link"\nkind = "link"\nport = {link}\n'
+        f"options = {{ control_port = {control}, proxy_base_port = {proxy} }}\n"
+        '[[links]]\nname = "link"\na = "prfaas"\nb = "pd"\nbandwidth_bps = 1e9\n')
+
+
+class KvCollector(Collector):
+    def flows(self, request_id: str) -> list[KVFlow]:
+        return [e for e in self.events if isinstance(e, KVFlow) and e.request_id == request_id]
+
+
+async def until_done(collector: KvCollector, request_id: str) -> KVFlow:
+    while not any(f.phase == "done" for f in collector.flows(request_id)):
+        await trio.sleep(0.05)
+    return next(f for f in collector.flows(request_id) if f.phase == "done")
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+async def test_real_workers_kv_flows_reach_the_feed_with_their_true_size() -> None:
+    """The feed on a real mesh: an offloaded first turn's KV crosses the link in full (S_kv of
+    its length, from the model's kv size function); the second turn, whose prefix the decode
+    worker already holds, sends only the new tokens' KV (incremental)."""
+    topo = kv_topology()
+    cfg = family_config("kimi-linear", "tiny")
+    first = [(i * 7) % 500 + 1 for i in range(200)]
+    second = first + [(i * 11) % 500 + 3 for i in range(140)]
+    sampling = Sampling(max_tokens=KV_TOKENS, stop_on_eos=False)
+    collector = KvCollector()
+    names = ["cachedir", "link", "p", "q", "d"]
+    async with in_process(topo, names, transport=TcpTransport(), via_links=True) as mesh, \
+            mesh.client("router") as router, mesh.client("dash") as dash, \
+            anyio.create_task_group() as group:
+        feed = MeshFeed(dash, event_peers(topo), FeedConfig(wall_clock=False))
+        group.start_soon(feed.run, collector.publish)
+        policy = create_policy("prfaas", {"threshold": 100.0, "bandwidth": "scarce"})
+        scheduler = Scheduler(router, policy, WorkerTable.from_topology(topo), IdTokenizer(),
+                              SchedulerConfig(block_size=cfg.block_size, connections=2))
+        await group.start(scheduler.run)
+        with trio.fail_after(120):
+            while feed.statistics().connected < len(names):
+                await trio.sleep(0.05)
+            one = await scheduler.submit(GenerationRequest(prompt=first, sampling=sampling))
+            await one.collect()
+            full = await until_done(collector, one.placement.request_id)
+            while not scheduler.workers.held_blocks("d", await lookup(scheduler, second)):
+                await trio.sleep(0.05)  # d's cache report reaches the directory (a cast)
+            two = await scheduler.submit(GenerationRequest(prompt=second, sampling=sampling))
+            await two.collect()
+            incremental = await until_done(collector, two.placement.request_id)
+        group.cancel_scope.cancel()
+    dtype = KV_DTYPE
+    assert (full.src, full.dst, full.via_link, full.incremental) == ("p", "d", "link", False)
+    assert one.placement.cluster == "prfaas" and one.placement.decode_has_tokens == 0
+    assert full.bytes_total == kv_bytes(cfg, len(first), dtype)  # S_kv(200)
+    assert full.tokens_sent == len(first) and full.layers_done == full.layers_total
+    held = two.placement.decode_has_tokens
+    assert held == 192 and two.placement.cluster == "prfaas"
+    assert (incremental.via_link, incremental.incremental) == ("link", True)
+    # Only the new tokens' KV and the fixed-size states: S_kv(340) - per-token KV of 192.
+    assert incremental.bytes_total == expected_kv_bytes(cfg, len(second), held, dtype)
+    assert incremental.bytes_total < kv_bytes(cfg, len(second), dtype)
+    assert incremental.tokens_sent == len(second) - held
+    # What went out is that payload plus the pieces' headers.
+    for flow in (full, incremental):
+        assert flow.bytes_total <= flow.bytes_done <= 1.05 * flow.bytes_total
+
+
+async def lookup(scheduler: Scheduler, prompt: list[int]) -> Any:
+    return await scheduler._lookup(block_hashes(prompt, scheduler.config.block_size))

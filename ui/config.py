@@ -21,6 +21,9 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     policies: tuple[str, ...] = ()
     # Clusters whose prefill counts as offloaded (the PrfaaS side of the link).
     prfaas_clusters: tuple[str, ...] = ("prfaas",)
+    # The topology's links as (name, PrfaaS end, PD end): the page draws each between its
+    # clusters; a link that reports without being named here is drawn between the first ones.
+    links: tuple[tuple[str, str, str], ...] = ()
     max_decisions: int = 200  # routing decisions kept for a page that connects mid-run
     max_flows: int = 64  # KV flows in flight kept; the oldest is forgotten beyond this
     max_timelines: int = 512  # requests whose phases are kept for the waterfall
@@ -33,13 +36,19 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_batch: int = 512  # events per SSE message at most
     heartbeat_s: float = 10.0  # an SSE comment this often keeps idle connections open
     table_rows: int = 100  # rows the page's decision table keeps
+    # Served tokens per paper token (the router's `scale`): the page shows t both as served
+    # and at the paper length it stands for (served / token_scale). 1: lengths are the paper's.
+    token_scale: float = 1.0
+    # The workload rate the page offers (req/s): one the deployment holds without queues
+    # growing (docs/dashboard.md, "Load").
+    default_rate: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("max_decisions", "max_flows", "max_timelines", "max_workers"):
             _check_positive(name, getattr(self, name))
         for name in ("keep_points", "client_buffer", "max_batch", "table_rows"):
             _check_positive(name, getattr(self, name))
-        for name in ("bucket_s", "heartbeat_s"):
+        for name in ("bucket_s", "heartbeat_s", "token_scale", "default_rate"):
             _check_positive(name, getattr(self, name))
         if self.window_s < self.bucket_s:
             raise UiConfigError(

@@ -33,6 +33,7 @@ from mesh.transport import Address
 from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
 from services.contract.messages import Subscribe
+from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
 from ui.config import DashboardConfig
 from ui.controls import HttpControlClient
@@ -208,9 +209,14 @@ def router_http_url(topology: Topology) -> str | None:
 
 
 def dashboard_config(topology: Topology) -> DashboardConfig:
-    """PrfaaS clusters by kind (falling back to the name "prfaas" when none says so)."""
+    """PrfaaS clusters by kind (falling back to the name "prfaas" when none says so), every
+    link with its ends, and the router's token scale (its option `scale`, else its default)."""
     prfaas = tuple(c.name for c in topology.clusters if c.kind == "prfaas")
-    return DashboardConfig(prfaas_clusters=prfaas or ("prfaas",))
+    links = tuple((link.name, link.a, link.b) for link in topology.links)
+    scale = DEFAULT_TOKEN_SCALE
+    for spec in topology.find(kind="router"):
+        scale = float(spec.options.get("scale", scale))
+    return DashboardConfig(prfaas_clusters=prfaas or ("prfaas",), links=links, token_scale=scale)
 
 
 async def run_ui(

@@ -56,6 +56,7 @@ class PageConfig(msgspec.Struct, frozen=True):
     prfaas_clusters: tuple[str, ...]
     table_rows: int
     policies: tuple[str, ...] = ()  # registered policy names, from the source side
+    token_scale: float = 1.0  # served tokens per paper token
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,7 +175,7 @@ class DashboardState:
             seq=seq,
             mode=mode,
             config=PageConfig(config.title, config.prfaas_clusters, config.table_rows,
-                              config.policies),
+                              config.policies, config.token_scale),
             policy=self.policy,
             threshold=self.threshold,
             decisions=list(self.decisions),

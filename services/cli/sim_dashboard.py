@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 DASHBOARD_GROUP = "prfaas.dashboard"
 PAPER_THRESHOLD = 19400.0  # paper tokens (section 4.1)
+# The page's and the CLI's default load: the paper deployment at 1/8 scale holds it (near 1 req/s
+# decode KV waits time out).
+SIM_DEFAULT_RATE = 0.5
 DashboardServer = Callable[..., Awaitable[None]]
 
 
@@ -64,7 +67,8 @@ def dashboard_server() -> DashboardServer:
 def dashboard_options(deployment: Deployment) -> dict[str, Any]:
     """The page's configuration: it says "simulated", and offers the registered policies."""
     return {"title": f"PrfaaS simulation ({deployment.name})", "live_mode": "simulated",
-            "prfaas_clusters": ["prfaas"], "policies": list(POLICIES)}
+            "prfaas_clusters": ["prfaas"], "policies": list(POLICIES),
+            "token_scale": deployment.scale, "default_rate": SIM_DEFAULT_RATE}
 
 
 async def serve_sim_dashboard(sim: LiveSim, host: str, port: int, *,
@@ -112,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default="prfaas", choices=list(POLICIES))
     parser.add_argument("--bandwidth-gbps", type=float, default=100.0,
                         help="the PrfaaS -> PD link")
-    parser.add_argument("--rate", type=float, default=0.5,
+    parser.add_argument("--rate", type=float, default=SIM_DEFAULT_RATE,
                         help="requests per second of the load at the start (0: none; the paper "
                         "deployment at 1/8 scale saturates near 1)")
     parser.add_argument("--kind", default="mixed", choices=LOAD_KINDS)

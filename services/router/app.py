@@ -52,6 +52,7 @@ from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.transport import Address
 from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
+from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
@@ -277,7 +278,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     policy: str = "prfaas"
     # Router tokens per paper token: scales t (19.4K in the paper), prfaas-dynamic's model
     # and the demo workload's lengths to the small model.
-    scale: float = 1 / 32
+    scale: float = DEFAULT_TOKEN_SCALE
     # The prefix rule (paper section 3.3): "auto" counts the best cache anywhere while the
     # link is calm (moving it across, services/worker/prefix_pull.py) and each cluster's own
     # under load; "scarce" / "abundant" pin one rule.

@@ -18,6 +18,7 @@ import msgspec
 
 from mesh.errors import ConfigError
 from services.contract.messages import Sampling
+from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import TokenizerLike, default_corpus_path
 from services.paper.workload import TruncatedLogNormal
 from services.router.errors import InvalidRequest, RouterError
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    scale: float = 1 / 32  # router tokens per paper token (the paper's lengths, scaled down)
+    # Router tokens per paper token (the paper's lengths, scaled down).
+    scale: float = DEFAULT_TOKEN_SCALE
     max_prompt: int = 4000
     max_tokens: int = 32
     max_outstanding: int = 16  # open loop, but bounded: arrivals beyond it are dropped

@@ -371,6 +371,19 @@ def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
     return inputs.link_utilisation >= abundant_below or inputs.link_stalls > 0
 
 
+def link_note(inputs: RouteInputs, abundant_below: float, mode: BandwidthMode = "auto") -> str:
+    """What `is_bandwidth_scarce` decided from, for the reason line: the link's utilisation
+    against the watermark and its recent stalls ("link calm (util 3% < 50%)"), or the pin."""
+    if mode != "auto":
+        return f"bandwidth pinned {mode}"
+    util = f"util {inputs.link_utilisation:.0%}"
+    if inputs.link_stalls > 0:
+        return f"link busy ({inputs.link_stalls} recent stalls, {util})"
+    if inputs.link_utilisation >= abundant_below:
+        return f"link busy ({util} >= {abundant_below:.0%})"
+    return f"link calm ({util} < {abundant_below:.0%})"
+
+
 def build_config(policy: str, kind: type[_Config], options: Mapping[str, object]) -> _Config:
     """A policy's frozen config from plain options (CLI, TOML); errors name the bad key."""
     try:

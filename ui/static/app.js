@@ -9,8 +9,9 @@ import { Feed } from "./feed.js";
 import { Model } from "./model.js";
 import { ReplayPanel } from "./replay.js";
 import { DecisionTable } from "./table.js";
-import { Topology } from "./topology.js";
-import { fmtBps, fmtPct, fmtTokens, getJSON } from "./util.js";
+import { Topology, parseLinks } from "./topology.js";
+import { saturation } from "./health.js";
+import { fmtPct, fmtRate, fmtThreshold, getJSON, rateUnit } from "./util.js";
 import { Waterfall } from "./waterfall.js";
 
 const $ = (id) => document.getElementById(id);
@@ -18,10 +19,12 @@ const $ = (id) => document.getElementById(id);
 const config = {
   prfaasClusters: (document.body.dataset.prfaasClusters || "prfaas").split(","),
   tableRows: Number(document.body.dataset.tableRows || 100),
+  links: parseLinks(document.body.dataset.links),
+  tokenScale: Number(document.body.dataset.tokenScale || 1),
 };
 const model = new Model(config);
-const topology = new Topology($("topology"), config.prfaasClusters);
-const charts = new Charts($("charts"));
+const topology = new Topology($("topology"), config.prfaasClusters, config.links);
+const charts = new Charts($("charts"), config.tokenScale);
 const waterfall = new Waterfall($("waterfall"), $("waterfall-title"), $("waterfall-detail"));
 const table = new DecisionTable({
   body: $("decisions-body"),
@@ -29,6 +32,7 @@ const table = new DecisionTable({
   policyFilter: $("filter-policy"),
   rows: config.tableRows,
   prfaasClusters: config.prfaasClusters,
+  tokenScale: config.tokenScale,
   onSelect: select,
 });
 const rate = { count: 0, perSecond: 0 };
@@ -136,14 +140,47 @@ function renderTable() {
 }
 
 function renderTop() {
-  $("topbar-policy").textContent = model.policy ?? "-";
-  $("topbar-threshold").textContent = model.threshold === null ? "none" : fmtTokens(model.threshold);
+  const defaults = model.defaults;
+  $("topbar-policy").textContent = model.policy ?? defaults.policy ?? "asking the router";
+  // Until a decision or a threshold event says, t is what the router's admin state says.
+  const t = model.policy !== null ? model.threshold : defaults.threshold;
+  const known = model.policy !== null || defaults.policy !== null;
+  $("topbar-threshold").textContent = known ? fmtThreshold(t, config.tokenScale) : "asking the router";
   const point = model.latestPoint();
-  $("topbar-offload").textContent = point ? fmtPct(point.offload) : "-";
-  const link = model.links.values().next().value;
-  const linkText = link ? `${link.up ? "up" : "DOWN"} · ${fmtBps(link.bandwidth_bps)}` : "-";
-  $("topbar-link").textContent = linkText;
-  $("topbar-link").className = link && !link.up ? "down" : "";
+  const offload = point && point.offload !== null ? fmtPct(point.offload) : null;
+  $("topbar-offload").textContent = offload ?? (model.decisions.length ? "none in the last 10 s" : "no requests yet");
+  renderLinks();
+  const warning = saturation(model.health.toArray());
+  $("saturation").hidden = warning === null;
+  $("saturation").textContent = warning ?? "";
+}
+
+/** The top bar's link badge: each link's state and bandwidth, from its samples or, before
+ * the first one, from the link's control API. */
+function renderLinks() {
+  const links = [...model.links.values()];
+  if (!links.length && model.defaults.link) links.push(model.defaults.link);
+  const text = links.map((link) => {
+    const rate = link.bandwidth_bps ? fmtRate(link.bandwidth_bps, rateUnit(link.bandwidth_bps)) : "unshaped";
+    const state = `${link.up ? "up" : "DOWN"} · ${rate}`;
+    return links.length > 1 ? `${link.link} ${state}` : state;
+  });
+  $("topbar-link").textContent = text.length ? text.join("; ") : "asking the link";
+  $("topbar-link").className = links.some((link) => !link.up) ? "down" : "";
+}
+
+/** The router's and the link's settings, read by the controls: the top bar's defaults. */
+function showDefaults(state) {
+  if (state.router) {
+    model.defaults.policy = state.router.policy;
+    model.defaults.threshold = state.router.threshold;
+  }
+  if (state.link) {
+    const link = state.link;
+    model.defaults.link = { link: link.name ?? "link", up: link.up, bandwidth_bps: link.bandwidth_bps };
+  }
+  model.dirty.top = true;
+  schedule();
 }
 
 async function select(id) {
@@ -181,7 +218,7 @@ setInterval(() => {
   $("topbar-drops").textContent = String(feed.dropped);
 }, 1000);
 
-const controls = new Controls(document);
+const controls = new Controls(document, showDefaults);
 controls.start();
 const showProcesses = (states) => {
   topology.setProcesses(states);

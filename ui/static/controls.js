@@ -14,8 +14,9 @@ export const sliderToBps = (value) => Number((10 ** (BW_LOG_MIN + (BW_LOG_SPAN *
 export const bpsToSlider = (bps) => Math.round(((Math.log10(bps) - BW_LOG_MIN) / BW_LOG_SPAN) * 1000);
 
 export class Controls {
-  constructor(root) {
+  constructor(root, onState = () => {}) {
     this.$ = (id) => root.querySelector(`#${id}`);
+    this.onState = onState; // every answer of api/control/state (the top bar's defaults)
     this.status = this.$("ctl-status");
     // The registered policies, from the source side (empty on a live mesh until the router says).
     this.policies = (document.body.dataset.policies || "").split(",").filter(Boolean);
@@ -94,6 +95,7 @@ export class Controls {
       this.say(`controls: ${error.message}`, true);
       return;
     }
+    this.onState(state);
     if (state.link) this.showLink(state.link);
     if (state.router) this.showRouter(state.router);
     this.showSim(state.sim);

@@ -4,6 +4,7 @@
 // for the panels marked dirty. Every collection has a fixed bound, so an hour-long run or a
 // burst of thousands of events costs the page no more memory or DOM than a quiet minute.
 
+import { WINDOW } from "./health.js";
 import { BoundedMap, Ring } from "./util.js";
 
 export const MAX_FLOWS = 48; // KV flows in flight drawn at once
@@ -14,6 +15,9 @@ const DONE_FLOW_LINGER_MS = 700; // a finished flow stays this long to fade out
 export class Model {
   constructor(config) {
     this.config = config;
+    // What the controls read from the router and the link before any event says (the top
+    // bar shows these until the first decision or link sample); kept across resets.
+    this.defaults = { policy: null, threshold: null, link: null };
     this.reset();
   }
 
@@ -27,6 +31,7 @@ export class Model {
     this.requests = new BoundedMap(MAX_REQUESTS); // request_id -> {decision, phases, flow, done}
     this.policy = null;
     this.threshold = null;
+    this.health = new Ring(WINDOW); // {ts, queued, ttft} at each chart point (health.js)
     this.selected = null; // the request the waterfall shows
     this.lastTs = 0;
     this.events = 0;
@@ -77,6 +82,13 @@ export class Model {
 
   latestPoint() {
     return this.series.last();
+  }
+
+  /** Requests waiting in the workers' queues now. */
+  queued() {
+    let total = 0;
+    for (const worker of this.workers.values()) total += worker.queue_depth;
+    return total;
   }
 }
 
@@ -134,6 +146,7 @@ const HANDLERS = {
   },
   series(model, event) {
     model.series.push(event);
+    model.health.push({ ts: event.ts, queued: model.queued(), ttft: event.ttft_p50_s });
     model.dirty.charts = model.dirty.top = true;
   },
 };

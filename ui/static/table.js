@@ -2,10 +2,11 @@
 // selects the request for the waterfall. New rows are prepended once a frame; the table never
 // holds more than its row bound.
 
-import { el, fmtTime, fmtTokens } from "./util.js";
+import { el, fmtScale, fmtTime, fmtTokens } from "./util.js";
 
 export class DecisionTable {
-  constructor({ body, clusterFilter, policyFilter, rows, prfaasClusters, onSelect }) {
+  constructor({ body, clusterFilter, policyFilter, rows, prfaasClusters, tokenScale = 1, onSelect }) {
+    this.tokenScale = tokenScale;
     this.body = body;
     this.clusterFilter = clusterFilter;
     this.policyFilter = policyFilter;
@@ -59,17 +60,21 @@ export class DecisionTable {
 
   row(d) {
     const remote = this.prfaas.has(d.cluster);
+    // Cells cut at the column's width: the whole text on hover.
+    const t = d.threshold === null ? "none"
+      : `t = ${fmtTokens(d.threshold)} tokens served = ${fmtTokens(d.threshold / this.tokenScale)} ` +
+        `at paper length (scale ${fmtScale(this.tokenScale)})`;
     const cells = [
       el("td", {}, fmtTime(d.ts)),
-      el("td", {}, d.request_id),
+      el("td", { title: d.request_id }, d.request_id),
       el("td", {}, d.policy),
       el("td", { class: "num" }, fmtTokens(d.total_len)),
       el("td", { class: "num" }, fmtTokens(d.total_len - d.incremental_len)),
       el("td", { class: "num" }, fmtTokens(d.incremental_len)),
-      el("td", { class: "num" }, d.threshold === null ? "none" : fmtTokens(d.threshold)),
+      el("td", { class: "num", title: t }, d.threshold === null ? "none" : fmtTokens(d.threshold)),
       el("td", {}, el("span", { class: `tag ${remote ? "remote" : "local"}` }, d.cluster)),
-      el("td", {}, `${d.prefill_worker} → ${d.decode_worker}`),
-      el("td", { class: "reason" }, d.reason),
+      el("td", { title: `${d.prefill_worker} → ${d.decode_worker}` }, `${d.prefill_worker} → ${d.decode_worker}`),
+      el("td", { class: "reason", title: d.reason }, d.reason),
     ];
     const row = el("tr", { "data-request": d.request_id, "data-cluster": d.cluster }, ...cells);
     if (d.request_id === this.selected) row.classList.add("selected");

@@ -1,9 +1,9 @@
-// Topology panel: cluster boxes with their worker chips, the link with its utilisation, and
-// each KV transfer as a dot travelling from its prefill worker to its decode worker, placed by
-// the share of layers already sent.
+// Topology panel: cluster boxes with their worker chips, every link between a PrfaaS cluster
+// and a PD cluster with its utilisation, and each KV transfer as a dot travelling from its
+// prefill worker to its decode worker along its link, placed by the share of layers sent.
 
 import { MAX_FLOWS } from "./model.js";
-import { fmtBps, fmtBytes, fmtPct, svgEl } from "./util.js";
+import { fmtBytes, fmtPct, fmtRate, rateUnit, svgEl } from "./util.js";
 
 const WIDTH = 900;
 const HEIGHT = 340;
@@ -16,10 +16,59 @@ const ANIMATED_FLOWS = 12; // beyond this many in flight, dots stop gliding (see
 const LABELLED_FLOWS = 2; // size and layer progress written next to this many dots
 const LANES = 5; // parallel transfers spread over this many tracks along the link
 
+/** Cluster boxes: the PrfaaS clusters stacked on the left, the others on the right. */
+export function clusterBoxes(names, prfaas) {
+  const boxes = new Map();
+  const sorted = [...new Set(names)].sort();
+  for (const [side, x] of [[true, LEFT_X], [false, RIGHT_X]]) {
+    const column = sorted.filter((name) => prfaas.has(name) === side);
+    const height = (HEIGHT - 20) / Math.max(column.length, 1);
+    column.forEach((name, index) => {
+      boxes.set(name, { x, y: 10 + index * height, w: BOX_W, h: height - 6, prfaas: side });
+    });
+  }
+  return boxes;
+}
+
+/** Where each link runs: from the right edge of its PrfaaS cluster's box, at the box's middle,
+ * to the left edge of its PD cluster's box. `links` are [{name, a, b}], a the PrfaaS end;
+ * a link without known ends goes from the PrfaaS cluster of its rank to the first PD one. */
+export function placeLinks(links, boxes) {
+  const left = [...boxes].filter(([, box]) => box.prfaas).map(([name]) => name);
+  const right = [...boxes].filter(([, box]) => !box.prfaas).map(([name]) => name);
+  return links.map((link, index) => {
+    const a = link.a ?? left[index % Math.max(left.length, 1)];
+    const b = link.b ?? right[0];
+    const from = boxes.get(a);
+    const to = boxes.get(b);
+    const y0 = from ? from.y + from.h / 2 : LINK_Y;
+    const y1 = to ? Math.min(Math.max(y0, to.y + 30), to.y + to.h - 10) : y0;
+    return { name: link.name, a, b, x0: LEFT_X + BOX_W, y0, x1: RIGHT_X, y1 };
+  });
+}
+
+/** The page's `data-links` ("name:a:b,..." from the topology) as [{name, a, b}]. */
+export function parseLinks(text) {
+  return (text || "").split(",").filter(Boolean).map((item) => {
+    const [name, a, b] = item.split(":");
+    return { name, a, b };
+  });
+}
+
+/** The links to draw: the topology's (with their ends), then any other that reports. */
+export function knownLinks(configured, reported) {
+  const out = [...configured];
+  for (const name of reported) if (!out.some((link) => link.name === name)) out.push({ name });
+  return out;
+}
+
 export class Topology {
-  constructor(svg, prfaasClusters) {
+  constructor(svg, prfaasClusters, links = []) {
     this.svg = svg;
     this.prfaas = new Set(prfaasClusters);
+    this.configuredLinks = links; // [{name, a, b}] from the topology
+    this.linkViews = new Map(); // link name -> its drawn line, labels and geometry
+    this.linkNames = "";
     this.chips = new Map(); // worker -> {group, x, y, w, h, ...}
     this.flowNodes = new Map(); // request_id -> <g>
     this.processes = new Map(); // process name -> supervisor state (up, down, restarting)
@@ -27,46 +76,46 @@ export class Topology {
       clusters: svgEl("g"), link: svgEl("g"), chips: svgEl("g"), flows: svgEl("g"),
     };
     svg.append(...Object.values(this.layers));
-    this.buildLink();
   }
 
   render(model, now) {
-    if (model.dirty.layout) this.layout(model);
+    const links = knownLinks(this.configuredLinks, model.links.keys());
+    const names = links.map((link) => link.name).join("\n");
+    if (model.dirty.layout || names !== this.linkNames) this.layout(model, links);
+    this.linkNames = names;
     for (const worker of model.workers.values()) this.updateChip(worker);
-    this.updateLink(model.links.values().next().value);
+    for (const [name, view] of this.linkViews) this.updateLink(view, model.links.get(name));
     this.updateFlows(model.liveFlows(now));
   }
 
-  layout(model) {
-    const left = [];
-    const right = [];
+  layout(model, links) {
     const clusters = new Map();
     for (const worker of model.workers.values()) {
       if (!clusters.has(worker.cluster)) clusters.set(worker.cluster, []);
       clusters.get(worker.cluster).push(worker);
     }
-    for (const name of [...clusters.keys()].sort()) (this.prfaas.has(name) ? left : right).push(name);
+    const ends = links.flatMap((link) => [link.a, link.b]).filter(Boolean);
+    const boxes = clusterBoxes([...clusters.keys(), ...ends], this.prfaas);
     this.layers.clusters.replaceChildren();
     this.layers.chips.replaceChildren();
+    this.layers.link.replaceChildren();
     this.chips.clear();
-    this.placeColumn(left, LEFT_X, clusters);
-    this.placeColumn(right, RIGHT_X, clusters);
+    this.linkViews.clear();
+    for (const [name, box] of boxes) this.placeCluster(name, box, clusters.get(name) ?? []);
+    for (const place of placeLinks(links, boxes)) this.linkViews.set(place.name, this.buildLink(place));
   }
 
-  placeColumn(names, x, clusters) {
-    const height = (HEIGHT - 20) / Math.max(names.length, 1);
-    names.forEach((name, index) => {
-      const y = 10 + index * height;
-      const label = this.prfaas.has(name) ? `${name} (PrfaaS cluster)` : `${name} (PD cluster)`;
-      this.layers.clusters.append(
-        svgEl("rect", { class: "cluster-box", x, y, width: BOX_W, height: height - 6, rx: 6 }),
-        svgEl("text", { class: "cluster-name", x: x + 10, y: y + 18 }, label),
-      );
-      const workers = clusters.get(name).sort(
-        (a, b) => (ROLE_ORDER[a.role] ?? 3) - (ROLE_ORDER[b.role] ?? 3) || a.worker.localeCompare(b.worker),
-      );
-      this.placeChips(name, workers, x + 10, y + 28, BOX_W - 20, height - 40);
-    });
+  placeCluster(name, box, workers) {
+    const label = box.prfaas ? `${name} (PrfaaS cluster)` : `${name} (PD cluster)`;
+    this.layers.clusters.append(
+      svgEl("rect", { class: "cluster-box", x: box.x, y: box.y, width: box.w, height: box.h, rx: 6,
+        "data-cluster": name }),
+      svgEl("text", { class: "cluster-name", x: box.x + 10, y: box.y + 18 }, label),
+    );
+    workers.sort(
+      (a, b) => (ROLE_ORDER[a.role] ?? 3) - (ROLE_ORDER[b.role] ?? 3) || a.worker.localeCompare(b.worker),
+    );
+    this.placeChips(name, workers, box.x + 10, box.y + 28, box.w - 20, box.h - 34);
   }
 
   placeChips(cluster, workers, x, y, width, height) {
@@ -131,36 +180,41 @@ export class Topology {
     chip.title.textContent = `${worker.worker}: ${role}, ${worker.cached_blocks} cached blocks`;
   }
 
-  buildLink() {
-    const x0 = LEFT_X + BOX_W;
-    const x1 = RIGHT_X;
+  /** One link's line and labels; its name and parameters above, utilisation below. */
+  buildLink(place) {
+    const { x0, y0, x1, y1 } = place;
     const mid = (x0 + x1) / 2;
-    this.link = {
-      x0, x1,
-      line: svgEl("line", { class: "link-line", x1: x0, y1: LINK_Y, x2: x1, y2: LINK_Y }),
-      name: svgEl("text", { class: "link-label", x: mid, y: LINK_Y - 62 }),
-      params: svgEl("text", { class: "link-label", x: mid, y: LINK_Y - 46, "data-testid": "link-bandwidth" }),
-      barBg: svgEl("rect", { class: "link-util-bg", x: x0 + 20, y: LINK_Y + 30, width: x1 - x0 - 40, height: 8, rx: 4 }),
-      bar: svgEl("rect", { class: "link-util", x: x0 + 20, y: LINK_Y + 30, width: 0, height: 8, rx: 4 }),
-      util: svgEl("text", { class: "link-label", x: mid, y: LINK_Y + 54, "data-testid": "link-utilisation" }),
-      extra: svgEl("text", { class: "link-label muted", x: mid, y: LINK_Y + 70 }),
+    const y = (y0 + y1) / 2;
+    const label = (dy, extra = {}) => svgEl("text", { class: "link-label", x: mid, y: y + dy, ...extra });
+    const view = {
+      ...place,
+      line: svgEl("line", { class: "link-line", x1: x0, y1: y0, x2: x1, y2: y1 }),
+      // Above and below the five lanes of flow dots and their labels (about +-30 px).
+      name: label(-62),
+      params: label(-46, { "data-testid": "link-bandwidth" }),
+      barBg: svgEl("rect", { class: "link-util-bg", x: x0 + 20, y: y + 30, width: x1 - x0 - 40, height: 8, rx: 4 }),
+      bar: svgEl("rect", { class: "link-util", x: x0 + 20, y: y + 30, width: 0, height: 8, rx: 4 }),
+      util: label(54, { "data-testid": "link-utilisation" }),
+      extra: label(70, { class: "link-label muted" }),
     };
-    const { line, name, params, barBg, bar, util, extra } = this.link;
-    this.layers.link.append(line, name, params, barBg, bar, util, extra);
+    const group = svgEl("g", { class: "link", "data-testid": "link", "data-link": place.name },
+      view.line, view.name, view.params, view.barBg, view.bar, view.util, view.extra);
+    this.layers.link.append(group);
+    view.name.textContent = `${place.name}: no sample yet`;
+    return view;
   }
 
-  updateLink(link) {
-    const view = this.link;
-    if (!link) {
-      view.name.textContent = "no link reported";
-      return;
-    }
-    view.name.textContent = link.up ? link.link : `${link.link}: DOWN`;
+  updateLink(view, link) {
+    if (!link) return;
+    view.name.textContent = link.up ? `${link.link} (${view.a} → ${view.b})` : `${link.link}: DOWN`;
     view.line.setAttribute("class", link.up ? "link-line" : "link-line down");
-    view.params.textContent = `${fmtBps(link.bandwidth_bps)} · ${(link.delay_s * 1000).toFixed(0)} ms` +
+    // Bandwidth and egress in one unit, the bandwidth's, printed with both.
+    const unit = rateUnit(link.bandwidth_bps, link.throughput_bps);
+    const rate = link.bandwidth_bps ? fmtRate(link.bandwidth_bps, unit) : "unshaped";
+    view.params.textContent = `${rate} · ${(link.delay_s * 1000).toFixed(0)} ms` +
       (link.loss ? ` · loss ${(link.loss * 100).toFixed(1)}%` : "");
     view.bar.setAttribute("width", Math.min(link.utilisation, 1) * (view.x1 - view.x0 - 40));
-    view.util.textContent = `egress ${fmtBps(link.throughput_bps, "0 bps")} (${fmtPct(link.utilisation)})`;
+    view.util.textContent = `egress ${fmtRate(link.throughput_bps, unit)} of ${rate} (${fmtPct(link.utilisation)})`;
     view.extra.textContent = `queued ${fmtBytes(link.queued_bytes)} · stalls ${link.stalls}`;
   }
 
@@ -208,7 +262,7 @@ export class Topology {
     const [x, y] = this.position(flow, lane);
     node.style.transform = `translate(${x}px, ${y}px)`;
     const kind = flow.incremental ? "incremental" : "full";
-    node.setAttribute("class", `flow ${flow.incremental ? "incremental" : ""}${finished ? " done" : ""}`);
+    node.setAttribute("class", `flow ${kind}${finished ? " done" : ""}`);
     const text = `${fmtBytes(flow.bytes_total)} ${kind} · L${flow.layers_done}/${flow.layers_total}`;
     node.label.textContent = labelled ? text : "";
     // Neighbouring tracks write above and below their dots, so labels do not overprint.
@@ -221,12 +275,14 @@ export class Topology {
     const src = this.chips.get(flow.src);
     const dst = this.chips.get(flow.dst);
     const progress = flow.phase === "done" ? 1 : flow.layers_done / Math.max(flow.layers_total, 1);
-    const a = src ? [src.x + src.w, src.y + src.h / 2] : [this.link.x0, LINK_Y];
-    const b = dst ? [dst.x, dst.y + dst.h / 2] : [this.link.x1, LINK_Y];
+    const link = this.linkViews.get(flow.via_link) ?? this.linkViews.values().next().value
+      ?? { x0: LEFT_X + BOX_W, y0: LINK_Y, x1: RIGHT_X, y1: LINK_Y };
+    const a = src ? [src.x + src.w, src.y + src.h / 2] : [link.x0, link.y0];
+    const b = dst ? [dst.x, dst.y + dst.h / 2] : [link.x1, link.y1];
     const offset = (lane - (LANES - 1) / 2) * 9;
     if (!flow.via_link) return [a[0] + (b[0] - a[0]) * progress, a[1] + (b[1] - a[1]) * progress];
     // Over the link most of the journey is on the line itself: 10% to reach it, 10% to leave.
-    const points = [a, [this.link.x0, LINK_Y + offset], [this.link.x1, LINK_Y + offset], b];
+    const points = [a, [link.x0, link.y0 + offset], [link.x1, link.y1 + offset], b];
     const stops = [0, 0.1, 0.9, 1];
     let i = 0;
     while (i < 2 && progress > stops[i + 1]) i += 1;

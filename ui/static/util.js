@@ -82,6 +82,35 @@ export function fmtBps(bps, zero = "unshaped") {
   return `${(bps / 1e3).toFixed(0)} kbps`;
 }
 
+/** The unit a link's rates print in, chosen by its configured bandwidth (or, unshaped, by
+ * `fallback`), so that its bandwidth and its egress read in the same unit. */
+export function rateUnit(bps, fallback = 0) {
+  const ref = bps || fallback;
+  if (ref >= 1e9) return { name: "Gbps", per: 1e9 };
+  if (ref >= 1e6) return { name: "Mbps", per: 1e6 };
+  return { name: "kbps", per: 1e3 };
+}
+
+/** A rate in the given unit, unit printed: 20 Mbps, 3.20 Mbps, 0.05 Gbps. */
+export function fmtRate(bps, unit) {
+  const value = (bps || 0) / unit.per;
+  const digits = value >= 100 || Number.isInteger(value) ? 0 : value >= 10 ? 1 : 2;
+  return `${value.toFixed(digits)} ${unit.name}`;
+}
+
+/** A token scale as a fraction where it is one: 0.03125 -> "1/32". */
+export function fmtScale(scale) {
+  const inverse = 1 / scale;
+  return Math.abs(inverse - Math.round(inverse)) < 1e-6 ? `1/${Math.round(inverse)}` : `${scale}`;
+}
+
+/** t as served and at the paper length it stands for (served / scale). */
+export function fmtThreshold(t, scale) {
+  if (t === null || t === undefined) return "none (the policy has no t)";
+  if (scale === 1) return `${fmtTokens(t)} tokens`;
+  return `${fmtTokens(t)} tokens served = ${fmtTokens(t / scale)} at paper length (scale ${fmtScale(scale)})`;
+}
+
 export function fmtTokens(tokens) {
   if (tokens === null || tokens === undefined) return "-";
   if (tokens >= 1000) return `${(tokens / 1000).toFixed(tokens >= 10000 ? 1 : 2)}K`;

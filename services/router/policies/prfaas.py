@@ -26,6 +26,7 @@ from services.router.policy import (
     RouteInputs,
     format_tokens,
     is_bandwidth_scarce,
+    link_note,
 )
 
 
@@ -62,8 +63,10 @@ def _own_cache(inputs: RouteInputs, cluster: Cluster) -> int:
     return inputs.cached_prfaas if cluster == "prfaas" else inputs.cached_pd
 
 
-def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfaas") -> Decision:
-    """The paper's rule at threshold t under the scarce or abundant prefix rule."""
+def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfaas",
+                   link: str = "") -> Decision:
+    """The paper's rule at threshold t under the scarce or abundant prefix rule; `link` says
+    in the reason why that rule applies (`link_note`), else the rule alone is named."""
     if not inputs.prfaas_available:
         return _unavailable(inputs, t, scarce, who)
     counted = _counted_prefix(inputs, scarce)
@@ -73,10 +76,11 @@ def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfa
     resume = own if scarce else counted
     transfer = resume > own
     where = "PrfaaS" if cluster == "prfaas" else "PD prefill"
-    rule = "scarce: PD cache counts" if scarce else "abundant: best cache anywhere counts"
+    rule = "PD cache counts" if scarce else "best cache anywhere counts"
+    why = link or ("bandwidth scarce" if scarce else "bandwidth abundant")
     reason = (f"{who}: l = {format_tokens(inputs.total_len)} - {format_tokens(counted)} = "
               f"{format_tokens(incremental)} {'>' if cluster == 'prfaas' else '<='} "
-              f"t = {format_tokens(t)} -> {where} (bandwidth {rule})")
+              f"t = {format_tokens(t)} -> {where} ({why}: {rule})")
     if transfer:
         other = "pd" if cluster == "prfaas" else "prfaas"
         reason += f"; pull {format_tokens(resume - own)} cached tokens from {other}"
@@ -96,7 +100,8 @@ class PrfaasPolicy(PolicyBase[PrfaasConfig]):
         return self.config.threshold
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        scarce = is_bandwidth_scarce(inputs, self.config.abundant_below, self.config.bandwidth)
+        below, mode = self.config.abundant_below, self.config.bandwidth
+        scarce = is_bandwidth_scarce(inputs, below, mode)
         t = self.threshold
         assert t is not None
-        return threshold_rule(inputs, t, scarce, self.name)
+        return threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))

@@ -79,6 +79,7 @@ from services.router.policy import (
     SetThreshold,
     format_tokens,
     is_bandwidth_scarce,
+    link_note,
 )
 
 
@@ -195,10 +196,11 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         return self._t
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        scarce = is_bandwidth_scarce(inputs, self.config.abundant_below, self.config.bandwidth)
+        below, mode = self.config.abundant_below, self.config.bandwidth
+        scarce = is_bandwidth_scarce(inputs, below, mode)
         t = self.threshold
         assert t is not None
-        decision = threshold_rule(inputs, t, scarce, self.name)
+        decision = threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))
         self._window.append(decision.incremental_len / self.config.token_scale)
         return decision
 
