@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
-from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 from services.router.app import ignored_warning
+from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 from services.router.openai.schema import (
     MAX_CHOICES,
     ChatCompletionRequest,
