@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
+from services.router.app import ignored_warning
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 from services.router.openai.schema import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -18,6 +20,7 @@ from services.router.openai.schema import (
     completion_generation,
     decode_request,
     render_chat,
+    unknown_fields,
 )
 
 BPE: Tokenizer = load_default()
@@ -40,7 +43,11 @@ def completion(**fields: object) -> CompletionRequest:
     ({"prompt": "x", "suffix": "!"}, "suffix"),
     ({"prompt": 5}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "colour": "red"}, "colour"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": "7"}, "stop_token_ids"),
+    ({"prompt": "x", "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_bad_completion_fields_name_their_parameter(fields: dict[str, object],
                                                     param: str) -> None:
@@ -137,3 +144,83 @@ def test_a_next_turn_extends_the_previous_prompt_and_its_answer(
     following = [*messages, ChatMessage(role="assistant", content=answer),
                  ChatMessage(role="user", content=new)]
     assert render_chat(following).startswith(render_chat(messages) + answer)
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    body = {"model": "prfaas", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    return decode_request(msgspec.json.encode(body), ChatCompletionRequest)
+
+
+def test_unknown_top_level_fields_are_ignored_and_named() -> None:
+    body = msgspec.json.encode({"model": "prfaas", "prompt": "x", "colour": "red",
+                                "top_k": 5, "max_tokens": 2})
+    request = decode_request(body, CompletionRequest)
+    assert request.max_tokens == 2
+    assert unknown_fields(body, CompletionRequest) == ["colour", "top_k"]
+    assert unknown_fields(msgspec.json.encode({"model": "m", "messages": []}),
+                          ChatCompletionRequest) == []
+    assert ignored_warning(["colour", 'top"k']) == '299 - "ignored fields: colour, top\\"k"'
+    assert ignored_warning(["a\u00e9"]) == '299 - "ignored fields: a?"'
+
+
+def test_max_completion_tokens_is_max_tokens_on_both_endpoints() -> None:
+    assert completion_generation(completion(prompt="a", max_completion_tokens=3), BPE,
+                                 LIMITS).sampling.max_tokens == 3
+    assert chat_generation(chat(max_completion_tokens=5), BPE, LIMITS).sampling.max_tokens == 5
+    for request in (completion(prompt="a", max_tokens=2, max_completion_tokens=3),
+                    chat(max_tokens=2, max_completion_tokens=3)):
+        with pytest.raises(InvalidRequest) as both:
+            if isinstance(request, CompletionRequest):
+                completion_generation(request, BPE, LIMITS)
+            else:
+                chat_generation(request, BPE, LIMITS)
+        assert both.value.param == "max_completion_tokens"
+
+
+def test_n_choices_have_their_own_seeds_up_to_the_limit() -> None:
+    generation = completion_generation(completion(prompt="a", n=3, seed=5), BPE, LIMITS)
+    seeds = [choice.sampling.seed for choice in generation.choices()]
+    assert seeds[0] == 5 and len(set(seeds)) == 3
+    assert all(-(1 << 63) <= s < 1 << 63 for s in seeds if s is not None)
+    assert all(choice.n == 1 for choice in generation.choices())
+    unseeded = completion_generation(completion(prompt="a", n=2), BPE, LIMITS).choices()
+    assert [c.sampling.seed for c in unseeded] == [None, None]
+    completion_generation(completion(prompt="a", n=MAX_CHOICES), BPE, LIMITS)
+    with pytest.raises(InvalidRequest) as many:
+        completion_generation(completion(prompt="a", n=MAX_CHOICES + 1), BPE, LIMITS)
+    assert many.value.param == "n" and str(MAX_CHOICES) in many.value.message
+
+
+def test_logprobs_reach_the_sampling_in_each_format() -> None:
+    assert completion_generation(completion(prompt="a", logprobs=2), BPE,
+                                 LIMITS).sampling.logprobs == 2
+    assert completion_generation(completion(prompt="a"), BPE, LIMITS).sampling.logprobs is None
+    assert chat_generation(chat(logprobs=True, top_logprobs=3), BPE,
+                           LIMITS).sampling.logprobs == 3
+    assert chat_generation(chat(logprobs=True), BPE, LIMITS).sampling.logprobs == 0
+    assert chat_generation(chat(logprobs=False), BPE, LIMITS).sampling.logprobs is None
+    with pytest.raises(InvalidRequest) as alone:
+        chat_generation(chat(top_logprobs=2), BPE, LIMITS)
+    assert alone.value.param == "top_logprobs"
+    with pytest.raises(InvalidRequest):
+        chat(logprobs=True, top_logprobs=21)
+
+
+def test_min_tokens_stop_token_ids_and_continuous_usage() -> None:
+    generation = completion_generation(completion(prompt="a", max_tokens=8, min_tokens=4,
+                                                  stop_token_ids=[7, 9]), BPE, LIMITS)
+    assert (generation.sampling.min_tokens, generation.sampling.stop_token_ids) == (4, (7, 9))
+    with pytest.raises(InvalidRequest) as over:
+        completion_generation(completion(prompt="a", max_tokens=3, min_tokens=4), BPE, LIMITS)
+    assert over.value.param == "min_tokens"
+    with pytest.raises(InvalidRequest) as vocab:
+        completion_generation(completion(prompt="a", stop_token_ids=[BPE.vocab_size]), BPE,
+                              LIMITS)
+    assert vocab.value.param == "stop_token_ids"
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert completion_generation(completion(prompt="a", stream=True, stream_options=both),
+                                 BPE, LIMITS).continuous_usage
+    # As in vLLM, continuous usage needs include_usage.
+    alone = {"continuous_usage_stats": True}
+    assert not completion_generation(completion(prompt="a", stream=True, stream_options=alone),
+                                     BPE, LIMITS).continuous_usage

@@ -8,7 +8,7 @@ import trio.testing
 from router_fakes import DONE, placed_handle
 
 from services.router.errors import UpstreamFailed
-from services.router.requests import RequestIds
+from services.router.requests import Delta, RequestIds
 
 
 @pytest.mark.trio
@@ -48,3 +48,19 @@ def test_request_ids_are_unique_and_differ_between_routers() -> None:
     ids = [one.next() for _ in range(100)]
     assert len(set(ids)) == 100 and ids[0].startswith("req-") and ids[0].endswith("-1")
     assert two.next() != ids[0]
+
+
+@pytest.mark.trio
+async def test_tokens_without_text_wait_for_the_next_text() -> None:
+    request = placed_handle()
+    request.outbox.put(Delta("", 1))  # half a character: nothing to send yet
+    assert request.take() is None
+    request.outbox.put(Delta("\u00e9", 1))
+    taken = request.take()
+    assert taken is not None and (taken.text, taken.tokens) == ("\u00e9", 2)
+    request.outbox.put(Delta("", 1))  # an end-of-text token: no text, ever
+    request.outbox.close(DONE)
+    assert request.done
+    with pytest.raises(StopAsyncIteration):
+        await request.next_delta()
+    assert request.finish() == Delta("", 1) and request.result == DONE

@@ -32,13 +32,31 @@ from services.contract.types import Role
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick tokens: greedy when temperature is 0 (services.model.sampling)."""
+    """How to pick tokens: greedy when temperature is 0 (services.model.sampling).
+
+    logprobs: None computes none (the default costs nothing); k >= 0 sends each sampled
+    token's logprob and its k most likely alternatives (`TokenLogprob`). min_tokens: no
+    end-of-text or stop token before that many output tokens. stop_token_ids: tokens that end
+    the generation like end-of-text does (even with stop_on_eos False).
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_on_eos: bool = True
+    logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's logprob and the `top` most likely tokens (id, logprob), most
+    likely first (services.model.sampling.token_logprob says which logits)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +167,8 @@ class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     finish_reason: str | None = None
     # On the first chunk: the tokens whose KV the decode worker already held (not sent).
     reused_tokens: int = 0
+    # One per token when the request asked for logprobs (Sampling.logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -195,6 +215,8 @@ class KVClose(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
     request_id: str
     first_token: int
+    # The first token's logprob when the request asked for logprobs.
+    first_logprob: TokenLogprob | None = None
 
 
 class KVAccepted(msgspec.Struct, frozen=True, tag=True, kw_only=True):

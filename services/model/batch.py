@@ -17,6 +17,7 @@ import msgspec
 import torch
 from torch import Tensor
 
+from services.contract.messages import TokenLogprob
 from services.model.cache import CacheError, LinearState, RequestCache, TokenKV, WindowKV
 from services.model.config import LINEAR_KINDS, WINDOW_KINDS, ModelConfig
 from services.model.model import BatchLayerState, HybridLM
@@ -33,6 +34,8 @@ class TokenEvent(msgspec.Struct, frozen=True):
     # Tokens this event stands for (`token` repeated): a modeled batch (the simulation) takes
     # several steps at once; the real batch makes one token per step.
     count: int = 1
+    # The token's logprob when its request asked for them (SamplingParams.logprobs).
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ class _Member:
 
 
 def finish_reason(token: int, generated: int, params: SamplingParams, eos_id: int) -> str | None:
-    if params.stop_on_eos and token == eos_id:
+    """"stop" for end-of-text or a stop token (once past min_tokens), "length" at the limit."""
+    stops = token in params.stop_token_ids or (params.stop_on_eos and token == eos_id)
+    if stops and generated > params.min_tokens:
         return "stop"
     if generated >= params.max_new_tokens:
         return "length"
@@ -108,8 +113,8 @@ class DecodeBatch:
         slot = len(self._members)
         for index, buffer in self._buffers.items():
             _adopt(cache, index, buffer, slot)
-        self._members.append(_Member(request_id, cache, RequestSampler(params), next_token,
-                                     generated))
+        sampler = RequestSampler(params, self.cfg.eos_id)
+        self._members.append(_Member(request_id, cache, sampler, next_token, generated))
         self._joined += 1
 
     def _check_joinable(self, request_id: str, cache: RequestCache, next_token: int,
@@ -182,13 +187,15 @@ class DecodeBatch:
                                [m.generated for m in members])
         events = []
         finished: dict[str, RequestCache] = {}
-        for member, token in zip(members, tokens, strict=True):
+        for row, (member, token) in enumerate(zip(members, tokens, strict=True)):
             member.cache.length += 1
             member.generated += 1
             member.next_token = token
             reason = finish_reason(token, member.generated, member.sampler.params,
                                    self.cfg.eos_id)
-            events.append(TokenEvent(member.request_id, token, member.generated - 1, reason))
+            logprob = member.sampler.logprob(logits[row], member.generated - 1, token)
+            events.append(TokenEvent(member.request_id, token, member.generated - 1, reason,
+                                     logprob=logprob))
             if reason is not None:
                 finished[member.request_id] = self.leave(member.request_id)
         self._steps += 1

@@ -88,7 +88,7 @@ def generate(model: HybridLM, prompt_ids: Sequence[int] | Tensor, max_new_tokens
     if start.length >= prompt.numel():
         raise CacheError(f"cache length {start.length} must be < prompt length {prompt.numel()}")
     result = prefill(model, prompt[start.length :], start)
-    token = RequestSampler(params).sample(result.logits, 0)
+    token = RequestSampler(params, model.cfg.eos_id).sample(result.logits, 0)
     tokens = [token]
     reason = finish_reason(token, 1, params, model.cfg.eos_id)
     if reason is not None:

@@ -8,6 +8,7 @@ import msgspec
 import torch
 from torch import Tensor
 
+from services.contract.messages import TokenLogprob
 from services.model.config import ModelError
 
 
@@ -17,17 +18,27 @@ class SamplingError(ModelError, ValueError):
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """temperature 0 is greedy; seed None draws a fresh seed; generation stops at end-of-text
-    (when stop_on_eos) or after max_new_tokens tokens (the first, from prefill, included)."""
+    (when stop_on_eos) or a stop token, or after max_new_tokens tokens (the first, from
+    prefill, included). Before min_tokens tokens, end-of-text and stop tokens cannot be drawn
+    (their logits are masked, as vLLM does). logprobs: None computes none; k >= 0 gives each
+    token's logprob and its k most likely alternatives (`token_logprob`)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_on_eos: bool = True
+    logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise SamplingError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise SamplingError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.temperature < 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -43,8 +54,11 @@ class RequestSampler:
     so a decode worker in another process continues exactly where the prefill side (which
     drew token 0) left off, with no generator state to ship."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, eos_id: int | None = None) -> None:
         self.params = params
+        eos = (eos_id,) if params.stop_on_eos and eos_id is not None else ()
+        # The tokens min_tokens keeps out of the first min_tokens outputs.
+        self._blocked = [*eos, *params.stop_token_ids] if params.min_tokens else []
         self._generator = None if params.greedy else torch.Generator()
         self._seed = params.seed
         if self._generator is not None and self._seed is None:
@@ -56,9 +70,29 @@ class RequestSampler:
         # A fixed odd multiplier spreads (seed, index) pairs over the 64-bit seed space.
         return self._generator.manual_seed((self._seed * 0x9E3779B97F4A7C15 + index) % 2**63)
 
+    def blocks(self, index: int) -> bool:
+        """Whether output token number `index` has tokens masked (min_tokens)."""
+        return bool(self._blocked) and index < self.params.min_tokens
+
+    def logits_for(self, logits: Tensor, index: int) -> Tensor:
+        """The logits token number `index` is drawn from: end-of-text and stop tokens masked
+        before min_tokens."""
+        if not self.blocks(index):
+            return logits
+        masked = logits.clone()
+        masked[self._blocked] = float("-inf")
+        return masked
+
     def sample(self, logits: Tensor, index: int) -> int:
         """logits [V] of output token number `index` (0 = the one drawn after prefill)."""
-        return sample_token(logits, self.params, self.generator_for(index))
+        return sample_token(self.logits_for(logits, index), self.params,
+                            self.generator_for(index))
+
+    def logprob(self, logits: Tensor, index: int, token: int) -> TokenLogprob | None:
+        """The logprob of `token`, drawn as number `index` from `logits`; None unless asked."""
+        if self.params.logprobs is None:
+            return None
+        return token_logprob(self.logits_for(logits, index), token, self.params)
 
 
 def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
@@ -82,12 +116,28 @@ def sample_token(logits: Tensor, params: SamplingParams,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def token_logprob(logits: Tensor, token: int, params: SamplingParams) -> TokenLogprob:
+    """`token`'s logprob and the params.logprobs most likely tokens, most likely first.
+
+    The log_softmax, in float32, of the logits the token is sampled from: after the min_tokens
+    mask and the temperature (greedy, temperature 0: the unscaled logits), before top-p (top-p
+    would give the tokens it drops -inf).
+    """
+    scale = params.temperature if params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    k = min(params.logprobs or 0, logp.numel())
+    values, ids = logp.topk(k) if k else (logp[:0], torch.empty(0, dtype=torch.long))
+    return TokenLogprob(float(logp[token]), [int(i) for i in ids.tolist()],
+                        [float(v) for v in values.tolist()])
+
+
 def sample_tokens(logits: Tensor, samplers: Sequence[RequestSampler],
                   indices: Sequence[int]) -> list[int]:
     """logits [B, V] -> B token ids (row i is output token number indices[i]); greedy rows
-    share one argmax."""
+    share one argmax (unless min_tokens masks some of theirs)."""
     greedy = logits.argmax(dim=-1).tolist()
     return [
-        int(greedy[i]) if s.params.greedy else s.sample(logits[i], indices[i])
+        int(greedy[i]) if s.params.greedy and not s.blocks(indices[i])
+        else s.sample(logits[i], indices[i])
         for i, s in enumerate(samplers)
     ]

@@ -66,6 +66,7 @@ class Tokenizer:
             raise TokenizerError(f"{EOT_TOKEN!r} must be id 0, got id={eot!r}")
         self._backend = backend
         self._hash = content_hash
+        self._alphabet = _byte_level_alphabet()
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -98,10 +99,30 @@ class Tokenizer:
         text: str = self._backend.decode(ids, skip_special_tokens=skip_special)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (the end-of-text token: its name)."""
+        if token_id == self.eot_id:
+            return EOT_TOKEN.encode("utf-8")
+        entry = self._backend.id_to_token(token_id)
+        if entry is None:
+            raise TokenizerError(f"token id={token_id} outside [0, {self.vocab_size})")
+        return bytes(self._alphabet[char] for char in entry)
+
     def token_text(self, token_id: int) -> str | None:
         """The raw vocabulary entry (byte-level alphabet), for debugging and display."""
         token: str | None = self._backend.id_to_token(token_id)
         return token
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE's printable stand-in for each byte (GPT-2's table), inverted:
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
 
 
 def load_default() -> Tokenizer:
@@ -130,6 +151,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte one token stands for (the end-of-text token: its name)."""
+        if not 0 <= token_id < 257:
+            raise TokenizerError(f"byte token id={token_id} outside [0, 257)")
+        return EOT_TOKEN.encode("utf-8") if token_id == 0 else bytes([token_id - 1])
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         out = bytearray()

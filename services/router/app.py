@@ -67,8 +67,10 @@ from services.router.openai.schema import (
     chat_generation,
     completion_generation,
     decode_request,
+    unknown_fields,
 )
 from services.router.policies import create_policy
+from services.router.requests import RequestHandle
 from services.router.responses import Kind, Responder, stream_events
 from services.router.scheduler import Scheduler, SchedulerConfig
 from services.router.workers import WorkerTable
@@ -82,6 +84,17 @@ _json = msgspec.json.Encoder()
 
 def _json_response(body: object, status: int = 200) -> Response:
     return Response(_json.encode(body), status=status, mimetype="application/json")
+
+
+def ignored_warning(fields: list[str], most: int = 16) -> str:
+    """The `Warning` header (RFC 9111's 299, "miscellaneous persistent warning") naming the
+    request's ignored fields: printable ASCII only, quotes escaped, at most `most` names."""
+    def safe(name: str) -> str:
+        name = "".join(c if " " <= c <= "~" else "?" for c in name[:64])
+        return name.replace("\\", "\\\\").replace('"', '\\"')
+    names = ", ".join(safe(name) for name in fields[:most])
+    more = f" and {len(fields) - most} more" if len(fields) > most else ""
+    return f'299 - "ignored fields: {names}{more}"'
 
 
 class PolicyBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -156,30 +169,51 @@ class RouterApp:
             raise AdminError(refusal.status, refusal.message)
 
     async def completions(self) -> Response:
-        body = decode_request(await request.get_data(True, False, False), CompletionRequest)
+        raw = await request.get_data(True, False, False)
+        body = decode_request(raw, CompletionRequest)
         generation = completion_generation(body, self.scheduler.tokenizer, self.limits)
-        return await self._generate("completion", generation)
+        return await self._generate("completion", generation,
+                                    unknown_fields(raw, CompletionRequest))
 
     async def chat(self) -> Response:
-        body = decode_request(await request.get_data(True, False, False), ChatCompletionRequest)
+        raw = await request.get_data(True, False, False)
+        body = decode_request(raw, ChatCompletionRequest)
         generation = chat_generation(body, self.scheduler.tokenizer, self.limits)
-        return await self._generate("chat", generation)
+        return await self._generate("chat", generation, unknown_fields(raw, ChatCompletionRequest))
 
-    async def _generate(self, kind: Kind, generation: GenerationRequest) -> Response:
-        handle = await self.scheduler.submit(generation)
-        responder = Responder(kind, handle, generation.model)
-        headers = {CLUSTER_HEADER: handle.placement.cluster,
-                   "x-request-id": handle.placement.request_id}
+    async def _submit(self, generation: GenerationRequest) -> list[RequestHandle]:
+        """One handle per choice; a choice refused (the router is full) cancels the others."""
+        handles: list[RequestHandle] = []
+        try:
+            for choice in generation.choices():
+                handles.append(await self.scheduler.submit(choice))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def _generate(self, kind: Kind, generation: GenerationRequest,
+                        ignored: list[str]) -> Response:
+        handles = await self._submit(generation)
+        responder = Responder(kind, handles, generation.model, generation.echo_text,
+                              generation.continuous_usage)
+        first = handles[0].placement
+        headers = {CLUSTER_HEADER: first.cluster, "x-request-id": first.request_id}
+        if ignored:
+            headers["warning"] = ignored_warning(ignored)
         if generation.stream:
             response = Response(stream_events(responder, generation), mimetype="text/event-stream",
                                 headers={**headers, "cache-control": "no-cache"})
             response.timeout = None
             return response
         try:
-            text, finished = await handle.collect()
+            outputs = [await handle.collect_delta() for handle in handles]
         finally:
-            handle.cancel()
-        response = _json_response(responder.whole(generation.echo_text + text, finished))
+            for handle in handles:
+                handle.cancel()
+        response = _json_response(responder.whole([delta for delta, _ in outputs],
+                                                  [finished for _, finished in outputs]))
         response.headers.update(headers)
         return response
 

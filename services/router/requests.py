@@ -1,9 +1,12 @@
 """One request as the scheduler runs it: where it runs, its outbox, its handle, its result.
 
 `RequestHandle` is what a submitter holds (services/router/app.py, the demo workload): iterate it
-for text deltas, then read `result`; `cancel` stops the request. The scheduler's task writes
-into its `Outbox`, which never blocks the writer: text accumulates until the client takes it,
-so a slow client cannot stall the mesh connection other requests share.
+for text deltas (or `next_delta` for the tokens and logprobs beside the text), then read
+`result`; `cancel` stops the request. The scheduler's task writes `Delta`s into its `Outbox`,
+which never blocks the writer: they accumulate until the client takes them, so a slow client
+cannot stall the mesh connection other requests share. Tokens that add no text yet (part of a
+multi-byte character) stay in the outbox and reach the client with the next text, so no
+streamed chunk is without text; what is left at the end is the handle's `tail`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import msgspec
 from services.contract.messages import PrefillDone, PrefixPull
 from services.contract.types import Cluster
 from services.router.errors import RouterError
+from services.router.openai.logprobs import TokenRecord
 from services.router.openai.schema import GenerationRequest
 from services.router.policy import Decision
 
@@ -42,20 +46,54 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int  # prompt tokens the prefill did not compute
 
 
+class Delta(msgspec.Struct, frozen=True):
+    """What a request produced since the client last took: text, tokens, their logprobs
+    (None when the request did not ask for them)."""
+
+    text: str = ""
+    tokens: int = 0
+    logprobs: tuple[TokenRecord, ...] | None = None
+
+    def __add__(self, other: Delta) -> Delta:
+        logprobs = None if self.logprobs is None and other.logprobs is None else (
+            *(self.logprobs or ()), *(other.logprobs or ()))
+        return Delta(self.text + other.text, self.tokens + other.tokens, logprobs)
+
+
+def merged(deltas: list[Delta]) -> Delta:
+    total = Delta()
+    for delta in deltas:
+        total = total + delta
+    return total
+
+
 @dataclass
 class Outbox:
     """What a request has produced and its client has not taken yet (never blocks the writer)."""
 
-    text: list[str] = field(default_factory=list)
+    deltas: list[Delta] = field(default_factory=list)
     finished: Finished | None = None
     error: RouterError | None = None
     closed: bool = False
     ready: anyio.Event = field(default_factory=anyio.Event)
 
-    def put(self, text: str) -> None:
-        if text:
-            self.text.append(text)
+    def put(self, delta: Delta | str) -> None:
+        if isinstance(delta, str):
+            delta = Delta(delta)
+        if delta.text or delta.tokens:
+            self.deltas.append(delta)
             self.ready.set()
+
+    @property
+    def has_text(self) -> bool:
+        return any(delta.text for delta in self.deltas)
+
+    def take(self) -> Delta | None:
+        """Everything pending, if it adds text; else None (tokens wait for their text)."""
+        if not self.has_text:
+            return None
+        total, self.deltas = merged(self.deltas), []
+        return total
 
     def close(self, finished: Finished | None, error: RouterError | None = None) -> None:
         self.finished, self.error, self.closed = finished, error, True
@@ -83,23 +121,62 @@ class RequestHandle:
 
     async def __anext__(self) -> str:
         """All text produced since the last call; raises the request's RouterError if failed."""
+        return (await self.next_delta()).text
+
+    def take(self) -> Delta | None:
+        """Without waiting: what is pending if it adds text (`next_delta` waits for it)."""
+        return self.outbox.take()
+
+    @property
+    def done(self) -> bool:
+        """Closed, with no text left to take (`tail` holds what tokens remain)."""
+        return self.outbox.closed and not self.outbox.has_text
+
+    async def wait(self) -> None:
+        """Until the outbox changes (a delta, or the end)."""
+        await self.outbox.ready.wait()
+        self.outbox.ready = anyio.Event()
+
+    async def next_delta(self) -> Delta:
+        """What was produced since the last call, with text; at the end, StopAsyncIteration
+        (`result` set) or the request's RouterError."""
+        while True:
+            delta = self.take()
+            if delta is not None:
+                return delta
+            if self.outbox.closed:
+                if self.outbox.error is not None:
+                    raise self.outbox.error
+                self.result = self.outbox.finished
+                raise StopAsyncIteration
+            await self.wait()
+
+    def finish(self) -> Delta:
+        """Once closed: sets `result` (raises the request's error) and returns the tokens
+        left without text (the tail: an end-of-text or stop token, say)."""
         box = self.outbox
-        while not box.text and not box.closed:
-            await box.ready.wait()
-            box.ready = anyio.Event()
-        if box.text:
-            text, box.text = "".join(box.text), []
-            return text
         if box.error is not None:
             raise box.error
         self.result = box.finished
-        raise StopAsyncIteration
+        tail, box.deltas = merged(box.deltas), []
+        return tail
+
+    async def collect_delta(self) -> tuple[Delta, Finished]:
+        """Everything produced, text, tokens and logprobs, and the result."""
+        parts = []
+        while True:
+            try:
+                parts.append(await self.next_delta())
+            except StopAsyncIteration:
+                break
+        parts.append(self.finish())
+        assert self.result is not None
+        return merged(parts), self.result
 
     async def collect(self) -> tuple[str, Finished]:
         """The whole text and the result (non-streaming responses)."""
-        parts = [part async for part in self]
-        assert self.result is not None
-        return "".join(parts), self.result
+        delta, result = await self.collect_delta()
+        return delta.text, result
 
 
 class RequestIds:

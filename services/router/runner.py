@@ -2,7 +2,9 @@
 
 The prefill call (`PrefillRequest` to the prefill worker, which streams the KV the decode
 worker lacks straight to it) runs beside the decode worker's token stream (`DecodeRequest`);
-the tokens go through a `TextAssembler` into the request's outbox. The first error either
+the tokens go through a `TextAssembler` into the request's outbox, with their logprobs when
+asked (named by services/router/openai/logprobs.py); a stop token (stop_token_ids) counts
+but, as in vLLM, adds no text. The first error either
 side meets is the request's (`UpstreamFailed`) and cancels the other; cancelling the
 request's scope (the client left) aborts the decode stream at its worker and gives up the
 prefill call. Counting and events of the request's end are the scheduler's
@@ -24,8 +26,9 @@ from services.contract.messages import DecodeRequest, PrefillDone, PrefillReques
 from services.contract.types import Phase
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import UpstreamFailed
+from services.router.openai.logprobs import TokenRecord, chat_entry, text_offsets
 from services.router.openai.text import TextAssembler
-from services.router.requests import Finished, RequestHandle
+from services.router.requests import Delta, Finished, RequestHandle
 from services.router.workers import WorkerTable
 
 if TYPE_CHECKING:
@@ -46,7 +49,8 @@ class RequestRunner:
         """1. call the prefill worker beside, 2. read the decode worker's tokens into the
         outbox until a finish reason, 3. the first error either side met, else the result."""
         p = handle.placement
-        assembler = TextAssembler(self.tokenizer, handle.request.stop)
+        assembler = TextAssembler(self.tokenizer, handle.request.stop,
+                                  handle.request.sampling.min_tokens)
         self.phase(p.request_id, "prefill", p.prefill_worker, f"cluster {p.cluster}")
         async with anyio.create_task_group() as group:
             group.start_soon(self._prefill, handle, group.cancel_scope)
@@ -112,13 +116,31 @@ class RequestRunner:
         if handle.first_token_at == 0.0 and chunk.tokens:
             handle.first_token_at = self.clock()
             self.phase(chunk.request_id, "decode", handle.placement.decode_worker)
-        room = handle.request.sampling.max_tokens - assembler.tokens
-        handle.outbox.put(assembler.push(chunk.tokens[:room]))
+        sampling = handle.request.sampling
+        tokens = chunk.tokens[:sampling.max_tokens - assembler.tokens]
+        stop_token = (chunk.finish_reason == "stop" and tokens == chunk.tokens
+                      and tokens[-1:] != [] and tokens[-1] in sampling.stop_token_ids)
+        shown = tokens[:-1] if stop_token else tokens
+        before = assembler.chars
+        text = assembler.push(shown)
+        assembler.skip(len(tokens) - len(shown))
+        records = self._records(chunk, tokens, before, assembler.chars)
+        handle.outbox.put(Delta(text, len(tokens), records))
         if assembler.stopped:
             return "stop"
-        if assembler.tokens >= handle.request.sampling.max_tokens:
+        if assembler.tokens >= sampling.max_tokens:
             return chunk.finish_reason or "length"
         return chunk.finish_reason
+
+    def _records(self, chunk: TokenChunk, tokens: list[int], start: int,
+                 end: int) -> tuple[TokenRecord, ...] | None:
+        """The logprobs of `tokens` (a chunk's first ones), their text at [start, end)."""
+        if chunk.logprobs is None:
+            return None
+        offsets = text_offsets(self.tokenizer, tokens, start, end)
+        return tuple(TokenRecord(chat_entry(self.tokenizer, token, logprob), offset)
+                     for token, logprob, offset in zip(tokens, chunk.logprobs, offsets,
+                                                       strict=False))
 
     def phase(self, request_id: str, phase: Phase, worker: str, detail: str = "") -> None:
         self.events.publish(RequestPhase(ts=self.clock(), source="router", request_id=request_id,

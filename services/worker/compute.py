@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling
+from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling, TokenLogprob
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel, Pacer
 from services.worker.kv_stream import Computed, PieceSpec, release, step_ends
@@ -107,6 +107,8 @@ class PrefillJob:
     # Set on the loop when the job is given up; the compute (in its thread) stops at the next
     # chunk instead of finishing a prefill nobody waits for.
     cancelled: bool = False
+    # The first token's logprob, set by the compute when the request asked for logprobs.
+    first_logprob: TokenLogprob | None = None
 
     @property
     def length(self) -> int:
@@ -172,4 +174,6 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
+        logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
+        stop_token_ids=tuple(sampling.stop_token_ids),
     )

@@ -173,8 +173,10 @@ class DecodeWorker:
             assert first is not None and assembly.opening is not None
             reason = finish_reason(first, 1, params, self.model.cfg.eos_id)
             self._phase(request.request_id, "decode")
+            logprob = assembly.first_logprob
             yield TokenChunk(request_id=request.request_id, tokens=[first], index=0,
-                             finish_reason=reason, reused_tokens=assembly.opening.start)
+                             finish_reason=reason, reused_tokens=assembly.opening.start,
+                             logprobs=None if logprob is None else [logprob])
             if reason is not None:
                 self._keep(request.prompt, cache)
                 self._finish(request.request_id, reason)
@@ -280,9 +282,11 @@ class DecodeWorker:
         try:
             async with receive:
                 async for event in receive:
+                    logprobs = [event.logprob] if event.logprob is not None else None
                     yield TokenChunk(request_id=request.request_id,
                                      tokens=[event.token] * event.count,
-                                     index=event.index, finish_reason=event.finish_reason)
+                                     index=event.index, finish_reason=event.finish_reason,
+                                     logprobs=logprobs)
         finally:
             self._waiting += 1
         if member.error is not None:

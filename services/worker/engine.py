@@ -12,7 +12,8 @@ An engine answers:
 - `dtype_name`; `empty_cache()`; `kv_bytes(length, start, dtype)`: the payload an export of
   tokens [start, length) carries;
 - `compute_prefill(job, emit, snapshot_every)`: prefill a job's chunks, emitting each finished
-  layer's piece, returning the first token (called through the prefill's `ComputeRunner`);
+  layer's piece, returning the first token (called through the prefill's `ComputeRunner`) and
+  setting `job.first_logprob` when the request asked for logprobs;
 - `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
   batch may take several steps at once, cut short when `interrupt` is set: a request joined);
 - `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
@@ -106,7 +107,10 @@ class ModelEngine:
                              snapshot_at=[n for n in snapshots if start < n <= end],
                              on_layer=on_layer)
         assert result is not None
-        return RequestSampler(job.params).sample(result.logits, 0)
+        sampler = RequestSampler(job.params, cfg.eos_id)
+        first = sampler.sample(result.logits, 0)
+        job.first_logprob = sampler.logprob(result.logits, 0, first)
+        return first
 
     @staticmethod
     def _exporter(job: PrefillJob, first_step: int, pieces: list[PieceSpec], end: int,

@@ -21,7 +21,7 @@ import msgspec
 
 from mesh.errors import StreamAborted
 from services.contract.errors import KVTransferError, RequestError
-from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
+from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class KVAssembly:
         self.pieces: dict[tuple[int, int], bytes] = {}  # (layer, start) -> encoded piece
         self.nbytes = 0  # of `pieces`
         self.first_token: int | None = None
+        self.first_logprob: TokenLogprob | None = None
         self.failure: KVTransferError | None = None
         self.gone = False  # released or dropped: its lanes are refused
         self._closed: set[int] = set()
@@ -224,6 +225,7 @@ class KVInbox:
             return item.size
         if isinstance(item, KVClose) and opening.lane == 0:
             assembly.first_token = item.first_token
+            assembly.first_logprob = item.first_logprob
             return 0
         raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} carried an "
                               f"unexpected {type(item).__name__}")

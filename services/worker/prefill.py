@@ -258,7 +258,8 @@ class PrefillWorker:
                 try:
                     first_token, compute_end = await self._compute.compute_and_release(job, sends)
                     sends[0].send_nowait(KVClose(request_id=job.request.request_id,
-                                                 first_token=first_token))
+                                                 first_token=first_token,
+                                                 first_logprob=job.first_logprob))
                 finally:
                     for send in sends:
                         send.close()

@@ -10,6 +10,8 @@ import time
 
 import msgspec
 
+from services.router.openai.logprobs import ChatLogprobs, CompletionLogprobs
+
 
 class PromptDetails(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
@@ -39,7 +41,7 @@ class PrfaasInfo(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -61,7 +63,7 @@ class ChatResponseMessage(msgspec.Struct, frozen=True):
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -73,7 +75,7 @@ class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -1,10 +1,12 @@
 """The router's OpenAI-compatible requests: Structs, validation, the chat prompt template.
 
 Requests are decoded straight into frozen msgspec Structs; anything the Structs refuse (a
-wrong type, a value out of range, an unknown field) becomes a 400 `InvalidRequest` that names
-the parameter, as the OpenAI API does. `completion_generation` and `chat_generation` then
-tokenize the prompt and check it against the model's context, giving the scheduler a
-`GenerationRequest` that knows nothing of HTTP or OpenAI. The responses are in
+wrong type, a value out of range, an unknown field inside a known one) becomes a 400
+`InvalidRequest` that names the parameter, as the OpenAI API does. Unknown top-level fields
+(other vendors' extensions) are ignored: `unknown_fields` names them for the `Warning` header.
+`completion_generation` and `chat_generation` then tokenize the prompt and check it against
+the model's context, giving the scheduler a `GenerationRequest` that knows nothing of HTTP or
+OpenAI (vLLM's extensions ignore_eos, min_tokens and stop_token_ids included). The responses are in
 services/router/openai/responses.py, the errors in services/router/errors.py.
 
 Chat prompt template (a flat prompt for a small base model; `render_chat`):
@@ -32,6 +34,8 @@ from services.model.tokenizer import TokenizerLike
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 
 MAX_STOPS = 4  # the OpenAI API's own limit on `stop`
+MAX_CHOICES = 8  # `n`: each choice is a generation of its own
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (the OpenAI API's limit; completions allow 5)
 
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -47,32 +51,38 @@ Prompt = str | list[int | str | list[int]]
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, usage on every chunk too
+    continuous_usage_stats: bool = False
 
 
-class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _Common(msgspec.Struct, frozen=True, kw_only=True):
     """Parameters both endpoints share (unsupported ones accept only their neutral value)."""
 
     model: str
     max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    # vLLM's extensions: no end-of-text or stop before min_tokens; token ids that stop
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    stop_token_ids: list[int] | None = None
 
 
-class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CompletionRequest(_Common, frozen=True, kw_only=True):
     prompt: Prompt
     echo: bool = False
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
-    logprobs: None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     suffix: None = None
 
 
@@ -96,11 +106,10 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: None = None
     tool_choice: Literal["none"] | None = None
     response_format: dict[str, Literal["text"]] | None = None
@@ -123,8 +132,26 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every streamed chunk
     model: str = "prfaas"
     echo_text: str = ""  # completions with echo=true: the prompt text, sent first
+    n: int = 1  # choices: `choices()` gives each its own request
+
+    def choices(self) -> list[GenerationRequest]:
+        """One request per choice, n = 1 each; choice i > 0 draws with a seed derived from
+        the request's (choice 0 keeps it), so a seeded request is reproducible as a whole."""
+        return [msgspec.structs.replace(self, n=1, sampling=msgspec.structs.replace(
+            self.sampling, seed=choice_seed(self.sampling.seed, i))) for i in range(self.n)]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: the request's for choice 0, a distinct one derived from
+    it for the others (None stays None: every choice draws a fresh seed)."""
+    if seed is None or index == 0:
+        return seed
+    # An odd multiplier (2^64 / golden ratio) spreads the choices over the int64 range.
+    mixed = (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
@@ -154,6 +181,12 @@ def decode_request(body: bytes, kind: type[R]) -> R:
     except RecursionError as exc:
         # Typed fields stop deep nesting early; this is the edge's last word on the rest.
         raise InvalidRequest("request body nests JSON too deeply") from exc
+
+
+def unknown_fields(body: bytes, kind: type[R]) -> list[str]:
+    """The top-level fields of a decoded request's body that `kind` does not know (ignored)."""
+    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    return [name for name in fields if name not in kind.__struct_fields__]
 
 
 def _prompt_tokens(prompt: Prompt | list[int], tokenizer: TokenizerLike,
@@ -189,6 +222,22 @@ def _check_unsupported(request: _Common) -> None:
                              param="stream_options")
     if request.stop is not None and any(not s for s in _stops(request.stop)):
         raise InvalidRequest("stop strings must not be empty", param="stop")
+    if request.n > MAX_CHOICES:
+        raise InvalidRequest(f"n={request.n} is more choices than this server generates per "
+                             f"request (at most {MAX_CHOICES})", param="n")
+    if request.max_tokens is not None and request.max_completion_tokens is not None:
+        raise InvalidRequest("give max_tokens or max_completion_tokens, not both",
+                             param="max_completion_tokens")
+
+
+def _check_token_ids(request: _Common, tokenizer: TokenizerLike, max_tokens: int) -> None:
+    bad = [t for t in request.stop_token_ids or () if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {tokenizer.vocab_size}), got "
+                             f"{bad[0]}", param="stop_token_ids")
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens={request.min_tokens} exceeds the request's "
+                             f"max_tokens={max_tokens}", param="min_tokens")
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -220,17 +269,24 @@ def _max_tokens(asked: int | None, prompt_len: int, limits: Limits, default: int
 
 
 def _generation(request: _Common, prompt: list[int], max_tokens: int,
-                echo_text: str = "") -> GenerationRequest:
+                logprobs: int | None, echo_text: str = "") -> GenerationRequest:
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        seed=request.seed, stop_on_eos=not request.ignore_eos)
+        seed=request.seed, stop_on_eos=not request.ignore_eos, logprobs=logprobs,
+        min_tokens=request.min_tokens, stop_token_ids=tuple(request.stop_token_ids or ()))
     options = request.stream_options
+    usage = options is not None and options.include_usage
     return GenerationRequest(
         prompt=prompt, sampling=sampling, stop=_stops(request.stop), stream=request.stream,
-        include_usage=options is not None and options.include_usage, model=request.model,
-        echo_text=echo_text)
+        include_usage=usage, continuous_usage=usage and options is not None
+        and options.continuous_usage_stats, model=request.model, echo_text=echo_text,
+        n=request.n)
+
+
+def _asked_max_tokens(request: _Common) -> int | None:
+    return request.max_completion_tokens or request.max_tokens
 
 
 def completion_generation(request: CompletionRequest, tokenizer: TokenizerLike,
@@ -242,9 +298,11 @@ def completion_generation(request: CompletionRequest, tokenizer: TokenizerLike,
         raise InvalidRequest("prompt must not be empty", param="prompt")
     if request.echo and not text:
         text = tokenizer.decode(prompt)
-    max_tokens = _max_tokens(request.max_tokens, len(prompt), limits, limits.default_max_tokens,
-                             "prompt")
-    return _generation(request, prompt, max_tokens, text if request.echo else "")
+    max_tokens = _max_tokens(_asked_max_tokens(request), len(prompt), limits,
+                             limits.default_max_tokens, "prompt")
+    _check_token_ids(request, tokenizer, max_tokens)
+    return _generation(request, prompt, max_tokens, request.logprobs,
+                       text if request.echo else "")
 
 
 _CHAT_NAMES = {"system": "System", "developer": "System", "user": "User",
@@ -265,12 +323,11 @@ def chat_generation(request: ChatCompletionRequest, tokenizer: TokenizerLike,
                     limits: Limits) -> GenerationRequest:
     _check_model(request.model, limits)
     _check_unsupported(request)
-    if request.max_tokens is not None and request.max_completion_tokens is not None:
-        raise InvalidRequest("give max_tokens or max_completion_tokens, not both",
-                             param="max_completion_tokens")
-    if request.logprobs:
-        raise InvalidRequest("logprobs is not supported; omit it or use false", param="logprobs")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     prompt = tokenizer.encode(render_chat(request.messages))
-    asked = request.max_completion_tokens or request.max_tokens
-    max_tokens = _max_tokens(asked, len(prompt), limits, limits.chat_max_tokens, "messages")
-    return _generation(request, prompt, max_tokens)
+    max_tokens = _max_tokens(_asked_max_tokens(request), len(prompt), limits,
+                             limits.chat_max_tokens, "messages")
+    _check_token_ids(request, tokenizer, max_tokens)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _generation(request, prompt, max_tokens, logprobs)

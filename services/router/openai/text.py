@@ -21,15 +21,19 @@ class TextAssembler:
     last clean character boundary and emit the new suffix.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TokenizerLike, stop: Sequence[str] = (),
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        # vLLM's min_tokens: stop strings are looked for once this many tokens are out.
+        self._min_tokens = min_tokens
         self._ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] decode to text already taken
         self._read = 0
         self._held = ""  # text that may still begin a stop string
         self.stopped = False
         self.tokens = 0
+        self.chars = 0  # of the text returned so far
 
     def push(self, ids: Sequence[int]) -> str:
         """The text these ids add that is safe to send; "" once a stop string was found."""
@@ -37,7 +41,11 @@ class TextAssembler:
             return ""
         self.tokens += len(ids)
         self._ids.extend(ids)
-        return self._cut(self._decode_new(final=False))
+        return self._count(self._cut(self._decode_new(final=False)))
+
+    def skip(self, count: int) -> None:
+        """Tokens that count but add no text (a stop token, which is not shown)."""
+        self.tokens += count
 
     def finish(self) -> str:
         """Whatever is still held back (called when generation ends)."""
@@ -46,6 +54,10 @@ class TextAssembler:
         text = self._cut(self._decode_new(final=True))
         if not self.stopped:
             text, self._held = text + self._held, ""
+        return self._count(text)
+
+    def _count(self, text: str) -> str:
+        self.chars += len(text)
         return text
 
     def _decode_new(self, final: bool) -> str:
@@ -58,6 +70,9 @@ class TextAssembler:
 
     def _cut(self, new: str) -> str:
         text = self._held + new
+        if self.tokens < self._min_tokens:
+            self._held = ""
+            return text
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped, self._held = True, ""
