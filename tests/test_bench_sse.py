@@ -93,3 +93,15 @@ def test_tolerates_missing_and_odd_fields() -> None:
 def test_bad_chunks_raise_naming_them(data: str, message: str) -> None:
     with pytest.raises(BenchError, match=message):
         read_chunk(data)
+
+
+def test_a_token_chunk_without_text_is_counted_and_role_finish_and_usage_chunks_are_not() -> None:
+    chunks = {
+        '{"choices":[{"index":0,"delta":{"content":""}}]}': True,
+        '{"choices":[{"index":0,"text":""}]}': True,
+        '{"choices":[{"index":0,"delta":{"content":"hi"}}]}': False,
+        '{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}': False,
+        '{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}': False,
+        '{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}': False,
+    }
+    assert {data: read_chunk(data).empty for data in chunks} == chunks

@@ -86,12 +86,14 @@ class _Stream:
         self.text: list[str] = []
         self.info = ChunkInfo(cluster=cluster)
         self.done = False
+        self.empty = 0
 
     def add(self, data: str, now: float) -> None:
         if data.strip() == DONE:
             self.done = True
             return
         chunk = read_chunk(data)
+        self.empty += chunk.empty
         if chunk.text:
             if self.ttft is None:
                 self.ttft = now - self.start
@@ -106,7 +108,7 @@ def _merge(old: ChunkInfo, new: ChunkInfo) -> ChunkInfo:
     """Later non-None fields win (usage and the prfaas field come in the final chunk)."""
     fields = msgspec.structs.asdict(new)
     kept = {k: v for k, v in msgspec.structs.asdict(old).items() if fields.get(k) is None}
-    return ChunkInfo(**{**fields, **kept, "text": ""})
+    return ChunkInfo(**{**fields, **kept, "text": "", "empty": False})
 
 
 class TurnKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,7 +134,7 @@ def _result(stream: _Stream, key: TurnKey, error: str = "") -> RequestResult:
         itl_s=tuple(stream.itl) if ok else (),
         output_tokens=info.completion_tokens or len(stream.text),
         prompt_tokens=info.prompt_tokens or key.turn.planned_tokens,
-        cached_tokens=info.cached_tokens, cluster=info.cluster)
+        cached_tokens=info.cached_tokens, cluster=info.cluster, empty_chunks=stream.empty)
 
 
 async def _consume(response: httpx.Response, stream: _Stream) -> None:

@@ -67,6 +67,7 @@ def format_table(summary: BenchSummary, title: str = "prfaas bench") -> str:
               _row("requests without a reported cluster", str(summary.unreported)),
               _row("cached prompt tokens (reported)", str(summary.cached_tokens)),
               _row("PrfaaS egress (Gbps)", _number(summary.egress_gbps, "{:.4f}")),
+              _row("token chunks without text", str(summary.empty_chunks)),
               rule]
     return "\n".join(lines)
 

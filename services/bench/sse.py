@@ -93,6 +93,9 @@ class ChunkInfo(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     cluster: str | None = None
+    # A token chunk without text: a choice with no text, no role, no finish reason (aiperf
+    # and other clients count such chunks as tokens of zero length).
+    empty: bool = False
 
 
 def _first_choice(chunk: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +142,10 @@ def read_chunk(data: str) -> ChunkInfo:
         cluster = prfaas.get("cluster") if isinstance(prfaas.get("cluster"), str) else None
         cached = _int(prfaas.get("cached_tokens")) if "cached_tokens" in prfaas else cached
     finish = choice.get("finish_reason")
-    return ChunkInfo(text=_text(choice), finish_reason=finish if isinstance(finish, str) else None,
+    text = _text(choice)
+    delta = choice.get("delta")
+    role = isinstance(delta, dict) and "role" in delta
+    empty = bool(choice) and not text and not role and not isinstance(finish, str)
+    return ChunkInfo(text=text, finish_reason=finish if isinstance(finish, str) else None,
                      prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-                     cluster=cluster)
+                     cluster=cluster, empty=empty)

@@ -37,6 +37,7 @@ class RequestResult(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0  # as the server's usage says, else the planned length
     cached_tokens: int | None = None
     cluster: str | None = None
+    empty_chunks: int = 0  # token chunks without text (sse.ChunkInfo.empty)
 
 
 class SLOs(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +82,7 @@ class BenchSummary(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int  # sum of reported cached prompt tokens
     egress_bytes: int | None = None  # PrfaaS link egress during the run (GET /link)
     egress_gbps: float | None = None
+    empty_chunks: int = 0  # streamed token chunks without text, over every request
 
 
 NO_SLOS = SLOs()
@@ -161,4 +163,5 @@ def summarise(results: Sequence[RequestResult], duration_s: float, slos: SLOs = 
         slos=slos, good_requests=good, goodput=None if good is None else good * per_s,
         clusters=clusters, unreported=unreported, offload_fraction=offload,
         cached_tokens=sum(r.cached_tokens or 0 for r in done),
-        egress_bytes=egress_bytes, egress_gbps=_egress(egress_bytes, duration_s))
+        egress_bytes=egress_bytes, egress_gbps=_egress(egress_bytes, duration_s),
+        empty_chunks=sum(r.empty_chunks for r in results))
