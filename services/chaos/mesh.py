@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from services.cli.lifeline import child_env
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.contract.access import TOKEN_ENV, bearer_headers
 
@@ -157,7 +158,7 @@ class ChaosMesh:
                  "--topology", "topology.toml", "--control-port", "0",
                  "--initial-backoff", str(config.initial_backoff_s),
                  "--max-backoff", str(config.max_backoff_s)],
-                cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.workdir, env=child_env(env), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         supervisor = self._wait_for_line(r"supervisor: control API on (\S+)/processes",
                                          config.ready_timeout_s)

@@ -25,6 +25,7 @@ from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address, MemoryHub, MemoryTransport, Transport
 from mesh.wire import Codec
+from services.cli.lifeline import child_env
 from services.cli.serve import run_service
 from services.contract.errors import DataPathError
 from services.contract.messages import CODEC_MESSAGES
@@ -112,7 +113,7 @@ def launch(
                 [sys.executable, "-m", "services.cli.main", "serve", name, "--topology",
                  str(topology), *extra_args],
                 stdout=subprocess.PIPE, stderr=log_file or subprocess.DEVNULL, text=True,
-                env=env,
+                env=child_env(env),
             )
         deadline = time.monotonic() + ready_timeout
         for name, child in children.items():

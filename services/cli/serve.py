@@ -30,6 +30,7 @@ from mesh.errors import ConfigError, MeshError
 from mesh.run import BACKENDS, Backend, run
 from mesh.topology import Topology, load_topology
 from mesh.transport import Address
+from services.cli.lifeline import die_with_parent
 from services.service import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def _announce(line: str) -> None:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")

@@ -25,6 +25,7 @@ import anyio.abc
 import msgspec
 
 from mesh.errors import ConfigError
+from services.cli.lifeline import child_env
 from services.cli.procfile import ProcessSpec
 from services.contract.errors import DataPathError
 
@@ -127,7 +128,7 @@ class Child:
 
     async def _spawn(self) -> None:
         self._process = await anyio.open_process(
-            self.spec.command, stdin=None, stdout=-1, stderr=-2, env=dict(self.env),
+            self.spec.command, stdin=None, stdout=-1, stderr=-2, env=child_env(self.env),
             start_new_session=True)
         self._set("up")
         self._spawned.set()

@@ -33,6 +33,7 @@ import msgspec
 from mesh.errors import MeshError
 from mesh.http import serve_http
 from mesh.topology import Topology, load_topology
+from services.cli.lifeline import die_with_parent
 from services.cli.procfile import ProcessSpec, load_procfile
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
 from services.cli.supervisor import RestartPolicy, Supervisor
@@ -89,6 +90,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def up_main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     try:
         specs = load_procfile(args.procfile)
