@@ -15,14 +15,17 @@ import pytest
 from router_fakes import TOPOLOGY
 from ui_fixtures.mesh import free_ports
 
+from mesh.errors import RemoteError
 from mesh.metrics import with_lifespan
 from mesh.node import Node
+from mesh.server import Context
 from mesh.topology import parse_topology
-from mesh.transport import MemoryHub, MemoryTransport
+from mesh.transport import Address, MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from services.cli import main as cli_main
 from services.cli.launch import launch
-from services.contract.messages import CODEC_MESSAGES
+from services.contract.errors import KVTransferError
+from services.contract.messages import CODEC_MESSAGES, StatusQuery, WorkerState
 from services.router.workers import WorkerTable
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
@@ -106,3 +109,25 @@ def test_an_interrupt_ends_other_commands_with_130_and_no_traceback(
     monkeypatch.setattr(cli_main, "resolve", interrupted)
     assert cli_main.main(["plan"]) == 130
     assert capsys.readouterr().err == "prfaas plan: interrupted\n"
+
+
+@pytest.mark.trio
+async def test_a_handler_failing_on_purpose_logs_one_line_without_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    transport = MemoryTransport(MemoryHub())
+    codec = Codec(CODEC_MESSAGES)
+    worker = Node("worker", codec, transport, {"worker": Address("worker", 1)})
+
+    @worker.handles(StatusQuery)
+    async def on_status(msg: StatusQuery, ctx: Context) -> WorkerState:
+        raise KVTransferError("no complete KV for 'r1' within kv_timeout=60.0 s")
+
+    async with worker, Node("router", codec, transport, {"worker": Address("worker", 1)}) as cli:
+        await worker.listen()
+        with pytest.raises(RemoteError, match="KVTransferError"):
+            await cli.call("worker", StatusQuery(), WorkerState)
+    failed = [r for r in caplog.records if r.name == "mesh.handlers"]
+    assert len(failed) == 1 and failed[0].levelno == logging.WARNING
+    assert failed[0].exc_info is None
+    assert failed[0].getMessage().endswith("KVTransferError: no complete KV for 'r1' within "
+                                           "kv_timeout=60.0 s")
