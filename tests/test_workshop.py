@@ -9,7 +9,8 @@ gets a copy of its topology on free ports with random-init workers on one torch 
 SIM_SECONDS of virtual time instead of its --duration, and `prfaas bench` is given the
 router's --url. A ```sh serve block is started, waited
 for, sent one request, and stopped with SIGINT (as Ctrl-C) when the next serve block starts or
-the guide ends, and must then exit 0 with no traceback; ```sh serve once is stopped at once.
+the guide ends, and must then exit 0 with no traceback and no line logged twice; ```sh serve
+once is stopped at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,7 @@ SIM_SECONDS = 10
 READY_S = 120.0
 BLOCK_S = 120.0
 SUPERVISOR_PORT = 8090
+STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,9 @@ def stop(served: Served) -> None:
     text = "\n".join(served.lines)
     assert code == 0, f"exit {code} after Ctrl-C:\n{served.output()}"
     assert "Traceback" not in text and "Lifespan" not in text, text[-5000:]
+    # One event, one line: the same process never logs the same text at the same instant.
+    stamped = Counter(line for line in served.lines if STAMP.search(line))
+    assert [line for line, n in stamped.items() if n > 1] == []
 
 
 def copy_repository(into: Path) -> Path:
