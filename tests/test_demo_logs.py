@@ -92,12 +92,15 @@ def test_an_early_interrupt_ends_prfaas_up_quietly(monkeypatch: pytest.MonkeyPat
         signal.raise_signal(signal.SIGTERM)
         raise AssertionError("SIGTERM stops `prfaas up` before this line")
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(cli_main, "resolve", interrupted)
     try:
         assert cli_main.main(["up"]) == 0
+        # Stopping already: a second signal (make forwards its own SIGTERM) is ignored.
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     assert "prfaas up: interrupted" in capsys.readouterr().err
 
 

@@ -83,7 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # No traceback from the middle of an import: the user asked for the stop.
         print(f"prfaas {name}: interrupted", file=sys.stderr)
-        return 0 if command.stops_on_signal else 130
+        if not command.stops_on_signal:
+            return 130
+        # Already stopping: `make` forwards its own SIGTERM, which must not end us by signal.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        return 0
 
 
 def _interrupt(signum: int, frame: object) -> None:
