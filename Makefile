@@ -10,16 +10,28 @@ export MALLOC_TOP_PAD_ ?= 67108864
 
 .PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+# A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
+# shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
+TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints.txt)
+PIP_INSTALL := $(PIP) install --progress-bar on --disable-pip-version-check -c constraints.txt
 
-# Debian's chromium for the browser tests; never a browser download.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> upgrading pip"
+	@$(PIP) install --quiet --upgrade pip
+	@echo "==> installing torch $(TORCH_PIN) (large download, a few minutes on a fresh machine)"
+	@$(PIP_INSTALL) torch
+	@echo "==> installing the project and its dev tools"
+	@$(PIP_INSTALL) -e '.[dev]'
+	@touch $(STAMP)
+	@echo "==> installed into $(VENV)"
+
+# Debian's chromium for the browser tests (driven by playwright, installed with the project);
+# never a browser download.
 $(BROWSER_STAMP): $(STAMP)
-	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
-	touch $(BROWSER_STAMP)
+	@echo "==> installing chromium for the browser tests (playwright drives Debian's chromium)"
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@touch $(BROWSER_STAMP)
 
 browser: $(BROWSER_STAMP)
 

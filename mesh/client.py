@@ -207,7 +207,9 @@ class ClientSession:
             while True:
                 await self._route(await self.conn.receive())
         except MeshError as exc:
-            log.info("connection to %s ended: %s", self.peer, exc)
+            # Debug only: a node may hold several connections to one peer (KV lanes), each
+            # ending at once, and the services log what a lost peer means to them.
+            log.debug("connection to %s ended: %s", self.peer, exc)
             return exc if isinstance(exc, PeerGone) else PeerGone(f"{self.peer}: {exc}")
 
     def _waiter_for(self, envelope: Envelope) -> Mailbox[Envelope] | PendingCall | None:

@@ -13,6 +13,13 @@ class MeshError(Exception):
     """Base of every error raised by the mesh runtime."""
 
 
+class RequestFailed(Exception):
+    """Base for the errors a handler raises on purpose to fail its one request (a service's
+    own error tree subclasses it): the caller gets it by type name, and the node logs it in
+    one line. Any other exception escaping a handler is a bug and is logged with its traceback.
+    Not a MeshError: services' `except MeshError` must not catch their own errors."""
+
+
 class ConfigError(MeshError, ValueError):
     """A constructor argument or a topology file holds a bad value."""
 

@@ -21,7 +21,7 @@ import anyio
 import msgspec
 
 from mesh.eager import Eager
-from mesh.errors import ConfigError, PeerGone, StreamAborted
+from mesh.errors import ConfigError, MeshError, PeerGone, RequestFailed, StreamAborted
 from mesh.mailbox import Mailbox
 from mesh.wire import Abort, Call, Cast, End, Envelope, Fail, Item, Open, Push, Reply
 
@@ -159,10 +159,13 @@ class Handlers:
             log.info("client %s left during request %d", request.session.peer, request.id)
             return
         self.counts.handler_errors += 1
-        log.error(
-            "handler for %s from %s (id %d) failed",
-            type(request.body).__name__, request.session.peer, request.id, exc_info=exc,
-        )
+        what = (type(request.body).__name__, request.session.peer, request.id)
+        if isinstance(exc, RequestFailed | MeshError):
+            # Expected (a timeout, a peer gone, a refused request): the caller is told.
+            log.warning("handler for %s from %s (id %d) failed: %s: %s", *what,
+                        type(exc).__name__, exc)
+        else:
+            log.error("handler for %s from %s (id %d) failed", *what, exc_info=exc)
         await answer(request, Fail(request.id, type(exc).__name__, str(exc)))
 
     async def _dispatch(self, request: Request) -> None:

@@ -116,7 +116,28 @@ def register_statistics(
 
 def metrics_app(registry: CollectorRegistry) -> Any:
     """The ASGI app serving `registry` in Prometheus text format (mount it at /metrics)."""
-    return make_asgi_app(registry=registry)
+    return with_lifespan(make_asgi_app(registry=registry))
+
+
+def with_lifespan(app: Any) -> Any:
+    """`app`, answering the ASGI lifespan protocol itself (it has nothing to start or stop).
+
+    prometheus_client's app fails lifespan scopes, and hypercorn then warns on every start
+    ("ASGI Framework Lifespan error, continuing without Lifespan support")."""
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    return wrapped
 
 
 def render(registry: CollectorRegistry) -> str:

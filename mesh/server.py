@@ -149,7 +149,8 @@ class ServerSession:
                 else:
                     await self._route(envelope)
         except PeerGone as exc:
-            log.info("client %s left: %s", self.peer, exc)
+            # Debug only: clients come and go (every service's at each stop of the mesh).
+            log.debug("client %s left: %s", self.peer, exc)
         except (FrameDecodeError, FrameTooLarge) as exc:
             self._counts.connection_errors += 1
             log.warning("dropping client %s after a bad frame: %s", self.peer, exc)

@@ -275,12 +275,14 @@ class LinkProxy:
                 self._upstream_failures += 1
                 logger.warning("upstream unreachable, closing client: %s", exc)
                 return
+            # Several connections share a route (KV lanes): the client's port tells them apart.
+            name = f"{_port_of(conn)} -> {route.upstream_host}:{route.upstream_port}"
             with upstream:
                 await self._serve_pair(SocketChannel(conn), SocketChannel(upstream),
-                                       route.reverse)
+                                       route.reverse, name)
 
     async def _serve_pair(self, client: SocketChannel, upstream: SocketChannel,
-                          reverse: bool) -> None:
+                          reverse: bool, name: str = "") -> None:
         self._open += 1
         self._total += 1
         try:
@@ -288,7 +290,9 @@ class LinkProxy:
         except* OSError as group:
             # A reset or broken pipe ends this connection only, never the proxy.
             self._errors += 1
-            logger.info("connection closed on error: %s", group.exceptions[0])
+            first = _first_leaf(group)
+            logger.info("connection %s closed on error: %s: %s", name, type(first).__name__,
+                        first)
         finally:
             self._open -= 1
 
@@ -387,3 +391,19 @@ class LinkProxy:
         self._shaper.check_integrity()
         if not 0 <= self._open <= self._total:
             raise LinkError(f"connections_open={self._open} outside [0, {self._total}]")
+
+
+def _first_leaf(group: BaseExceptionGroup[OSError]) -> BaseException:
+    """The first exception of a (nested) group: what actually ended the connection."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _port_of(conn: socket.socket) -> str:
+    """The client's port ("?" once it is gone)."""
+    try:
+        return str(conn.getpeername()[1])
+    except OSError:
+        return "?"

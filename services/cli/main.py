@@ -7,6 +7,7 @@ this file only dispatches, importing lazily so `prfaas --help` stays instant.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -16,12 +17,16 @@ class Command(NamedTuple):
     module: str
     function: str
     summary: str
+    # A Ctrl-C or SIGTERM is this command's normal end (`prfaas up`): exit 0 quietly, also
+    # when it comes before the command handles signals itself (while it imports).
+    stops_on_signal: bool = False
 
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("services.cli.serve", "serve_main", "run one service of the mesh by name"),
     "up": Command("services.cli.up", "up_main",
-                  "run the Procfile's processes under a supervisor that restarts them"),
+                  "run the Procfile's processes under a supervisor that restarts them",
+                  stops_on_signal=True),
     "chaos": Command("services.chaos.cli", "chaos_main",
                      "fault scenarios against the real mesh; writes docs/reliability.md"),
     "send": Command(
@@ -69,7 +74,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"prfaas: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return resolve(name)(rest)
+    command = COMMANDS[name]
+    if command.stops_on_signal:
+        # Until the command installs its own handlers, SIGTERM stops it as Ctrl-C does.
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return resolve(name)(rest)
+    except KeyboardInterrupt:
+        # No traceback from the middle of an import: the user asked for the stop.
+        print(f"prfaas {name}: interrupted", file=sys.stderr)
+        if not command.stops_on_signal:
+            return 130
+        # Already stopping: `make` forwards its own SIGTERM, which must not end us by signal.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

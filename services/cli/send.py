@@ -29,7 +29,7 @@ from mesh.node import Node
 from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
 from mesh.wire import Codec
-from services.cli.serve import DEFAULT_TOPOLOGY_PATH
+from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
 from services.contract.errors import DataPathError
 from services.contract.messages import (
     CODEC_MESSAGES,
@@ -215,7 +215,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", help="the prompt as comma-separated token ids instead")
     parser.add_argument("--prefill", default="prfaas-prefill-0", help="prefill worker")
     parser.add_argument("--decode", default="pd-decode-0", help="decode worker")
-    parser.add_argument("--topology", type=Path, help="topology TOML (default: embedded)")
+    parser.add_argument("--topology", type=Path,
+                        help=f"topology TOML (default: ${TOPOLOGY_ENV}, else embedded)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--connections", type=int, default=1, help="TCP lanes for the KV")
@@ -272,7 +273,9 @@ def send_main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING)
     try:
-        topology = load_topology(args.topology, DEFAULT_TOPOLOGY_PATH.read_text("utf-8"))
+        # Like `prfaas serve`: the file `prfaas up --topology FILE` runs, when given none.
+        path = args.topology or os.environ.get(TOPOLOGY_ENV) or None
+        topology = load_topology(path, DEFAULT_TOPOLOGY_PATH.read_text("utf-8"))
         if not (args.text or args.tokens):
             raise ConfigError("give a prompt: TEXT or --tokens")
         report = anyio.run(_send, args, topology)

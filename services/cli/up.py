@@ -126,6 +126,7 @@ async def _run(specs: tuple[ProcessSpec, ...], env: dict[str, str], policy: Rest
                 print(f"supervisor: {signal.Signals(signum).name}: stopping every process",
                       flush=True)
                 await supervisor.stop()
+                print("supervisor: every process stopped", flush=True)
                 tg.cancel_scope.cancel()
                 break
 

@@ -3,8 +3,10 @@ so these are part of the contract as much as the messages are."""
 
 from __future__ import annotations
 
+from mesh.errors import RequestFailed
 
-class DataPathError(Exception):
+
+class DataPathError(RequestFailed):
     """Root of the data path's errors (prefill, decode, KV transfer, launch)."""
 
 
@@ -20,7 +22,7 @@ class WrongRole(DataPathError):
     """A worker was asked for work of the role it does not hold (or is draining)."""
 
 
-class PrefixCacheError(Exception):
+class PrefixCacheError(RequestFailed):
     """Base of the prefix cache's errors (tree and directory)."""
 
 
@@ -28,7 +30,7 @@ class UnknownWorkerError(PrefixCacheError, LookupError):
     """A worker or cluster name the directory does not know."""
 
 
-class ControlError(Exception):
+class ControlError(RequestFailed):
     """A control request of the dashboard (link, policy, threshold, load, roles, speed) that
     could not be carried out; `status` is its HTTP answer. It lives in the contract so that
     every implementation of the dashboard's controls (ui's HTTP forwarder to the services,

@@ -134,6 +134,7 @@ class DemoWorkload:
     async def _one(self, prompt: list[int]) -> None:
         sampling = Sampling(max_tokens=self.config.max_tokens, temperature=0.0)
         self._counts["sent"] += 1
+        number = self._counts["sent"]
         try:
             handle = await self.scheduler.submit(GenerationRequest(prompt=prompt,
                                                                    sampling=sampling))
@@ -141,7 +142,7 @@ class DemoWorkload:
             self._counts["completed"] += 1
         except RouterError as exc:
             self._counts["failed"] += 1
-            log.info("demo request failed: %s", exc.message)
+            log.info("demo request %d failed: %s", number, exc.message)
         finally:
             self._outstanding -= 1
 

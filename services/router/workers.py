@@ -259,12 +259,15 @@ class WorkerTable:
             state = await node.call(worker.spec.name, StatusQuery(), WorkerState,
                                     timeout=timeout)
         except MeshError as exc:
-            if worker.up:
+            # A worker that never answered is still starting (every worker, at `make demo`).
+            if worker.up and worker.polled is None:
+                log.info("worker %s is not up yet: %s", worker.spec.name, exc)
+            elif worker.up:
                 log.warning("worker %s is down: %s", worker.spec.name, exc)
             worker.up = False
             return
         if not worker.up:
-            log.info("worker %s is back", worker.spec.name)
+            log.info("worker %s is %s", worker.spec.name, "back" if worker.polled else "up")
         worker.up, worker.polled = True, state
         if not worker.converting:
             worker.role = state.role
