@@ -79,6 +79,13 @@ class Subscription(Generic[E]):
         self.delivered += 1
         return self._events.popleft()
 
+    def drain(self) -> list[E]:
+        """Every queued event, oldest first, without waiting (a reader that polls)."""
+        events = list(self._events)
+        self._events.clear()
+        self.delivered += len(events)
+        return events
+
     def close(self) -> None:
         """Leaves the bus; queued events can still be read, then the iteration ends."""
         if not self._closed:

@@ -76,3 +76,14 @@ def test_publish_without_subscribers_is_counted_and_harmless() -> None:
     assert bus.statistics().published == 1
     with pytest.raises(ConfigError, match="maxlen must be >= 1, got 0"):
         bus.subscribe(maxlen=0)
+
+
+def test_drain_takes_every_queued_event_in_order_and_counts_them() -> None:
+    bus: EventBus[Tick] = EventBus()
+    with bus.subscribe() as events:
+        assert events.drain() == []
+        for n in range(3):
+            bus.publish(Tick(n))
+        assert events.drain() == [Tick(0), Tick(1), Tick(2)]
+        assert events.drain() == []
+        assert events.statistics().delivered == 3
