@@ -51,6 +51,9 @@ class Outbox:
     error: RouterError | None = None
     closed: bool = False
     ready: anyio.Event = field(default_factory=anyio.Event)
+    # Set once, at close: a whole (non-streamed) response waits for this alone, not for
+    # every token's `ready`.
+    done: anyio.Event = field(default_factory=anyio.Event)
 
     def put(self, text: str) -> None:
         if text:
@@ -60,6 +63,7 @@ class Outbox:
     def close(self, finished: Finished | None, error: RouterError | None = None) -> None:
         self.finished, self.error, self.closed = finished, error, True
         self.ready.set()
+        self.done.set()
 
 
 class RequestHandle:
@@ -96,10 +100,16 @@ class RequestHandle:
         raise StopAsyncIteration
 
     async def collect(self) -> tuple[str, Finished]:
-        """The whole text and the result (non-streaming responses)."""
-        parts = [part async for part in self]
+        """The whole text and the result (non-streaming responses); raises the request's
+        RouterError if it failed. Wakes once, when the request ends."""
+        box = self.outbox
+        await box.done.wait()
+        text, box.text = "".join(box.text), []
+        if box.error is not None:
+            raise box.error
+        self.result = box.finished
         assert self.result is not None
-        return "".join(parts), self.result
+        return text, self.result
 
 
 class RequestIds:
