@@ -252,6 +252,12 @@ class Run:
     latencies: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
+
+    def cpu_ms(self, process: str) -> float:
+        """That process's CPU per completed request: cost apart from the machine's load."""
+        done = len(self.latencies)
+        return round(1e3 * self.cpu_s.get(process, 0.0) / done, 3) if done else 0.0
 
     def rps(self) -> float:
         return len(self.latencies) / self.wall_s if self.wall_s else 0.0
@@ -300,21 +306,34 @@ class Options(msgspec.Struct, frozen=True):
     warmup: int
 
 
-async def measure(ports: dict[str, int], options: Options) -> dict[str, dict[str, Run]]:
-    """Per target and kind: `lat` (concurrency 1) and `rps` (the set concurrency) runs;
-    the targets take turns at each step so that the shared machine's drift hits both."""
-    runs: dict[str, dict[str, Run]] = {target: {} for target in ports}
+async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
+                         options: Options, pids: dict[str, int]) -> Run:
+    """A phase, and the CPU each process (`client`: this one) spent during it."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    client = time.process_time()
+    run = await phase(port, stream, requests, concurrency, options.max_tokens)
+    run.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    run.cpu_s["client"] = time.process_time() - client
+    return run
+
+
+async def measure(targets: dict[str, tuple[int, dict[str, int]]],
+                  options: Options) -> dict[str, dict[str, Run]]:
+    """Per target (its port and the processes serving it) and kind: `lat` (concurrency 1)
+    and `rps` (the set concurrency) runs; the targets take turns at each step so that the
+    shared machine's drift hits both."""
+    runs: dict[str, dict[str, Run]] = {target: {} for target in targets}
     for kind in KINDS:
         stream = kind == "stream"
-        for target, port in ports.items():
+        for port, _ in targets.values():
             await phase(port, stream, options.warmup, min(4, options.concurrency),
                         options.max_tokens)
-        for target, port in ports.items():
-            runs[target][f"{kind}/lat"] = await phase(port, stream, options.latency_requests,
-                                                      1, options.max_tokens)
-        for target, port in ports.items():
-            runs[target][f"{kind}/rps"] = await phase(port, stream, options.requests,
-                                                      options.concurrency, options.max_tokens)
+        for target, (port, pids) in targets.items():
+            runs[target][f"{kind}/lat"] = await measured_phase(
+                port, stream, options.latency_requests, 1, options, pids)
+        for target, (port, pids) in targets.items():
+            runs[target][f"{kind}/rps"] = await measured_phase(
+                port, stream, options.requests, options.concurrency, options, pids)
     return runs
 
 
@@ -326,25 +345,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict[str, float]:
+def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict[str, Any]:
     r_lat, b_lat = router[f"{kind}/lat"], base[f"{kind}/lat"]
-    r_rps, b_rps = router[f"{kind}/rps"].rps(), base[f"{kind}/rps"].rps()
+    r_rps_run, b_rps_run = router[f"{kind}/rps"], base[f"{kind}/rps"]
+    r_rps, b_rps = r_rps_run.rps(), b_rps_run.rps()
     return {"router_rps": round(r_rps, 1), "baseline_rps": round(b_rps, 1),
             "rps_ratio": round(r_rps / b_rps, 3) if b_rps else 0.0,
             "router_ms_p50": round(r_lat.ms(0.5), 2), "router_ms_p99": round(r_lat.ms(0.99), 2),
             "baseline_ms_p50": round(b_lat.ms(0.5), 2),
             "baseline_ms_p99": round(b_lat.ms(0.99), 2),
             "added_ms_p50": round(r_lat.ms(0.5) - b_lat.ms(0.5), 2),
-            "added_ms_p99": round(r_lat.ms(0.99) - b_lat.ms(0.99), 2)}
+            "added_ms_p99": round(r_lat.ms(0.99) - b_lat.ms(0.99), 2),
+            "cpu_ms_per_request": {
+                "router": r_rps_run.cpu_ms("router"), "backend": r_rps_run.cpu_ms("backend"),
+                "client_of_router": r_rps_run.cpu_ms("client"),
+                "baseline": b_rps_run.cpu_ms("baseline"),
+                "client_of_baseline": b_rps_run.cpu_ms("client")}}
 
 
-def report(runs: dict[str, dict[str, Run]], options: Options,
-           router_cpu_s: float) -> dict[str, Any]:
+def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
     kinds = {kind: kind_report(runs["router"], runs["baseline"], kind) for kind in KINDS}
     worst = min(kinds.values(), key=lambda k: k["rps_ratio"])
     failed = sum(len(run.failures) for target in runs.values() for run in target.values())
     done = sum(len(run.latencies) for target in runs.values() for run in target.values())
-    measured = sum(len(r.latencies) for r in runs["router"].values())
     return {
         "router_rps": worst["router_rps"], "baseline_rps": worst["baseline_rps"],
         "rps_ratio": worst["rps_ratio"],
@@ -353,7 +376,6 @@ def report(runs: dict[str, dict[str, Run]], options: Options,
         "latency_concurrency": 1, "rps_concurrency": options.concurrency,
         "max_tokens": options.max_tokens, "requests": options.requests,
         "latency_requests": options.latency_requests, "completed": done, "failed": failed,
-        "router_cpu_ms_per_request": round(1e3 * router_cpu_s / measured, 3) if measured else 0,
         "kinds": kinds,
     }
 
@@ -369,8 +391,11 @@ def print_table(result: dict[str, Any]) -> None:
               f" {k['router_ms_p50']:10.2f} {k['baseline_ms_p50']:9.2f} {k['added_ms_p50']:9.2f}"
               f" {k['router_ms_p99']:10.2f} {k['baseline_ms_p99']:9.2f}"
               f" {k['added_ms_p99']:9.2f}")
-    print(f"router CPU per request: {result['router_cpu_ms_per_request']} ms; "
-          f"completed {result['completed']}, failed {result['failed']}")
+    print("CPU ms per request at the throughput concurrency (apart from the machine's load):")
+    for kind, k in result["kinds"].items():
+        print(f"  {kind:8} " + ", ".join(f"{name} {ms:.2f}"
+                                         for name, ms in k["cpu_ms_per_request"].items()))
+    print(f"completed {result['completed']}, failed {result['failed']}")
 
 
 def wait_healthy(port: int, deadline_s: float = 60.0) -> None:
@@ -386,19 +411,19 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
     ports = [free_port() for _ in range(6)]
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
-    with child("--serve-backend", str(topology)), child("--serve-baseline", str(ports[5])), \
+    with child("--serve-backend", str(topology)) as backend, \
+            child("--serve-baseline", str(ports[5])) as baseline, \
             launch(topology, ["router"], log_dir=log_dir) as children:
         wait_healthy(ports[1])
-        pid = children["router"].pid
-        before = cpu_seconds(pid)
-        runs = run_on(measure, {"router": ports[1], "baseline": ports[5]}, options,
-                      backend="uvloop")
-        return report(runs, options, cpu_seconds(pid) - before)
+        targets = {"router": (ports[1], {"router": children["router"].pid,
+                                         "backend": backend.pid}),
+                   "baseline": (ports[5], {"baseline": baseline.pid})}
+        return report(run_on(measure, targets, options, backend="uvloop"), options)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000,
+    parser.add_argument("--requests", type=int, default=1000,
                         help="requests per kind and target at --concurrency")
     parser.add_argument("--latency-requests", type=int, default=0,
                         help="requests per kind and target at concurrency 1 (default "
