@@ -48,3 +48,12 @@ def test_request_ids_are_unique_and_differ_between_routers() -> None:
     ids = [one.next() for _ in range(100)]
     assert len(set(ids)) == 100 and ids[0].startswith("req-") and ids[0].endswith("-1")
     assert two.next() != ids[0]
+
+
+@pytest.mark.trio
+async def test_release_cancels_a_running_request_and_leaves_an_ended_one_alone() -> None:
+    running, ended = placed_handle(), placed_handle()
+    ended.outbox.close(DONE)
+    running.release()
+    ended.release()
+    assert running.scope.cancel_called and not ended.scope.cancel_called

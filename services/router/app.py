@@ -177,7 +177,7 @@ class RouterApp:
         try:
             text, finished = await handle.collect()
         finally:
-            handle.cancel()
+            handle.release()
         response = _json_response(responder.whole(generation.echo_text + text, finished))
         response.headers.update(headers)
         return response

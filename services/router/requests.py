@@ -82,6 +82,12 @@ class RequestHandle:
     def cancel(self) -> None:
         self.scope.cancel()
 
+    def release(self) -> None:
+        """The client is done with the request: cancels it unless it has ended (cancelling a
+        cancel scope formats the calling task's repr, a cost every request paid at its end)."""
+        if not self.outbox.closed:
+            self.cancel()
+
     def __aiter__(self) -> RequestHandle:
         return self
 

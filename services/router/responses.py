@@ -113,4 +113,4 @@ async def stream_events(responder: Responder,
     except RouterError as exc:
         yield sse(exc.body())
     finally:
-        handle.cancel()
+        handle.release()
