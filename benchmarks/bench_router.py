@@ -98,7 +98,7 @@ port = {ports[4]}
 # --- the backend: cache directory and free workers ---------------------------------------
 
 
-async def serve_backend(topology_path: str) -> None:
+async def serve_backend(topology_path: str, tokens_per_message: int) -> None:
     from mesh.topology import load_topology
     from services.cachedir.service import run_cachedir
     from services.model.tokenizer import load_default
@@ -111,7 +111,8 @@ async def serve_backend(topology_path: str) -> None:
     topology = load_topology(topology_path, "")
     # The router refuses workers whose vocabulary its tokenizer cannot read back.
     cfg = ModeledConfig(vocab_size=load_default().vocab_size)
-    engine = ModeledEngine(CostModel.load("cpu"), 1.0, cfg=cfg, max_steps=1, flush=1)
+    engine = ModeledEngine(CostModel.load("cpu"), 1.0, cfg=cfg, max_steps=tokens_per_message,
+                           flush=tokens_per_message)
     async with anyio.create_task_group() as tg:
         await tg.start(run_cachedir, ServiceContext(topology, topology.service("cachedir")))
         for name in BACKEND_NAMES[1:]:
@@ -123,7 +124,7 @@ async def serve_backend(topology_path: str) -> None:
 # --- the baseline: a bare endpoint ------------------------------------------------------
 
 
-def baseline_app() -> Any:
+def baseline_app(tokens_per_message: int) -> Any:
     from quart import Quart, Response, request
 
     app = Quart(__name__)
@@ -136,8 +137,11 @@ def baseline_app() -> Any:
                                                 "finish_reason": finish}]}
 
     async def events(count: int) -> AsyncIterator[bytes]:
-        for _ in range(count):
-            yield b"data: " + encode(body("!", None)) + b"\n\n"
+        # The first token comes alone (the prefill's), the rest as the workers send them.
+        sizes = [1] + [tokens_per_message] * ((count - 1) // tokens_per_message)
+        sizes += [(count - 1) % tokens_per_message] if (count - 1) % tokens_per_message else []
+        for size in sizes:
+            yield b"data: " + encode(body("!" * size, None)) + b"\n\n"
         yield b"data: " + encode(body("", "length")) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -155,11 +159,12 @@ def baseline_app() -> Any:
     return app
 
 
-async def serve_baseline(port: int) -> None:
+async def serve_baseline(port: int, tokens_per_message: int) -> None:
     from mesh.http import serve_http
 
     async with anyio.create_task_group() as tg:
-        await tg.start(serve_http, baseline_app(), "127.0.0.1", port)
+        await tg.start(serve_http, baseline_app(tokens_per_message), "127.0.0.1",
+                       port)
         print("ready baseline", flush=True)
 
 
@@ -304,6 +309,7 @@ class Options(msgspec.Struct, frozen=True):
     concurrency: int
     max_tokens: int
     warmup: int
+    tokens_per_message: int = 1
 
 
 async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
@@ -374,7 +380,8 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
         "added_ms_p50": max(k["added_ms_p50"] for k in kinds.values()),
         "added_ms_p99": max(k["added_ms_p99"] for k in kinds.values()),
         "latency_concurrency": 1, "rps_concurrency": options.concurrency,
-        "max_tokens": options.max_tokens, "requests": options.requests,
+        "max_tokens": options.max_tokens, "tokens_per_message": options.tokens_per_message,
+        "requests": options.requests,
         "latency_requests": options.latency_requests, "completed": done, "failed": failed,
         "kinds": kinds,
     }
@@ -411,8 +418,9 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
     ports = [free_port() for _ in range(6)]
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
-    with child("--serve-backend", str(topology)) as backend, \
-            child("--serve-baseline", str(ports[5])) as baseline, \
+    per_message = ("--tokens-per-message", str(options.tokens_per_message))
+    with child("--serve-backend", str(topology), *per_message) as backend, \
+            child("--serve-baseline", str(ports[5]), *per_message) as baseline, \
             launch(topology, ["router"], log_dir=log_dir) as children:
         wait_healthy(ports[1])
         targets = {"router": (ports[1], {"router": children["router"].pid,
@@ -430,19 +438,24 @@ def main(argv: list[str] | None = None) -> int:
                              "--requests / 4)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--tokens-per-message", type=int, default=1,
+                        help="tokens a decode worker sends at once (1: each token as the real "
+                             "batch makes it; >= max-tokens: the whole answer at once)")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_backend:
-        run_on(serve_backend, args.serve_backend, backend="uvloop")
+        run_on(serve_backend, args.serve_backend, args.tokens_per_message, backend="uvloop")
         return 0
     if args.serve_baseline:
-        run_on(serve_baseline, args.serve_baseline, backend="uvloop")
+        run_on(serve_baseline, args.serve_baseline, args.tokens_per_message,
+               backend="uvloop")
         return 0
     options = Options(requests=args.requests,
                       latency_requests=args.latency_requests or max(1, args.requests // 4),
                       concurrency=args.concurrency, max_tokens=args.max_tokens,
-                      warmup=min(50, args.requests))
+                      warmup=min(50, args.requests),
+                      tokens_per_message=args.tokens_per_message)
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         result = bench(options, Path(log_dir))
     print_table(result)
