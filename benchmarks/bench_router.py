@@ -13,11 +13,14 @@ Four processes on 127.0.0.1, so that no one's cost is counted as another's:
 
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
-completions, router and baseline in turns in the same run. added_ms = router latency minus
-baseline latency at the same percentile. The headline keys are the worse of the two kinds
-(lowest rps ratio, largest added latency); `kinds` has each one.
+completions, router and baseline taking turns (`--rounds`) in the same run. added_ms = router
+latency minus baseline latency at the same percentile. Each process's CPU per request is shown
+beside: on a shared machine it says what each costs when rps and latency say mostly how busy
+the machine was. The headline keys are the worse of the two kinds (lowest rps ratio, largest
+added latency); `kinds` has each one.
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
+        [--tokens-per-message N] [--rounds N]
 
 The last line is one JSON object.
 """
@@ -259,6 +262,14 @@ class Run:
     failures: list[str] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
 
+    def add(self, other: Run) -> None:
+        """Another round of the same phase."""
+        self.latencies += other.latencies
+        self.wall_s += other.wall_s
+        self.failures += other.failures
+        for name, seconds in other.cpu_s.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
+
     def cpu_ms(self, process: str) -> float:
         """That process's CPU per completed request: cost apart from the machine's load."""
         done = len(self.latencies)
@@ -310,6 +321,7 @@ class Options(msgspec.Struct, frozen=True):
     max_tokens: int
     warmup: int
     tokens_per_message: int = 1
+    rounds: int = 4
 
 
 async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
@@ -323,23 +335,29 @@ async def measured_phase(port: int, stream: bool, requests: int, concurrency: in
     return run
 
 
+def split(total: int, rounds: int) -> list[int]:
+    """`total` requests over `rounds` rounds, as evenly as they go."""
+    return [total // rounds + (i < total % rounds) for i in range(rounds)]
+
+
 async def measure(targets: dict[str, tuple[int, dict[str, int]]],
                   options: Options) -> dict[str, dict[str, Run]]:
     """Per target (its port and the processes serving it) and kind: `lat` (concurrency 1)
-    and `rps` (the set concurrency) runs; the targets take turns at each step so that the
-    shared machine's drift hits both."""
-    runs: dict[str, dict[str, Run]] = {target: {} for target in targets}
+    and `rps` (the set concurrency) runs, each over `rounds` rounds in which the targets take
+    turns, so that the shared machine's drift hits both alike."""
+    runs: dict[str, dict[str, Run]] = {t: {} for t in targets}
     for kind in KINDS:
         stream = kind == "stream"
         for port, _ in targets.values():
             await phase(port, stream, options.warmup, min(4, options.concurrency),
                         options.max_tokens)
-        for target, (port, pids) in targets.items():
-            runs[target][f"{kind}/lat"] = await measured_phase(
-                port, stream, options.latency_requests, 1, options, pids)
-        for target, (port, pids) in targets.items():
-            runs[target][f"{kind}/rps"] = await measured_phase(
-                port, stream, options.requests, options.concurrency, options, pids)
+        for key, concurrency, total in (("lat", 1, options.latency_requests),
+                                        ("rps", options.concurrency, options.requests)):
+            for requests in split(total, options.rounds):
+                for target, (port, pids) in targets.items():
+                    run = await measured_phase(port, stream, requests, concurrency, options,
+                                               pids)
+                    runs[target].setdefault(f"{kind}/{key}", Run()).add(run)
     return runs
 
 
@@ -381,7 +399,7 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
         "added_ms_p99": max(k["added_ms_p99"] for k in kinds.values()),
         "latency_concurrency": 1, "rps_concurrency": options.concurrency,
         "max_tokens": options.max_tokens, "tokens_per_message": options.tokens_per_message,
-        "requests": options.requests,
+        "requests": options.requests, "rounds": options.rounds,
         "latency_requests": options.latency_requests, "completed": done, "failed": failed,
         "kinds": kinds,
     }
@@ -437,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per kind and target at concurrency 1 (default "
                              "--requests / 4)")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="router and baseline take turns this many times per phase")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--tokens-per-message", type=int, default=1,
                         help="tokens a decode worker sends at once (1: each token as the real "
@@ -455,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                       latency_requests=args.latency_requests or max(1, args.requests // 4),
                       concurrency=args.concurrency, max_tokens=args.max_tokens,
                       warmup=min(50, args.requests),
-                      tokens_per_message=args.tokens_per_message)
+                      tokens_per_message=args.tokens_per_message,
+                      rounds=max(1, min(args.rounds, args.requests)))
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         result = bench(options, Path(log_dir))
     print_table(result)
