@@ -174,7 +174,7 @@ async def serve_baseline(port: int, tokens_per_message: int) -> None:
 @contextmanager
 def child(*args: str) -> Iterator[subprocess.Popen[str]]:
     """This script in another role, once it has printed its ready line."""
-    env = dict(os.environ, MALLOC_TOP_PAD_="67108864", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, MALLOC_TOP_PAD_="67108864")
     process = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE,
                                text=True, env=env)
     try:
@@ -433,6 +433,9 @@ def wait_healthy(port: int, deadline_s: float = 60.0) -> None:
 
 
 def bench(options: Options, log_dir: Path) -> dict[str, Any]:
+    # Every child (the router too, through `launch`) runs this checkout's code.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     ports = [free_port() for _ in range(6)]
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
