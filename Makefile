@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-policies sim-paper train browser clean
+.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -60,7 +60,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks
 	$(PY) -m mypy mesh services netem ui
 
-bench: bench-wire bench-model bench-link bench-cachedir bench-sim
+bench: bench-wire bench-model bench-link bench-cachedir bench-sim bench-router
 
 bench-wire: $(STAMP)
 	$(PY) benchmarks/bench_wire.py
@@ -77,6 +77,11 @@ bench-cachedir: $(STAMP)
 # One virtual hour of the paper's PrfaaS-PD at 3 req/s, on the virtual clock.
 bench-sim: $(STAMP)
 	$(PY) benchmarks/bench_sim.py --check-determinism
+
+# The router's own cost: the real router against workers whose compute is free, beside a
+# bare endpoint (about 3 minutes on 2 cores).
+bench-router: $(STAMP)
+	$(PY) benchmarks/bench_router.py
 
 # The paper's Table 6, measured by the simulation (about 15 minutes on 2 cores).
 sim-paper: $(STAMP)

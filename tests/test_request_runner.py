@@ -74,3 +74,18 @@ async def test_a_stop_string_ends_generation_and_frees_the_decode_worker(
         assert mesh.workers["pd-decode-0"].aborted == [handle.placement.request_id]
 
 
+
+
+@pytest.mark.trio
+async def test_a_request_that_ends_at_its_workers_finish_reason_aborts_nothing(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The decode stream is read to its end: no Abort for a stream the worker has finished
+    # (it would cancel the worker's work after its last token, or arrive as a stray frame).
+    async with fake_mesh() as mesh:
+        handle = await mesh.scheduler.submit(generation(range(1, 30), max_tokens=5))
+        _, result = await handle.collect()
+        assert result.finish_reason == "length"
+        await anyio.sleep(1.0)
+        decode = mesh.workers["pd-decode-0"]
+        assert decode.finished == [handle.placement.request_id] and decode.aborted == []
+        assert decode.node.statistics().stray_frames == 0

@@ -64,3 +64,12 @@ async def test_tokens_without_text_wait_for_the_next_text() -> None:
     with pytest.raises(StopAsyncIteration):
         await request.next_delta()
     assert request.finish() == Delta("", 1) and request.result == DONE
+
+
+@pytest.mark.trio
+async def test_release_cancels_a_running_request_and_leaves_an_ended_one_alone() -> None:
+    running, ended = placed_handle(), placed_handle()
+    ended.outbox.close(DONE)
+    running.release()
+    ended.release()
+    assert running.scope.cancel_called and not ended.scope.cancel_called

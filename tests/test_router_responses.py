@@ -38,7 +38,8 @@ async def test_a_chat_stream_is_role_text_finish_usage_done() -> None:
                                    "finish_reason": "length"}
     assert final["prfaas"]["decode_worker"] == "d" and final["id"] == "chatcmpl-r"
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
-    assert request.scope.cancel_called  # the stream's end releases the request
+    # It had ended before its stream did: nothing is left to cancel.
+    assert not request.scope.cancel_called
 
 
 @pytest.mark.trio
@@ -62,3 +63,14 @@ async def test_whole_bodies_carry_usage_and_placement() -> None:
     chat = msgspec.json.decode(msgspec.json.encode(
         Responder("chat", placed_handle(), "m").whole("ok", DONE)))
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+
+
+@pytest.mark.trio
+async def test_a_client_leaving_mid_stream_cancels_its_running_request() -> None:
+    request = placed_handle()
+    request.outbox.put("hi")
+    body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2))
+    stream = stream_events(Responder("completion", request, "m"), body)
+    assert b'"text":"hi"' in await stream.__anext__()
+    await stream.aclose()  # what the HTTP server does when its client goes
+    assert request.scope.cancel_called

@@ -211,7 +211,7 @@ class RouterApp:
             outputs = [await handle.collect_delta() for handle in handles]
         finally:
             for handle in handles:
-                handle.cancel()
+                handle.release()
         response = _json_response(responder.whole([delta for delta, _ in outputs],
                                                   [finished for _, finished in outputs]))
         response.headers.update(headers)

@@ -76,6 +76,9 @@ class Outbox:
     error: RouterError | None = None
     closed: bool = False
     ready: anyio.Event = field(default_factory=anyio.Event)
+    # Set once, at close: a whole (non-streamed) response waits for this alone, not for
+    # every token's `ready`.
+    done: anyio.Event = field(default_factory=anyio.Event)
 
     def put(self, delta: Delta | str) -> None:
         if isinstance(delta, str):
@@ -98,6 +101,7 @@ class Outbox:
     def close(self, finished: Finished | None, error: RouterError | None = None) -> None:
         self.finished, self.error, self.closed = finished, error, True
         self.ready.set()
+        self.done.set()
 
 
 class RequestHandle:
@@ -115,6 +119,12 @@ class RequestHandle:
 
     def cancel(self) -> None:
         self.scope.cancel()
+
+    def release(self) -> None:
+        """The client is done with the request: cancels it unless it has ended (cancelling a
+        cancel scope formats the calling task's repr, a cost every request paid at its end)."""
+        if not self.outbox.closed:
+            self.cancel()
 
     def __aiter__(self) -> RequestHandle:
         return self
@@ -162,16 +172,12 @@ class RequestHandle:
         return tail
 
     async def collect_delta(self) -> tuple[Delta, Finished]:
-        """Everything produced, text, tokens and logprobs, and the result."""
-        parts = []
-        while True:
-            try:
-                parts.append(await self.next_delta())
-            except StopAsyncIteration:
-                break
-        parts.append(self.finish())
+        """Everything produced, text, tokens and logprobs, and the result (raises the
+        request's RouterError if it failed). Wakes once, when the request ends."""
+        await self.outbox.done.wait()
+        whole = self.finish()
         assert self.result is not None
-        return merged(parts), self.result
+        return whole, self.result
 
     async def collect(self) -> tuple[str, Finished]:
         """The whole text and the result (non-streaming responses)."""

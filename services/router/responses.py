@@ -14,6 +14,7 @@ in the stream, as an error event; a client that leaves cancels every choice's re
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Literal
 
 import anyio
@@ -185,8 +186,9 @@ async def stream_events(responder: Responder,
                 yield responder.chunk("", role=True, index=index)
             if generation.echo_text:
                 yield responder.chunk(generation.echo_text, index=index)
-        async for chunk in _choice_chunks(responder):
-            yield chunk
+        async with aclosing(_choice_chunks(responder)) as chunks:
+            async for chunk in chunks:
+                yield chunk
         if generation.include_usage:
             yield responder.usage_chunk([h.result for h in handles if h.result is not None])
         yield b"data: [DONE]\n\n"
@@ -194,4 +196,4 @@ async def stream_events(responder: Responder,
         yield sse(exc.body())
     finally:
         for handle in handles:
-            handle.cancel()
+            handle.release()

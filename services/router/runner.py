@@ -13,7 +13,7 @@ prefill call. Counting and events of the request's end are the scheduler's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -94,16 +94,22 @@ class RequestRunner:
         try:
             async with self.node.open_stream(p.decode_worker, decode,
                                              timeout=cfg.request_timeout_s) as chunks:
-                reason: str | None = None
                 async for chunk in chunks:
                     assert isinstance(chunk, TokenChunk)
-                    reason = reason or self._take(handle, chunk, assembler)
-                    # A stop the worker does not know of (a stop string) leaves the stream,
-                    # which aborts the worker's generation; after the worker's own last
-                    # chunk its End follows at once, read so that no Abort is sent.
+                    reason = self._take(handle, chunk, assembler)
                     if reason is not None and chunk.finish_reason is None:
+                        # Done before the worker (a stop string, max_tokens): leaving the
+                        # stream aborts the rest of the generation at the worker.
                         return reason
-                return reason
+                    if reason is not None:
+                        # The worker has finished: its End follows at once; reading it
+                        # spares it an Abort (bench-router: 3% of the router's CPU).
+                        extra = await _after_end(chunks)
+                        if extra is not None:
+                            handle.error = handle.error or UpstreamFailed(
+                                f"decode on {p.decode_worker} sent {extra} after the finish "
+                                "reason")
+                        return reason
         except MeshError as exc:
             handle.error = handle.error or UpstreamFailed(
                 f"decode on {p.decode_worker} failed: {exc}")
@@ -145,3 +151,11 @@ class RequestRunner:
     def phase(self, request_id: str, phase: Phase, worker: str, detail: str = "") -> None:
         self.events.publish(RequestPhase(ts=self.clock(), source="router", request_id=request_id,
                                          phase=phase, worker=worker, detail=detail))
+
+
+async def _after_end(chunks: AsyncIterator[object]) -> str | None:
+    """Reads a finished stream's End; the type of anything else after the last token (it
+    breaks the protocol), None when the End came."""
+    async for extra in chunks:
+        return type(extra).__name__
+    return None

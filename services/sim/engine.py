@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
-from services.contract.messages import KVChunk, KVOpen
+from services.contract.messages import KVChunk, KVOpen, ModelInfo
 from services.model.batch import DecodeBatchStatistics, StepResult, TokenEvent
 from services.model.cache import CacheStatistics, StateSnapshot
 from services.model.config import ModelError
@@ -202,18 +203,26 @@ class ModeledBatch:
 
 
 class ModeledEngine:
-    """The simulation's engine (module docstring): `decode_cost` times the decode steps."""
+    """The simulation's engine (module docstring): `decode_cost` times the decode steps.
+
+    An unpaced decode profile (`cpu`) makes compute free: every step takes no time, so the
+    workers above answer as fast as their own code allows (benchmarks/bench_router.py
+    measures the router against such workers). `flush` is the batch's (`ModeledBatch`;
+    None: each request's tokens at its end); with `max_steps=1, flush=1` each token is its
+    own event, as the real batch makes them."""
 
     def __init__(self, decode_cost: CostModel, tokens_per_served: float, *,
-                 cfg: ModeledConfig | None = None, max_steps: int = 64) -> None:
-        if not tokens_per_served > 0 or max_steps < 1:
-            raise ModelError(f"tokens_per_served must be > 0 and max_steps >= 1, got "
-                             f"{tokens_per_served} and {max_steps}")
+                 cfg: ModeledConfig | None = None, max_steps: int = 64,
+                 flush: int | None = None) -> None:
+        if not tokens_per_served > 0 or max_steps < 1 or (flush is not None and flush < 1):
+            raise ModelError(f"tokens_per_served must be > 0, max_steps and flush >= 1, got "
+                             f"{tokens_per_served}, {max_steps} and {flush}")
         self._cfg = cfg or ModeledConfig()
         self._cost = decode_cost
         self._per_served = tokens_per_served
         self.sizes = KVSizes.of(decode_cost, tokens_per_served)
         self.max_steps = max_steps
+        self.flush = flush
 
     @property
     def cfg(self) -> ModeledConfig:
@@ -257,16 +266,27 @@ class ModeledEngine:
         return MODELED_TOKEN
 
     def new_batch(self, slots: int) -> ModeledBatch:
-        return ModeledBatch(slots)
+        return ModeledBatch(slots, self.flush)
+
+    def info(self, source: str = "modeled") -> ModelInfo:
+        """What the workers report of their model (the router checks block and vocab size)."""
+        cfg = self._cfg
+        return ModelInfo(family=cfg.family, size=cfg.size, config_hash=cfg.config_hash(),
+                         dtype=self.dtype_name, vocab_size=cfg.vocab_size,
+                         block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
 
     async def step(self, batch: ModeledBatch, interrupt: anyio.Event) -> StepResult:
         """Up to `max_steps` steps at this batch's step time; a join (`interrupt`) cuts the
         run at the step in progress, so the newcomer joins at the next step boundary."""
         step_s = self._cost.decode_step_time(len(batch), round(batch.context() *
                                                                self._per_served))
+        steps = min(self.max_steps, batch.steps_to_next_finish())
+        if not self._cost.profile.paced:
+            # Free compute (class docstring): the steps are done at once.
+            await anyio.lowlevel.checkpoint()
+            return batch.advance(steps)
         if not step_s > 0:
             raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
-        steps = min(self.max_steps, batch.steps_to_next_finish())
         start = anyio.current_time()
         with anyio.move_on_after(steps * step_s):
             await interrupt.wait()

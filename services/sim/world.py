@@ -29,7 +29,7 @@ from netem.memory import MemoryLink, MemoryRoute
 from netem.params import LinkParams
 from netem.shaper import LinkShaper
 from services.cachedir.service import CacheDirService, run_cachedir
-from services.contract.messages import CODEC_MESSAGES, ModelInfo
+from services.contract.messages import CODEC_MESSAGES
 from services.link.frames import payload_weight
 from services.paper.hardware import CostModel
 from services.router.control import ControlConfig, RouterControl
@@ -173,13 +173,6 @@ def _engine(d: Deployment) -> ModeledEngine:
                          cfg=ModeledConfig())
 
 
-def _info(engine: ModeledEngine) -> ModelInfo:
-    cfg = engine.cfg
-    return ModelInfo(family=cfg.family, size=cfg.size, config_hash=cfg.config_hash(),
-                     dtype=engine.dtype_name, vocab_size=cfg.vocab_size,
-                     block_size=cfg.block_size, eos_id=cfg.eos_id, source="modeled")
-
-
 async def _start_links(world: SimWorld, hub: MemoryHub, tg: anyio.abc.TaskGroup) -> None:
     weight = payload_weight(Codec(CODEC_MESSAGES))
     for spec in world.topology.links:
@@ -194,7 +187,7 @@ async def _start_links(world: SimWorld, hub: MemoryHub, tg: anyio.abc.TaskGroup)
 async def _start_workers(world: SimWorld, transport: MemoryTransport,
                          tg: anyio.abc.TaskGroup) -> None:
     engine = _engine(world.deployment)
-    info = _info(engine)
+    info = engine.info()
     for spec in world.topology.services:
         if spec.kind in ("prefill", "decode"):
             ctx = _context(world.topology, spec.name, transport)

@@ -1,0 +1,491 @@
+"""Router benchmark: what the router itself costs, against workers that answer at once.
+
+Four processes on 127.0.0.1, so that no one's cost is counted as another's:
+- the backend: the cache directory and a PD prefill and a PD decode worker, the live services
+  (`run_cachedir`, `WorkerService` with its `PrefillWorker` and `DecodeWorker`) over TCP, on
+  the simulation's `ModeledEngine` under the unpaced `cpu` profile: compute costs nothing, and
+  each token is its own message, as the real batch sends them;
+- the router: `prfaas serve router` (Quart on hypercorn, `mesh/http.py`), its real tokenizer,
+  scheduler, cache-directory lookup and mesh hops;
+- the baseline: a bare Quart endpoint served the same way, answering an OpenAI-shaped
+  completion (streamed: one event per token) at once without looking at the prompt;
+- this process: the client, raw HTTP/1.1 (h11) on keep-alive connections, on uvloop.
+
+Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
+`--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
+completions, router and baseline taking turns (`--rounds`) in the same run. added_ms = router
+latency minus baseline latency at the same percentile. Each process's CPU per request is shown
+beside: on a shared machine it says what each costs when rps and latency say mostly how busy
+the machine was. The headline keys are the worse of the two kinds (lowest rps ratio, largest
+added latency); `kinds` has each one.
+
+    .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
+        [--tokens-per-message N] [--rounds N]
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h11
+import httpx
+import msgspec
+
+from mesh.run import run as run_on
+from services.cli.launch import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPT = ("ROMEO: But, soft! what light through yonder window breaks? It is the east, and "
+          "Juliet is the sun. Arise, fair sun, and kill the envious moon. ") * 3
+MAX_TOKENS = 16
+KINDS = ("plain", "stream")
+BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def topology_text(ports: list[int]) -> str:
+    # Decode: 1 step at a time, a token event per step (ModeledEngine's max_steps / flush).
+    worker = ('options = { cache_mib = 1048576.0, connections = 1, slots = 32, '
+              'max_streams = 256, prefill_slots = 256 }')
+    return f"""
+[[clusters]]
+name = "pd"
+kind = "pd"
+{worker}
+[[services]]
+name = "router"
+kind = "router"
+port = {ports[0]}
+options = {{ http_port = {ports[1]}, max_inflight = 256 }}
+[[services]]
+name = "cachedir"
+kind = "cachedir"
+port = {ports[2]}
+[[services]]
+name = "pd-prefill-0"
+kind = "prefill"
+cluster = "pd"
+port = {ports[3]}
+[[services]]
+name = "pd-decode-0"
+kind = "decode"
+cluster = "pd"
+port = {ports[4]}
+"""
+
+
+# --- the backend: cache directory and free workers ---------------------------------------
+
+
+async def serve_backend(topology_path: str, tokens_per_message: int) -> None:
+    from mesh.topology import load_topology
+    from services.cachedir.service import run_cachedir
+    from services.model.tokenizer import load_default
+    from services.paper.hardware import CostModel
+    from services.service import ServiceContext
+    from services.sim.engine import ModeledConfig, ModeledEngine
+    from services.worker.compute import InlineRunner
+    from services.worker.service import WorkerService
+
+    topology = load_topology(topology_path, "")
+    # The router refuses workers whose vocabulary its tokenizer cannot read back.
+    cfg = ModeledConfig(vocab_size=load_default().vocab_size)
+    engine = ModeledEngine(CostModel.load("cpu"), 1.0, cfg=cfg, max_steps=tokens_per_message,
+                           flush=tokens_per_message)
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_cachedir, ServiceContext(topology, topology.service("cachedir")))
+        for name in BACKEND_NAMES[1:]:
+            ctx = ServiceContext(topology, topology.service(name))
+            await tg.start(WorkerService(ctx, engine, engine.info(), InlineRunner()).run)
+        print("ready backend", flush=True)
+
+
+# --- the baseline: a bare endpoint ------------------------------------------------------
+
+
+def baseline_app(tokens_per_message: int) -> Any:
+    from quart import Quart, Response, request
+
+    app = Quart(__name__)
+    app.config["RESPONSE_TIMEOUT"] = None
+    encode = msgspec.json.Encoder().encode
+
+    def body(text: str, finish: str | None) -> dict[str, Any]:
+        return {"id": "cmpl-baseline", "object": "text_completion", "created": 0,
+                "model": "prfaas", "choices": [{"index": 0, "text": text,
+                                                "finish_reason": finish}]}
+
+    async def events(count: int) -> AsyncIterator[bytes]:
+        # The first token comes alone (the prefill's), the rest as the workers send them.
+        sizes = [1] + [tokens_per_message] * ((count - 1) // tokens_per_message)
+        sizes += [(count - 1) % tokens_per_message] if (count - 1) % tokens_per_message else []
+        for size in sizes:
+            yield b"data: " + encode(body("!" * size, None)) + b"\n\n"
+        yield b"data: " + encode(body("", "length")) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        asked = msgspec.json.decode(await request.get_data(True, False, False))
+        count = int(asked.get("max_tokens", 16))
+        if asked.get("stream"):
+            return Response(events(count), mimetype="text/event-stream")
+        whole = {**body("!" * count, "length"),
+                 "usage": {"prompt_tokens": 0, "completion_tokens": count,
+                           "total_tokens": count}}
+        return Response(encode(whole), mimetype="application/json")
+
+    return app
+
+
+async def serve_baseline(port: int, tokens_per_message: int) -> None:
+    from mesh.http import serve_http
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve_http, baseline_app(tokens_per_message), "127.0.0.1",
+                       port)
+        print("ready baseline", flush=True)
+
+
+@contextmanager
+def child(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """This script in another role, once it has printed its ready line."""
+    env = dict(os.environ, MALLOC_TOP_PAD_="67108864")
+    process = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.startswith("ready"):
+            raise RuntimeError(f"{args[0]} did not start (exit code {process.wait()})")
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+# --- the client ---------------------------------------------------------------------------
+
+
+class Failed(Exception):
+    """A request that did not complete as asked."""
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; `post` answers the body (any framing)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
+
+    async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        headers = [("host", "127.0.0.1"), ("content-type", "application/json"),
+                   ("content-length", str(len(payload)))]
+        self.writer.write(self.h11.send(h11.Request(method="POST", target=path,
+                                                    headers=headers)) or b"")
+        self.writer.write(self.h11.send(h11.Data(data=payload)) or b"")
+        self.writer.write(self.h11.send(h11.EndOfMessage()) or b"")
+        status, parts = 0, []
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                self.h11.receive_data(await self.reader.read(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                self.h11.start_next_cycle()
+                return status, b"".join(parts)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise Failed("the server closed the connection")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def request_body(stream: bool, max_tokens: int) -> bytes:
+    return msgspec.json.encode({"model": "prfaas", "prompt": PROMPT, "max_tokens": max_tokens,
+                                "ignore_eos": True, "stream": stream})
+
+
+def check(status: int, body: bytes, stream: bool) -> None:
+    if status != 200:
+        raise Failed(f"status {status}: {body[:200]!r}")
+    if stream:
+        if not body.endswith(b"data: [DONE]\n\n") or b'"error"' in body:
+            raise Failed(f"stream did not end well: {body[-200:]!r}")
+        return
+    choices = msgspec.json.decode(body)["choices"]
+    if choices[0]["finish_reason"] != "length" or not choices[0]["text"]:
+        raise Failed(f"unexpected completion {body[:200]!r}")
+
+
+@dataclass
+class Run:
+    """One phase: each request's latency (seconds), the phase's wall time, failures."""
+
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
+
+    def add(self, other: Run) -> None:
+        """Another round of the same phase."""
+        self.latencies += other.latencies
+        self.wall_s += other.wall_s
+        self.failures += other.failures
+        for name, seconds in other.cpu_s.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
+
+    def cpu_ms(self, process: str) -> float:
+        """That process's CPU per completed request: cost apart from the machine's load."""
+        done = len(self.latencies)
+        return round(1e3 * self.cpu_s.get(process, 0.0) / done, 3) if done else 0.0
+
+    def rps(self) -> float:
+        return len(self.latencies) / self.wall_s if self.wall_s else 0.0
+
+    def ms(self, q: float) -> float:
+        if len(self.latencies) < 2:
+            return 1e3 * (self.latencies[0] if self.latencies else float("nan"))
+        return 1e3 * statistics.quantiles(self.latencies, n=100, method="inclusive")[
+            round(q * 100) - 1]
+
+
+async def phase(port: int, stream: bool, requests: int, concurrency: int,
+                max_tokens: int) -> Run:
+    """`requests` completions over `concurrency` connections, each sending its next at once."""
+    payload, result, left = request_body(stream, max_tokens), Run(), [requests]
+
+    async def one_connection() -> None:
+        conn = await Connection.open(port)
+        try:
+            while left[0] > 0:
+                left[0] -= 1
+                start = time.perf_counter()
+                try:
+                    status, body = await conn.post("/v1/completions", payload)
+                    check(status, body, stream)
+                except (Failed, OSError, h11.ProtocolError) as exc:
+                    result.failures.append(str(exc))
+                    conn.close()
+                    conn = await Connection.open(port)
+                    continue
+                result.latencies.append(time.perf_counter() - start)
+        finally:
+            conn.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one_connection() for _ in range(concurrency)))
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+class Options(msgspec.Struct, frozen=True):
+    requests: int
+    latency_requests: int
+    concurrency: int
+    max_tokens: int
+    warmup: int
+    tokens_per_message: int = 1
+    rounds: int = 4
+
+
+async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
+                         options: Options, pids: dict[str, int]) -> Run:
+    """A phase, and the CPU each process (`client`: this one) spent during it."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    client = time.process_time()
+    run = await phase(port, stream, requests, concurrency, options.max_tokens)
+    run.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    run.cpu_s["client"] = time.process_time() - client
+    return run
+
+
+def split(total: int, rounds: int) -> list[int]:
+    """`total` requests over `rounds` rounds, as evenly as they go."""
+    return [total // rounds + (i < total % rounds) for i in range(rounds)]
+
+
+async def measure(targets: dict[str, tuple[int, dict[str, int]]],
+                  options: Options) -> dict[str, dict[str, Run]]:
+    """Per target (its port and the processes serving it) and kind: `lat` (concurrency 1)
+    and `rps` (the set concurrency) runs, each over `rounds` rounds in which the targets take
+    turns, so that the shared machine's drift hits both alike."""
+    runs: dict[str, dict[str, Run]] = {t: {} for t in targets}
+    for kind in KINDS:
+        stream = kind == "stream"
+        for port, _ in targets.values():
+            await phase(port, stream, options.warmup, min(4, options.concurrency),
+                        options.max_tokens)
+        for key, concurrency, total in (("lat", 1, options.latency_requests),
+                                        ("rps", options.concurrency, options.requests)):
+            for requests in split(total, options.rounds):
+                for target, (port, pids) in targets.items():
+                    run = await measured_phase(port, stream, requests, concurrency, options,
+                                               pids)
+                    runs[target].setdefault(f"{kind}/{key}", Run()).add(run)
+    return runs
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict[str, Any]:
+    r_lat, b_lat = router[f"{kind}/lat"], base[f"{kind}/lat"]
+    r_rps_run, b_rps_run = router[f"{kind}/rps"], base[f"{kind}/rps"]
+    r_rps, b_rps = r_rps_run.rps(), b_rps_run.rps()
+    return {"router_rps": round(r_rps, 1), "baseline_rps": round(b_rps, 1),
+            "rps_ratio": round(r_rps / b_rps, 3) if b_rps else 0.0,
+            "router_ms_p50": round(r_lat.ms(0.5), 2), "router_ms_p99": round(r_lat.ms(0.99), 2),
+            "baseline_ms_p50": round(b_lat.ms(0.5), 2),
+            "baseline_ms_p99": round(b_lat.ms(0.99), 2),
+            "added_ms_p50": round(r_lat.ms(0.5) - b_lat.ms(0.5), 2),
+            "added_ms_p99": round(r_lat.ms(0.99) - b_lat.ms(0.99), 2),
+            "cpu_ms_per_request": {
+                "router": r_rps_run.cpu_ms("router"), "backend": r_rps_run.cpu_ms("backend"),
+                "client_of_router": r_rps_run.cpu_ms("client"),
+                "baseline": b_rps_run.cpu_ms("baseline"),
+                "client_of_baseline": b_rps_run.cpu_ms("client")}}
+
+
+def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
+    kinds = {kind: kind_report(runs["router"], runs["baseline"], kind) for kind in KINDS}
+    worst = min(kinds.values(), key=lambda k: k["rps_ratio"])
+    failed = sum(len(run.failures) for target in runs.values() for run in target.values())
+    done = sum(len(run.latencies) for target in runs.values() for run in target.values())
+    return {
+        "router_rps": worst["router_rps"], "baseline_rps": worst["baseline_rps"],
+        "rps_ratio": worst["rps_ratio"],
+        "added_ms_p50": max(k["added_ms_p50"] for k in kinds.values()),
+        "added_ms_p99": max(k["added_ms_p99"] for k in kinds.values()),
+        "latency_concurrency": 1, "rps_concurrency": options.concurrency,
+        "max_tokens": options.max_tokens, "tokens_per_message": options.tokens_per_message,
+        "requests": options.requests, "rounds": options.rounds,
+        "latency_requests": options.latency_requests, "completed": done, "failed": failed,
+        "kinds": kinds,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"router vs bare endpoint: latency at concurrency 1, throughput at concurrency "
+          f"{result['rps_concurrency']}, {result['max_tokens']} tokens per completion")
+    print(f"{'kind':8} {'router rps':>10} {'base rps':>9} {'ratio':>6} {'router p50':>10} "
+          f"{'base p50':>9} {'added p50':>9} {'router p99':>10} {'base p99':>9} "
+          f"{'added p99':>9}")
+    for kind, k in result["kinds"].items():
+        print(f"{kind:8} {k['router_rps']:10.1f} {k['baseline_rps']:9.1f} {k['rps_ratio']:6.3f}"
+              f" {k['router_ms_p50']:10.2f} {k['baseline_ms_p50']:9.2f} {k['added_ms_p50']:9.2f}"
+              f" {k['router_ms_p99']:10.2f} {k['baseline_ms_p99']:9.2f}"
+              f" {k['added_ms_p99']:9.2f}")
+    print("CPU ms per request at the throughput concurrency (apart from the machine's load):")
+    for kind, k in result["kinds"].items():
+        print(f"  {kind:8} " + ", ".join(f"{name} {ms:.2f}"
+                                         for name, ms in k["cpu_ms_per_request"].items()))
+    print(f"completed {result['completed']}, failed {result['failed']}")
+
+
+def wait_healthy(port: int, deadline_s: float = 60.0) -> None:
+    """The router answers 200 once it has polled a prefill and a decode worker."""
+    deadline = time.monotonic() + deadline_s
+    while httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router did not get ready")
+        time.sleep(0.2)
+
+
+def bench(options: Options, log_dir: Path) -> dict[str, Any]:
+    # Every child (the router too, through `launch`) runs this checkout's code.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    ports = [free_port() for _ in range(6)]
+    topology = log_dir / "topology.toml"
+    topology.write_text(topology_text(ports))
+    per_message = ("--tokens-per-message", str(options.tokens_per_message))
+    with child("--serve-backend", str(topology), *per_message) as backend, \
+            child("--serve-baseline", str(ports[5]), *per_message) as baseline, \
+            launch(topology, ["router"], log_dir=log_dir) as children:
+        wait_healthy(ports[1])
+        targets = {"router": (ports[1], {"router": children["router"].pid,
+                                         "backend": backend.pid}),
+                   "baseline": (ports[5], {"baseline": baseline.pid})}
+        return report(run_on(measure, targets, options, backend="uvloop"), options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="requests per kind and target at --concurrency")
+    parser.add_argument("--latency-requests", type=int, default=0,
+                        help="requests per kind and target at concurrency 1 (default "
+                             "--requests / 4)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="router and baseline take turns this many times per phase")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--tokens-per-message", type=int, default=1,
+                        help="tokens a decode worker sends at once (1: each token as the real "
+                             "batch makes it; >= max-tokens: the whole answer at once)")
+    parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_backend:
+        run_on(serve_backend, args.serve_backend, args.tokens_per_message, backend="uvloop")
+        return 0
+    if args.serve_baseline:
+        run_on(serve_baseline, args.serve_baseline, args.tokens_per_message,
+               backend="uvloop")
+        return 0
+    options = Options(requests=args.requests,
+                      latency_requests=args.latency_requests or max(1, args.requests // 4),
+                      concurrency=args.concurrency, max_tokens=args.max_tokens,
+                      warmup=min(50, args.requests),
+                      tokens_per_message=args.tokens_per_message,
+                      rounds=max(1, min(args.rounds, args.requests)))
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
+        result = bench(options, Path(log_dir))
+    print_table(result)
+    print(json.dumps(result))
+    return 0 if result["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

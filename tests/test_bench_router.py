@@ -1,0 +1,29 @@
+"""`make bench-router` in its quick form: every request succeeds and the JSON line is whole.
+
+Its speed is the benchmark's business (benchmarks/bench_router.py), not this test's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"router_rps", "baseline_rps", "rps_ratio", "added_ms_p50", "added_ms_p99"}
+
+
+def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.keys() >= KEYS and set(result["kinds"]) == {"plain", "stream"}
+    # 20 at concurrency 16 and 5 at concurrency 1, per kind and target.
+    assert (result["failed"], result["completed"]) == (0, 2 * 2 * (20 + 5))
+    assert result["router_rps"] > 0 and result["baseline_rps"] > 0
