@@ -170,17 +170,17 @@ def test_a_prefill_worker_killed_mid_prefill_fails_its_request_explicitly(mesh: 
         # The router re-admits a worker it saw down a moment after it answers again.
         wait_for_workers_up(client, mesh, 3)
         # Emulated H200 pacing slowed 2000x: the prefill takes seconds; it dies after 1 s.
-        started = time.monotonic()
         body = {"model": "prfaas", "prompt": LONG_PROMPT, "max_tokens": 8}
         killer = threading.Timer(
             1.0, lambda: slow["prfaas-prefill-0"].send_signal(signal.SIGKILL))
         killer.start()
         failed = client.post(f"{mesh.url}/v1/completions", json=body)
         killer.join()
-        elapsed = time.monotonic() - started
     assert failed.status_code >= 500 and "error" in failed.json(), failed.text
     assert "prfaas-prefill-0" in failed.text or "prefill" in failed.text, failed.text
-    assert elapsed < 30
+    # Failed because the worker went away, not after waiting out a deadline (a bound in
+    # seconds said the same, and flaked on a loaded host).
+    assert not any(word in failed.text.lower() for word in ("deadline", "timed out", "timeout"))
     with launch(mesh.path, WORKERS, log_dir=mesh.root):
         after = succeeds_again(mesh, LONG_PROMPT)
     assert after.status_code == 200, after.text
