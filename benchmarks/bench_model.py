@@ -60,21 +60,16 @@ sys.path.insert(0, str(ROOT))
 from services.model.batch import DecodeBatch  # noqa: E402
 from services.model.config import FAMILIES, ModelConfig, family_config, kv_bytes  # noqa: E402
 from services.model.generate import prefill  # noqa: E402
+from services.model.held_out import held_out_nats_per_char, held_out_slice  # noqa: E402
 from services.model.model import HybridLM, build_model  # noqa: E402
 from services.model.precision import resolve_dtype  # noqa: E402
 from services.model.sampling import SamplingParams  # noqa: E402
 from services.model.tokenizer import default_corpus_path, load_default  # noqa: E402
-from services.model.train import (  # noqa: E402
-    DEFAULT_CHECKPOINT,
-    held_out_nats_per_char,
-    load_checkpoint,
-    read_meta,
-)
+from services.model.train import DEFAULT_CHECKPOINT, load_checkpoint, read_meta  # noqa: E402
 
 SKV_LENGTHS = {"1k": 1024, "8k": 8192, "32k": 32768}
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 512
-VAL_CHARS = 100_000
 Sampler = Callable[[], tuple[float, float]]  # (matmul GFLOP/s in the model dtype, in bf16)
 
 
@@ -237,12 +232,13 @@ def print_skv(table: dict[str, dict[str, int]], dtype: str) -> None:
 
 
 def shipped_val_nats_per_char(dtypes: list[str]) -> dict[str, float | None]:
-    """The checkpoint's loss per character, measured on the last VAL_CHARS characters of the
-    corpus in each dtype; "stored" is what its metadata says (None without the files)."""
+    """The checkpoint's loss per character, measured on the last 100,000 characters of the
+    corpus (services/model/held_out.py) in each dtype; "stored" is what its metadata says
+    (None without the files)."""
     corpus = default_corpus_path()
     if not DEFAULT_CHECKPOINT.is_file() or not corpus.is_file():
         return {"stored": None, **{d: None for d in dtypes}}
-    text = corpus.read_text(encoding="utf-8")[-VAL_CHARS:]
+    text = held_out_slice(corpus.read_text(encoding="utf-8"))
     out: dict[str, float | None] = {"stored": read_meta(DEFAULT_CHECKPOINT).val_nats_per_char}
     for dtype in dtypes:
         model = load_checkpoint(dtype=dtype)[0]
@@ -345,6 +341,11 @@ def main() -> int:
     if args.profile:
         profile_kimi(build_model(family_config("kimi-linear"), dtype=dtype), 4096)
     val = shipped_val_nats_per_char(sorted({dtype, "float32"}))
+    measured, stored = val["float32"], val["stored"]
+    drift = round(measured / stored - 1, 4) if measured and stored else None
+    print(f"\nheld-out loss, last 100,000 corpus characters (measured): {val[dtype]} nats/char "
+          f"in {dtype}, {measured} in float32; recorded at training: {stored} ({drift:+.2%})"
+          if drift is not None else "\nheld-out loss: no shipped checkpoint or corpus")
     print(json.dumps({
         "bench": "model",
         "dtype": dtype,
@@ -352,7 +353,8 @@ def main() -> int:
         "skv_bytes": table,
         "val_nats_per_char": val[dtype],
         "val_nats_per_char_float32": val["float32"],
-        "val_nats_per_char_stored": val["stored"],
+        "val_nats_per_char_stored": stored,
+        "val_nats_per_char_float32_rel_to_stored": drift,
     }))
     return 0
 

@@ -204,14 +204,13 @@ async def test_a_prefill_killed_mid_stream_fails_only_its_request(
                     tg.start_soon(doomed)
                     await wait_for_first_piece(node)
                     slow["prfaas-prefill-slow"].send_signal(signal.SIGKILL)
-                    killed_at = trio.current_time()
-                failed_after = trio.current_time() - killed_at
                 after = await drive_request(node, prompt, prefill_worker="prfaas-prefill-0",
                                             decode_worker="pd-decode-0", request_id="after",
                                             sampling=SAMPLING)
     assert len(outcome) == 1 and isinstance(outcome[0], RemoteError)
+    # Cut off when the worker died, not after waiting out kv_timeout (a bound in seconds on
+    # the wall clock said the same, and a loaded host bends it).
     assert outcome[0].error == "KVTransferError" and "cut off" in outcome[0].detail
-    assert failed_after < 10.0
     assert after.tokens == reference("kimi-linear", prompt)
 
 

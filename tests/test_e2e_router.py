@@ -5,7 +5,10 @@ directory, link, a PrfaaS prefill worker, a PD prefill and a PD decode worker, r
 default-size models (the router's BPE tokenizer cannot decode the tiny models' vocabulary).
 A decode worker killed mid-stream and a prefill worker killed mid-prefill fail the requests
 in flight with explicit errors, and requests after the worker is back succeed; a full router
-answers 429. tests/router_fakes.py keeps the fast in-process versions of these paths.
+answers 429; under `prfaas-dynamic` (short dwell and calm periods from the topology's router
+options), cutting the real link's rate raises t to the model's t for the cut link, taking the
+link down holds t still, and restoring it brings t back. tests/router_fakes.py keeps the fast
+in-process versions of these paths.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from services.cli.launch import launch
+from services.paper.planner import ClusterShape, solve_threshold
+from services.router.policies.prfaas_dynamic import DynamicConfig
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
@@ -31,8 +36,13 @@ WORKER = ('options = { family = "kimi-linear", size = "default", checkpoint = "n
 LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
 SHORT_PROMPT = "short"
 WORKERS = ["prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
-
-
+SCALE = 0.005
+LINK_BPS = 400e6
+# prfaas-dynamic's loops on a short clock, so that t moves within seconds of a link change.
+# A topology's options are flat: the router reads "policy.option" keys as that policy's.
+DYNAMIC = ", ".join(f'"prfaas-dynamic.{key}" = {value:g}' for key, value in (
+    ("dwell_s", 0.5), ("calm_s", 0.5), ("smoothing_s", 0.0), ("link_nominal_bps", LINK_BPS)))
+ROUTER = f"scale = {SCALE}, max_inflight = 1, tick_s = 0.25, {DYNAMIC}"
 
 
 def topology_text(ports: list[int]) -> str:
@@ -50,7 +60,7 @@ kind = "pd"
 name = "router"
 kind = "router"
 port = {ports[0]}
-options = {{ http_port = {ports[1]}, scale = 0.005, max_inflight = 1, tick_s = 0.25 }}
+options = {{ http_port = {ports[1]}, {ROUTER} }}
 [[services]]
 name = "cachedir"
 kind = "cachedir"
@@ -79,14 +89,15 @@ port = {ports[8]}
 name = "link-0"
 a = "prfaas"
 b = "pd"
-bandwidth_bps = 400e6
+bandwidth_bps = {LINK_BPS:g}
 """
 
 
 class Mesh:
-    def __init__(self, path: Path, root: Path, http_port: int) -> None:
+    def __init__(self, path: Path, root: Path, http_port: int, control_port: int) -> None:
         self.path, self.root = path, root
         self.url = f"http://127.0.0.1:{http_port}"
+        self.link_url = f"http://127.0.0.1:{control_port}/link"
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +107,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     path = root / "topology.toml"
     path.write_text(topology_text(ports))
     with launch(path, ["cachedir", "link-0", "router"], log_dir=root):
-        yield Mesh(path, root, ports[1])
+        yield Mesh(path, root, ports[1], ports[4])
 
 
 def completion(mesh: Mesh, prompt: str, max_tokens: int, timeout: float = 60) -> httpx.Response:
@@ -159,17 +170,17 @@ def test_a_prefill_worker_killed_mid_prefill_fails_its_request_explicitly(mesh: 
         # The router re-admits a worker it saw down a moment after it answers again.
         wait_for_workers_up(client, mesh, 3)
         # Emulated H200 pacing slowed 2000x: the prefill takes seconds; it dies after 1 s.
-        started = time.monotonic()
         body = {"model": "prfaas", "prompt": LONG_PROMPT, "max_tokens": 8}
         killer = threading.Timer(
             1.0, lambda: slow["prfaas-prefill-0"].send_signal(signal.SIGKILL))
         killer.start()
         failed = client.post(f"{mesh.url}/v1/completions", json=body)
         killer.join()
-        elapsed = time.monotonic() - started
     assert failed.status_code >= 500 and "error" in failed.json(), failed.text
     assert "prfaas-prefill-0" in failed.text or "prefill" in failed.text, failed.text
-    assert elapsed < 30
+    # Failed because the worker went away, not after waiting out a deadline (a bound in
+    # seconds said the same, and flaked on a loaded host).
+    assert not any(word in failed.text.lower() for word in ("deadline", "timed out", "timeout"))
     with launch(mesh.path, WORKERS, log_dir=mesh.root):
         after = succeeds_again(mesh, LONG_PROMPT)
     assert after.status_code == 200, after.text
@@ -195,3 +206,85 @@ def wait_for_workers_up(client: httpx.Client, mesh: Mesh, count: int) -> None:
             return
         time.sleep(0.25)
     raise AssertionError(f"the router never saw {count} workers up")
+
+
+def model_t(fraction: float) -> float:
+    """Where prfaas-dynamic's model puts t (router tokens) for this mesh's shape (one PrfaaS
+    prefill, one PD prefill, one decode worker, up or not) with the link at `fraction` of its
+    nominal rate and no stalls: B_eff of services/router/policies/prfaas_dynamic.py."""
+    config = DynamicConfig(token_scale=SCALE)
+    bandwidth = config.bandwidth_gbps * 1e9 * fraction * (1.0 - config.headroom)
+    return SCALE * solve_threshold(config.throughput_model(), config.initial_lengths(),
+                                   ClusterShape(1, 1, 1), bandwidth_bps=bandwidth)
+
+
+def router_state(client: httpx.Client, mesh: Mesh) -> dict[str, object]:
+    response = client.get(f"{mesh.url}/admin/state")
+    assert response.status_code == 200, response.text
+    state: dict[str, object] = response.json()
+    return state
+
+
+def wait_for_t(client: httpx.Client, mesh: Mesh, wanted: Callable[[float], bool], what: str,
+               deadline_s: float = 30.0) -> float:
+    """The router's t once `wanted(t)` holds; fails after `deadline_s` (a bound, not a pace)."""
+    seen: list[object] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        t = router_state(client, mesh)["threshold"]
+        seen.append(t)
+        if isinstance(t, float) and wanted(t):
+            return t
+        time.sleep(0.1)
+    raise AssertionError(f"t never {what} within {deadline_s} s; seen {seen[-20:]}")
+
+
+def link_samples(client: httpx.Client, mesh: Mesh) -> int:
+    control = router_state(client, mesh)["control"]
+    assert isinstance(control, dict)
+    return int(control["link_samples"])
+
+
+def wait_for_link_samples(client: httpx.Client, mesh: Mesh, count: int,
+                          deadline_s: float = 30.0) -> None:
+    """Until the router has taken `count` more link samples (each followed by a policy tick)."""
+    target = link_samples(client, mesh) + count
+    deadline = time.monotonic() + deadline_s
+    while link_samples(client, mesh) < target:
+        assert time.monotonic() < deadline, f"the router took no {count} link samples"
+        time.sleep(0.1)
+
+
+def set_link(client: httpx.Client, mesh: Mesh, **update: object) -> None:
+    response = client.post(mesh.link_url, json=update)
+    assert response.status_code == 200, response.text
+
+
+def near(expected: float) -> Callable[[float], bool]:
+    return lambda t: abs(t - expected) <= 0.01 * expected
+
+
+def test_a_cut_link_moves_t_under_prfaas_dynamic_and_t_returns_once_restored(
+        mesh: Mesh) -> None:
+    full, cut = model_t(1.0), model_t(0.01)
+    # The cut must change the model's t by far more than the tolerance, or nothing is shown.
+    assert cut > 1.5 * full
+    with httpx.Client(timeout=10) as client:
+        policy = client.post(f"{mesh.url}/admin/policy", json={"policy": "prfaas-dynamic"})
+        assert policy.status_code == 200, policy.text
+        try:
+            before = wait_for_t(client, mesh, near(full), f"settled at the model's {full:.1f}")
+            # The rate falls to 1 %: t rises to the model's t for the cut link.
+            set_link(client, mesh, bandwidth_bps=LINK_BPS / 100)
+            during = wait_for_t(client, mesh, near(cut), f"rose to {cut:.1f} during the cut")
+            # The link goes down with its rate restored: a dead link is no signal, t holds.
+            set_link(client, mesh, up=False, bandwidth_bps=LINK_BPS)
+            # The first sample may predate the change; the next three see the link down.
+            wait_for_link_samples(client, mesh, 4)
+            held = router_state(client, mesh)["threshold"]
+            set_link(client, mesh, up=True)
+            after = wait_for_t(client, mesh, near(full), f"returned to {full:.1f} after the cut")
+        finally:
+            set_link(client, mesh, up=True, bandwidth_bps=LINK_BPS)
+            client.post(f"{mesh.url}/admin/policy", json={"policy": "prfaas"})
+    assert before < during and held == during and after < during

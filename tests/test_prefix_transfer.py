@@ -7,10 +7,16 @@ of the tiny kimi-linear model, and the router's real scheduler with the `prfaas`
 suffix. On the calm link the abundant rule counts the PrfaaS cache, so turn 2 prefills on the
 PD prefill worker, which first pulls exactly that prefix's KV over the link (the link's own
 counters see S_kv of the prefix once), computes only the suffix, and the tokens equal a
-one-process generation.
+one-process generation. The workers load the noticing kimi-linear of tests/kv_exact.py (its
+greedy tokens vary and change with the cache, checked for each prompt), so a prefix that
+arrives wrong changes the tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import httpx
@@ -22,19 +28,31 @@ from mesh.transport import TcpTransport
 from services.cli.launch import in_process
 from services.contract.messages import Sampling
 from services.contract.prefix import block_hashes
-from services.model.config import family_config
-from services.model.generate import generate
-from services.model.model import build_model
+from services.model.cache import RequestCache
+from services.model.config import ModelConfig, family_config
 from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
+from services.router.requests import RequestHandle
 from services.router.scheduler import Scheduler, SchedulerConfig
 from services.router.workers import WorkerTable
+from services.worker import engine as engine_module
+from services.worker import prefix_pull as prefix_pull_module
 from services.worker.kv_stream import expected_kv_bytes
+from tests.kv_exact import (
+    MUTATIONS,
+    Mutation,
+    assert_model_notices,
+    cache_bytes,
+    noticing_config,
+    one_process_cache,
+    write_checkpoint,
+)
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 8
+BLOCK = 64
+MAX_TOKENS = 16  # enough for the noticing check's 8 distinct tokens
 BASE = 0x4E00  # token id i is the character chr(BASE + i): text maps back to ids exactly
 
 
@@ -53,9 +71,14 @@ class IdTokenizer:
 
 
 
-def topology() -> Topology:
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield write_checkpoint("kimi-linear", tmp_path_factory.mktemp("noticing"))
+
+
+def topology(checkpoint: Path) -> Topology:
     cachedir, link, control, proxy, p, q, d = free_ports(7)
-    worker = ('options = { family = "kimi-linear", size = "tiny", checkpoint = "none", '
+    worker = (f'options = {{ family = "kimi-linear", size = "tiny", checkpoint = "{checkpoint}", '
               'threads = 1, connections = 2 }')
     return parse_topology(
         f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{worker}\n'
@@ -79,8 +102,8 @@ async def link_bytes(topo: Topology) -> int:
 
 
 def reference(prompt: list[int]) -> list[int]:
-    model = build_model(family_config("kimi-linear", "tiny"), seed=0)
-    return generate(model, prompt, MAX_TOKENS, stop_on_eos=False).tokens
+    """The one-process tokens of the noticing model, checked to depend on the cache."""
+    return assert_model_notices("kimi-linear", prompt, MAX_TOKENS)
 
 
 def request(prompt: list[int]) -> GenerationRequest:
@@ -88,30 +111,81 @@ def request(prompt: list[int]) -> GenerationRequest:
                              sampling=Sampling(max_tokens=MAX_TOKENS, stop_on_eos=False))
 
 
-@pytest.mark.trio
-async def test_a_prefix_cached_only_in_the_other_cluster_moves_once_and_only_the_rest_computes(
-) -> None:
-    topo = topology()
-    cfg = family_config("kimi-linear", "tiny")
-    first = [(i * 7) % 500 + 1 for i in range(200)]
-    second = first + [(i * 11) % 500 + 3 for i in range(40)]
+@dataclass
+class Pulls:
+    """Every prefix a worker pulled and every cache a decode worker imported (each as
+    imported), `mutation` applied to the pulled ones first."""
+
+    mutation: Mutation | None = None
+    seen: list[RequestCache] = field(default_factory=list)
+    decoded: list[RequestCache] = field(default_factory=list)
+
+
+Importer = Callable[[ModelConfig, str, RequestCache | None, Mapping[tuple[int, int], bytes]],
+                    RequestCache]
+
+
+def recording(real: Importer, into: list[RequestCache],
+              mutation: Callable[[], Mutation | None]) -> Importer:
+    def record(cfg: ModelConfig, dtype: str, base: RequestCache | None,
+               pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+        cache = real(cfg, dtype, base, pieces)
+        mutate = mutation()
+        if mutate is not None:
+            mutate(cache)
+        into.append(cache.clone(keep_snapshots=False))
+        return cache
+
+    return record
+
+
+@pytest.fixture
+def pulls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pulls]:
+    record = Pulls()
+    monkeypatch.setattr(prefix_pull_module, "import_pieces", recording(
+        prefix_pull_module.import_pieces, record.seen, lambda: record.mutation))
+    monkeypatch.setattr(engine_module, "import_pieces", recording(
+        engine_module.import_pieces, record.decoded, lambda: None))
+    yield record
+
+
+FIRST = [(i * 7) % 500 + 1 for i in range(200)]
+SECOND = FIRST + [(i * 11) % 500 + 3 for i in range(40)]
+
+
+@dataclass
+class PullOutcome:
+    one: RequestHandle
+    two: RequestHandle
+    text: str
+    moved: int
+
+
+async def pull_scenario(checkpoint: Path) -> PullOutcome:
+    """Turn 1 (FIRST) prefills on PrfaaS; turn 2 (SECOND) on PD, pulling the prefix."""
+    topo = topology(checkpoint)
     names = ["cachedir", "link", "p", "q", "d"]
     async with in_process(topo, names, transport=TcpTransport(), via_links=True) as mesh, \
             mesh.client("router") as node, anyio.create_task_group() as group:
         policy = create_policy("prfaas", {"threshold": 100.0, "bandwidth": "auto"})
         scheduler = Scheduler(node, policy, WorkerTable.from_topology(topo), IdTokenizer(),
-                              SchedulerConfig(block_size=cfg.block_size, connections=2))
+                              SchedulerConfig(block_size=BLOCK, connections=2))
         await group.start(scheduler.run)
         with trio.fail_after(120):
-            one = await scheduler.submit(request(first))
+            one = await scheduler.submit(request(FIRST))
             await one.collect()
-            while scheduler.workers.get("p").prefills or not await _cached(scheduler, second):
+            while scheduler.workers.get("p").prefills or not await _cached(scheduler, SECOND):
                 await trio.sleep(0.05)  # p's cache report reaches the directory (a cast)
             before = await link_bytes(topo)
-            two = await scheduler.submit(request(second))
+            two = await scheduler.submit(request(SECOND))
             text, _ = await two.collect()
             moved = await link_bytes(topo) - before
         group.cancel_scope.cancel()
+    return PullOutcome(one, two, text, moved)
+
+
+def check_pull(outcome: PullOutcome, pulls: Pulls) -> None:
+    one, two = outcome.one, outcome.two
     assert one.placement.cluster == "prfaas" and one.placement.pull is None
     decision = two.placement.decision
     # Calm link, abundant rule: the 192 cached tokens in PrfaaS count, l = 48 <= t -> PD.
@@ -122,9 +196,37 @@ async def test_a_prefix_cached_only_in_the_other_cluster_moves_once_and_only_the
     assert two.prefill is not None
     assert two.placement.decision.resume_prefix == two.prefill.reused_tokens == 192
     assert two.prefill.computed_tokens == 48
-    prefix_kv = expected_kv_bytes(cfg, 192, 0, "float32")
-    assert prefix_kv <= moved <= 1.05 * prefix_kv
-    assert IdTokenizer().encode(text) == reference(second)
+    prefix_kv = expected_kv_bytes(noticing_config("kimi-linear"), 192, 0, "float32")
+    assert prefix_kv <= outcome.moved <= 1.05 * prefix_kv
+    # Bit for bit, as one process computes them: the pulled prefix, and the whole cache the
+    # decode worker holds after turn 2 (a prefix perturbed after the pull shows there). The
+    # tokens alone may not show a one-element change within 16 tokens.
+    assert len(pulls.seen) == 1 and len(pulls.decoded) == 2
+    assert cache_bytes(pulls.seen[0]) == cache_bytes(one_process_cache("kimi-linear",
+                                                                       SECOND[:192]))
+    assert cache_bytes(pulls.decoded[1]) == cache_bytes(one_process_cache("kimi-linear",
+                                                                          SECOND))
+    assert IdTokenizer().encode(outcome.text) == reference(SECOND)
+
+
+@pytest.mark.trio
+async def test_a_prefix_cached_only_in_the_other_cluster_moves_once_and_only_the_rest_computes(
+    checkpoint: Path, pulls: Pulls,
+) -> None:
+    check_pull(await pull_scenario(checkpoint), pulls)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+async def test_the_pull_check_fails_when_the_pulled_prefix_is_perturbed(
+    checkpoint: Path, pulls: Pulls, mutation: str,
+) -> None:
+    """Mutation check: one flipped KV byte or one changed state element in the pulled prefix
+    makes the test above fail."""
+    pulls.mutation = MUTATIONS[mutation]
+    outcome = await pull_scenario(checkpoint)
+    with pytest.raises(AssertionError):
+        check_pull(outcome, pulls)
 
 
 async def _cached(scheduler: Scheduler, prompt: list[int], worker: str = "p") -> bool:
@@ -144,10 +246,12 @@ POLICIES = {
 
 @pytest.mark.trio
 @pytest.mark.parametrize("name", list(POLICIES))
-async def test_every_policy_resumes_from_the_prefix_its_decision_counts(name: str) -> None:
+async def test_every_policy_resumes_from_the_prefix_its_decision_counts(
+    name: str, checkpoint: Path,
+) -> None:
     """Whatever the policy and wherever the prefix is cached, the prefill worker resumes
     from the decision's `resume_prefix` (moving it first when it lies elsewhere)."""
-    topo = topology()
+    topo = topology(checkpoint)
     cfg = family_config("kimi-linear", "tiny")
     first = [(i * 5) % 500 + 2 for i in range(200)]
     second = first + [(i * 3) % 500 + 5 for i in range(40)]

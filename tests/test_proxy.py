@@ -213,10 +213,12 @@ async def test_loopback_jitter_keeps_order_and_rate_is_roughly_right() -> None:
             start = anyio.current_time()
             assert await echo_through(ports[0], payload) == payload
             elapsed = anyio.current_time() - start
-    # Wall time on a shared 2-core machine is noisy: generous bounds (the 5% check is in
-    # benchmarks/bench_link.py).
-    assert 0.5 * 80e6 < len(payload) * 8 / elapsed < 1.1 * 80e6
-    assert proxy.statistics().link.egress.utilisation > 0.3
+    # Only the side a loaded host cannot break: the shaper never lets the payload through
+    # faster than the rate (a slow host only slows it). How close it comes to the rate is a
+    # speed claim, measured by benchmarks/bench_link.py (shaped_rate_max_rel_error).
+    assert len(payload) * 8 / elapsed < 1.1 * 80e6
+    egress = proxy.statistics().link.egress
+    assert egress.bytes_out == len(payload) and egress.utilisation > 0
 
 
 @pytest.mark.trio

@@ -21,6 +21,8 @@ from services.model.tokenizer import ByteTokenizer
 from services.router.app import CLUSTER_HEADER, RouterApp, router_config, run_router
 from services.router.load import DemoWorkload, WorkloadConfig
 from services.router.openai.schema import CompletionRequest, Limits, completion_generation
+from services.router.policies import create_policy
+from services.router.policies.prfaas_dynamic import PrfaasDynamicPolicy
 from services.router.scheduler import SchedulerConfig
 from services.service import ServiceContext
 
@@ -355,6 +357,25 @@ def test_router_options() -> None:
     assert config.policy_options()["prfaas"]["bandwidth"] == "auto"
     auto = router_config({"block_size": 16}).scheduler_config()
     assert auto.block_size == 16 and auto.links == ()
+
+
+def test_router_passes_each_policys_own_options_over_the_derived_ones() -> None:
+    config = router_config({"scale": 0.5, "policies": {
+        "prfaas-dynamic": {"dwell_s": 0.5, "calm_s": 0.75}, "homogeneous": {}}})
+    dynamic = config.policy_options()["prfaas-dynamic"]
+    assert dynamic == {"token_scale": 0.5, "bandwidth": "auto", "dwell_s": 0.5, "calm_s": 0.75}
+    assert config.policy_options()["prfaas"]["threshold"] == 9700.0
+    policy = create_policy("prfaas-dynamic", dynamic)
+    assert isinstance(policy, PrfaasDynamicPolicy)
+    assert (policy.config.dwell_s, policy.config.calm_s) == (0.5, 0.75)
+    with pytest.raises(ConfigError, match="frobnicate"):
+        router_config({"policies": {"frobnicate": {}}})
+    # A topology's options are flat: dotted keys, merged over (and overriding) `policies`.
+    dotted = router_config({"policies": {"prfaas-dynamic": {"dwell_s": 2.0}},
+                            "prfaas-dynamic.dwell_s": 0.5, "prfaas-dynamic.roles.period_s": 9.0})
+    assert dotted.policies == {"prfaas-dynamic": {"dwell_s": 0.5, "roles": {"period_s": 9.0}}}
+    with pytest.raises(ConfigError, match="frobnicate"):
+        router_config({"frobnicate.x": 1})
 
 
 @pytest.mark.trio

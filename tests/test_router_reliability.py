@@ -193,22 +193,21 @@ async def _burst(base_url: str, n: int) -> list[tuple[int, float, httpx.Response
 def test_overload_is_shed_with_429_and_the_admitted_requests_complete(
         base_url: str, http: httpx.Client, factor: int) -> None:
     assert wait_ready(http).status_code == 200
-    started = time.monotonic()
     results = anyio.run(_burst, base_url, factor * MAX_BATCH)
-    elapsed = time.monotonic() - started
     statuses = [status for status, _, _ in results]
     assert set(statuses) <= {200, 429}, [r.text for _, _, r in results if r.status_code >= 500]
     assert statuses.count(200) >= MAX_BATCH and statuses.count(429) >= 1
-    for status, seconds, response in results:
+    for status, _, response in results:
         if status == 429:
             assert response.headers["retry-after"] == "1"
             assert response.json()["error"]["type"] == "rate_limit_error"
-            # Shed at once, not after waiting for anything (generous for a loaded host).
-            assert seconds < 5.0
         else:
             assert response.json()["usage"]["completion_tokens"] == 24
-    # Nobody waited for a KV timeout (60 s).
-    assert elapsed < 45.0
+    # Shed at once, not after waiting for anything: every refusal is back before the first
+    # admitted request has finished (an order, which a loaded host does not flip, where a
+    # bound in seconds would). Nobody waited for a KV timeout: that would be a 5xx above.
+    shed = max(seconds for status, seconds, _ in results if status == 429)
+    assert shed < min(seconds for status, seconds, _ in results if status == 200)
     assert http.get("/health").json()["inflight"] == 0
 
 

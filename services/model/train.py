@@ -132,32 +132,25 @@ def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, ids: torch.Tensor, seq_len: int, batch: int = 8, bf16: bool = False
-) -> float:
-    """Mean next-token loss (nats) over consecutive, non-overlapping windows of ids."""
+def evaluate(model: nn.Module, ids: torch.Tensor, seq_len: int, batch: int = 8,
+             bf16: bool = False, stride: int = 1) -> float:
+    """Mean next-token loss (nats) over consecutive, non-overlapping windows of ids (every
+    `stride`-th of them: a sample spread over the whole text)."""
     n_windows = (ids.numel() - 1) // seq_len
     if n_windows < 1:
         raise ValueError(f"evaluate needs more than seq_len={seq_len} tokens, got {ids.numel()}")
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for first in range(0, n_windows, batch):
-        rows = range(first, min(first + batch, n_windows))
+    windows = range(0, n_windows, stride)
+    for first in range(0, len(windows), batch):
+        rows = windows[first : first + batch]
         x = torch.stack([ids[r * seq_len : (r + 1) * seq_len] for r in rows])  # [B, T]
         y = torch.stack([ids[r * seq_len + 1 : (r + 1) * seq_len + 1] for r in rows])  # [B, T]
         total += batch_loss(model, x, y, bf16).item() * y.numel()
         count += y.numel()
     model.train(was_training)
     return total / count
-
-
-def held_out_nats_per_char(model: nn.Module, text: str, tokenizer: TokenizerLike,
-                           seq_len: int = 256) -> float:
-    """Next-token loss per character of `text` (non-overlapping windows of seq_len tokens,
-    as `evaluate`), run in the model's own dtype: what the model scores as served."""
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    return evaluate(model, ids, seq_len) * ids.numel() / len(text)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

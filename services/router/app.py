@@ -34,6 +34,7 @@ scheduler, the control loops, the demo workload) is anyio and runs on trio in th
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -69,7 +70,7 @@ from services.router.openai.schema import (
     decode_request,
     unknown_fields,
 )
-from services.router.policies import create_policy
+from services.router.policies import POLICIES, create_policy
 from services.router.requests import RequestHandle
 from services.router.responses import Kind, Responder, stream_events
 from services.router.scheduler import Scheduler, SchedulerConfig
@@ -324,8 +325,16 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tick_s: float = 1.0
     model: str = "prfaas"
     tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
+    # Each policy's own options (fields of its config type) over the defaults that
+    # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
+    # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".
+    policies: dict[str, dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.policies) - set(POLICIES))
+        if unknown:
+            raise ConfigError(f"router option policies names unknown policies {unknown}; "
+                              f"known: {sorted(POLICIES)}")
         for name in ("scale", "max_context", "max_inflight", "block_size", "connections",
                      "tick_s"):
             if not getattr(self, name) > 0:
@@ -334,9 +343,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def policy_options(self) -> dict[str, dict[str, object]]:
         t = 19400.0 * self.scale
-        return {"prfaas": {"threshold": t, "bandwidth": self.bandwidth},
-                "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
-                "dynamo": {"max_local_prefill_length": round(t)}}
+        derived: dict[str, dict[str, object]] = {
+            "prfaas": {"threshold": t, "bandwidth": self.bandwidth},
+            "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
+            "dynamo": {"max_local_prefill_length": round(t)}}
+        return {name: {**derived.get(name, {}), **self.policies.get(name, {})}
+                for name in {*derived, *self.policies}}
 
     def scheduler_config(self, links: tuple[LinkEnds, ...] = ()) -> SchedulerConfig:
         return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
@@ -344,10 +356,30 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:
+    """The router's config; a dotted key "policy.option[.field]" goes into `policies`."""
+    plain = {key: value for key, value in options.items() if "." not in key}
     try:
-        return msgspec.convert(dict(options), RouterConfig)
+        policies = _with_dotted(msgspec.convert(plain, RouterConfig).policies, options)
+        return msgspec.convert({**plain, "policies": policies}, RouterConfig)
     except (msgspec.ValidationError, ConfigError) as exc:
         raise ConfigError(f"router options: {exc}") from exc
+
+
+def _with_dotted(policies: dict[str, dict[str, Any]],
+                 options: Mapping[str, object]) -> dict[str, Any]:
+    """A copy of `policies` with each dotted option "policy.option[.field]" set in it."""
+    out: dict[str, Any] = copy.deepcopy(policies)
+    for key, value in options.items():
+        if "." not in key:
+            continue
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"option {key!r}: {part!r} is set to a value, not a table")
+        node[leaf] = value
+    return out
 
 
 def build_scheduler(ctx: ServiceContext, config: RouterConfig) -> Scheduler:

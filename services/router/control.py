@@ -199,4 +199,6 @@ class RouterControl:
             "policies": list(POLICIES),
             "workers": msgspec.to_builtins(self.scheduler.workers.statistics().workers),
             "inflight": len(self.scheduler.active()),
+            # The loop's counts: a client can tell how many link samples the policy has seen.
+            "control": msgspec.to_builtins(self.statistics()),
         }

@@ -13,7 +13,7 @@ in the stream, as an error event; a client that leaves cancels every choice's re
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Literal
 
@@ -158,7 +158,7 @@ async def _any_change(handles: Sequence[RequestHandle]) -> None:
             group.start_soon(wait, handle, group.cancel_scope)
 
 
-async def _choice_chunks(responder: Responder) -> AsyncIterator[bytes]:
+async def _choice_chunks(responder: Responder) -> AsyncGenerator[bytes, None]:
     """The choices' text chunks as they come, and each one's final chunk when it ends."""
     handles = responder.handles
     live = list(range(len(handles)))
