@@ -152,11 +152,14 @@ class Mailbox(Generic[T]):
         try:
             await event.wait()
         except BaseException:
-            if event.is_set():
-                # We were handed a turn we will not use: give it to the next waiter.
-                _wake_one(waiters)
-            else:
+            if event in waiters:
                 waiters.remove(event)
+            else:
+                # A waker took us off the queue, so the turn is ours and we will not use it:
+                # give it to the next waiter. (Not `event.is_set()`: on asyncio a cancelled
+                # waiter's future is cancelled at once, and the waker's set() then does
+                # nothing, yet the turn was handed to us.)
+                _wake_one(waiters)
             raise
 
 

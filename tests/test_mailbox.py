@@ -155,3 +155,21 @@ def test_task_cancelled_after_its_wake_up_passes_the_item_on() -> None:
         return before_end
 
     assert asyncio.run(main()) == [7]
+
+
+def test_a_waiter_cancelled_as_it_is_woken_passes_its_turn_on_under_asyncio() -> None:
+    # On asyncio a cancelled waiter's wake-up future is cancelled at once, so a put in the
+    # same loop turn pops that waiter and its set() does nothing: the waiter must see it was
+    # popped (not that it was set), pass the item's turn on, and not fail to remove itself.
+    async def main() -> str:
+        box: Mailbox[str] = Mailbox(4)
+        first = asyncio.ensure_future(box.get())
+        second = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        first.cancel()
+        await box.put("x")
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await asyncio.wait_for(second, 1.0)
+
+    assert asyncio.run(main()) == "x"
