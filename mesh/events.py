@@ -127,6 +127,7 @@ class EventBus(Generic[E]):
         self._published = 0
         self._gone_delivered = 0
         self._gone_dropped = 0
+        self._joined: anyio.Event | None = None  # made by the first waiter, set on a subscribe
 
     def publish(self, event: E) -> None:
         """Hands `event` to every subscriber; never blocks."""
@@ -140,7 +141,18 @@ class EventBus(Generic[E]):
             raise ConfigError(f"maxlen must be >= 1, got {maxlen}")
         subscription = Subscription(self, maxlen)
         self._subscriptions.append(subscription)
+        if self._joined is not None:
+            self._joined.set()
+            self._joined = None
         return subscription
+
+    async def wait_subscribed(self) -> None:
+        """Returns once the bus has a subscriber (at once if it has one): a publisher whose
+        events cost something to make waits here while nobody would read them."""
+        while not self._subscriptions:
+            if self._joined is None:
+                self._joined = anyio.Event()
+            await self._joined.wait()
 
     def unsubscribe(self, subscription: Subscription[E]) -> None:
         if subscription in self._subscriptions:

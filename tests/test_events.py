@@ -87,3 +87,24 @@ def test_drain_takes_every_queued_event_in_order_and_counts_them() -> None:
         assert events.drain() == [Tick(0), Tick(1), Tick(2)]
         assert events.drain() == []
         assert events.statistics().delivered == 3
+
+
+@pytest.mark.trio
+async def test_wait_subscribed_returns_once_someone_subscribes(
+        autojump_clock: trio.testing.MockClock) -> None:
+    bus: EventBus[Tick] = EventBus()
+    returned: list[float] = []
+
+    async def waiter() -> None:
+        await bus.wait_subscribed()
+        returned.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.sleep(5.0)
+        assert returned == []
+        with bus.subscribe():
+            await trio.sleep(1.0)
+    assert returned == [5.0]
+    with bus.subscribe():
+        await bus.wait_subscribed()  # returns at once

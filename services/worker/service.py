@@ -349,6 +349,9 @@ class WorkerService:
 
     async def _publish_status_every(self, interval: float) -> None:
         while True:
+            # Nobody watching (the simulation, a mesh without its dashboard): no status to
+            # make, and no wake-up every interval for it.
+            await self.bus.wait_subscribed()
             self._publish_status()
             await anyio.sleep(interval)
 
