@@ -122,6 +122,20 @@ def test_bfloat16_accumulates_in_fp32() -> None:
     assert ((y16.float() - y32).abs() <= y32.abs() * 2**-8 + 1e-6).all()
 
 
+def test_bfloat16_weights_run_natively_with_one_rounding() -> None:
+    """bf16 inputs and bf16 weights (the serving case) take oneDNN's bf16 kernel: equal to the
+    fp32 convolution of the same values within half a bf16 ulp, and to the token loop."""
+    x, weight, tail = make_inputs(300, seed=7)
+    x16, w16, tail16 = x.bfloat16(), weight.bfloat16(), tail.bfloat16()
+    y32, _ = causal_conv1d(x16.float(), w16.float(), tail16.float())
+    y16, new_tail = causal_conv1d(x16, w16, tail16)
+    assert y16.dtype == torch.bfloat16 and new_tail.dtype == torch.bfloat16
+    assert ((y16.float() - y32).abs() <= y32.abs() * 2**-8 + 1e-6).all()
+    y_ref, tail_ref = causal_conv1d_reference(x16, w16, tail16)
+    assert ((y16.float() - y_ref.float()).abs() <= y32.abs() * 2**-7 + 1e-6).all()
+    assert torch.equal(new_tail, tail_ref)
+
+
 def test_shape_errors_name_the_parameter() -> None:
     assert issubclass(ConvError, ModelError) and issubclass(ConvError, ValueError)
     x, weight, tail = make_inputs(5)

@@ -228,6 +228,24 @@ def test_bfloat16_inputs() -> None:
     assert max_err(s, s_ref) <= TOL
 
 
+@pytest.mark.parametrize("gate", ["channel", "scalar"])
+def test_bfloat16_matmuls_stay_within_bf16_rounding_of_the_reference(gate: str) -> None:
+    """The serving path's bf16 intra-chunk products (fp32 states, inverse and decayed
+    products): outputs within 2% of the output scale and states within 2% of the state scale
+    of the fp32 reference over four chunks; the fp32 default stays at TOL."""
+    x = make_inputs(200, gate=gate, with_state=True, seed=21)
+    q, k, v, g, beta = (y.to(torch.bfloat16) for y in x[:5])
+    low = Inputs(q, k, v, g, beta, x.state)
+    o_ref, s_ref = delta_rule_reference(*low)
+    o, s = delta_rule_chunked(*low, matmul_dtype=torch.bfloat16)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert 0 < max_err(o.float(), o_ref.float()) <= 0.02 * float(o_ref.float().abs().max())
+    assert 0 < max_err(s, s_ref) <= 0.02 * float(s_ref.abs().max())
+    o32, s32 = delta_rule_chunked(*x, matmul_dtype=torch.float32)
+    o32_ref, s32_ref = delta_rule_reference(*x)
+    assert max_err(o32, o32_ref) <= TOL and max_err(s32, s32_ref) <= TOL
+
+
 def test_non_contiguous_inputs() -> None:
     x = make_inputs(70, with_state=True, seed=16)
     # [B, T, H, D] projections viewed as [B, H, T, D], as layers produce them.

@@ -37,6 +37,15 @@ def _accumulator(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _conv_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype the prefill convolution runs in. oneDNN's bf16 depthwise kernel accumulates in
+    fp32 and rounds once, so bf16 inputs with bf16 weights (the serving case) run natively,
+    with no fp32 copies of the [B, T, C] activations; other mixes go through fp32."""
+    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return torch.bfloat16
+    return _accumulator(x)
+
+
 def _with_history(x: Tensor, weight: Tensor, tail: Tensor | None) -> Tensor:
     """x [B, T, C] preceded by the tail (or zeros): [B, K-1+T, C]."""
     b, _, c = x.shape
@@ -56,7 +65,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, tail: Tensor | None) -> tuple[Tenso
     padded = _with_history(x, weight, tail)  # [B, K-1+T, C]
     if t == 0:
         return x.clone(), padded.clone()
-    acc = _accumulator(x)
+    acc = _conv_dtype(x, weight)
     # [B, C, 1, K-1+T] with channels-last strides is the [B, T, C] memory as it is: oneDNN's
     # depthwise kernel reads it without a transpose (3x faster than K shifted multiply-adds).
     image = padded.to(acc).permute(0, 2, 1).unsqueeze(2)

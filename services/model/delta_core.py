@@ -78,7 +78,7 @@ class DeltaCore(nn.Module):
         state = None if cache is None else cache.state
         o, final, states = run_delta_rule(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, beta, state,
-            pos0, self.block_size, snapshot_at,
+            pos0, self.block_size, snapshot_at, matmul_dtype=v.dtype,
         )
         snaps = [LinearState(states[n].clone(), conv_tail_at(projected, tail, pos0, n, self.k1))
                  for n in snapshot_at]
@@ -98,9 +98,11 @@ class DeltaCore(nn.Module):
         projected = self.qkv(x[:, 0])  # [B, 3HD]
         conv_out, window = causal_conv1d_step(projected, self.conv_weight, cache.conv_tail)
         cache.conv_tail.copy_(window)
-        q, k, v = F.silu(conv_out).view(b, 3, self.heads, self.head_dim).unbind(1)
-        q, k = l2_normalise(q), l2_normalise(k)  # [B, H, D]
+        qkv = F.silu(conv_out).view(b, 3, self.heads, self.head_dim)
+        # q and k normalised in one call (per head, as in `forward`).
+        q, k = l2_normalise(qkv[:, :2]).unbind(1)  # [B, H, D]
         beta = torch.sigmoid(self.beta_proj(x[:, 0]).float())  # [B, H]
+        v = qkv[:, 2]
         return delta_rule_step_(q, k, v, g, beta, cache.state)[:, None]
 
 
@@ -116,8 +118,10 @@ def conv_tail_at(projected: Tensor, tail: Tensor | None, pos0: int, boundary: in
 
 def run_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                    state: Tensor | None, pos0: int, block: int,
-                   snapshot_at: Sequence[int]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
-    """The kernel over q, k [B, H, T, Dk], v [B, H, T, Dv] starting at position pos0.
+                   snapshot_at: Sequence[int], matmul_dtype: torch.dtype = torch.float32,
+                   ) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+    """The kernel over q, k [B, H, T, Dk], v [B, H, T, Dv] starting at position pos0;
+    `matmul_dtype` as in `delta_rule_chunked` (the serving path passes the model dtype).
 
     Returns (o [B, H, T, Dv], final state, {boundary: state}) for each requested boundary.
     """
@@ -131,20 +135,22 @@ def run_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         if t == 1:
             o, final = delta_rule_step(q, k, v, g, beta, state)
         else:
-            o, final = delta_rule_chunked(q, k, v, g, beta, state, chunk_size=block)
+            o, final = delta_rule_chunked(q, k, v, g, beta, state, chunk_size=block,
+                                          matmul_dtype=matmul_dtype)
         return o, final, {}
     head = min(-pos0 % block, t)
     states: dict[int, Tensor] = {}
     outputs = []
     if head:
         o, state = delta_rule_chunked(q[:, :, :head], k[:, :, :head], v[:, :, :head],
-                                      g[:, :, :head], beta[:, :, :head], state, chunk_size=block)
+                                      g[:, :, :head], beta[:, :, :head], state, chunk_size=block,
+                                      matmul_dtype=matmul_dtype)
         outputs.append(o)
         states[pos0 + head] = state
     if head < t:
         o, state, ends = delta_rule_chunked(
             q[:, :, head:], k[:, :, head:], v[:, :, head:], g[:, :, head:], beta[:, :, head:],
-            state, chunk_size=block, return_chunk_states=True,
+            state, chunk_size=block, return_chunk_states=True, matmul_dtype=matmul_dtype,
         )
         outputs.append(o)
         for i in range(ends.shape[2]):

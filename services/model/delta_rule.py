@@ -257,7 +257,8 @@ def _from_chunks(
 
 
 def _intra_chunk(
-    q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor
+    q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor,
+    matmul_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-chunk pieces, all chunks at once. q, k: [M, C, Dk]; v: [M, C, Dv];
     gcum: [M, C, Dk or 1]; beta: [M, C, 1].
@@ -277,14 +278,16 @@ def _intra_chunk(
         rhs = k.new_empty(m, c, dk + v.shape[-1])
         torch.mul(kb, decay_in, out=rhs[..., :dk])
         torch.mul(v, beta, out=rhs[..., dk:])
-    solved = _unit_lower_inverse(torch.tril(r[:, 0], -1)) @ rhs  # [M, C, Dk + Dv], [W | U']
+    low = matmul_dtype
+    inverse = _unit_lower_inverse(torch.tril(r[:, 0], -1))
+    solved = inverse.to(low) @ rhs.to(low)  # [M, C, Dk + Dv], [W | U']
     g_last = gcum[:, -1:]  # [M, 1, Dk or 1]
-    p_solved = torch.tril(r[:, 1]) @ solved  # [M, C, Dk + Dv]
+    p_solved = torch.tril(r[:, 1]).to(low) @ solved  # [M, C, Dk + Dv]
     k_end = k * (g_last - gcum).exp()  # [M, C, Dk]: k decayed to the chunk end
-    end_solved = k_end.transpose(-1, -2) @ solved  # [M, Dk, Dk + Dv]
+    end_solved = k_end.to(low).transpose(-1, -2) @ solved  # [M, Dk, Dk + Dv]
     q_state = torch.mul(q, decay_in).sub_(p_solved[..., :dk])
     transition = torch.diag_embed(g_last[:, 0].exp().expand(-1, dk)).sub_(end_solved[..., :dk])
-    return q_state, p_solved[..., dk:], transition, end_solved[..., dk:]
+    return q_state, p_solved[..., dk:].float(), transition, end_solved[..., dk:].float()
 
 
 def _pass_states(transition: Tensor, inject: Tensor, s0: Tensor) -> Tensor:
@@ -314,6 +317,8 @@ def delta_rule_chunked(
     scale: float | None = ...,
     chunk_size: int = ...,
     return_chunk_states: Literal[False] = ...,
+    *,
+    matmul_dtype: torch.dtype = ...,
 ) -> tuple[Tensor, Tensor]: ...
 
 
@@ -329,6 +334,7 @@ def delta_rule_chunked(
     chunk_size: int = ...,
     *,
     return_chunk_states: Literal[True],
+    matmul_dtype: torch.dtype = ...,
 ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
@@ -342,12 +348,20 @@ def delta_rule_chunked(
     scale: float | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_chunk_states: bool = False,
+    *,
+    matmul_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Chunk-parallel gated delta rule for prefill; same maths as `delta_rule_reference`.
 
     Any T >= 1 (the last chunk is zero-padded internally). chunk_size must be a power of two.
     With return_chunk_states, a third value holds the state after each full chunk:
     [B, H, T // chunk_size, Dk, Dv] fp32 (the snapshots prefix caching keeps at block ends).
+
+    matmul_dtype: fp32 (default) runs every product in fp32. bfloat16 (the serving path of a
+    bf16 model) runs the three largest intra-chunk products, the solve's right-hand side and
+    the outputs and state updates from it, as bf16 matmuls with fp32 accumulation (as fla's
+    chunk kernels do); the decayed key products, the triangular inverse and the recurrent
+    states stay fp32. About 3x faster products, at bf16 rounding of their results.
     """
     _check_inputs(q, k, v, g, beta, state)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -360,7 +374,7 @@ def delta_rule_chunked(
     # Padded tokens have g = 0, beta = 0 and k = 0: they leave the state untouched.
     gcum = _to_chunks(g, chunk_size).cumsum_(dim=1)
     q_state, o_local, transition, inject = _intra_chunk(
-        qc, kc, vc, gcum, _to_chunks(beta[..., None], chunk_size)
+        qc, kc, vc, gcum, _to_chunks(beta[..., None], chunk_size), matmul_dtype
     )
     states = _pass_states(
         transition.view(n, b * h, dk, dk), inject.view(n, b * h, dk, dv), s0
