@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Info
 
 from mesh.errors import ConfigError
 from mesh.events import EventBus
@@ -147,13 +147,18 @@ def serve_events(node: Node, bus: EventBus[Event]) -> None:
                 yield event
 
 
-async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource]) -> None:
+async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource],
+                        info: dict[str, dict[str, str]] | None = None) -> None:
     """`/metrics` of the service's statistics on options.metrics_port (0: none), until
-    cancelled; each source's numbers under prfaas_<prefix>_..., labelled with the service."""
+    cancelled; each source's numbers under prfaas_<prefix>_..., labelled with the service;
+    each `info` entry a constant prfaas_<name>_info{service, its labels} 1 (what it runs)."""
     port = ctx.option("metrics_port", 0)
     if port == 0:
         return
     registry = CollectorRegistry(auto_describe=False)
     for prefix, source in sources.items():
         register_statistics(registry, f"prfaas_{prefix}", source, {"service": ctx.name})
+    for name, labels in (info or {}).items():
+        Info(f"prfaas_{name}", f"the {name} this service runs", ["service"],
+             registry=registry).labels(service=ctx.name).info(labels)
     await serve_http(metrics_app(registry), ctx.spec.host, port)

@@ -373,7 +373,9 @@ class WorkerService:
             }
             if self.transfer is not None:
                 sources["prefix_transfer"] = self.transfer.statistics
-            tg.start_soon(serve_metrics, self.ctx, sources)
+            model = {"family": self.info.family, "size": self.info.size,
+                     "dtype": self.info.dtype, "source": self.info.source}
+            tg.start_soon(serve_metrics, self.ctx, sources, {"model": model})
             log.info("%s serving role %s with %s %s in %s (%s)", self.name, self.role,
                      self.info.family, self.info.size, self.info.dtype, self.info.source)
             task_status.started(address)
