@@ -163,6 +163,14 @@ def test_unknown_top_level_fields_are_ignored_and_named() -> None:
     assert ignored_warning(["a\u00e9"]) == '299 - "ignored fields: a?"'
 
 
+def test_an_unknown_key_that_is_not_utf8_is_a_bad_request() -> None:
+    # make chaos found it: the typed decode skips the key unread, the field check did not.
+    body = b'{"model": "prfaas", "prompt": "x", "\xff": 1}'
+    assert decode_request(body, CompletionRequest).prompt == "x"
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        unknown_fields(body, CompletionRequest)
+
+
 def test_max_completion_tokens_is_max_tokens_on_both_endpoints() -> None:
     assert completion_generation(completion(prompt="a", max_completion_tokens=3), BPE,
                                  LIMITS).sampling.max_tokens == 3

@@ -184,8 +184,14 @@ def decode_request(body: bytes, kind: type[R]) -> R:
 
 
 def unknown_fields(body: bytes, kind: type[R]) -> list[str]:
-    """The top-level fields of a decoded request's body that `kind` does not know (ignored)."""
-    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    """The top-level fields of a decoded request's body that `kind` does not know (ignored).
+
+    The typed decode skips unknown keys unread, so a key that is not UTF-8 shows here first:
+    a 400, as any other body that is not JSON."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     return [name for name in fields if name not in kind.__struct_fields__]
 
 
