@@ -165,7 +165,12 @@ port = 1
 options = {{ family = "qwen-next", size = "tiny", checkpoint = "none", metrics_port = {port} }}
 """)
     async with in_process(topology, ["d"]) as mesh:
-        assert isinstance(mesh.services["d"], WorkerService)
+        worker = mesh.services["d"]
+        assert isinstance(worker, WorkerService)
+        # A subscriber gets the worker's status at once, with what it serves.
+        with worker.bus.subscribe() as events, trio.fail_after(10):
+            status = await events.receive()
+        assert isinstance(status, WorkerStatus) and status.model == "qwen-next tiny float32"
         async with httpx.AsyncClient() as http:
             with trio.fail_after(20):
                 while True:

@@ -341,7 +341,8 @@ def two_prfaas_events(now: float, scale: float) -> list[AnyEvent]:
                ("pd-prefill-0", "pd", "prefill"), ("pd-decode-0", "pd", "decode")]
     out: list[AnyEvent] = [
         ev.WorkerStatus(ts=now, source=w, worker=w, cluster=c, role=r,  # type: ignore[arg-type]
-                        queue_depth=0, running=0, busy=False, cached_blocks=0)
+                        queue_depth=0, running=0, busy=False, cached_blocks=0,
+                        model="kimi-linear default bfloat16")
         for w, c, r in workers]
     out += [ev.LinkStats(ts=now, source=name, link=name, bandwidth_bps=200e6, delay_s=0.01,
                          jitter_s=0.0, loss=0.0, up=True, throughput_bps=3.2e6,
@@ -412,6 +413,10 @@ def test_two_prfaas_page_draws_both_links_reads_t_units_and_colours_flows(
         boxes = page.eval_on_selector_all("#topology .cluster-box",
                                           "bs => bs.map(b => b.dataset.cluster)")
         assert sorted(boxes) == ["pd", "prfaas-a", "prfaas-b"]
+        # What each worker serves, its dtype included, on hover.
+        tip = page.eval_on_selector("[data-worker=pd-decode-0] title", "t => t.textContent")
+        assert tip == ("pd-decode-0: decode · q 0 · run 0, kimi-linear default bfloat16, "
+                       "0 cached blocks")
         links = page.eval_on_selector_all(
             "[data-testid=link]", """gs => gs.map(g => [g.dataset.link,
                 g.querySelector('[data-testid=link-bandwidth]').textContent,

@@ -87,6 +87,7 @@ class WorkerStatus(Event, frozen=True, tag="worker"):
     running: int  # requests in prefill, or in the decode batch
     busy: bool
     cached_blocks: int
+    model: str = ""  # what it serves: family, size and dtype ("kimi-linear default bfloat16")
 
 
 class RequestPhase(Event, frozen=True, tag="phase"):

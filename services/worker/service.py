@@ -345,6 +345,7 @@ class WorkerService:
             ts=anyio.current_time(), source=self.name, worker=self.name, cluster=self.cluster,
             role="draining" if self.draining else self.role, queue_depth=state.queue_depth,
             running=state.running, busy=state.running > 0, cached_blocks=state.cached_blocks,
+            model=f"{self.info.family} {self.info.size} {self.info.dtype}",
         ))
 
     async def _publish_status_every(self, interval: float) -> None:

@@ -177,7 +177,8 @@ export class Topology {
       : `${process.toUpperCase()} (${worker.role})`;
     if (chip.role.textContent !== role) chip.role.textContent = role;
     chip.queue.setAttribute("width", Math.min(worker.queue_depth / 8, 1) * chip.w);
-    chip.title.textContent = `${worker.worker}: ${role}, ${worker.cached_blocks} cached blocks`;
+    const model = worker.model ? `, ${worker.model}` : "";
+    chip.title.textContent = `${worker.worker}: ${role}${model}, ${worker.cached_blocks} cached blocks`;
   }
 
   /** One link's line and labels; its name and parameters above, utilisation below. */
