@@ -219,9 +219,15 @@ class LinkShaper:
         return (Direction.EGRESS,)
 
     def _settle(self, state: _DirectionState, link_time: float) -> None:
-        """Forget chunks fully serialised by `link_time`: their release is final."""
+        """Forget chunks fully serialised by `link_time`: their release is final.
+
+        While the link is down its clock stands still and nothing leaves: a chunk that would
+        be done at that frozen time waits with the rest for the link to come back, and a new
+        delay set meanwhile applies to it (as in the per-byte reference)."""
         on_wire = state.on_wire
-        while on_wire and on_wire[0].wire_done <= link_time:
+        down = self._down_since is not None
+        while on_wire and (on_wire[0].wire_done < link_time or
+                           (not down and on_wire[0].wire_done == link_time)):
             done = on_wire.popleft()
             done.flow.settled_release = done.release
 
