@@ -219,15 +219,14 @@ class LinkShaper:
         return (Direction.EGRESS,)
 
     def _settle(self, state: _DirectionState, link_time: float) -> None:
-        """Forget chunks fully serialised by `link_time`: their release is final.
+        """Forget chunks fully serialised before `link_time`: their release is final.
 
-        While the link is down its clock stands still and nothing leaves: a chunk that would
-        be done at that frozen time waits with the rest for the link to come back, and a new
-        delay set meanwhile applies to it (as in the per-byte reference)."""
+        Strictly before: a chunk whose last bit leaves at `link_time` itself takes the delay
+        set at that instant, as in the per-byte reference. This matters in an outage, whose
+        link clock stands still: a chunk that would be done at the frozen time waits with
+        the rest for the link to come back, and a delay set meanwhile applies to it."""
         on_wire = state.on_wire
-        down = self._down_since is not None
-        while on_wire and (on_wire[0].wire_done < link_time or
-                           (not down and on_wire[0].wire_done == link_time)):
+        while on_wire and on_wire[0].wire_done < link_time:
             done = on_wire.popleft()
             done.flow.settled_release = done.release
 
@@ -243,8 +242,13 @@ class LinkShaper:
             return
         rate = self._params.bandwidth_bps or math.inf
         # The chunk in progress keeps the bits it has sent; its remaining bits go at the new
-        # rate, then every later chunk whole.
-        wire = now + _remaining_s(state.on_wire[0].wire_done - now, old_bandwidth, rate)
+        # rate, then every later chunk whole. While the link is down a chunk done at the
+        # frozen link time came during the outage on an unshaped link: it has sent nothing.
+        first = state.on_wire[0]
+        if self._down_since is not None and first.wire_done == now:
+            wire = now + first.nbytes * 8.0 / rate
+        else:
+            wire = now + _remaining_s(first.wire_done - now, old_bandwidth, rate)
         last_release: dict[Flow, float] = {}
         for index, chunk in enumerate(state.on_wire):
             if index:
