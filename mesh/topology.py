@@ -30,6 +30,7 @@ used when no file is given.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -210,3 +211,31 @@ def load_topology(path: str | Path | None, default: str) -> Topology:
     except OSError as exc:
         raise ConfigError(f"topology file {str(path)!r}: {exc.strerror}") from exc
     return parse_topology(text, str(path))
+
+
+def topology_toml(data: Mapping[str, object]) -> str:
+    """Topology data (a file as parsed, or `msgspec.to_builtins` of a Topology) as TOML that
+    `parse_topology` reads back equal: arrays of tables (a list) and tables (a dict) of
+    scalars and inline tables, all a topology file holds."""
+    lines: list[str] = []
+    for section, value in data.items():
+        tables = value if isinstance(value, list | tuple) else [value]
+        header = f"[[{section}]]" if isinstance(value, list | tuple) else f"[{section}]"
+        for table in tables:
+            assert isinstance(table, Mapping)
+            lines += [header, *(f"{k} = {_toml_value(v)}" for k, v in table.items()), ""]
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        # A topology's numbers are finite (this module validates ports, bandwidths, delays).
+        return repr(value)
+    if isinstance(value, str):
+        # A JSON string is a TOML basic string (the same escapes).
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise ConfigError(f"topology value {value!r} has no TOML form")

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from mesh.topology import topology_toml
 from services.cli.lifeline import child_env
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.contract.access import TOKEN_ENV, bearer_headers
@@ -95,27 +96,6 @@ def chaos_topology(config: MeshConfig) -> dict[str, Any]:
     return data
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise ChaosMeshError(f"cannot write {value!r} as TOML")
-
-
-def dump_topology(data: Mapping[str, Any]) -> str:
-    """Arrays of tables of scalars and inline tables: all a topology file holds."""
-    lines: list[str] = []
-    for section, tables in data.items():
-        for table in tables:
-            lines.append(f"[[{section}]]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
-            lines.append("")
-    return "\n".join(lines)
 
 
 def procfile_text(python: str = sys.executable) -> str:
@@ -149,7 +129,7 @@ class ChaosMesh:
         return bearer_headers(self.token)
 
     def start(self, config: MeshConfig) -> None:
-        (self.workdir / "topology.toml").write_text(dump_topology(self.topology))
+        (self.workdir / "topology.toml").write_text(topology_toml(self.topology))
         (self.workdir / "Procfile").write_text(procfile_text())
         env = {**os.environ, TOKEN_ENV: self.token, "MALLOC_TOP_PAD_": "67108864"}
         with self.log.open("wb") as log:

@@ -16,14 +16,13 @@ Each keeps the number of workers and the hardware of each; only roles and cluste
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable
 
 import msgspec
 
 from mesh.errors import ConfigError
-from mesh.topology import Options, ServiceSpec, Topology
+from mesh.topology import Options, ServiceSpec, Topology, topology_toml
 
 DEPLOYMENTS = ("prfaas-pd", "homogeneous", "naive")
 # The policy each deployment runs with in the paper's comparison; any other policy (prfaas,
@@ -160,25 +159,5 @@ def topology_text(topology: Topology) -> str:
     """The topology as TOML that mesh.topology.parse_topology reads back equal: the file a
     generated deployment runs from (`prfaas serve NAME --topology FILE`)."""
     data = msgspec.to_builtins(topology)
-    lines: list[str] = []
-    for table in ("clusters", "services", "links"):
-        for entry in data[table]:
-            lines += [f"[[{table}]]", *(f"{k} = {_toml_value(v)}" for k, v in entry.items()), ""]
-    mesh = {k: v for k, v in data["mesh"].items() if v}
-    if mesh:
-        lines += ["[mesh]", *(f"{k} = {_toml_value(v)}" for k, v in mesh.items()), ""]
-    return "\n".join(lines)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        # A topology's numbers are finite (mesh.topology validates ports, bandwidths, delays).
-        return repr(value)
-    if isinstance(value, str):
-        # A JSON string is a TOML basic string (the same escapes).
-        return json.dumps(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise ConfigError(f"topology value {value!r} has no TOML form")
+    mesh = {k: v for k, v in data.pop("mesh").items() if v}
+    return topology_toml({**data, **({"mesh": mesh} if mesh else {})})
