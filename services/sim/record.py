@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import msgspec
 import trio
-import trio.testing
 
 from services.contract.events import AnyEvent, encode_json
+from services.sim.clock import JumpClock
 from services.sim.live import LiveConfig, LiveSim
 from services.sim.run import LinkChange
 from services.sim.workload import Arrival
@@ -39,11 +39,11 @@ async def record_events(deployment: Deployment, seconds: float, *,
 
 def record_virtual(deployment: Deployment, seconds: float, **options: object
                    ) -> list[AnyEvent]:
-    """`record_events` under trio on a clock that jumps whenever every task waits."""
+    """`record_events` under trio on a `JumpClock` (jumps whenever every task waits)."""
     async def main() -> list[AnyEvent]:
         return await record_events(deployment, seconds, **options)  # type: ignore[arg-type]
 
-    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(main, clock=JumpClock())
 
 
 def write_events(path: Path, events: Iterable[AnyEvent]) -> int:

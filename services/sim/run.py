@@ -4,7 +4,7 @@
 scheduler at its time as a client would (`Scheduler.submit`, then reading the answer to its
 end), applies scheduled link changes, samples the mesh every `sample_s`, and collects each
 request's record from the router's own events (`RoutingDecision`, `RequestDone`): the sim
-measures exactly what the live router reports. Run it under trio with a `MockClock`
+measures exactly what the live router reports. Run it under trio with a `JumpClock`
 (`run_virtual`): an hour of traffic takes seconds to minutes of wall time.
 """
 
@@ -17,7 +17,6 @@ import anyio
 import anyio.abc
 import msgspec
 import trio
-import trio.testing
 
 from mesh.events import Subscription
 from netem.params import LinkParams
@@ -25,6 +24,7 @@ from services.contract.events import Event, RequestDone, RoleChanged, RoutingDec
 from services.contract.messages import Sampling
 from services.router.errors import RouterError
 from services.router.openai.schema import GenerationRequest
+from services.sim.clock import JumpClock
 from services.sim.workload import Arrival
 from services.sim.world import Deployment, SimWorld, open_world
 
@@ -226,10 +226,10 @@ async def _apply_changes(world: SimWorld, start: float, changes: Sequence[LinkCh
 
 def run_virtual(deployment: Deployment, arrivals: Sequence[Arrival], **options: object,
                 ) -> tuple[SimResult, float]:
-    """`simulate` under trio on a `MockClock` that jumps whenever all tasks wait;
+    """`simulate` under trio on a `JumpClock` (services/sim/clock.py);
     (result, wall seconds)."""
     began = time.perf_counter()
-    clock = trio.testing.MockClock(autojump_threshold=0)
+    clock = JumpClock()
 
     async def main() -> SimResult:
         return await simulate(deployment, arrivals, **options)  # type: ignore[arg-type]
