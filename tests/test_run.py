@@ -4,6 +4,7 @@ no-ops."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import anyio
 import pytest
@@ -12,7 +13,7 @@ import trio.testing
 import uvloop
 
 from mesh.errors import ConfigError
-from mesh.run import backend_options, run
+from mesh.run import YOUNG_THRESHOLD, backend_options, fewer_collections, run
 
 
 def test_options_per_backend() -> None:
@@ -50,3 +51,26 @@ def test_run_on_virtual_time() -> None:
         return anyio.current_time()
 
     assert run(nap, backend="trio", clock=trio.testing.MockClock(autojump_threshold=0)) == 1000
+
+
+async def young_threshold() -> int:
+    await anyio.sleep(0)
+    return gc.get_threshold()[0]
+
+
+def test_fewer_collections_holds_for_a_run_and_restores_the_collector() -> None:
+    before = gc.get_threshold()
+    assert before[0] < YOUNG_THRESHOLD
+    with fewer_collections():
+        assert run(young_threshold, backend="trio") == YOUNG_THRESHOLD
+    assert gc.get_threshold() == before
+
+
+def test_fewer_collections_restores_the_thresholds_after_an_error() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(KeyError), fewer_collections(5000):
+        assert gc.get_threshold() == (5000, *before[1:])
+        raise KeyError("boom")
+    assert gc.get_threshold() == before
+    with pytest.raises(ConfigError, match="young must be >= 1"), fewer_collections(0):
+        pass

@@ -33,6 +33,7 @@ import anyio.abc
 import trio
 
 from mesh.errors import ConfigError, MeshError
+from mesh.run import fewer_collections
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
 from services.sim.controls import SimControls
@@ -103,7 +104,8 @@ def run_sim_dashboard(sim: LiveSim, host: str, port: int, *,
                     tasks.cancel_scope.cancel()
                     break
 
-    trio.run(main, clock=sim.clock)
+    with fewer_collections():
+        trio.run(main, clock=sim.clock)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ import anyio
 import msgspec
 import trio
 
+from mesh.run import fewer_collections
 from services.contract.events import AnyEvent, encode_json
 from services.sim.clock import JumpClock
 from services.sim.live import LiveConfig, LiveSim
@@ -43,7 +44,8 @@ def record_virtual(deployment: Deployment, seconds: float, **options: object
     async def main() -> list[AnyEvent]:
         return await record_events(deployment, seconds, **options)  # type: ignore[arg-type]
 
-    return trio.run(main, clock=JumpClock())
+    with fewer_collections():
+        return trio.run(main, clock=JumpClock())
 
 
 def write_events(path: Path, events: Iterable[AnyEvent]) -> int:

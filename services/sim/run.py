@@ -19,6 +19,7 @@ import msgspec
 import trio
 
 from mesh.events import Subscription
+from mesh.run import fewer_collections
 from netem.params import LinkParams
 from services.contract.events import Event, RequestDone, RoleChanged, RoutingDecision
 from services.contract.messages import Sampling
@@ -234,5 +235,6 @@ def run_virtual(deployment: Deployment, arrivals: Sequence[Arrival], **options: 
     async def main() -> SimResult:
         return await simulate(deployment, arrivals, **options)  # type: ignore[arg-type]
 
-    result = trio.run(main, clock=clock)
+    with fewer_collections():
+        result = trio.run(main, clock=clock)
     return result, time.perf_counter() - began
