@@ -35,6 +35,7 @@ from services.contract.messages import (
 from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer
+from services.router.errors import UpstreamFailed
 from services.worker import engine as engine_module
 from services.worker.decode import DecodeWorker
 from services.worker.kv_stream import merge_pieces
@@ -327,11 +328,12 @@ async def test_concurrent_requests_share_the_batch(topo: Topo) -> None:
 async def test_kv_for_another_model_is_refused_with_a_clear_error(topo: Topo) -> None:
     topology = parse_topology(topo("kimi-linear", "qwen-next"))
     async with in_process(topology, ["x", "d"]) as mesh, mesh.client() as client:
-        with trio.fail_after(60), pytest.raises(RemoteError) as failure:
+        with trio.fail_after(60), pytest.raises(UpstreamFailed, match="decode on d") as failed:
             await drive_request(client, tokens(80), prefill_worker="x", decode_worker="d",
                                 request_id="wrong", sampling=SAMPLING)
-        assert failure.value.error == "KVTransferError"
-        assert "config_hash" in failure.value.detail and "qwen-next" in failure.value.detail
+        failure = failed.value.__cause__
+        assert isinstance(failure, RemoteError) and failure.error == "KVTransferError"
+        assert "config_hash" in failure.detail and "qwen-next" in failure.detail
         assert decoder(mesh).statistics().failed == 1
 
 

@@ -1,14 +1,14 @@
 """`prfaas send`: drive one prompt through a chosen prefill worker and decode worker.
 
-Until the router exists this is how a request crosses the mesh (docs/architecture.md section 4,
-steps
-4-7): ask the cache directory what the decode worker already holds of the prompt, open the
-token stream at the decode worker, call the prefill worker at the same time (it streams the KV
-straight to the decode worker), and print the tokens as they arrive and the bytes moved.
+The data path without the router's choices (docs/architecture.md section 4, steps 4-7): ask
+the cache directory what the decode worker already holds of the prompt, then run the router's
+own request driver (`services.router.runner.drive`): the token stream opened at the decode
+worker beside the prefill call (the prefill worker streams the KV straight to the decode
+worker); print the tokens as they arrive and the bytes moved.
 
     prfaas send "To be, or not to be" --prefill prfaas-prefill-0 --decode pd-decode-0
 
-`drive_request` is the reusable part (tests, benchmarks, and a router can call it).
+`drive_request` collects one such request's tokens and timings (tests use it too).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from services.contract.messages import (
     WorkerState,
 )
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
+from services.router.errors import RouterError
+from services.router.runner import drive
 from services.service import link_service_of
-from services.worker.kv_stream import leaves
 from services.worker.prefix_store import prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -96,11 +97,12 @@ async def drive_request(
     timeout: float = 300.0,
     on_chunk: Callable[[TokenChunk], None] = lambda chunk: None,
 ) -> DriveResult:
-    """Decode stream and prefill call at once; a mesh error (RemoteError naming the remote
-    DataPathError) on failure.
+    """One prompt through two named workers on the router's request driver
+    (`services.router.runner.drive`), collecting its tokens and the client's timings.
 
-    When the prefill call fails, the decode stream is given `FAILURE_GRACE_S` to report its
-    own, more specific error (a cut KV stream) before the prefill's error is raised.
+    UpstreamFailed naming the worker on failure; when the prefill call fails, the decode
+    stream is given `FAILURE_GRACE_S` to report its own, more specific error (a cut KV
+    stream), which is then the one raised.
     """
     started = anyio.current_time()
     prompt = list(prompt)
@@ -111,45 +113,21 @@ async def drive_request(
                              decode_has_tokens=decode_has, sampling=sampling,
                              connections=connections, overlap=overlap,
                              chunk_tokens=chunk_tokens)
-    done: list[PrefillDone] = []
-    failed: list[MeshError] = []
     tokens: list[int] = []
     first_at: list[float] = []
-    reason: str | None = None
-    reading = anyio.CancelScope()
 
-    async def call_prefill() -> None:
-        try:
-            done.append(await node.call(prefill_worker, prefill, PrefillDone, timeout=timeout))
-        except MeshError as exc:
-            failed.append(exc)
-            reading.deadline = min(reading.deadline, anyio.current_time() + FAILURE_GRACE_S)
+    def take(chunk: TokenChunk) -> str | None:
+        first_at[:] = first_at or [anyio.current_time()]
+        tokens.extend(chunk.tokens)
+        on_chunk(chunk)
+        return chunk.finish_reason
 
-    try:
-        async with node.open_stream(decode_worker, decode, timeout=timeout) as stream, \
-                anyio.create_task_group() as tg:
-            tg.start_soon(call_prefill)
-            with reading:
-                async for chunk in stream:
-                    assert isinstance(chunk, TokenChunk)
-                    first_at = first_at or [anyio.current_time()]
-                    tokens.extend(chunk.tokens)
-                    reason = chunk.finish_reason
-                    on_chunk(chunk)
-    except BaseExceptionGroup as group:
-        raise _first_error(group) from group
-    if not done:
-        raise failed[0]
-    return DriveResult(request_id=request_id, tokens=tokens, finish_reason=reason,
-                       decode_has_tokens=decode_has, prefill=done[0],
-                       ttft_s=(first_at or [started])[0] - started,
+    driven = await drive(node, prefill_worker, prefill, decode_worker, decode, timeout=timeout,
+                         on_chunk=take, grace_s=FAILURE_GRACE_S)
+    return DriveResult(request_id=request_id, tokens=tokens,
+                       finish_reason=driven.finish_reason, decode_has_tokens=decode_has,
+                       prefill=driven.prefill, ttft_s=(first_at or [started])[0] - started,
                        e2e_s=anyio.current_time() - started)
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to report out of the task group (anyio wraps even a single one)."""
-    found = leaves(group)
-    return next((e for e in found if isinstance(e, Exception)), found[0])
 
 
 class LinkStatsError(MeshError):
@@ -279,7 +257,7 @@ def send_main(argv: list[str] | None = None) -> int:
         if not (args.text or args.tokens):
             raise ConfigError("give a prompt: TEXT or --tokens")
         report = anyio.run(_send, args, topology)
-    except (MeshError, DataPathError, ValueError) as exc:
+    except (MeshError, RouterError, DataPathError, ValueError) as exc:
         print(f"prfaas send: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(msgspec.json.encode(report).decode() if args.json else _summary(report))

@@ -1,14 +1,15 @@
 """Runs one placed request over the mesh, from its prefill to its last token.
 
-The prefill call (`PrefillRequest` to the prefill worker, which streams the KV the decode
-worker lacks straight to it) runs beside the decode worker's token stream (`DecodeRequest`);
-the tokens go through a `TextAssembler` into the request's outbox, with their logprobs when
-asked (named by services/router/openai/logprobs.py); a stop token (stop_token_ids) counts
-but, as in vLLM, adds no text. The first error either
-side meets is the request's (`UpstreamFailed`) and cancels the other; cancelling the
-request's scope (the client left) aborts the decode stream at its worker and gives up the
-prefill call. Counting and events of the request's end are the scheduler's
-(services/router/scheduler.py).
+`drive` is the data path, the one request driver: the prefill call (`PrefillRequest` to the
+prefill worker, which streams the KV the decode worker lacks straight to it) beside the decode
+worker's token stream (`DecodeRequest`). `RequestRunner` runs a router's request on it: the
+tokens go through a `TextAssembler` into the request's outbox, with their logprobs when asked
+(named by services/router/openai/logprobs.py); a stop token (stop_token_ids) counts but, as in
+vLLM, adds no text. The first error either side meets is the request's (`UpstreamFailed`)
+and cancels the other; cancelling the request's scope (the client left) aborts the decode
+stream at its worker and gives up the prefill call. `prfaas send` (services/cli/send.py)
+drives a prompt through two workers it names on the same `drive`. Counting and events of the
+request's end are the scheduler's (services/router/scheduler.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 
 from mesh.errors import MeshError
 from mesh.events import EventBus
@@ -36,6 +38,91 @@ if TYPE_CHECKING:
 
 
 
+class Driven(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request's data path ended: the prefill worker's report, the finish reason."""
+
+    prefill: PrefillDone
+    finish_reason: str
+
+
+def _nothing() -> None:
+    pass
+
+
+async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode_worker: str,
+                decode: DecodeRequest, *, timeout: float,
+                on_chunk: Callable[[TokenChunk], str | None],
+                on_prefilled: Callable[[], None] = _nothing, grace_s: float = 0.0) -> Driven:
+    """The data path of one placed request: the prefill call beside the decode worker's token
+    stream. The one request driver: the router's `RequestRunner` and `prfaas send` use it.
+
+    Each chunk goes to `on_chunk`, which returns the finish reason once the request is done;
+    done before the worker (a stop string, max_tokens), leaving the stream aborts the rest of
+    the generation there. `on_prefilled` runs when the prefill call ends, either way. Raises
+    UpstreamFailed naming the worker: the first error either side met, which cancels the
+    other; after a failed prefill the token stream has `grace_s` to report its own, more
+    specific error first (a cut KV stream), which is then the one raised.
+    """
+    failures: list[tuple[str, UpstreamFailed]] = []
+    done: list[PrefillDone] = []
+    reading = anyio.CancelScope()
+
+    async def call_prefill() -> None:
+        try:
+            done.append(await node.call(prefill_worker, prefill, PrefillDone, timeout=timeout))
+        except MeshError as exc:
+            failures.append(("prefill", _failed(f"prefill on {prefill_worker} failed", exc)))
+            reading.deadline = min(reading.deadline, anyio.current_time() + grace_s)
+        finally:
+            on_prefilled()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(call_prefill)
+        with reading:
+            reason = await _read_tokens(node, decode_worker, decode, timeout, on_chunk,
+                                        failures)
+        if failures:
+            group.cancel_scope.cancel()
+    if failures:
+        decoded = [f for kind, f in failures if kind == "decode"]
+        raise decoded[0] if decoded and grace_s > 0 else failures[0][1]
+    if reason is None:
+        raise UpstreamFailed(f"decode on {decode_worker} ended request {decode.request_id} "
+                             "without a finish reason")
+    return Driven(prefill=done[0], finish_reason=reason)
+
+
+async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: float,
+                       on_chunk: Callable[[TokenChunk], str | None],
+                       failures: list[tuple[str, UpstreamFailed]]) -> str | None:
+    """Feeds the decode worker's token stream to `on_chunk`; the finish reason it gave."""
+    try:
+        async with node.open_stream(worker, decode, timeout=timeout) as chunks:
+            async for chunk in chunks:
+                assert isinstance(chunk, TokenChunk)
+                reason = on_chunk(chunk)
+                if reason is not None and chunk.finish_reason is None:
+                    return reason
+                if reason is not None:
+                    # The worker has finished: its End follows at once; reading it spares it
+                    # an Abort (bench-router: 3% of the router's CPU).
+                    extra = await _after_end(chunks)
+                    if extra is not None:
+                        failures.append(("decode", UpstreamFailed(
+                            f"decode on {worker} sent {extra} after the finish reason")))
+                    return reason
+    except MeshError as exc:
+        failures.append(("decode", _failed(f"decode on {worker} failed", exc)))
+    return None
+
+
+def _failed(what: str, exc: MeshError) -> UpstreamFailed:
+    """UpstreamFailed for `exc`, which stays its cause (a RemoteError's kind and detail)."""
+    failure = UpstreamFailed(f"{what}: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
 class RequestRunner:
     """Runs placed requests (module docstring); `phase` publishes a request's progress."""
 
@@ -46,24 +133,23 @@ class RequestRunner:
         self.config, self.events, self.clock = config, events, clock
 
     async def run(self, handle: RequestHandle) -> Finished:
-        """1. call the prefill worker beside, 2. read the decode worker's tokens into the
-        outbox until a finish reason, 3. the first error either side met, else the result."""
-        p = handle.placement
-        assembler = TextAssembler(self.tokenizer, handle.request.stop,
-                                  handle.request.sampling.min_tokens)
+        """`drive` with the tokens going through a TextAssembler into the request's outbox;
+        the result, or the first error either side met."""
+        p, request, cfg = handle.placement, handle.request, self.config
+        assembler = TextAssembler(self.tokenizer, request.stop, request.sampling.min_tokens)
         self.phase(p.request_id, "prefill", p.prefill_worker, f"cluster {p.cluster}")
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._prefill, handle, group.cancel_scope)
-            reason = await self._decode(handle, assembler, group.cancel_scope)
-        if handle.error is not None:
-            raise handle.error
+        decode = DecodeRequest(request_id=p.request_id, prompt=request.prompt,
+                               sampling=request.sampling, kv_timeout=cfg.kv_timeout_s)
+        driven = await drive(
+            self.node, p.prefill_worker, self._prefill_request(handle), p.decode_worker, decode,
+            timeout=cfg.request_timeout_s,
+            on_chunk=lambda chunk: self._take(handle, chunk, assembler),
+            on_prefilled=lambda: self.workers.prefilled(p.prefill_worker))
+        handle.prefill = driven.prefill
         handle.outbox.put(assembler.finish())
-        if reason is None:
-            raise UpstreamFailed(f"decode on {p.decode_worker} ended request {p.request_id} "
-                                 "without a finish reason")
-        cached = handle.prefill.reused_tokens if handle.prefill else p.cached_tokens
-        return Finished(finish_reason=reason, prompt_tokens=p.prompt_tokens,
-                        completion_tokens=assembler.tokens, cached_tokens=cached)
+        return Finished(finish_reason=driven.finish_reason, prompt_tokens=p.prompt_tokens,
+                        completion_tokens=assembler.tokens,
+                        cached_tokens=driven.prefill.reused_tokens)
 
     def _prefill_request(self, handle: RequestHandle) -> PrefillRequest:
         p, request = handle.placement, handle.request
@@ -72,49 +158,6 @@ class RequestRunner:
             request_id=p.request_id, prompt=request.prompt, decode_worker=p.decode_worker,
             decode_has_tokens=p.decode_has_tokens, sampling=request.sampling,
             connections=lanes if p.cluster == "prfaas" else 1, pull=p.pull)
-
-    async def _prefill(self, handle: RequestHandle, scope: anyio.CancelScope) -> None:
-        worker = handle.placement.prefill_worker
-        try:
-            handle.prefill = await self.node.call(worker, self._prefill_request(handle),
-                                                  PrefillDone,
-                                                  timeout=self.config.request_timeout_s)
-        except MeshError as exc:
-            handle.error = handle.error or UpstreamFailed(f"prefill on {worker} failed: {exc}")
-            scope.cancel()
-        finally:
-            self.workers.prefilled(worker)
-
-    async def _decode(self, handle: RequestHandle, assembler: TextAssembler,
-                      scope: anyio.CancelScope) -> str | None:
-        """Feeds the decode worker's token stream to the outbox; its finish reason."""
-        p, cfg = handle.placement, self.config
-        decode = DecodeRequest(request_id=p.request_id, prompt=handle.request.prompt,
-                               sampling=handle.request.sampling, kv_timeout=cfg.kv_timeout_s)
-        try:
-            async with self.node.open_stream(p.decode_worker, decode,
-                                             timeout=cfg.request_timeout_s) as chunks:
-                async for chunk in chunks:
-                    assert isinstance(chunk, TokenChunk)
-                    reason = self._take(handle, chunk, assembler)
-                    if reason is not None and chunk.finish_reason is None:
-                        # Done before the worker (a stop string, max_tokens): leaving the
-                        # stream aborts the rest of the generation at the worker.
-                        return reason
-                    if reason is not None:
-                        # The worker has finished: its End follows at once; reading it
-                        # spares it an Abort (bench-router: 3% of the router's CPU).
-                        extra = await _after_end(chunks)
-                        if extra is not None:
-                            handle.error = handle.error or UpstreamFailed(
-                                f"decode on {p.decode_worker} sent {extra} after the finish "
-                                "reason")
-                        return reason
-        except MeshError as exc:
-            handle.error = handle.error or UpstreamFailed(
-                f"decode on {p.decode_worker} failed: {exc}")
-            scope.cancel()
-        return None
 
     def _take(self, handle: RequestHandle, chunk: TokenChunk,
               assembler: TextAssembler) -> str | None:
