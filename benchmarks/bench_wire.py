@@ -8,7 +8,8 @@ trip about 96 us). Left to itself the kernel often puts both ends of a round tri
 the round trip then costs no cross-CPU wake-ups (raw about 22 us) and its time is simply the
 CPU work of both sides: `--pin same` measures that case on purpose.
 The client (this process) measures, for each:
-  bulk   1 MiB frames: `node.stream_to` items against the byte-moving limit of a plain socket
+  bulk   1 MiB frames: `node.stream_to` items (payload a memoryview field, as KV pieces carry
+         theirs: decoded without a copy) against the byte-moving limit of a plain socket
          (raw: the same frame bytes, encoded once, `sendall` on one side and `recv_into` a
          preallocated buffer on the other, nothing decoded); GB/s. The raw side's framed
          msgspec stream (encode and decode every frame) is reported beside it as raw_msgspec
@@ -59,13 +60,14 @@ from mesh.transport import Address, TcpTransport
 from mesh.wire import Codec
 
 MALLOC_PAD = "67108864"
-PAYLOAD = b"\xa5" * (1 << 20)
+PAYLOAD = memoryview(b"\xa5" * (1 << 20))
 HOST = "127.0.0.1"
 
 
 class Chunk(msgspec.Struct, frozen=True, tag=True):
     seq: int
-    payload: bytes
+    # As KVChunk.data: decoded as a view of the received frame, without copying the payload.
+    payload: memoryview
 
 
 class Small(msgspec.Struct, frozen=True, tag=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from mesh.wire import Call, Codec
+from mesh.wire import HEADER_SIZE, Call, Codec, Item
 from services.contract.events import KVFlow
 from services.contract.messages import (
     CODEC_MESSAGES,
@@ -104,6 +104,16 @@ def test_round_trip_through_the_mesh_codec(message: msgspec.Struct) -> None:
     assert isinstance(envelope, Call)
     assert envelope.body == message
     assert type(envelope.body) is type(message)
+
+
+def test_a_kv_piece_is_decoded_as_a_view_of_its_frame_not_a_copy() -> None:
+    codec = Codec(CODEC_MESSAGES)
+    payload = bytes(range(256)) * 64
+    frame = bytes(codec.encode(Item(3, KVChunk(request_id="r", layer=1,
+                                               data=memoryview(payload))))[HEADER_SIZE:])
+    envelope = codec.decode(frame)
+    assert isinstance(envelope, Item) and isinstance(envelope.body, KVChunk)
+    assert envelope.body.data == payload and envelope.body.data.obj is frame
 
 
 def test_sampling_maps_to_model_params_and_rejects_bad_values() -> None:

@@ -198,7 +198,9 @@ class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
     request_id: str
     layer: int
-    data: bytes
+    # A view: msgspec decodes it out of the received frame without copying the payload (a
+    # copy of every KV byte was most of a bulk receive's cost); senders wrap their bytes.
+    data: memoryview
     start: int = 0
     # The simulation's pieces carry their modeled size here and no bytes (data is empty).
     nbytes: int = 0

@@ -259,7 +259,7 @@ class ModeledEngine:
         for index, ((_, end), pieces) in enumerate(zip(job.chunks, job.plan, strict=True)):
             for spec in pieces:
                 emit(index * cfg.n_layers + spec.layer, KVChunk(
-                    request_id=rid, layer=spec.layer, start=spec.start, data=b"",
+                    request_id=rid, layer=spec.layer, start=spec.start, data=memoryview(b""),
                     nbytes=self.piece_bytes(spec.layer, spec.start, end)))
         cache = job.cache
         for length in block_boundaries(job.reused, job.length, cfg.block_size, snapshot_every):
@@ -299,7 +299,7 @@ class ModeledEngine:
         return batch.advance(done)
 
     async def import_kv(self, opening: KVOpen, base: Any,
-                        pieces: Mapping[tuple[int, int], bytes]) -> VirtualCache:
+                        pieces: Mapping[tuple[int, int], bytes | memoryview]) -> VirtualCache:
         """The decode side's cache of the prompt: `base`'s prefix plus what the stream brought."""
         return VirtualCache(self._cfg, self.sizes, opening.end)
 

@@ -64,7 +64,7 @@ class Engine(Protocol):
     async def step(self, batch: Any, interrupt: anyio.Event) -> StepResult: ...
 
     async def import_kv(self, opening: KVOpen, base: Any,
-                        pieces: Mapping[tuple[int, int], bytes]) -> Any: ...
+                        pieces: Mapping[tuple[int, int], bytes | memoryview]) -> Any: ...
 
     @property
     def paces_decode(self) -> bool: ...
@@ -123,7 +123,7 @@ class ModelEngine:
                 piece = export_layer(job.cache, layer, spec.start, end)
                 emit(first_step + layer, KVChunk(request_id=job.request.request_id,
                                                  layer=layer, start=spec.start,
-                                                 data=piece.to_bytes()))
+                                                 data=memoryview(piece.to_bytes())))
         return on_layer
 
     def new_batch(self, slots: int) -> DecodeBatch:
@@ -134,7 +134,7 @@ class ModelEngine:
         return await anyio.to_thread.run_sync(batch.step)
 
     async def import_kv(self, opening: KVOpen, base: RequestCache | None,
-                        pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+                        pieces: Mapping[tuple[int, int], bytes | memoryview]) -> RequestCache:
         return await anyio.to_thread.run_sync(import_pieces, self.model.cfg, opening.dtype,
                                               base, pieces)
 

@@ -34,7 +34,7 @@ class KVAssembly:
         self.created = created
         self.claimed = False
         self.opening: KVOpen | None = None
-        self.pieces: dict[tuple[int, int], bytes] = {}  # (layer, start) -> encoded piece
+        self.pieces: dict[tuple[int, int], memoryview] = {}  # (layer, start) -> encoded piece
         self.nbytes = 0  # of `pieces`
         self.first_token: int | None = None
         self.first_logprob: TokenLogprob | None = None

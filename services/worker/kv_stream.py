@@ -206,7 +206,7 @@ def merge_pieces(pieces: list[KVPiece]) -> KVPiece:
 
 
 def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,
-                  pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+                  pieces: Mapping[tuple[int, int], bytes | memoryview]) -> RequestCache:
     """The cache rebuilt from a stream's pieces (in a worker thread: it copies tensors);
     KVTransferError says which piece did not fit."""
     by_layer: dict[int, list[KVPiece]] = {}

@@ -191,7 +191,7 @@ class PrefixTransfer:
                                                timeout=self.timeout) as sink:
             for layer, start, data in pieces:
                 await sink.send(KVChunk(request_id=request.request_id, layer=layer,
-                                        start=start, data=data))
+                                        start=start, data=memoryview(data)))
                 sent[0], sent[1] = sent[0] + 1, sent[1] + len(data)
             if lane == 0:
                 await sink.send(KVClose(request_id=request.request_id, first_token=NO_TOKEN))
