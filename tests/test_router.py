@@ -18,7 +18,8 @@ from router_fakes import BLOCK, TOPOLOGY, FakeMesh, Timing, fake_mesh, fake_toke
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
 from services.model.tokenizer import ByteTokenizer
-from services.router.app import CLUSTER_HEADER, RouterApp, router_config, run_router
+from services.router.app import CLUSTER_HEADER, RouterApp, run_router
+from services.router.config import router_config
 from services.router.load import DemoWorkload, WorkloadConfig
 from services.router.openai.schema import CompletionRequest, Limits, completion_generation
 from services.router.policies import create_policy

@@ -34,9 +34,7 @@ scheduler, the control loops, the demo workload) is anyio and runs on trio in th
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Mapping
 from functools import partial
 from typing import Any, Literal
 
@@ -53,11 +51,11 @@ from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.transport import Address
 from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
-from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
+from services.router.config import RouterConfig, router_config
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
-from services.router.link import LinkEnds, http_link_probe, link_ends, link_urls
+from services.router.link import http_link_probe, link_ends, link_urls
 from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
 from services.router.metrics import SchedulerCollector
 from services.router.openai.schema import (
@@ -70,10 +68,10 @@ from services.router.openai.schema import (
     decode_request,
     unknown_fields,
 )
-from services.router.policies import POLICIES, create_policy
+from services.router.policies import create_policy
 from services.router.requests import RequestHandle
 from services.router.responses import Kind, Responder, stream_events
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import ServiceContext, serve_events
 
@@ -303,83 +301,6 @@ class RouterApp:
                       exc_info=error)
         body = RouterError(f"internal error: {type(error).__name__}: {error}").body()
         return _json_response(body, 500)
-
-
-class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The router service's options in the topology (all optional)."""
-
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    policy: str = "prfaas"
-    # Router tokens per paper token: scales t (19.4K in the paper), prfaas-dynamic's model
-    # and the demo workload's lengths to the small model.
-    scale: float = DEFAULT_TOKEN_SCALE
-    # The prefix rule (paper section 3.3): "auto" counts the best cache anywhere while the
-    # link is calm (moving it across, services/worker/prefix_pull.py) and each cluster's own
-    # under load; "scarce" / "abundant" pin one rule.
-    bandwidth: Literal["auto", "scarce", "abundant"] = "auto"
-    max_context: int = 4096
-    max_inflight: int = 64
-    block_size: int = 64  # must equal the workers' model block size
-    connections: int = 4
-    tick_s: float = 1.0
-    model: str = "prfaas"
-    tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
-    # Each policy's own options (fields of its config type) over the defaults that
-    # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
-    # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".
-    policies: dict[str, dict[str, Any]] = {}
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.policies) - set(POLICIES))
-        if unknown:
-            raise ConfigError(f"router option policies names unknown policies {unknown}; "
-                              f"known: {sorted(POLICIES)}")
-        for name in ("scale", "max_context", "max_inflight", "block_size", "connections",
-                     "tick_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"router option {name} must be > 0, got "
-                                  f"{getattr(self, name)!r}")
-
-    def policy_options(self) -> dict[str, dict[str, object]]:
-        t = 19400.0 * self.scale
-        derived: dict[str, dict[str, object]] = {
-            "prfaas": {"threshold": t, "bandwidth": self.bandwidth},
-            "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
-            "dynamo": {"max_local_prefill_length": round(t)}}
-        return {name: {**derived.get(name, {}), **self.policies.get(name, {})}
-                for name in {*derived, *self.policies}}
-
-    def scheduler_config(self, links: tuple[LinkEnds, ...] = ()) -> SchedulerConfig:
-        return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
-                               connections=self.connections, links=links)
-
-
-def router_config(options: Mapping[str, object]) -> RouterConfig:
-    """The router's config; a dotted key "policy.option[.field]" goes into `policies`."""
-    plain = {key: value for key, value in options.items() if "." not in key}
-    try:
-        policies = _with_dotted(msgspec.convert(plain, RouterConfig).policies, options)
-        return msgspec.convert({**plain, "policies": policies}, RouterConfig)
-    except (msgspec.ValidationError, ConfigError) as exc:
-        raise ConfigError(f"router options: {exc}") from exc
-
-
-def _with_dotted(policies: dict[str, dict[str, Any]],
-                 options: Mapping[str, object]) -> dict[str, Any]:
-    """A copy of `policies` with each dotted option "policy.option[.field]" set in it."""
-    out: dict[str, Any] = copy.deepcopy(policies)
-    for key, value in options.items():
-        if "." not in key:
-            continue
-        *path, leaf = key.split(".")
-        node = out
-        for part in path:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"option {key!r}: {part!r} is set to a value, not a table")
-        node[leaf] = value
-    return out
 
 
 def build_scheduler(ctx: ServiceContext, config: RouterConfig) -> Scheduler:
