@@ -157,6 +157,8 @@ def raw_serve(conn: socket.socket) -> None:
                 conn.sendall(frame(encoder.encode(msg)))
             else:
                 tally += 1
+            # A Chunk's payload is a view of buf, which cannot be resized while it lives.
+            del msg
         del buf[:pos]
 
 
