@@ -88,6 +88,8 @@ def test_batched_decode_equals_each_alone(model: HybridLM) -> None:
     stats = batch.statistics()
     assert (stats.joined, stats.left, stats.members) == (8, 8, 0)
     assert stats.slots >= 2 and stats.tokens == sum(budgets) - 8
+    # The rows grew in whole blocks past the longest member (129 + 20 tokens).
+    assert stats.token_capacity % 64 == 0 and stats.token_capacity >= 149
 
 
 def test_leave_midway_returns_a_working_cache(model: HybridLM) -> None:

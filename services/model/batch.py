@@ -70,6 +70,8 @@ class DecodeBatchStatistics(msgspec.Struct, frozen=True):
     joined: int
     left: int
     tokens_in_cache: int
+    # Tokens each member's full-attention row holds (the padded rows cost slots x this).
+    token_capacity: int = 0
 
 
 @dataclass
@@ -245,6 +247,7 @@ class DecodeBatch:
             members=len(self._members), slots=self._slots, steps=self._steps,
             tokens=self._tokens, joined=self._joined, left=self._left,
             tokens_in_cache=sum(m.cache.length for m in self._members),
+            token_capacity=max((s.capacity for s in self._token_slots.values()), default=0),
         )
 
     def check_integrity(self) -> None:
