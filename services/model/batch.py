@@ -5,7 +5,8 @@ each member's next token with its own parameters and generator. Projections, FFN
 linear/window layers' recurrences are batched. Their fixed-size states live in batch-owned
 buffers [slots, ...]: while a request is a member, its cache's LinearState/WindowKV tensors
 are views of its slot, so a step updates them in place with no gather or scatter. Full-
-attention KV stays in each request's own TokenKV and is attended per request (lengths differ).
+attention KV lives the same way in zero-padded rows [slots, A, capacity, X] (`TokenSlots`,
+capacity grown for the longest member), attended with masks for the shorter ones.
 Leaving gives the request its own copies back and moves the last member into the freed slot.
 """
 
@@ -18,9 +19,17 @@ import torch
 from torch import Tensor
 
 from services.contract.messages import TokenLogprob
-from services.model.cache import CacheError, LinearState, RequestCache, TokenKV, WindowKV
-from services.model.config import LINEAR_KINDS, WINDOW_KINDS, ModelConfig
+from services.model.cache import (
+    CacheError,
+    LinearState,
+    RequestCache,
+    TokenKV,
+    WindowKV,
+    token_shapes,
+)
+from services.model.config import FULL_ATTENTION_KINDS, LINEAR_KINDS, WINDOW_KINDS, ModelConfig
 from services.model.model import BatchLayerState, HybridLM
+from services.model.padded_kv import TokenSlots, release
 from services.model.sampling import RequestSampler, SamplingParams, sample_tokens
 
 
@@ -61,6 +70,8 @@ class DecodeBatchStatistics(msgspec.Struct, frozen=True):
     joined: int
     left: int
     tokens_in_cache: int
+    # Tokens each member's full-attention row holds (the padded rows cost slots x this).
+    token_capacity: int = 0
 
 
 @dataclass
@@ -90,6 +101,10 @@ class DecodeBatch:
         self.cfg = model.cfg
         self._members: list[_Member] = []
         self._buffers: dict[int, LinearState | WindowKV] = {}
+        self._token_slots = {
+            layer: TokenSlots(token_shapes(self.cfg, kind), 0, 0, self.cfg.block_size,
+                              model.dtype)
+            for layer, kind in enumerate(self.cfg.layer_kinds) if kind in FULL_ATTENTION_KINDS}
         self._slots = 0
         self._steps = self._tokens = self._joined = self._left = 0
         self._grow(max(1, slots))
@@ -110,9 +125,12 @@ class DecodeBatch:
         self._check_joinable(request_id, cache, next_token, params, generated)
         if len(self._members) == self._slots:
             self._grow(2 * self._slots)
+        self._fit_tokens(cache.length + 1)
         slot = len(self._members)
         for index, buffer in self._buffers.items():
             _adopt(cache, index, buffer, slot)
+        for index, storage in self._token_slots.items():
+            storage.adopt(cache.token_kv(index), slot)
         sampler = RequestSampler(params, self.cfg.eos_id)
         self._members.append(_Member(request_id, cache, sampler, next_token, generated))
         self._joined += 1
@@ -141,11 +159,12 @@ class DecodeBatch:
         member = self._members[index]
         for layer in self._buffers:
             _release(member.cache, layer)
+        for layer in self._token_slots:
+            release(member.cache.token_kv(layer))
         last = self._members.pop()
         if last is not member:
             self._members[index] = last
-            for layer, buffer in self._buffers.items():
-                _adopt(last.cache, layer, buffer, index)
+            self._adopt_all(last.cache, index)
         self._left += 1
         return member.cache
 
@@ -155,12 +174,30 @@ class DecodeBatch:
             fresh = _empty_buffer(self.cfg, kind, slots, self.model.dtype)
             if fresh is not None:
                 self._buffers[layer] = fresh
+        for layer, storage in self._token_slots.items():
+            self._token_slots[layer] = storage.resized(slots, 0)
         self._slots = slots
         for slot, member in enumerate(self._members):
-            for layer, buffer in self._buffers.items():
-                _adopt(member.cache, layer, buffer, slot)
+            self._adopt_all(member.cache, slot)
 
-    def layer_states(self) -> list[BatchLayerState]:
+    def _fit_tokens(self, length: int) -> None:
+        """Grow the full-attention rows (all members re-adopted) so `length` tokens fit."""
+        if all(s.capacity >= length for s in self._token_slots.values()):
+            return
+        for layer, storage in self._token_slots.items():
+            self._token_slots[layer] = storage.resized(self._slots, length)
+        for slot, member in enumerate(self._members):
+            for layer, storage in self._token_slots.items():
+                storage.adopt(member.cache.token_kv(layer), slot)
+
+    def _adopt_all(self, cache: RequestCache, slot: int) -> None:
+        for layer, buffer in self._buffers.items():
+            _adopt(cache, layer, buffer, slot)
+        for layer, storage in self._token_slots.items():
+            storage.adopt(cache.token_kv(layer), slot)
+
+    def layer_states(self, lengths: Tensor) -> list[BatchLayerState]:
+        """Each layer's state for one step; `lengths` [B] the members' cache lengths."""
         n = len(self._members)
         states: list[BatchLayerState] = []
         for layer in range(self.cfg.n_layers):
@@ -170,7 +207,8 @@ class DecodeBatch:
             elif isinstance(buffer, WindowKV):
                 states.append(WindowKV(buffer.k[:n], buffer.v[:n]))
             else:
-                states.append([m.cache.token_kv(layer) for m in self._members])
+                members = [m.cache.token_kv(layer) for m in self._members]
+                states.append(self._token_slots[layer].padded(members, lengths))
         return states
 
     @torch.no_grad()
@@ -180,8 +218,10 @@ class DecodeBatch:
             return StepResult((), {})
         members = list(self._members)
         ids = torch.tensor([m.next_token for m in members])
-        positions = torch.tensor([m.cache.length for m in members])
-        hidden = self.model.decode_hidden(ids, self.layer_states(), positions)
+        lengths = [m.cache.length for m in members]
+        self._fit_tokens(max(lengths) + 1)
+        positions = torch.tensor(lengths)
+        hidden = self.model.decode_hidden(ids, self.layer_states(positions), positions)
         logits = self.model.logits(hidden)  # [B, V]
         tokens = sample_tokens(logits, [m.sampler for m in members],
                                [m.generated for m in members])
@@ -207,6 +247,7 @@ class DecodeBatch:
             members=len(self._members), slots=self._slots, steps=self._steps,
             tokens=self._tokens, joined=self._joined, left=self._left,
             tokens_in_cache=sum(m.cache.length for m in self._members),
+            token_capacity=max((s.capacity for s in self._token_slots.values()), default=0),
         )
 
     def check_integrity(self) -> None:
@@ -217,6 +258,9 @@ class DecodeBatch:
             member.cache.check_integrity()
             for layer, buffer in self._buffers.items():
                 if not _is_view_of(member.cache.layers[layer], buffer, slot):
+                    raise CacheError(f"{member.request_id!r} layer {layer} is not slot {slot}")
+            for layer, storage in self._token_slots.items():
+                if not storage.holds(member.cache.token_kv(layer), slot):
                     raise CacheError(f"{member.request_id!r} layer {layer} is not slot {slot}")
 
 

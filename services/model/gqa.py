@@ -12,9 +12,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from services.model.attention import causal_attention, ragged_decode_attention
+from services.model.attention import (
+    causal_attention,
+    padded_decode_attention,
+    ragged_decode_attention,
+)
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
+from services.model.padded_kv import PaddedKV
 from services.model.rope import Rotary, rotate
 
 
@@ -73,12 +78,18 @@ class GQA(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, self.hq * self.d)
         return self._output(x, o), [None] * len(snapshot_at)
 
-    def decode(self, x: Tensor, caches: Sequence[TokenKV], positions: Tensor) -> Tensor:
-        """x [B, 1, C], positions [B]; request i attends over caches[i] plus its new token."""
+    def decode(self, x: Tensor, caches: Sequence[TokenKV] | PaddedKV,
+               positions: Tensor) -> Tensor:
+        """x [B, 1, C], positions [B]; request i attends over its KV plus its new token: a
+        decode batch's PaddedKV, or caches[i] (the per-request reference path)."""
         b = x.shape[0]
         q, k, v = self.qkv(x, positions[:, None])  # [B, 1, H, D]
-        for i, kv in enumerate(caches):
-            kv.append([k[i].transpose(0, 1), v[i].transpose(0, 1)])  # [Hkv, 1, D]
-        views = [kv.views() for kv in caches]  # [Hkv, L, D] each
-        o = ragged_decode_attention(q[:, 0], [x[0] for x in views], [x[1] for x in views])
+        if isinstance(caches, PaddedKV):
+            keys, values = caches.append([k[:, 0], v[:, 0]])  # [B, Hkv, Lmax, D]
+            o = padded_decode_attention(q[:, 0], keys, values, caches.lengths + 1)
+        else:
+            for i, kv in enumerate(caches):
+                kv.append([k[i].transpose(0, 1), v[i].transpose(0, 1)])  # [Hkv, 1, D]
+            views = [kv.views() for kv in caches]  # [Hkv, L, D] each
+            o = ragged_decode_attention(q[:, 0], [x[0] for x in views], [x[1] for x in views])
         return self._output(x, o.reshape(b, 1, self.hq * self.d))

@@ -14,10 +14,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from services.model.attention import causal_attention, ragged_decode_attention
+from services.model.attention import (
+    causal_attention,
+    padded_decode_attention,
+    ragged_decode_attention,
+)
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
 from services.model.norm import RMSNorm
+from services.model.padded_kv import PaddedKV
 
 
 class MLA(nn.Module):
@@ -52,18 +57,24 @@ class MLA(nn.Module):
         o = causal_attention(q, k, v)  # [B, H, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(b, t, h * d)), [None] * len(snapshot_at)
 
-    def decode(self, x: Tensor, caches: Sequence[TokenKV]) -> Tensor:
-        """x [B, 1, C]; request i attends over caches[i] (its new latent appended first)."""
+    def decode(self, x: Tensor, caches: Sequence[TokenKV] | PaddedKV) -> Tensor:
+        """x [B, 1, C]; request i attends over its KV (its new latent appended first): a
+        decode batch's PaddedKV, or caches[i] (the per-request reference path)."""
         b = x.shape[0]
         h, d, r = self.heads, self.head_dim, self.rank
         q = self.q_proj(x).view(b, h, d)
         latent = self.kv_norm(self.kv_down(x))  # [B, 1, r]
         q_latent = torch.einsum("bhd,hdr->bhr", q, self.k_up.weight.view(h, d, r))
-        for i, kv in enumerate(caches):
-            kv.append([latent[i : i + 1]])
         # One latent "head" [1, L, r] per request, shared by all query heads.
-        context = ragged_decode_attention(q_latent, [kv.views()[0] for kv in caches], None,
-                                          scale=d**-0.5)  # [B, H, r]
+        if isinstance(caches, PaddedKV):
+            latents = caches.append([latent])[0]  # [B, 1, Lmax, r]
+            context = padded_decode_attention(q_latent, latents, None, caches.lengths + 1,
+                                              scale=d**-0.5)  # [B, H, r]
+        else:
+            for i, kv in enumerate(caches):
+                kv.append([latent[i : i + 1]])
+            context = ragged_decode_attention(q_latent, [kv.views()[0] for kv in caches], None,
+                                              scale=d**-0.5)
         o = torch.einsum("bhr,hvr->bhv", context, self.v_up.weight.view(h, d, r))
         out: Tensor = self.o_proj(o.reshape(b, 1, h * d))
         return out

@@ -34,12 +34,14 @@ from services.model.gqa import GQA
 from services.model.kda import KDA
 from services.model.mla import MLA
 from services.model.norm import RMSNorm
+from services.model.padded_kv import PaddedKV
 from services.model.precision import resolve_dtype
 from services.model.swa import SlidingWindowAttention
 
 Mixer = KDA | GatedDeltaNet | MLA | GQA | SlidingWindowAttention
-# One decode-batch entry per layer: the members' TokenKVs, or a batched state.
-BatchLayerState = list[TokenKV] | LinearState | WindowKV
+# One decode-batch entry per layer: the members' TokenKVs (the per-request reference path) or
+# their PaddedKV, or a batched state.
+BatchLayerState = list[TokenKV] | PaddedKV | LinearState | WindowKV
 LayerHook = Callable[[int], None]
 
 
@@ -76,9 +78,9 @@ class Block(nn.Module):
             mixed = mixer.decode(h, state)
         elif isinstance(mixer, SlidingWindowAttention) and isinstance(state, WindowKV):
             mixed = mixer.decode(h, state, positions)
-        elif isinstance(mixer, MLA) and isinstance(state, list):
+        elif isinstance(mixer, MLA) and isinstance(state, list | PaddedKV):
             mixed = mixer.decode(h, state)
-        elif isinstance(mixer, GQA) and isinstance(state, list):
+        elif isinstance(mixer, GQA) and isinstance(state, list | PaddedKV):
             mixed = mixer.decode(h, state, positions)
         else:
             raise CacheError(f"{self.kind} layer cannot decode with {type(state).__name__}")
