@@ -188,7 +188,7 @@ def decode_rounds(model: HybridLM, p_lin: int, steps: int, repeats: int,
                   matmul_sample: Sampler) -> dict[str, object]:
     """Decode tokens/s per batch size and b32/b1, medians of `repeats` rounds in which the
     batch sizes take turns (the ratio is taken within each round); b32's fraction of the
-    matmul rate sampled just before it."""
+    matmul rate sampled just after it."""
     batches = {b: decode_batch(model, b, DECODE_CONTEXT) for b in DECODE_BATCHES}
     for running in batches.values():
         for _ in range(2):
@@ -198,13 +198,15 @@ def decode_rounds(model: HybridLM, p_lin: int, steps: int, repeats: int,
     flops = decode_flops(model.cfg, p_lin, DECODE_CONTEXT + steps // 2)
     for _ in range(repeats):
         for b, running in batches.items():
-            peak = matmul_sample()[0] if b == DECODE_BATCHES[-1] else 0.0
             start = time.perf_counter()
             for _ in range(steps):
                 running.step()
             rates[b].append(b * steps / (time.perf_counter() - start))
-            if peak:
-                fractions.append(rates[b][-1] * flops / 1e9 / peak)
+            if b == DECODE_BATCHES[-1]:
+                # Sampled just after, not before: the sample's matrices would push the model's
+                # weights out of the cache, and the timed steps would pay the bench's own
+                # pollution (a serving decode loop runs step after step on warm weights).
+                fractions.append(rates[b][-1] * flops / 1e9 / matmul_sample()[0])
     row: dict[str, object] = {}
     for b, values in rates.items():
         row[f"decode_{b}"], row[f"decode_{b}_spread"] = summary(values)
