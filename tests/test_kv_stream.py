@@ -118,6 +118,17 @@ def test_assembly_is_ready_when_every_lane_closed_and_the_first_token_known() ->
     assert assembly.failure is not None
 
 
+def test_a_small_piece_does_not_keep_the_large_read_it_came_in_alive() -> None:
+    read = bytes(1 << 20)
+    assembly = KVAssembly("r", 0.0)
+    assembly.add(KVChunk(request_id="r", layer=0, data=memoryview(read)[:100]))
+    assembly.add(KVChunk(request_id="r", layer=1, data=memoryview(read)[:900_000]))
+    small, large = assembly.pieces[0, 0], assembly.pieces[1, 0]
+    assert small.obj is not read and bytes(small) == read[:100]
+    assert large.obj is read  # most of its buffer: kept as it came, no copy
+    assert assembly.nbytes == 900_100
+
+
 @pytest.mark.parametrize("tokens", [[], [0, 5, 9], [3, 10, 2], [-1, 4], [4, 9, 12, -3], [10]])
 def test_out_of_range_names_the_first_bad_id_as_a_scan_does(tokens: list[int]) -> None:
     expected = next((t for t in tokens if not 0 <= t < 10), None)

@@ -25,6 +25,20 @@ from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen, Tok
 
 log = logging.getLogger(__name__)
 
+# A received piece is a view of the frame it came in (KVChunk.data); a small piece that shares
+# a large read with other frames would keep the whole read alive unaccounted, so it is copied.
+_VIEW_SLACK = 64 * 1024
+
+
+def _owned(data: memoryview) -> memoryview:
+    """`data` itself when its buffer is about its size, else a copy of just its bytes."""
+    view = memoryview(data)
+    base = view.obj
+    size = len(base) if isinstance(base, bytes | bytearray) else view.nbytes
+    if size > 2 * view.nbytes + _VIEW_SLACK:
+        return memoryview(bytes(view))
+    return view
+
 
 class KVAssembly:
     """One request's incoming KV: the lanes' pieces, the first token, or why it failed."""
@@ -71,7 +85,7 @@ class KVAssembly:
         if key in self.pieces:
             raise KVTransferError(f"piece (layer {chunk.layer}, start {chunk.start}) of "
                                   f"{self.request_id!r} arrived twice")
-        self.pieces[key] = chunk.data
+        self.pieces[key] = _owned(chunk.data)
         self.nbytes += len(chunk.data)
 
     def close_lane(self, lane: int) -> None:
