@@ -1,16 +1,32 @@
-"""Ports for tests that start services on fixed ports (a topology names them).
+"""Ports for tests that start services on fixed ports (a topology names them), in one place.
 
-Each port comes with the 15 after it free and handed to nobody else in the same call: any of
-them may be a link's `proxy_base_port`, whose proxy binds one port per worker each way. The
-ports are checked free when picked; nothing holds them until the services bind.
+`free_port` and `ephemeral_ports`: ports the kernel picks, free right now, released at once.
+`free_ports`: each port comes with the 15 after it free and handed to nobody else in the same
+call: any of them may be a link's `proxy_base_port`, whose proxy binds one port per worker each
+way. Every port is checked free when picked; nothing holds it until the services bind.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+from contextlib import ExitStack
 
 SPAN = 16
+
+
+def free_port() -> int:
+    """One port free right now (the kernel's pick)."""
+    return ephemeral_ports(1)[0]
+
+
+def ephemeral_ports(count: int) -> list[int]:
+    """`count` distinct ports free right now (bound together, then released)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def _free(port: int) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,7 @@ from mesh.transport import Address, TcpTransport
 from mesh.wire import Codec
 from services.cli.launch import LaunchError, launch
 from services.contract.messages import CODEC_MESSAGES, Echo
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from tests.ports import free_port
 
 
 @pytest.mark.trio

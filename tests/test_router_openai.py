@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import socket
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -40,17 +39,12 @@ from services.model.model import HybridLM, build_model
 from services.model.tokenizer import load_default
 from services.router.openai.schema import ChatMessage, render_chat
 from services.service import ServiceContext
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD = 97  # 19,400 x scale 0.005: a long prompt is offloaded, a short one is not
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def topology(http_port: int) -> Topology:

@@ -8,7 +8,6 @@ Prompts are token ids below the tiny model's vocabulary (512).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,18 +22,13 @@ from mesh.topology import Topology, parse_topology
 from mesh.transport import Address, MemoryHub, MemoryTransport
 from services.cli.serve import run_service
 from services.service import ServiceContext
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 MAX_BATCH = 4  # the decode worker's streams at once: the router's admission limit
 WORKERS = ("cachedir", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def topology(http_port: int) -> Topology:

@@ -3,8 +3,6 @@ stream, the echo service in this process."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 import trio
@@ -20,14 +18,7 @@ from services.contract.events import Event, WorkerStatus
 from services.contract.messages import Echo, Subscribe
 from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
 from services.worker.service import WorkerService
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
+from tests.ports import free_port
 
 TOPOLOGY = parse_topology(f"""
 [[clusters]]

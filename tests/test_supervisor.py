@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from mesh.errors import ConfigError
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
+from tests.ports import free_port
 
 SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
            "'import time; print(\"up\", flush=True); time.sleep(600)'")
@@ -158,12 +158,6 @@ time.sleep(1.0)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.mark.slow

@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from ui_fixtures.mesh import topology_text
 
 from mesh.topology import Topology, load_topology, parse_topology
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "workshop.md"
@@ -72,11 +72,6 @@ def guide_blocks(text: str) -> list[Block]:
         blocks.append(Block(section, tuple(m["info"].split()), m["body"]))
     return blocks
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def moved_ports(base: Topology, moved: Topology) -> dict[int, int]:

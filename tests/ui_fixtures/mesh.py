@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from mesh.topology import Options, Scalar, Topology, load_topology
 from services.cli.launch import launch
 from services.cli.serve import default_topology
 from services.service import WORKER_KINDS
+from tests.ports import ephemeral_ports, free_port
 
 # Services the dashboard shows; echo proves the runtime only.
 MESH_SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0",
@@ -29,18 +30,10 @@ MESH_SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-d
 WORKER_OPTIONS: Options = {"checkpoint": "none", "threads": 1}
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free right now (bound together, then released)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-
 
 def free_range(count: int) -> int:
     """The first of `count` consecutive free ports (a link's proxy routes need a range)."""
-    for first in free_ports(8):
+    for first in ephemeral_ports(8):
         if first + count <= 65535 and all(_free(port) for port in range(first, first + count)):
             return first
     raise RuntimeError(f"no {count} consecutive free ports found")
@@ -62,7 +55,7 @@ def _moved_options(kind: str, options: Mapping[str, Scalar], workers_b: int) -> 
         if key == "proxy_base_port":
             moved[key] = free_range(workers_b)
         elif key.endswith("_port"):
-            moved[key] = free_ports(1)[0]
+            moved[key] = free_port()
     if kind in WORKER_KINDS:
         moved.update(WORKER_OPTIONS)
     return moved
@@ -98,7 +91,7 @@ def topology_text(base: Topology | None = None) -> str:
     for s in topology.services:
         options = _moved_options(s.kind, s.options, workers_b)
         parts.append(_table("services", {"name": s.name, "kind": s.kind, "cluster": s.cluster,
-                                         "host": s.host, "port": free_ports(1)[0],
+                                         "host": s.host, "port": free_port(),
                                          "options": options}))
     parts += [_table("links", {"name": ln.name, "a": ln.a, "b": ln.b,
                                "bandwidth_bps": ln.bandwidth_bps, "delay_s": ln.delay_s})
