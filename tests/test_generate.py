@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from services.model.batch import DecodeBatch
+from services.model.batch import SHRINK_FLOOR_BLOCKS, DecodeBatch
 from services.model.cache import CacheError, LinearState, RequestCache, TokenKV, WindowKV
 from services.model.config import FAMILIES, ModelConfig, family_config
 from services.model.generate import generate, prefill
@@ -70,6 +70,7 @@ def test_batched_decode_equals_each_alone(model: HybridLM) -> None:
     got: dict[str, list[int]] = {}
     waiting = list(range(8))
     step_no = 0
+    capacities = []
     while waiting or len(batch):
         # Two requests join every other step; others leave when their budget runs out.
         if step_no % 2 == 0:
@@ -83,13 +84,31 @@ def test_batched_decode_equals_each_alone(model: HybridLM) -> None:
         for event in batch.step().events:
             got[event.request_id].append(event.token)
         batch.check_integrity()
+        capacities.append(batch.statistics().token_capacity)
         step_no += 1
     assert [got[str(i)] for i in range(8)] == alone
     stats = batch.statistics()
     assert (stats.joined, stats.left, stats.members) == (8, 8, 0)
     assert stats.slots >= 2 and stats.tokens == sum(budgets) - 8
     # The rows grew in whole blocks past the longest member (129 + 20 tokens).
-    assert stats.token_capacity % 64 == 0 and stats.token_capacity >= 149
+    assert all(c % 64 == 0 for c in capacities) and max(capacities) >= 149
+
+
+def test_rows_shrink_when_the_long_member_leaves(model: HybridLM) -> None:
+    batch = DecodeBatch(model, slots=2)
+    params = SamplingParams(max_new_tokens=50, stop_on_eos=False)
+    for name, n in (("long", 700), ("short", 30)):
+        result = prefill(model, tokens(n, seed=n))
+        batch.join(name, result.cache, int(result.logits.argmax()), params)
+    batch.step()
+    assert batch.statistics().token_capacity >= 702
+    batch.leave("long")
+    batch.check_integrity()
+    assert batch.statistics().token_capacity == SHRINK_FLOOR_BLOCKS * 64
+    # The short one decodes on as it would alone.
+    alone = generate(model, tokens(30, seed=30), 6, stop_on_eos=False).tokens
+    out = [event.token for _ in range(4) for event in batch.step().events]
+    assert out == alone[2:6]
 
 
 def test_leave_midway_returns_a_working_cache(model: HybridLM) -> None:

@@ -93,6 +93,10 @@ def finish_reason(token: int, generated: int, params: SamplingParams, eos_id: in
     return None
 
 
+# Full-attention rows never shrink below this many blocks (no churn for short requests).
+SHRINK_FLOOR_BLOCKS = 4
+
+
 class DecodeBatch:
     """The decode side's running batch over one model."""
 
@@ -166,6 +170,7 @@ class DecodeBatch:
             self._members[index] = last
             self._adopt_all(last.cache, index)
         self._left += 1
+        self._shrink_tokens()
         return member.cache
 
     def _grow(self, slots: int) -> None:
@@ -186,6 +191,22 @@ class DecodeBatch:
             return
         for layer, storage in self._token_slots.items():
             self._token_slots[layer] = storage.resized(self._slots, length)
+        self._readopt_tokens()
+
+    def _shrink_tokens(self) -> None:
+        """Shrink the full-attention rows once the longest member needs under half of them:
+        a step attends over whole rows, so a long request that has left would otherwise slow
+        every later step of the short ones. (A copy of the members' tokens, amortised.)"""
+        need = max((m.cache.length + 1 for m in self._members), default=1)
+        floor = SHRINK_FLOOR_BLOCKS * self.cfg.block_size
+        capacity = max((s.capacity for s in self._token_slots.values()), default=0)
+        if capacity <= max(2 * need, floor):
+            return
+        for layer, storage in self._token_slots.items():
+            self._token_slots[layer] = storage.shrunk(max(need + need // 4, floor))
+        self._readopt_tokens()
+
+    def _readopt_tokens(self) -> None:
         for slot, member in enumerate(self._members):
             for layer, storage in self._token_slots.items():
                 storage.adopt(member.cache.token_kv(layer), slot)

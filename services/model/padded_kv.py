@@ -74,6 +74,11 @@ class TokenSlots:
         shapes = [(b.shape[1], b.shape[3]) for b in self.buffers]
         return TokenSlots(shapes, slots, capacity, self.block_size, self.buffers[0].dtype)
 
+    def shrunk(self, capacity: int) -> TokenSlots:
+        """Empty storage of as many rows, `capacity` tokens each (rounded up to blocks)."""
+        shapes = [(b.shape[1], b.shape[3]) for b in self.buffers]
+        return TokenSlots(shapes, self.slots, capacity, self.block_size, self.buffers[0].dtype)
+
     def adopt(self, kv: TokenKV, slot: int) -> None:
         """Copy `kv`'s tokens into row `slot` (zeros after them) and make `kv` use that row."""
         if kv.length > self.capacity:
