@@ -26,13 +26,13 @@ from services.cli.launch import launch
 from services.contract.errors import KVTransferError
 from services.contract.messages import CODEC_MESSAGES, StatusQuery, WorkerState
 from services.router.workers import WorkerTable
-from tests.ports import ephemeral_ports
+from tests.ports import distinct_ports
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
 
 
 def cachedir_topology(path: Path) -> Path:
-    node_port, metrics_port = ephemeral_ports(2)
+    node_port, metrics_port = distinct_ports(2)
     path.write_text(f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {node_port}\n'
                     f'options = {{ metrics_port = {metrics_port} }}\n', encoding="utf-8")
     return path

@@ -9,7 +9,6 @@ included, as child processes (services.cli.launch.launch) and stops them all on 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from mesh.topology import Options, Scalar, Topology, load_topology
 from services.cli.launch import launch
 from services.cli.serve import default_topology
 from services.service import WORKER_KINDS
-from tests.ports import ephemeral_ports, free_port
+from tests.ports import free_port, free_ports
 
 # Services the dashboard shows; echo proves the runtime only.
 MESH_SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0",
@@ -33,19 +32,7 @@ WORKER_OPTIONS: Options = {"checkpoint": "none", "threads": 1}
 
 def free_range(count: int) -> int:
     """The first of `count` consecutive free ports (a link's proxy routes need a range)."""
-    for first in ephemeral_ports(8):
-        if first + count <= 65535 and all(_free(port) for port in range(first, first + count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    return free_ports(1, span=count)[0]
 
 
 def _moved_options(kind: str, options: Mapping[str, Scalar], workers_b: int) -> Options:
