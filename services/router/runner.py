@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from services.router.scheduler import SchedulerConfig
 
 
-
 class Driven(msgspec.Struct, frozen=True, kw_only=True):
     """How one request's data path ended: the prefill worker's report, the finish reason."""
 
@@ -65,6 +64,7 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
     """
     failures: list[tuple[str, UpstreamFailed]] = []
     done: list[PrefillDone] = []
+    reason: str | None = None
     reading = anyio.CancelScope()
 
     async def call_prefill() -> None:
