@@ -97,6 +97,26 @@ def test_draining_and_down_workers_are_not_candidates() -> None:
     assert {w.name: w.role for w in workers.state().workers}["pd-prefill-0"] == "draining"
 
 
+def test_ready_needs_a_decode_worker_and_a_prefill_worker_of_each_cluster_kind() -> None:
+    workers = table()
+
+    def answer(name: str) -> None:
+        entry = workers.get(name)
+        entry.polled = WorkerState(name=name, cluster=entry.spec.cluster, role=entry.role,
+                                   draining=False, queue_depth=0, running=0, cached_blocks=0,
+                                   model=INFO)
+
+    assert not workers.ready()
+    answer("pd-prefill-0")
+    answer("pd-decode-0")
+    # A long prompt would find no PrfaaS prefill worker yet.
+    assert not workers.ready()
+    answer("prfaas-prefill-0")
+    assert workers.ready()
+    workers.get("pd-prefill-0").up = False  # nor would a short one find a PD one
+    assert not workers.ready()
+
+
 def polled(block_size: int) -> WorkerEntry:
     entry = WorkerEntry(WorkerSpec(name="pd-decode-0", cluster="pd", kind="pd", role="decode"),
                         "decode")

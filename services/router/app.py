@@ -222,8 +222,9 @@ class RouterApp:
         return _json_response({"object": "list", "data": data})
 
     async def health(self) -> Response:
-        """200 {"status": "ready"} once a prefill and a decode worker have answered a status
-        poll and serve; 503 {"status": "starting"} before (or while none does)."""
+        """200 {"status": "ready"} once a decode worker and a prefill worker of each cluster
+        kind have answered a status poll and serve (WorkerTable.ready); 503
+        {"status": "starting"} before (or while that does not hold)."""
         table = self.scheduler.workers
         workers, ready = table.statistics(), table.ready()
         return _json_response({"status": "ready" if ready else "starting",

@@ -221,10 +221,15 @@ class WorkerTable:
                    and cluster in (None, w.spec.cluster))
 
     def ready(self) -> bool:
-        """Whether a prefill and a decode worker serve, each having answered a status poll
-        (until the first poll, `up` is only a guess)."""
+        """Whether any request can be served: a decode worker and, in each kind of cluster
+        that has prefill workers, a prefill worker serve, each having answered a status poll
+        (until the first poll, `up` is only a guess). A short prompt needs the PD cluster's
+        prefill and a long one the PrfaaS cluster's: one of them alone is not ready."""
         answering = [w for w in self._workers.values() if w.serving and w.polled is not None]
-        return all(any(w.role == role for w in answering) for role in WORKER_KINDS)
+        kinds = {w.spec.kind for w in self._workers.values() if w.spec.role == "prefill"}
+        return any(w.role == "decode" for w in answering) and all(
+            any(w.role == "prefill" and w.spec.kind == kind for w in answering)
+            for kind in kinds)
 
     def has_prefill(self, kind: Cluster, cluster: str | None = None) -> bool:
         return bool(self._serving(kind, "prefill", cluster))
