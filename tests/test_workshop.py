@@ -188,14 +188,14 @@ class Session:
             stderr=subprocess.STDOUT, text=True, start_new_session=True))
         if not once:
             self.stop()
+            # Held from the start: a block that never gets ready is still killed at teardown.
+            self.served = served
         threading.Thread(target=served.read, daemon=True).start()
         try:
             self._ready(script, block, served)
         finally:
             if once:
                 stop(served)
-        if not once:
-            self.served = served
 
     def _ready(self, script: str, block: Block, served: Served) -> None:
         deadline = time.monotonic() + READY_S
