@@ -227,14 +227,6 @@ class OverlapSetup:
     lanes: int = 2
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @dataclass
 class Timeline:
     """One streamed run: the prefill's KVFlow events and the link's egress byte count."""
@@ -356,6 +348,7 @@ def measure_overlap(quick: bool) -> float:
 
     import anyio
 
+    from mesh.ports import free_ports
     from services.cli.launch import launch
     from services.paper.hardware import CostModel
 

@@ -48,6 +48,7 @@ import h11
 import httpx
 import msgspec
 
+from mesh.ports import free_ports
 from mesh.run import run as run_on
 from services.cli.launch import launch
 
@@ -58,13 +59,6 @@ PROMPT = ("ROMEO: But, soft! what light through yonder window breaks? It is the 
 MAX_TOKENS = 16
 KINDS = ("plain", "stream")
 BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def topology_text(ports: list[int]) -> str:
@@ -436,7 +430,7 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
     # Every child (the router too, through `launch`) runs this checkout's code.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    ports = [free_port() for _ in range(6)]
+    ports = free_ports(6)
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
     per_message = ("--tokens-per-message", str(options.tokens_per_message))

@@ -34,7 +34,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -48,6 +47,7 @@ import httpx
 import msgspec
 
 from mesh.errors import MeshError
+from mesh.ports import free_ports
 from mesh.topology import Topology
 from services.bench.cli import bench_main, parse_goodput
 from services.bench.comparison import format_clusters, format_comparison, format_workers
@@ -72,7 +72,6 @@ POLICIES = ("homogeneous", "naive-hetero", "prfaas-dynamic")
 BASELINE = "homogeneous"
 # The paper's decode SLO (section 4.1): 40 tokens/s, i.e. TPOT <= 25 ms.
 PAPER_SLO = SLOs(tpot_ms=25.0)
-PORT_SCAN_START = 21000  # below Linux's ephemeral range (32768+), so clients never take them
 
 
 def bench_args(args: argparse.Namespace) -> list[str]:
@@ -89,26 +88,6 @@ class MeshPorts:
     http: int
     link_control: int
     metrics: dict[str, int]  # worker name -> its /metrics port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_block(count: int, start: int = PORT_SCAN_START) -> int:
-    """The first port p >= start with p .. p + count - 1 all free on 127.0.0.1."""
-    port = start
-    while port + count < 32768:
-        taken = next((p for p in range(port, port + count) if not _bindable(p)), None)
-        if taken is None:
-            return port
-        port = taken + 1
-    raise RuntimeError(f"no {count} consecutive free ports from {start}")
 
 
 @dataclass(frozen=True)
@@ -142,7 +121,7 @@ def mesh_topology(policy: str, scale: float) -> MeshPlan:
     services = data["services"]
     wanted = [(s, key) for s in services for key in sorted(s["options"]) if key.endswith("_port")]
     width = {s["name"]: _proxy_ports(base, s["name"]) for s in services if s["kind"] == "link"}
-    port = free_block(len(services) + len(wanted) + sum(width.values()))
+    port = free_ports(1, span=len(services) + len(wanted) + sum(width.values()))[0]
     for service in services:
         service["port"], port = port, port + 1
     for service, key in wanted:

@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from mesh.ports import NoFreePorts, free_ports
 from mesh.topology import topology_toml
 from services.cli.lifeline import child_env
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
@@ -52,27 +52,12 @@ class MeshConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def free_port(span: int = 1, taken: set[int] | None = None) -> int:
-    """A free port whose next `span - 1` ports were free too when asked (a proxy's range),
-    none of them in `taken` (ports handed out already but not bound yet); adds them there."""
-    taken = set() if taken is None else taken
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        ports = range(port, port + span)
-        if taken.isdisjoint(ports) and all(_is_free(p) for p in ports[1:]):
-            taken.update(ports)
-            return port
-    raise ChaosMeshError("no free port range found")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    """A free port whose next `span - 1` ports are free too (a proxy's range), none of them in
+    `taken` (ports handed out already but not bound yet); adds them there (mesh.ports)."""
+    try:
+        return free_ports(1, span, taken)[0]
+    except NoFreePorts as exc:
+        raise ChaosMeshError(str(exc)) from exc
 
 
 def chaos_topology(config: MeshConfig) -> dict[str, Any]:

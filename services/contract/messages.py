@@ -198,9 +198,7 @@ class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
     request_id: str
     layer: int
-    # A view: msgspec decodes it out of the received frame without copying the payload (a
-    # copy of every KV byte was most of a bulk receive's cost); senders wrap their bytes.
-    data: memoryview
+    data: memoryview  # a view of the received frame, decoded without a copy (senders wrap)
     start: int = 0
     # The simulation's pieces carry their modeled size here and no bytes (data is empty).
     nbytes: int = 0
