@@ -20,12 +20,12 @@ errors of the admin API are `{"error": message, "status": code}`, as the link's 
 answers (the dashboard reads both). A client that disconnects cancels its request: Quart
 closes the response generator, whose `finally` cancels the scheduler's task for it.
 
-The router's other parts: services/router/scheduler.py places and starts requests
-(request_runner.py runs one, router_requests.py is its handle), router_workers.py is the
-worker table, router_admin.py the control loops and admin actions, router_link.py the link
-samples, router_load.py the demo load, router_responses.py the bodies and server-sent
-events, router_metrics.py /metrics; the OpenAI contract is openai_schema.py (requests),
-openai_responses.py, router_errors.py and text_assembler.py.
+The router's other parts, in services/router/: scheduler.py places and starts requests
+(runner.py drives one, requests.py is its handle), workers.py is the worker table,
+control.py the control loops and admin actions, link.py the link samples, load.py the demo
+load, responses.py the bodies and server-sent events, metrics.py /metrics, errors.py the
+errors, placement.py, policy.py and policies/ the routing; the OpenAI contract is openai/
+(schema.py the requests, responses.py the bodies, text.py the text, logprobs.py).
 
 Quart is asyncio-only (docs/engineering-notes.md G6): `run_router` refuses the trio backend
 and serves with `hypercorn.asyncio.serve` and a shutdown trigger. Everything else (the
