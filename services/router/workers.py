@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WORKER_KINDS = ("prefill", "decode")
-DEFAULT_LANES = 4  # a worker's `connections` option when the topology gives none (worker.py)
+# A worker's `connections` option when the topology gives none (services/worker/service.py).
+DEFAULT_LANES = 4
 
 
 class ModelMismatch(ConfigError):
