@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from services.model import delta_rule
 from services.model.config import ModelError
 from services.model.decay_products import decayed_products_channel, split_products
 from services.model.delta_rule import (
@@ -113,6 +114,26 @@ def test_chunked_mixed_steep_and_gentle_chunks() -> None:
     o, s = delta_rule_chunked(*x)
     assert max_err(o, o_ref) <= TOL
     assert max_err(s, s_ref) <= TOL
+
+
+@pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_groups_equal_one_group(monkeypatch: pytest.MonkeyPatch,
+                                      matmul_dtype: torch.dtype) -> None:
+    # 5 chunks x 4 heads = 20 blocks, some decaying steeply, in groups of 3 (the last one
+    # short) against all at once: the same numbers, bit for bit, and the reference's.
+    x = make_inputs(300, with_state=True, decay=0.3, seed=4)
+    g = x.g.clone()
+    g[:, :, 70, :5] = -200.0
+    g[:, :, 128:192] *= 40.0
+    x = x._replace(g=g)
+    whole = delta_rule_chunked(*x, return_chunk_states=True, matmul_dtype=matmul_dtype)
+    monkeypatch.setattr(delta_rule, "_GROUP_BYTES", 3 * 64 * 64 * 4)
+    grouped = delta_rule_chunked(*x, return_chunk_states=True, matmul_dtype=matmul_dtype)
+    for a, b in zip(whole, grouped, strict=True):
+        assert torch.equal(a, b)
+    if matmul_dtype == torch.float32:
+        o_ref, s_ref = delta_rule_reference(*x)
+        assert max_err(grouped[0], o_ref) <= TOL and max_err(grouped[1], s_ref) <= TOL
 
 
 def test_scalar_gate_equals_expanded_channel_gate() -> None:
