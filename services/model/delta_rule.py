@@ -329,8 +329,9 @@ def _pass_states(transition: Tensor, inject: Tensor, s0: Tensor) -> Tensor:
         return torch.stack(chain)
     states = s0.new_empty(n + 1, *s0.shape)
     states[0] = s0
+    states[1:] = inject  # one copy, not one inside each baddbmm below
     for i in range(n):
-        torch.baddbmm(inject[i], transition[i], states[i], out=states[i + 1])
+        states[i + 1].baddbmm_(transition[i], states[i])
     return states
 
 
