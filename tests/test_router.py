@@ -6,6 +6,7 @@ tests/router_fakes.py, on real time with millisecond fake work.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,7 +19,7 @@ from router_fakes import BLOCK, TOPOLOGY, FakeMesh, Timing, fake_mesh, fake_toke
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
 from services.model.tokenizer import ByteTokenizer
-from services.router.app import CLUSTER_HEADER, RouterApp, run_router
+from services.router.app import CLUSTER_HEADER, THREAD_BODY_BYTES, RouterApp, run_router
 from services.router.config import router_config
 from services.router.load import DemoWorkload, WorkloadConfig
 from services.router.openai.schema import CompletionRequest, Limits, completion_generation
@@ -158,6 +159,48 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("chat/completions", {"messages": [{"role": "user", "content": "y" * 500}]}, 400,
      "messages"),
 ]
+
+
+class ThreadRecorder(ByteTokenizer):
+    """The byte tokenizer, noting the thread each prompt was encoded in."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().encode(text)
+
+
+@pytest.mark.anyio
+async def test_a_large_body_is_tokenized_off_the_event_loop() -> None:
+    # A prompt of THREAD_BODY_BYTES or more is encoded in a worker thread, so the loop goes on
+    # serving other requests meanwhile; a short one on the loop itself. Same answers either way.
+    long_prompt = "to be or not to be " * (THREAD_BODY_BYTES // 19 + 1)
+    async with fake_mesh("prfaas", None, timing=FAST) as mesh:
+        recorder = ThreadRecorder()
+        mesh.scheduler.tokenizer = recorder
+        app = RouterApp(mesh.scheduler, mesh.control,
+                        DemoWorkload(mesh.scheduler, [1, 2, 3], WorkloadConfig()),
+                        Limits(max_context=2 * THREAD_BODY_BYTES, models=("prfaas",)))
+        client = app.app.test_client()
+        loop_thread = threading.get_ident()
+        for prompt in (PROMPT, long_prompt):
+            for path, body in (("/v1/completions", {"prompt": prompt}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": prompt}]})):
+                response = await client.post(path, json={"model": "prfaas", "max_tokens": 2,
+                                                          **body})
+                assert response.status_code == 200
+                usage = (await response.get_json())["usage"]
+                assert usage["prompt_tokens"] >= len(prompt)
+        assert recorder.threads[:2] == [loop_thread] * 2
+        assert len(recorder.threads) == 4 and loop_thread not in recorder.threads[2:]
+        # A bad large body is still a 400 with its message, from the thread.
+        response = await client.post("/v1/completions", json={
+            "model": "prfaas", "prompt": long_prompt, "max_tokens": 2, "n": 0})
+        assert response.status_code == 400
+        assert "n" in (await response.get_json())["error"]["message"]
 
 
 @pytest.mark.anyio
