@@ -11,6 +11,10 @@ Four processes on 127.0.0.1, so that no one's cost is counted as another's:
   completion (streamed: one event per token) at once without looking at the prompt;
 - this process: the client, raw HTTP/1.1 (h11) on keep-alive connections, on uvloop.
 
+Last, short plain completions one at a time beside `--long-senders` connections that send
+60,000-character prompts back to back (`long_prompts` in the JSON, against the same requests
+alone): the router tokenizes such a body (about 30 ms) in a worker thread, off its loop.
+
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
 completions, router and baseline taking turns (`--rounds`) in the same run. added_ms = router
@@ -20,7 +24,7 @@ the machine was. The headline keys are the worse of the two kinds (lowest rps ra
 added latency); `kinds` has each one.
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
-        [--tokens-per-message N] [--rounds N]
+        [--tokens-per-message N] [--rounds N] [--long-senders N]
 
 The last line is one JSON object.
 """
@@ -51,12 +55,15 @@ import msgspec
 from mesh.ports import free_ports
 from mesh.run import run as run_on
 from services.cli.launch import launch
+from services.data import corpus_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PROMPT = ("ROMEO: But, soft! what light through yonder window breaks? It is the east, and "
           "Juliet is the sun. Arise, fair sun, and kill the envious moon. ") * 3
 MAX_TOKENS = 16
+# The long prompts sent beside short requests (about 18,000 tokens; ~30 ms to tokenize).
+LONG_CHARS = 60_000
 KINDS = ("plain", "stream")
 BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")
 
@@ -74,7 +81,7 @@ kind = "pd"
 name = "router"
 kind = "router"
 port = {ports[0]}
-options = {{ http_port = {ports[1]}, max_inflight = 256 }}
+options = {{ http_port = {ports[1]}, max_inflight = 256, max_context = 32768 }}
 [[services]]
 name = "cachedir"
 kind = "cachedir"
@@ -316,6 +323,7 @@ class Options(msgspec.Struct, frozen=True):
     warmup: int
     tokens_per_message: int = 1
     rounds: int = 4
+    long_senders: int = 2
 
 
 async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
@@ -327,6 +335,41 @@ async def measured_phase(port: int, stream: bool, requests: int, concurrency: in
     run.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     run.cpu_s["client"] = time.process_time() - client
     return run
+
+
+async def beside_long(port: int, options: Options) -> tuple[Run, Run]:
+    """Short plain completions one at a time while `long_senders` connections send
+    LONG_CHARS-character prompts (1 token each) back to back: how long the long ones hold
+    up the short. (short, long) runs."""
+    text = corpus_path().read_text(encoding="utf-8")[:LONG_CHARS]
+    payload = msgspec.json.encode({"model": "prfaas", "prompt": text, "max_tokens": 1,
+                                   "ignore_eos": True})
+    longs, stop = Run(), asyncio.Event()
+
+    async def sender() -> None:
+        conn = await Connection.open(port)
+        try:
+            while not stop.is_set():
+                start = time.perf_counter()
+                try:
+                    status, body = await conn.post("/v1/completions", payload)
+                    check(status, body, False)
+                except Failed as exc:
+                    longs.failures.append(str(exc))
+                    continue
+                longs.latencies.append(time.perf_counter() - start)
+        finally:
+            conn.close()
+
+    start = time.perf_counter()
+    senders = [asyncio.create_task(sender()) for _ in range(options.long_senders)]
+    while not longs.latencies and not longs.failures:  # the long ones are flowing
+        await asyncio.sleep(0.05)
+    short = await phase(port, False, options.latency_requests, 1, options.max_tokens)
+    stop.set()
+    await asyncio.gather(*senders)
+    longs.wall_s = time.perf_counter() - start
+    return short, longs
 
 
 def split(total: int, rounds: int) -> list[int]:
@@ -352,6 +395,9 @@ async def measure(targets: dict[str, tuple[int, dict[str, int]]],
                     run = await measured_phase(port, stream, requests, concurrency, options,
                                                pids)
                     runs[target].setdefault(f"{kind}/{key}", Run()).add(run)
+    if options.long_senders:
+        short, longs = await beside_long(targets["router"][0], options)
+        runs["router"]["plain/beside_long"], runs["router"]["long"] = short, longs
     return runs
 
 
@@ -396,7 +442,20 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
         "requests": options.requests, "rounds": options.rounds,
         "latency_requests": options.latency_requests, "completed": done, "failed": failed,
         "kinds": kinds,
+        **({"long_prompts": long_report(runs["router"], options)}
+           if "long" in runs["router"] else {}),
     }
+
+
+def long_report(router: dict[str, Run], options: Options) -> dict[str, Any]:
+    """Short completions' latency beside long prompts, against the same requests alone."""
+    alone, beside, longs = router["plain/lat"], router["plain/beside_long"], router["long"]
+    return {"prompt_chars": LONG_CHARS, "senders": options.long_senders,
+            "short_alone_ms_p50": round(alone.ms(0.5), 2),
+            "short_alone_ms_p99": round(alone.ms(0.99), 2),
+            "short_beside_long_ms_p50": round(beside.ms(0.5), 2),
+            "short_beside_long_ms_p99": round(beside.ms(0.99), 2),
+            "long_per_s": round(longs.rps(), 1), "long_failed": len(longs.failures)}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -414,6 +473,13 @@ def print_table(result: dict[str, Any]) -> None:
     for kind, k in result["kinds"].items():
         print(f"  {kind:8} " + ", ".join(f"{name} {ms:.2f}"
                                          for name, ms in k["cpu_ms_per_request"].items()))
+    long = result.get("long_prompts")
+    if long:
+        print(f"plain at concurrency 1 beside {long['senders']} connections sending "
+              f"{long['prompt_chars']:,}-character prompts ({long['long_per_s']} a second): "
+              f"p50 {long['short_beside_long_ms_p50']:.2f} ms, p99 "
+              f"{long['short_beside_long_ms_p99']:.2f} ms (alone {long['short_alone_ms_p50']:.2f}"
+              f", {long['short_alone_ms_p99']:.2f})")
     print(f"completed {result['completed']}, failed {result['failed']}")
 
 
@@ -458,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-message", type=int, default=1,
                         help="tokens a decode worker sends at once (1: each token as the real "
                              "batch makes it; >= max-tokens: the whole answer at once)")
+    parser.add_argument("--long-senders", type=int, default=2,
+                        help="connections sending long prompts beside the short requests of "
+                             "the last phase (0: no such phase)")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -473,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                       concurrency=args.concurrency, max_tokens=args.max_tokens,
                       warmup=min(50, args.requests),
                       tokens_per_message=args.tokens_per_message,
-                      rounds=max(1, min(args.rounds, args.requests)))
+                      rounds=max(1, min(args.rounds, args.requests)),
+                      long_senders=max(0, args.long_senders))
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         result = bench(options, Path(log_dir))
     print_table(result)
