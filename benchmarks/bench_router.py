@@ -455,7 +455,8 @@ def long_report(router: dict[str, Run], options: Options) -> dict[str, Any]:
             "short_alone_ms_p99": round(alone.ms(0.99), 2),
             "short_beside_long_ms_p50": round(beside.ms(0.5), 2),
             "short_beside_long_ms_p99": round(beside.ms(0.99), 2),
-            "long_per_s": round(longs.rps(), 1), "long_failed": len(longs.failures)}
+            "long_per_s": round(longs.rps(), 1), "long_completed": len(longs.latencies),
+            "long_failed": len(longs.failures)}
 
 
 def print_table(result: dict[str, Any]) -> None:

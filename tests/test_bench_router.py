@@ -24,6 +24,10 @@ def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result.keys() >= KEYS and set(result["kinds"]) == {"plain", "stream"}
-    # 20 at concurrency 16 and 5 at concurrency 1, per kind and target.
-    assert (result["failed"], result["completed"]) == (0, 2 * 2 * (20 + 5))
+    # 20 at concurrency 16 and 5 at concurrency 1, per kind and target; then 5 short ones
+    # beside the long prompts, which were sent and answered too.
+    long = result["long_prompts"]
+    assert long["long_completed"] > 0 and long["long_failed"] == 0
+    assert (result["failed"], result["completed"]) == (
+        0, 2 * 2 * (20 + 5) + 5 + long["long_completed"])
     assert result["router_rps"] > 0 and result["baseline_rps"] > 0
