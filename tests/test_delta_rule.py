@@ -17,12 +17,12 @@ from services.model.config import ModelError
 from services.model.decay_products import decayed_products_channel, split_products
 from services.model.delta_rule import (
     DeltaRuleError,
-    _unit_lower_inverse,
     delta_rule_chunked,
     delta_rule_reference,
     delta_rule_step,
     delta_rule_step_,
 )
+from services.model.triangular import unit_lower_inverse
 
 TOL = 1e-5
 
@@ -330,10 +330,10 @@ def test_decayed_products_both_paths(decay: float) -> None:
     assert max_err(decayed_products_channel(rows, k, gcum).tril(), expected) <= 1e-6
 
 
-def test_unit_lower_inverse() -> None:
+def testunit_lower_inverse() -> None:
     gen = torch.Generator().manual_seed(15)
     a = (torch.randn(5, 64, 64, generator=gen) * 0.2).tril(-1)
-    t = _unit_lower_inverse(a)
+    t = unit_lower_inverse(a)
     eye = torch.eye(64).expand(5, 64, 64)
     assert max_err(t @ (eye + a), eye) <= 1e-5
     assert torch.equal(t, t.tril())

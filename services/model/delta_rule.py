@@ -44,10 +44,9 @@ from torch import Tensor
 
 from services.model.config import ModelError
 from services.model.decay_products import decayed_products_channel, decayed_products_scalar
+from services.model.triangular import unit_lower_inverse
 
 DEFAULT_CHUNK_SIZE = 64
-# Diagonal blocks of (I + A) this wide are inverted by substitution, then merged by doubling.
-_INVERSE_BLOCK = 8
 # The intra-chunk work runs on groups of chunks whose C x C fp32 products take this many
 # bytes (96 chunks of 64 x 64): a group's dozen intermediates stay in the caches instead of
 # each elementwise pass streaming all chunks through memory (kimi-linear prefill at 4K in
@@ -181,53 +180,6 @@ def delta_rule_step_(
     return torch.bmm(qf, flat).view(b, h, dv).to(v.dtype)
 
 
-def _invert_small_blocks(a: Tensor) -> Tensor:
-    """(I + A)^-1 for strictly lower A [N, b, b], by forward substitution over rows."""
-    n, b, _ = a.shape
-    t = torch.eye(b, dtype=a.dtype, device=a.device).expand(n, b, b).contiguous()
-    for i in range(1, b):
-        t[:, i, :i] = -(a[:, i : i + 1, :i] @ t[:, :i, :i])[:, 0]
-    return t
-
-
-def _pair_blocks(x: Tensor, block: int) -> Tensor:
-    """View of x [..., C, C] as [..., 2, b, 2, b, C/2b]: the four b x b blocks of each
-    aligned 2b x 2b square on the diagonal (torch.diagonal puts the square index last)."""
-    *lead, c, _ = x.shape
-    n = c // (2 * block)
-    return torch.diagonal(x.view(*lead, n, 2, block, n, 2, block), dim1=-6, dim2=-3)
-
-
-def _unit_lower_inverse(a: Tensor) -> Tensor:
-    """(I + A)^-1 for strictly lower A [M, C, C]: small diagonal blocks by substitution, then
-    doubling, merging [[T11, 0], [A21, T22]] with T21 = -T22 A21 T11. Matmul-bound, unlike a
-    batched triangular solve on CPU (measured 2.5 ms against 8.5 ms at M=256, C=64)."""
-    m, c, _ = a.shape
-    if _tracks_grad(a):
-        # Training: the in-place doubling below is not differentiable; this solve is.
-        eye = torch.eye(c, dtype=a.dtype, device=a.device).expand(m, c, c)
-        solved: Tensor = torch.linalg.solve_triangular(eye + a, eye, upper=False,
-                                                       unitriangular=True)
-        return solved
-    block = min(c, _INVERSE_BLOCK)
-    n = c // block
-    # [M, b, b, C/b] views of the diagonal blocks of a and t.
-    a_small = torch.diagonal(a.view(m, n, block, n, block), dim1=1, dim2=3)
-    t = torch.zeros_like(a)
-    inverse = _invert_small_blocks(a_small.permute(0, 3, 1, 2).reshape(-1, block, block))
-    torch.diagonal(t.view(m, n, block, n, block), dim1=1, dim2=3).copy_(
-        inverse.view(m, n, block, block).permute(0, 2, 3, 1)
-    )
-    while block < c:
-        a_pairs, t_pairs = _pair_blocks(a, block), _pair_blocks(t, block)
-        t11 = t_pairs[:, 0, :, 0].permute(0, 3, 1, 2)  # [M, C/2b, b, b]
-        t22 = t_pairs[:, 1, :, 1].permute(0, 3, 1, 2)
-        a21 = a_pairs[:, 1, :, 0].permute(0, 3, 1, 2)
-        t_pairs[:, 1, :, 0].copy_((-(t22 @ a21 @ t11)).permute(0, 2, 3, 1))
-        block *= 2
-    return t
-
-
 def _to_chunks(x: Tensor, chunk: int) -> Tensor:
     """[B, H, T, D] (any strides) -> [N*B*H, C, D] fp32, chunk-major (chunk n of every head,
     then chunk n + 1), zero-padding T up to N*C. One copy."""
@@ -287,7 +239,7 @@ def _intra_chunk(
         torch.mul(kb, decay_in, out=rhs[..., :dk])
         torch.mul(v, beta, out=rhs[..., dk:])
     low = matmul_dtype
-    inverse = _unit_lower_inverse(torch.tril(r[:, 0], -1))
+    inverse = unit_lower_inverse(torch.tril(r[:, 0], -1))
     solved = inverse.to(low) @ rhs.to(low)  # [M, C, Dk + Dv], [W | U']
     g_last = gcum[:, -1:]  # [M, 1, Dk or 1]
     p_solved = torch.tril(r[:, 1]).to(low) @ solved  # [M, C, Dk + Dv]
