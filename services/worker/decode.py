@@ -324,12 +324,11 @@ class DecodeWorker:
         self._check_idle()
 
     async def _step(self) -> None:
-        # Read only when this worker paces the step itself (emulated mode): the clock and
-        # the batch's context cost a few percent of an unpaced decode worker's CPU.
-        paced = self._pacing is not None and not self.model.paces_decode
-        started = anyio.current_time() if paced else 0.0
+        # Clock and context are read only for a step this worker paces (emulated mode).
+        pacing = None if self.model.paces_decode else self._pacing
         batch = len(self._batch)
-        context = self._batch.statistics().tokens_in_cache if paced else 0
+        if pacing is not None:
+            started, context = anyio.current_time(), self._batch.statistics().tokens_in_cache
         try:
             self._wakeup = anyio.Event()  # a join cuts a modeled multi-step short
             result: StepResult = await self.model.step(self._batch, self._wakeup)
@@ -348,19 +347,15 @@ class DecodeWorker:
             member.send.close()
             self._keep(member.request.prompt + member.output, cache)
             self._finish(rid, result_reason(result, rid))
-        if paced:
-            await self._pace(anyio.current_time() - started, batch, context)
+        if pacing is not None:
+            modeled = pacing.decode_step_time(batch, context)
+            await anyio.sleep(pacing.pacer.remaining(anyio.current_time() - started, modeled))
 
     def _fail_all(self, error: str) -> None:
         for rid, member in list(self._members.items()):
             self._batch.leave(rid)
             member.fail(error)
         self._members.clear()
-
-    async def _pace(self, real_s: float, batch: int, context: int) -> None:
-        assert self._pacing is not None
-        modeled = self._pacing.decode_step_time(batch, context)
-        await anyio.sleep(self._pacing.pacer.remaining(real_s, modeled))
 
     def _keep(self, tokens: list[int], cache: RequestCache) -> None:
         """Store the finished cache; it covers the first cache.length tokens."""
