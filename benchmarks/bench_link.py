@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from mesh.cputime import cpu_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 SEND_BYTES = 1 << 20
 SHAPED_RATES_BPS = (50e6, 200e6, 1e9)
@@ -99,12 +101,6 @@ def run_proxy(upstream_port: int, backend: str) -> None:
 
     options = {"use_uvloop": True} if backend == "uvloop" else {}
     anyio.run(main, backend="trio" if backend == "trio" else "asyncio", backend_options=options)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), to see cost apart from load."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

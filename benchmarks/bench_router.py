@@ -52,6 +52,7 @@ import h11
 import httpx
 import msgspec
 
+from mesh.cputime import cpu_seconds
 from mesh.ports import free_ports
 from mesh.run import run as run_on
 from services.cli.launch import launch
@@ -402,11 +403,6 @@ async def measure(targets: dict[str, tuple[int, dict[str, int]]],
 
 
 # --- the report ---------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict[str, Any]:

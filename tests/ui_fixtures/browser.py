@@ -21,6 +21,7 @@ from pathlib import Path
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from playwright.sync_api import BrowserContext, Playwright
 
+from mesh.cputime import cpu_seconds
 from services.cli.sim_dashboard import serve_sim_dashboard
 from services.sim.live import LiveSim
 from ui.serve import serve_dashboard
@@ -120,10 +121,9 @@ def _processes() -> dict[int, tuple[int, bytes]]:
 
 def _cpu_seconds(pid: int) -> float:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0  # it ended while we looked
 
 
 @contextmanager
