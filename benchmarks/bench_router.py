@@ -364,7 +364,8 @@ async def beside_long(port: int, options: Options) -> tuple[Run, Run]:
 
     start = time.perf_counter()
     senders = [asyncio.create_task(sender()) for _ in range(options.long_senders)]
-    while not longs.latencies and not longs.failures:  # the long ones are flowing
+    # Until the long ones are flowing (or a sender died: gather below raises its error).
+    while not (longs.latencies or longs.failures or any(t.done() for t in senders)):
         await asyncio.sleep(0.05)
     short = await phase(port, False, options.latency_requests, 1, options.max_tokens)
     stop.set()
