@@ -10,21 +10,19 @@ backlog lies ahead of its last chunk (the bottleneck buffer), while the link is 
 a flow holds `hold_bytes` (the in-flight bytes of a slow consumer). Bytes serialised but still
 "propagating" (the one-way delay) are held without limit: they are the emulated pipe.
 
-Sockets are driven directly with `anyio.wait_readable` / `wait_writable` and `recv_into`:
-anyio's byte streams allocate a `bytes` per receive and cost about half the throughput on
-this stack (docs/engineering-notes.md G3; measured 1.2 against 2.5 GB/s through one proxy).
+Sockets are driven directly with `anyio.wait_readable` / `wait_writable` and `recv_into`
+(netem/sockets.py): anyio's byte streams allocate a `bytes` per receive and cost about half
+the throughput on this stack (docs/engineering-notes.md G3; measured 1.2 against 2.5 GB/s
+through one proxy).
 """
 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import math
-import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -34,6 +32,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from netem.params import LinkError, LinkParamError, LinkParams
 from netem.shaper import Admission, Direction, Flow, LinkShaper, LinkStatistics
+from netem.sockets import ByteChannel, SocketChannel, configure, listen_tcp, open_tcp
 
 logger = logging.getLogger(__name__)
 
@@ -75,53 +74,6 @@ class ProxyStatistics(msgspec.Struct, frozen=True):
     link: LinkStatistics
 
 
-class ByteChannel(Protocol):
-    """What the pump needs of a connection; `receive_into` returns 0 at end of stream."""
-
-    async def receive_into(self, buffer: memoryview) -> int: ...
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
-
-    async def send_eof(self) -> None: ...
-
-
-class SocketChannel:
-    """A non-blocking TCP socket as a `ByteChannel`; the caller owns and closes the socket."""
-
-    __slots__ = ("_sock",)
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    async def receive_into(self, buffer: memoryview) -> int:
-        waited = False
-        while True:
-            try:
-                received = self._sock.recv_into(buffer)
-            except BlockingIOError:
-                await anyio.wait_readable(self._sock)
-                waited = True
-                continue
-            if not waited:
-                # Data was ready at once: still let other tasks run and cancellation reach us.
-                await anyio.lowlevel.checkpoint()
-            return received
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                sent = self._sock.send(view)
-            except BlockingIOError:
-                await anyio.wait_writable(self._sock)
-                continue
-            view = view[sent:]
-
-    async def send_eof(self) -> None:
-        self._sock.shutdown(socket.SHUT_WR)
-        await anyio.lowlevel.checkpoint()
-
-
 class _ParamSignal:
     """Wakes tasks waiting for the link to come back up (any parameter change fires it)."""
 
@@ -137,57 +89,6 @@ class _ParamSignal:
         if self._event is not None:
             self._event.set()
             self._event = None
-
-
-def _configure(sock: socket.socket) -> socket.socket:
-    sock.setblocking(False)
-    # Clients already chose when to flush; Nagle here would only add latency.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-async def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, sockaddr = infos[0]
-        return family, (str(sockaddr[0]), int(sockaddr[1]))
-    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-    return family, (host, port)
-
-
-async def open_tcp(host: str, port: int) -> socket.socket:
-    """Connect a non-blocking TCP socket; raises OSError naming the address on failure."""
-    family, address = await _resolve(host, port)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        _configure(sock)
-        code = sock.connect_ex(address)
-        if code == errno.EINPROGRESS:
-            await anyio.wait_writable(sock)
-            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if code:
-            raise OSError(code, f"connect to {host}:{port}: {os.strerror(code)}")
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def listen_tcp(host: str, port: int) -> socket.socket:
-    """A non-blocking listening socket (port 0 binds an ephemeral port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"listen on {host}:{port}: {exc.strerror}") from exc
-    return sock
 
 
 _Chunk = tuple[bytearray, Admission]
@@ -264,7 +165,7 @@ class LinkProxy:
                 )
                 await anyio.sleep(0.1)
                 continue
-            tg.start_soon(self._serve_client, _configure(conn), route)
+            tg.start_soon(self._serve_client, configure(conn), route)
 
     async def _serve_client(self, conn: socket.socket, route: Route) -> None:
         with conn:
