@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from services.data import corpus_path
 from services.model.config import ModelError
+from services.model.words import Words
 
 EOT_TOKEN = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
@@ -67,6 +68,9 @@ class Tokenizer:
         self._backend = backend
         self._hash = content_hash
         self._alphabet = _byte_level_alphabet()
+        # The fast path for ASCII text (services.model.words); None where it does not apply.
+        self._words = Words.for_backend(
+            backend, {byte: char for char, byte in self._alphabet.items()})
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -88,6 +92,14 @@ class Tokenizer:
         return self._hash
 
     def encode(self, text: str) -> list[int]:
+        if self._words is not None:
+            fast = self._words.encode(text)
+            if fast is not None:
+                return fast
+        return self.encode_reference(text)
+
+    def encode_reference(self, text: str) -> list[int]:
+        """The Hugging Face tokenizer's own encoding, which `encode` equals (the tests check)."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
         return ids
 
