@@ -13,7 +13,7 @@ Four processes on 127.0.0.1, so that no one's cost is counted as another's:
 
 Last, short plain completions one at a time beside `--long-senders` connections that send
 60,000-character prompts back to back (`long_prompts` in the JSON, against the same requests
-alone): the router tokenizes such a body (about 30 ms) in a worker thread, off its loop.
+alone): the router tokenizes such a body (about 4 ms) in a worker thread, off its loop.
 
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = ("ROMEO: But, soft! what light through yonder window breaks? It is the east, and "
           "Juliet is the sun. Arise, fair sun, and kill the envious moon. ") * 3
 MAX_TOKENS = 16
-# The long prompts sent beside short requests (about 18,000 tokens; ~30 ms to tokenize).
+# The long prompts sent beside short requests (about 18,000 tokens; ~4 ms to tokenize).
 LONG_CHARS = 60_000
 KINDS = ("plain", "stream")
 BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")

@@ -82,9 +82,11 @@ log = logging.getLogger(__name__)
 
 CLUSTER_HEADER = "x-prfaas-cluster"
 # A request body at least this large is decoded, checked and tokenized in a worker thread,
-# not on the event loop: the tokenizer releases the GIL, and a 64,000-character prompt takes
-# about 30 ms to encode here (300-450 ns a character), which on the loop would stall every
-# other request's token stream as long. Below it the thread hop (about 0.1 ms) costs more.
+# not on the event loop: a 60,000-character prompt takes about 4 ms to encode here (the word
+# cache, services/model/words.py; 22 ms in Hugging Face's tokenizer, which releases the GIL
+# and still encodes non-ASCII text), which on the loop would stall every other request's
+# token stream as long; from a thread the loop gets the GIL back at least every switch
+# interval. Below it the thread hop (about 0.1 ms) costs more.
 THREAD_BODY_BYTES = 16_384
 # Bodies tokenized at once in threads, more wait: half the cores, so that the loop and the
 # mesh keep some (on two cores, one thread let short requests through faster than two:
