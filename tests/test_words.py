@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import cache
 
 import pytest
 from hypothesis import given, settings
@@ -20,9 +21,14 @@ from services.model.words import Words
 TRICKY = "aZ 09'stlrevmd\t\n\x0b\x0c\r\x1c\x1f\x00\x7f.,!?-_'S  \n\n"
 
 
+@cache
+def packaged() -> Tokenizer:
+    return load_default()
+
+
 @pytest.fixture(scope="module")
 def bpe() -> Tokenizer:
-    return load_default()
+    return packaged()
 
 
 def fast(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -48,14 +54,14 @@ def test_the_whole_corpus_encodes_as_the_reference(bpe: Tokenizer) -> None:
 @settings(max_examples=400, deadline=None)
 @given(st.text(alphabet=TRICKY, max_size=40))
 def test_tricky_ascii_encodes_as_the_reference(text: str) -> None:
-    tokenizer = load_default()
+    tokenizer = packaged()
     assert fast(tokenizer, text) == tokenizer.encode_reference(text)
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.text(alphabet=st.characters(max_codepoint=127), max_size=60))
 def test_any_ascii_encodes_as_the_reference(text: str) -> None:
-    tokenizer = load_default()
+    tokenizer = packaged()
     if EOT_TOKEN not in text:
         assert fast(tokenizer, text) == tokenizer.encode_reference(text)
 

@@ -30,10 +30,11 @@ _ASCII_WORD = re.compile(
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
     rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+"
 )
-# Words remembered before the table starts again (a few MB; Shakespeare has ~15,000 words).
-MAX_WORDS = 200_000
-# Longer words are rare and would only fill the table.
-MAX_WORD_CHARS = 64
+# Words remembered before the table starts again: Shakespeare's 15,000 take 3.6 MB; at most
+# about 27 MB however hostile the text (random 32-character words).
+MAX_WORDS = 50_000
+# Longer words are rare in text and would only fill the table: they are encoded each time.
+MAX_WORD_CHARS = 32
 
 
 class Words:
