@@ -124,6 +124,7 @@ class FakeWorker:
     hung: bool = False  # answers nothing (a worker that is down)
     fail_prefill: bool = False
     prefills: list[PrefillRequest] = field(default_factory=list)
+    decodes: list[DecodeRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     kv_bytes: dict[str, int] = field(default_factory=dict)
@@ -204,6 +205,7 @@ class FakeWorker:
 
     async def _decode(self, msg: DecodeRequest,
                       ctx: Context) -> AsyncGenerator[TokenChunk, None]:
+        self.decodes.append(msg)
         done = False
         try:
             with anyio.fail_after(msg.kv_timeout):

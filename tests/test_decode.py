@@ -37,6 +37,7 @@ from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer
 from services.router.errors import UpstreamFailed
 from services.worker import engine as engine_module
+from services.worker import member as member_module
 from services.worker.decode import DecodeWorker
 from services.worker.kv_stream import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
@@ -322,6 +323,32 @@ async def test_concurrent_requests_share_the_batch(topo: Topo) -> None:
         assert results[i] == reference("kimi-linear", prompt)
     assert stats.finished == 3
     assert stats.steps < 3 * (MAX - 1)  # some steps decoded more than one request
+
+
+@pytest.mark.trio
+async def test_a_whole_answer_comes_as_its_first_token_then_the_rest(
+    topo: Topo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """incremental=False: the first token at once, the others together at the finish (or
+    every HELD_TOKENS); the same tokens as a step-by-step stream."""
+    prompt = tokens(90)
+    seen: dict[str, list[TokenChunk]] = {"each": [], "whole": [], "held": []}
+    async with in_process(parse_topology(topo()), ["p", "d"]) as mesh, \
+            mesh.client() as client:
+        with trio.fail_after(60):
+            for kind in seen:
+                if kind == "held":
+                    monkeypatch.setattr(member_module, "HELD_TOKENS", 5)
+                result = await drive_request(
+                    client, prompt, prefill_worker="p", decode_worker="d",
+                    request_id=f"whole-{kind}", sampling=SAMPLING,
+                    incremental=kind == "each", on_chunk=seen[kind].append)
+                assert result.tokens == reference("kimi-linear", prompt)
+    shapes = {kind: [(c.index, len(c.tokens), c.finish_reason) for c in chunks]
+              for kind, chunks in seen.items()}
+    assert shapes["each"] == [(i, 1, None) for i in range(MAX - 1)] + [(MAX - 1, 1, "length")]
+    assert shapes["whole"] == [(0, 1, None), (1, MAX - 1, "length")]
+    assert shapes["held"] == [(0, 1, None), (1, 5, None), (6, 5, None), (11, 1, "length")]
 
 
 @pytest.mark.trio

@@ -7,6 +7,7 @@ runner.
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -74,6 +75,18 @@ async def test_a_stop_string_ends_generation_and_frees_the_decode_worker(
         assert mesh.workers["pd-decode-0"].aborted == [handle.placement.request_id]
 
 
+@pytest.mark.trio
+async def test_only_a_whole_answer_without_stop_strings_asks_for_its_tokens_at_the_end(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A stop string is matched on the router's text, token by token; a stream shows each.
+    async with fake_mesh() as mesh:
+        kinds = {"whole": generation(range(1, 30)),
+                 "stop": generation(range(1, 30), stop=["zz"]),
+                 "stream": msgspec.structs.replace(generation(range(1, 30)), stream=True)}
+        for request in kinds.values():
+            await (await mesh.scheduler.submit(request)).collect()
+        decodes = mesh.workers["pd-decode-0"].decodes
+        assert [d.incremental for d in decodes] == [False, True, True]
 
 
 @pytest.mark.trio

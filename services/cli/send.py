@@ -95,6 +95,7 @@ async def drive_request(
     chunk_tokens: int | None = None,
     kv_timeout: float = 60.0,
     timeout: float = 300.0,
+    incremental: bool = True,
     on_chunk: Callable[[TokenChunk], None] = lambda chunk: None,
 ) -> DriveResult:
     """One prompt through two named workers on the router's request driver
@@ -108,7 +109,7 @@ async def drive_request(
     prompt = list(prompt)
     sampling = sampling or Sampling()
     decode = DecodeRequest(request_id=request_id, prompt=prompt, sampling=sampling,
-                           kv_timeout=kv_timeout)
+                           kv_timeout=kv_timeout, incremental=incremental)
     prefill = PrefillRequest(request_id=request_id, prompt=prompt, decode_worker=decode_worker,
                              decode_has_tokens=decode_has, sampling=sampling,
                              connections=connections, overlap=overlap,

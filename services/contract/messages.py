@@ -150,12 +150,18 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Open a token stream for `request_id`; the KV arrives separately from a prefill worker."""
+    """Open a token stream for `request_id`; the KV arrives separately from a prefill worker.
+
+    `incremental` false asks for the first token at once and the rest together at the finish
+    (in a few large chunks for a long generation): for a reader that wants the text whole, a
+    message per step is wasted work on both sides.
+    """
 
     request_id: str
     prompt: list[int]
     sampling: Sampling = Sampling()
     kv_timeout: float = 60.0
+    incremental: bool = True
 
 
 class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):

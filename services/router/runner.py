@@ -138,8 +138,11 @@ class RequestRunner:
         p, request, cfg = handle.placement, handle.request, self.config
         assembler = TextAssembler(self.tokenizer, request.stop, request.sampling.min_tokens)
         self.phase(p.request_id, "prefill", p.prefill_worker, f"cluster {p.cluster}")
+        # A whole (non-streamed) answer without stop strings needs no token before the last
+        # but the first (its time is the TTFT): the worker sends the rest at the finish.
         decode = DecodeRequest(request_id=p.request_id, prompt=request.prompt,
-                               sampling=request.sampling, kv_timeout=cfg.kv_timeout_s)
+                               sampling=request.sampling, kv_timeout=cfg.kv_timeout_s,
+                               incremental=request.stream or bool(request.stop))
         driven = await drive(
             self.node, p.prefill_worker, self._prefill_request(handle), p.decode_worker, decode,
             timeout=cfg.request_timeout_s,

@@ -13,8 +13,11 @@ whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode si
    the KV it already holds for the prompt's first `start` tokens (its own prefix cache);
 3. joins the request to the `DecodeBatch`, which one loop task (`run`) steps in a worker
    thread while requests join and leave between steps (continuous batching);
-4. streams `TokenChunk`s; when the request finishes, keeps its cache (prompt + output) in the
-   prefix store and reports it, so a later turn needs only the new tokens' KV.
+4. streams `TokenChunk`s: each step's token at once, or, for a request that wants its text
+   whole (`DecodeRequest.incremental` false: a non-streamed completion), the first token at
+   once and the rest in one chunk at the finish (services.worker.member); when the request
+   finishes, keeps its cache (prompt + output) in the prefix store and reports it, so a
+   later turn needs only the new tokens' KV.
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectSendStream
 
 from mesh.events import EventBus
 from services.contract.errors import DataPathError, KVTransferError, RequestError
@@ -42,6 +44,7 @@ from services.worker.compute import Pacing, sampling_params
 from services.worker.engine import Engine, as_engine
 from services.worker.kv_inbox import KVAssembly, KVInbox
 from services.worker.kv_stream import out_of_range
+from services.worker.member import Member, token_chunk
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -93,29 +96,6 @@ class DecodeStatistics(msgspec.Struct, frozen=True):
 
 
 @dataclass
-class _Member:
-    request: DecodeRequest
-    cache: RequestCache
-    first_token: int
-    params: SamplingParams
-    send: MemoryObjectSendStream[TokenEvent]
-    output: list[int] = field(default_factory=list)
-    error: str | None = None
-
-    def deliver(self, event: TokenEvent) -> bool:
-        """Hands a token to the reader; False when the reader has gone."""
-        try:
-            self.send.send_nowait(event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        return True
-
-    def fail(self, error: str) -> None:
-        self.error = error
-        self.send.close()
-
-
-@dataclass
 class _Counts:
     requests: int = 0
     finished: int = 0
@@ -144,8 +124,8 @@ class DecodeWorker:
         self._pacing = pacing
         self._report = report
         self._batch = self.model.new_batch(config.slots)
-        self._members: dict[str, _Member] = {}
-        self._joining: list[_Member] = []
+        self._members: dict[str, Member] = {}
+        self._joining: list[Member] = []
         self._leaving: set[str] = set()
         cfg = self.model.cfg
         model_id = (cfg.family, cfg.config_hash(), self.model.dtype_name)
@@ -274,19 +254,15 @@ class DecodeWorker:
 
     async def _tokens(self, request: DecodeRequest, cache: RequestCache, first: int,
                       params: SamplingParams) -> AsyncIterator[TokenChunk]:
-        send, receive = anyio.create_memory_object_stream[TokenEvent](math.inf)
-        member = _Member(request, cache, first, params, send, [first])
+        send, receive = anyio.create_memory_object_stream[list[TokenEvent]](math.inf)
+        member = Member(request, cache, first, params, send, [first])
         self._joining.append(member)
         self._waiting -= 1
         self._wakeup.set()
         try:
             async with receive:
-                async for event in receive:
-                    logprobs = [event.logprob] if event.logprob is not None else None
-                    yield TokenChunk(request_id=request.request_id,
-                                     tokens=[event.token] * event.count,
-                                     index=event.index, finish_reason=event.finish_reason,
-                                     logprobs=logprobs)
+                async for events in receive:
+                    yield token_chunk(request.request_id, events)
         finally:
             self._waiting += 1
         if member.error is not None:
@@ -301,7 +277,7 @@ class DecodeWorker:
             self._wakeup.set()
 
     def _admit(self) -> None:
-        waiting: list[_Member] = []
+        waiting: list[Member] = []
         for member in self._joining:
             rid = member.request.request_id
             if rid in self._leaving:
