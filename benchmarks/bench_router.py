@@ -4,7 +4,9 @@ Four processes on 127.0.0.1, so that no one's cost is counted as another's:
 - the backend: the cache directory and a PD prefill and a PD decode worker, the live services
   (`run_cachedir`, `WorkerService` with its `PrefillWorker` and `DecodeWorker`) over TCP, on
   the simulation's `ModeledEngine` under the unpaced `cpu` profile: compute costs nothing, and
-  each token is its own message, as the real batch sends them;
+  the batch makes one token per step, as the real one does; a streamed completion gets each
+  step's token as its own message, a plain one its first token, then the rest at the finish
+  (`DecodeRequest.incremental`), as from the real decode worker;
 - the router: `prfaas serve router` (Quart on hypercorn, `mesh/http.py`), its real tokenizer,
   scheduler, cache-directory lookup and mesh hops;
 - the baseline: a bare Quart endpoint served the same way, answering an OpenAI-shaped
@@ -520,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="router and baseline take turns this many times per phase")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--tokens-per-message", type=int, default=1,
-                        help="tokens a decode worker sends at once (1: each token as the real "
-                             "batch makes it; >= max-tokens: the whole answer at once)")
+                        help="tokens the decode batch makes per step and hands out at once "
+                             "(1: as the real batch; >= max-tokens: the whole answer at once); "
+                             "a plain completion's tokens after its first come at the finish")
     parser.add_argument("--long-senders", type=int, default=2,
                         help="connections sending long prompts beside the short requests of "
                              "the last phase (0: no such phase)")
