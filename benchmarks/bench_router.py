@@ -3,9 +3,10 @@
 Four processes on 127.0.0.1, so that no one's cost is counted as another's:
 - the backend: the cache directory and a PD prefill and a PD decode worker, the live services
   (`run_cachedir`, `WorkerService` with its `PrefillWorker` and `DecodeWorker`) over TCP, on
-  the simulation's `ModeledEngine` under the unpaced `cpu` profile: compute costs nothing, and
-  the batch makes one token per step, as the real one does; a streamed completion gets each
-  step's token as its own message, a plain one its first token, then the rest at the finish
+  the simulation's `ModeledEngine` under the unpaced `cpu` profile: compute costs nothing, so
+  a pass of the decode batch makes all the tokens its members have left, as in the
+  simulation; a streamed completion gets each token as its own message, as the real batch
+  sends them, a plain one its first token, then the rest at the finish
   (`DecodeRequest.incremental`), as from the real decode worker;
 - the router: `prfaas serve router` (Quart on hypercorn, `mesh/http.py`), its real tokenizer,
   scheduler, cache-directory lookup and mesh hops;
@@ -72,7 +73,6 @@ BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")
 
 
 def topology_text(ports: list[int]) -> str:
-    # Decode: 1 step at a time, a token event per step (ModeledEngine's max_steps / flush).
     worker = ('options = { cache_mib = 1048576.0, connections = 1, slots = 32, '
               'max_streams = 256, prefill_slots = 256 }')
     return f"""
@@ -118,8 +118,9 @@ async def serve_backend(topology_path: str, tokens_per_message: int) -> None:
     topology = load_topology(topology_path, "")
     # The router refuses workers whose vocabulary its tokenizer cannot read back.
     cfg = ModeledConfig(vocab_size=load_default().vocab_size)
-    engine = ModeledEngine(CostModel.load("cpu"), 1.0, cfg=cfg, max_steps=tokens_per_message,
-                           flush=tokens_per_message)
+    # Free compute: a loop pass of the batch makes every token its members have left (as the
+    # simulation's engine does), handed out `tokens_per_message` an event.
+    engine = ModeledEngine(CostModel.load("cpu"), 1.0, cfg=cfg, flush=tokens_per_message)
     async with anyio.create_task_group() as tg:
         await tg.start(run_cachedir, ServiceContext(topology, topology.service("cachedir")))
         for name in BACKEND_NAMES[1:]:

@@ -174,23 +174,26 @@ class ModeledBatch:
         return min(run.limit - run.generated for run in self._runs.values())
 
     def advance(self, steps: int) -> StepResult:
-        """Every member makes `steps` tokens; a member's tokens are handed out once `flush`
-        of them are due, or when it reaches its limit (then it leaves with its cache)."""
-        events, finished = [], {}
+        """Every member makes `steps` tokens; a member's tokens are handed out `flush` at a
+        time once that many are due, and all of them when it reaches its limit (then it
+        leaves with its cache)."""
+        events, finished, flush = [], {}, self._flush
+        self.tokens += steps * len(self._runs)
         for rid, run in list(self._runs.items()):
             run.generated += steps
             run.cache.length += steps
             done = run.generated >= run.limit
-            due = run.generated - run.reported
-            if done or due >= self._flush:
-                events.append(TokenEvent(rid, MODELED_TOKEN, run.reported,
-                                         "length" if done else None, due))
-                run.reported = run.generated
+            end = run.generated if done else run.reported + (
+                run.generated - run.reported) // flush * flush
+            for index in range(run.reported, end, flush):
+                count = min(flush, end - index)
+                last = done and index + count == end
+                events.append(TokenEvent(rid, MODELED_TOKEN, index,
+                                         "length" if last else None, count))
+            run.reported = end
             if done:
                 finished[rid] = self._runs.pop(rid).cache
         self.steps += steps
-        self.tokens += steps * len(self._runs) + sum(e.count for e in events if
-                                                      e.finish_reason)
         return StepResult(tuple(events), finished)  # type: ignore[arg-type]
 
     def statistics(self) -> DecodeBatchStatistics:
@@ -211,8 +214,8 @@ class ModeledEngine:
     An unpaced decode profile (`cpu`) makes compute free: every step takes no time, so the
     workers above answer as fast as their own code allows (benchmarks/bench_router.py
     measures the router against such workers). `flush` is the batch's (`ModeledBatch`;
-    None: each request's tokens at its end); with `max_steps=1, flush=1` each token is its
-    own event, as the real batch makes them."""
+    None: each request's tokens at its end); with `flush=1` each token is its own event, as
+    the real batch makes them, however many steps one call takes (`max_steps`)."""
 
     def __init__(self, decode_cost: CostModel, tokens_per_served: float, *,
                  cfg: ModeledConfig | None = None, max_steps: int = 64,
