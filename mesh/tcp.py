@@ -327,7 +327,7 @@ async def connect(host: str, port: int) -> anyio.abc.ByteStream:
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
         try:
-            await _connect_socket(sock, address)
+            await connect_socket(sock, address)
         except OSError as exc:
             sock.close()
             error = exc
@@ -339,11 +339,13 @@ async def connect(host: str, port: int) -> anyio.abc.ByteStream:
     raise error
 
 
-async def _connect_socket(sock: socket.socket, address: Any) -> None:
+async def connect_socket(sock: socket.socket, address: Any, name: str | None = None) -> None:
+    """Connects `sock` (made non-blocking) to `address`; OSError naming `name` (else the
+    address) if it cannot."""
     sock.setblocking(False)
     code = sock.connect_ex(address)
     if code == errno.EINPROGRESS:
         await anyio.wait_writable(sock)
         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if code:
-        raise OSError(code, f"connect to {address}: {os.strerror(code)}")
+        raise OSError(code, f"connect to {name or address}: {os.strerror(code)}")

@@ -8,14 +8,14 @@ pump over in-memory channels of the same protocol (tests/netem_channels.py).
 
 from __future__ import annotations
 
-import errno
 import ipaddress
-import os
 import socket
 from typing import Protocol
 
 import anyio
 import anyio.lowlevel
+
+from mesh.tcp import connect_socket
 
 
 class ByteChannel(Protocol):
@@ -89,13 +89,7 @@ async def open_tcp(host: str, port: int) -> socket.socket:
     family, address = await _resolve(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        configure(sock)
-        code = sock.connect_ex(address)
-        if code == errno.EINPROGRESS:
-            await anyio.wait_writable(sock)
-            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if code:
-            raise OSError(code, f"connect to {host}:{port}: {os.strerror(code)}")
+        await connect_socket(configure(sock), address, f"{host}:{port}")
     except BaseException:
         sock.close()
         raise
