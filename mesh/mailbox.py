@@ -59,7 +59,12 @@ class Mailbox(Generic[T]):
         """
         while len(self._items) >= self._capacity and not (self._ended or self._closed):
             await self._wait(self._putters)
-        if self._ended or self._closed:
+        return self.put_nowait(item)
+
+    def put_nowait(self, item: T) -> bool:
+        """Queues `item` if there is room now; False (item dropped) when there is none or the
+        mailbox has ended or been closed."""
+        if self._ended or self._closed or len(self._items) >= self._capacity:
             return False
         self._items.append(item)
         self._put += 1

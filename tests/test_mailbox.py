@@ -96,6 +96,27 @@ async def test_close_discards_and_refuses() -> None:
     assert not await box.put(2)
 
 
+@pytest.mark.trio
+async def test_put_nowait_takes_what_fits_and_wakes_the_consumer() -> None:
+    box: Mailbox[int] = Mailbox(1)
+    got: list[int] = []
+
+    async def consumer() -> None:
+        got.extend([item async for item in box])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consumer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert box.put_nowait(1)
+        assert not box.put_nowait(2)  # full until the consumer takes 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert box.put_nowait(3)
+        box.end()
+        assert not box.put_nowait(4)
+    assert got == [1, 3]
+    box.check_integrity()
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -23,7 +23,6 @@ whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode si
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -35,7 +34,7 @@ from mesh.events import EventBus
 from services.contract.errors import DataPathError, KVTransferError, RequestError
 from services.contract.events import Event, RequestPhase
 from services.contract.messages import DecodeRequest, TokenChunk
-from services.model.batch import StepResult, TokenEvent, finish_reason, result_reason
+from services.model.batch import StepResult, finish_reason, result_reason
 from services.model.cache import RequestCache
 from services.model.config import ModelError
 from services.model.model import HybridLM
@@ -254,27 +253,15 @@ class DecodeWorker:
 
     async def _tokens(self, request: DecodeRequest, cache: RequestCache, first: int,
                       params: SamplingParams) -> AsyncIterator[TokenChunk]:
-        send, receive = anyio.create_memory_object_stream[list[TokenEvent]](math.inf)
-        member = Member(request, cache, first, params, send, [first])
+        member = Member(request, cache, first, params, [first])
         self._joining.append(member)
         self._waiting -= 1
         self._wakeup.set()
         try:
-            async with receive:
-                while True:
-                    # What is queued goes out without a trip through the event loop per item
-                    # (anyio's `receive` makes one): a burst of tokens leaves in one write.
-                    try:
-                        events = receive.receive_nowait()
-                    except anyio.WouldBlock:
-                        try:
-                            events = await receive.receive()
-                        except anyio.EndOfStream:
-                            break
-                    except anyio.EndOfStream:
-                        break
-                    yield token_chunk(request.request_id, events)
+            async for events in member.tokens:
+                yield token_chunk(request.request_id, events)
         finally:
+            member.tokens.close()  # the reader has gone: the loop's next delivery says so
             self._waiting += 1
         if member.error is not None:
             raise DataPathError(member.error)
@@ -292,7 +279,7 @@ class DecodeWorker:
         for member in self._joining:
             rid = member.request.request_id
             if rid in self._leaving:
-                member.send.close()
+                member.end()
                 continue
             if self.config.max_batch and len(self._members) >= self.config.max_batch:
                 waiting.append(member)
@@ -306,7 +293,7 @@ class DecodeWorker:
         self._joining = waiting
         for rid in self._leaving & set(self._members):
             self._batch.leave(rid)
-            self._members.pop(rid).send.close()
+            self._members.pop(rid).end()
         self._leaving.clear()
         self._check_idle()
 
@@ -331,7 +318,7 @@ class DecodeWorker:
                 self._leaving.add(event.request_id)
         for rid, cache in result.finished.items():
             member = self._members.pop(rid)
-            member.send.close()
+            member.end()
             self._keep(member.request.prompt + member.output, cache)
             self._finish(rid, result_reason(result, rid))
         if pacing is not None:

@@ -2,19 +2,18 @@
 
 The batch loop (services.worker.decode) hands each step's token to `Member.deliver`; the task
 that streams the request to its reader takes them, as lists of events, from the member's
-channel and sends each list as one `TokenChunk` (`token_chunk`). A request that wants its text
-whole (`DecodeRequest.incremental` false: a non-streamed completion) has its tokens after
-the first held until its finish, or until `HELD_TOKENS` are held: two messages for a short
-answer instead of one per step, on the worker's side and on the reader's.
+mailbox (`tokens`) and sends each list as one `TokenChunk` (`token_chunk`). A request that
+wants its text whole (`DecodeRequest.incremental` false: a non-streamed completion) has its
+tokens after the first held until its finish, or until `HELD_TOKENS` are held: two messages
+for a short answer instead of one per step, on the worker's side and on the reader's.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
-import anyio
-from anyio.streams.memory import MemoryObjectSendStream
-
+from mesh.mailbox import Mailbox
 from services.contract.messages import DecodeRequest, TokenChunk
 from services.model.batch import TokenEvent
 from services.model.cache import RequestCache
@@ -33,10 +32,12 @@ class Member:
     cache: RequestCache
     first_token: int
     params: SamplingParams
-    send: MemoryObjectSendStream[list[TokenEvent]]
     output: list[int] = field(default_factory=list)
     error: str | None = None
     held: list[TokenEvent] = field(default_factory=list)
+    # What the loop has handed out and the reader has not sent yet; its reader drains a
+    # backlog without a trip through the event loop per item, so a burst leaves in one write.
+    tokens: Mailbox[list[TokenEvent]] = field(default_factory=lambda: Mailbox(sys.maxsize))
 
     def deliver(self, event: TokenEvent) -> bool:
         """Hands a token to the reader, or holds it for a request that wants its tokens at
@@ -47,15 +48,15 @@ class Member:
                 and len(held) < HELD_TOKENS):
             return True
         self.held = []
-        try:
-            self.send.send_nowait(held)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        return True
+        return self.tokens.put_nowait(held)
+
+    def end(self) -> None:
+        """No more tokens: the reader sends what is queued, then ends."""
+        self.tokens.end()
 
     def fail(self, error: str) -> None:
         self.error = error
-        self.send.close()
+        self.tokens.end()
 
 
 def token_chunk(request_id: str, events: list[TokenEvent]) -> TokenChunk:
