@@ -151,11 +151,7 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Open a token stream for `request_id`; the KV arrives separately from a prefill worker.
-
-    `incremental` false asks for the first token at once and the rest together at the finish
-    (in a few large chunks for a long generation): for a reader that wants the text whole, a
-    message per step is wasted work on both sides.
-    """
+    `incremental` false: the first token at once, the rest at the finish (a whole answer)."""
 
     request_id: str
     prompt: list[int]
