@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -203,42 +204,56 @@ class Failed(Exception):
 
 
 class Connection:
-    """One keep-alive HTTP/1.1 connection; `post` answers the body (any framing)."""
+    """A keep-alive HTTP/1.1 connection to a port; `post` answers the body (any framing).
+    A new socket is opened when the server has closed the last one (hypercorn does after
+    1,000 requests on a connection) or a request failed on it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.h11 = h11.Connection(h11.CLIENT)
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.writer: asyncio.StreamWriter | None = None
 
-    @classmethod
-    async def open(cls, port: int) -> Connection:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(reader, writer)
+        self.reader, self.writer, self.h11 = reader, writer, h11.Connection(h11.CLIENT)
+        return reader, writer
 
     async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        reader, writer = (self.reader, self.writer) if self.writer else await self._open()
+        try:
+            return await self._exchange(reader, writer, path, payload)
+        finally:
+            if not (self.h11.our_state is self.h11.their_state is h11.IDLE):
+                self.close()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        path: str, payload: bytes) -> tuple[int, bytes]:
         headers = [("host", "127.0.0.1"), ("content-type", "application/json"),
                    ("content-length", str(len(payload)))]
-        self.writer.write(self.h11.send(h11.Request(method="POST", target=path,
-                                                    headers=headers)) or b"")
-        self.writer.write(self.h11.send(h11.Data(data=payload)) or b"")
-        self.writer.write(self.h11.send(h11.EndOfMessage()) or b"")
+        writer.write(self.h11.send(h11.Request(method="POST", target=path,
+                                               headers=headers)) or b"")
+        writer.write(self.h11.send(h11.Data(data=payload)) or b"")
+        writer.write(self.h11.send(h11.EndOfMessage()) or b"")
         status, parts = 0, []
         while True:
             event = self.h11.next_event()
             if event is h11.NEED_DATA:
-                self.h11.receive_data(await self.reader.read(65536))
+                self.h11.receive_data(await reader.read(65536))
             elif isinstance(event, h11.Response):
                 status = event.status_code
             elif isinstance(event, h11.Data):
                 parts.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
-                self.h11.start_next_cycle()
+                if self.h11.our_state is self.h11.their_state is h11.DONE:
+                    self.h11.start_next_cycle()
                 return status, b"".join(parts)
             elif isinstance(event, h11.ConnectionClosed):
                 raise Failed("the server closed the connection")
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def request_body(stream: bool, max_tokens: int) -> bytes:
@@ -296,7 +311,7 @@ async def phase(port: int, stream: bool, requests: int, concurrency: int,
     payload, result, left = request_body(stream, max_tokens), Run(), [requests]
 
     async def one_connection() -> None:
-        conn = await Connection.open(port)
+        conn = Connection(port)
         try:
             while left[0] > 0:
                 left[0] -= 1
@@ -306,8 +321,6 @@ async def phase(port: int, stream: bool, requests: int, concurrency: int,
                     check(status, body, stream)
                 except (Failed, OSError, h11.ProtocolError) as exc:
                     result.failures.append(str(exc))
-                    conn.close()
-                    conn = await Connection.open(port)
                     continue
                 result.latencies.append(time.perf_counter() - start)
         finally:
@@ -351,7 +364,7 @@ async def beside_long(port: int, options: Options) -> tuple[Run, Run]:
     longs, stop = Run(), asyncio.Event()
 
     async def sender() -> None:
-        conn = await Connection.open(port)
+        conn = Connection(port)
         try:
             while not stop.is_set():
                 start = time.perf_counter()
@@ -430,7 +443,9 @@ def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict
 def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
     kinds = {kind: kind_report(runs["router"], runs["baseline"], kind) for kind in KINDS}
     worst = min(kinds.values(), key=lambda k: k["rps_ratio"])
-    failed = sum(len(run.failures) for target in runs.values() for run in target.values())
+    failures = Counter(f"{name}: {reason}" for name, target in runs.items()
+                       for run in target.values() for reason in run.failures)
+    failed = sum(failures.values())
     done = sum(len(run.latencies) for target in runs.values() for run in target.values())
     return {
         "router_rps": worst["router_rps"], "baseline_rps": worst["baseline_rps"],
@@ -441,6 +456,7 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
         "max_tokens": options.max_tokens, "tokens_per_message": options.tokens_per_message,
         "requests": options.requests, "rounds": options.rounds,
         "latency_requests": options.latency_requests, "completed": done, "failed": failed,
+        "failures": dict(failures.most_common(5)),
         "kinds": kinds,
         **({"long_prompts": long_report(runs["router"], options)}
            if "long" in runs["router"] else {}),
@@ -482,6 +498,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"{long['short_beside_long_ms_p99']:.2f} ms (alone {long['short_alone_ms_p50']:.2f}"
               f", {long['short_alone_ms_p99']:.2f})")
     print(f"completed {result['completed']}, failed {result['failed']}")
+    for reason, count in result["failures"].items():
+        print(f"  {count} x {reason}")
 
 
 def wait_healthy(port: int, deadline_s: float = 60.0) -> None:
