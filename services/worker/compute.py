@@ -16,15 +16,14 @@ virtual clock (`InlineRunner`) a run is exact.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
 
+from mesh.mailbox import Mailbox
 from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling, TokenLogprob
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel, Pacer
@@ -114,6 +113,11 @@ class PrefillJob:
     def length(self) -> int:
         return len(self.request.prompt)
 
+    @property
+    def pieces(self) -> int:
+        """Pieces the plan exports, over all chunks and lanes."""
+        return sum(map(len, self.plan))
+
 
 class PrefillCompute:
     """Computes one job at a time on `model` through `runner`, paced when `pacing` is given."""
@@ -126,34 +130,44 @@ class PrefillCompute:
         self._pacing = pacing
 
     async def compute_and_release(
-        self, job: PrefillJob, sends: list[MemoryObjectSendStream[LaneItem]]
+        self, job: PrefillJob, lanes: Sequence[Mailbox[LaneItem]]
     ) -> tuple[int, float]:
-        """Runs the compute beside the release of its pieces; (first token, compute end)."""
+        """Runs the compute beside the release of its pieces, then puts the stream's KVClose
+        (the first token) on lane 0 and ends the lanes at once, so that the close and the
+        streams' ends leave with the last pieces; (first token, compute end)."""
         start = anyio.current_time()
-        computed, pieces = anyio.create_memory_object_stream[Computed](math.inf)
+        computed = Mailbox[Computed](job.pieces + 1)
         first: list[int] = []
-        async with anyio.create_task_group() as tg, pieces:
+        async with anyio.create_task_group() as tg:
             tg.start_soon(self._compute_task, job, computed, first)
             ends = self._step_ends(job, start)
             try:
-                compute_end = await release(pieces, sends, ends, hold=not job.request.overlap)
+                compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
             except BaseException:
                 job.cancelled = True
                 raise
+            if first:  # else the compute failed, and the task group raises its error
+                lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
+                                            first_token=first[0],
+                                            first_logprob=job.first_logprob))
+                for lane in lanes:
+                    lane.end()
         return first[0], compute_end
 
-    async def _compute_task(self, job: PrefillJob, computed: MemoryObjectSendStream[Computed],
+    async def _compute_task(self, job: PrefillJob, computed: Mailbox[Computed],
                             first: list[int]) -> None:
         def emit(step: int, chunk: KVChunk) -> None:
             if not job.cancelled:
-                self._runner.to_loop(partial(computed.send_nowait, (step, chunk)))
+                self._runner.to_loop(partial(computed.put_nowait, (step, chunk)))
 
-        async with computed:
+        try:
             began = anyio.current_time()
             first.append(await self._runner.run(partial(self._compute, job, emit)))
             if self._pacing is not None:
                 modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
                 self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
+        finally:
+            computed.end()
 
     def _compute(self, job: PrefillJob, emit: Callable[[int, KVChunk], None]) -> int:
         """Through the runner: the engine prefills the suffix chunk by chunk, emitting each

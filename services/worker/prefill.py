@@ -21,23 +21,21 @@ Lanes are separate mesh nodes (one TCP connection each, the same peer), given by
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from mesh.events import EventBus
+from mesh.mailbox import Mailbox
 from mesh.node import Node
 from services.contract.errors import KVTransferError, RequestError
 from services.contract.events import Event, KVFlow, RequestPhase
 from services.contract.messages import (
     KVAccepted,
     KVChunk,
-    KVClose,
     KVOpen,
     PrefillDone,
     PrefillRequest,
@@ -248,21 +246,16 @@ class PrefillWorker:
 
     async def _stream(self, job: PrefillJob) -> tuple[int, float]:
         """Computes while one task per lane sends; (first token, compute end)."""
-        channels = [anyio.create_memory_object_stream[LaneItem](math.inf)
-                    for _ in range(job.lanes)]
-        sends = [send for send, _ in channels]
+        lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
         try:
             async with anyio.create_task_group() as tg:
-                for lane, (_, receive) in enumerate(channels):
-                    tg.start_soon(self._send_lane, job, lane, receive)
+                for lane, items in enumerate(lanes):
+                    tg.start_soon(self._send_lane, job, lane, items)
                 try:
-                    first_token, compute_end = await self._compute.compute_and_release(job, sends)
-                    sends[0].send_nowait(KVClose(request_id=job.request.request_id,
-                                                 first_token=first_token,
-                                                 first_logprob=job.first_logprob))
+                    first_token, compute_end = await self._compute.compute_and_release(job, lanes)
                 finally:
-                    for send in sends:
-                        send.close()
+                    for items in lanes:
+                        items.end()
         except BaseExceptionGroup as group:
             cause = stream_failure(group, job.request.request_id, job.request.decode_worker)
             if cause is None:
@@ -270,9 +263,7 @@ class PrefillWorker:
             raise cause from group
         return first_token, compute_end
 
-    async def _send_lane(
-        self, job: PrefillJob, lane: int, items: MemoryObjectReceiveStream[LaneItem]
-    ) -> None:
+    async def _send_lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> None:
         request, cfg = job.request, self.model.cfg
         opening = KVOpen(
             request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
@@ -281,8 +272,7 @@ class PrefillWorker:
             lanes=job.lanes,
         )
         node, peer = self._lanes[lane], request.decode_worker
-        async with items, node.stream_to(peer, opening,
-                                         timeout=self.config.transfer_timeout) as sink:
+        async with node.stream_to(peer, opening, timeout=self.config.transfer_timeout) as sink:
             async for item in items:
                 await sink.send(item)
                 if isinstance(item, KVChunk):
