@@ -12,7 +12,8 @@ Four processes on 127.0.0.1, so that no one's cost is counted as another's:
   scheduler, cache-directory lookup and mesh hops;
 - the baseline: a bare Quart endpoint served the same way, answering an OpenAI-shaped
   completion (streamed: one event per token) at once without looking at the prompt;
-- this process: the client, raw HTTP/1.1 (h11) on keep-alive connections, on uvloop.
+- this process: the client, raw HTTP/1.1 (h11) on keep-alive connections (a new one when the
+  server closes one: hypercorn does after 1,000 requests), on uvloop.
 
 Last, short plain completions one at a time beside `--long-senders` connections that send
 60,000-character prompts back to back (`long_prompts` in the JSON, against the same requests
@@ -29,7 +30,7 @@ added latency); `kinds` has each one.
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
         [--tokens-per-message N] [--rounds N] [--long-senders N]
 
-The last line is one JSON object.
+The last line is one JSON object; `failures` in it names the commonest reasons requests failed.
 """
 
 from __future__ import annotations
