@@ -153,6 +153,11 @@ class StreamSink:
         if self._early is None and self._inbox.failure is not None:
             raise self._inbox.failure
 
+    @property
+    def answered(self) -> bool:
+        """The server has answered (its reply, or a failure): nothing is left to stop."""
+        return self._early is not None or self.result is not None
+
     async def finish(self) -> None:
         """Sends End, then waits for the server's reply."""
         self._check_early_answer()
@@ -318,6 +323,13 @@ class ClientSession:
                 if self.alive:
                     await self._abandon(id, f"sender raised {type(exc).__name__}: {exc}")
                 raise
-            await sink.finish()
+            try:
+                await sink.finish()
+            except anyio.get_cancelled_exc_class():
+                # Cancelled before End went out (a cancelled send does not write), or while
+                # waiting for the answer: the server must not wait for an End that never comes.
+                if self.alive and not sink.answered:
+                    await self._abandon(id, "the sender was cancelled before its end")
+                raise
         finally:
             self._close(id)

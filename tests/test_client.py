@@ -186,6 +186,26 @@ async def test_sender_exception_aborts_the_upload(
 
 
 @pytest.mark.trio
+async def test_a_sender_cancelled_at_its_end_aborts_the_upload(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Cancelled as its body ends (before End is out): the receiver is told, not left open."""
+    log: list[str] = []
+    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
+        await srv.listen()
+        with trio.CancelScope() as scope:
+            async with cli.stream_to("srv", Upload()) as sink:
+                await sink.send(Chunk(b"abc"))
+                scope.cancel()
+        assert scope.cancelled_caught
+        with trio.fail_after(5):
+            while not log:
+                await trio.sleep(0.01)
+        srv.check_integrity()
+    assert log == ["upload aborted: cli: the sender was cancelled before its end"]
+
+
+@pytest.mark.trio
 async def test_receiver_failure_stops_the_sender_early(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -30,6 +30,8 @@ from services.model.config import family_config
 from services.model.export import KVPiece, import_cache
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
+from services.worker.compute import PrefillJob
+from services.worker.engine import Emit
 from services.worker.kv_stream import expected_kv_bytes
 from services.worker.service import WorkerService
 
@@ -64,6 +66,7 @@ class Upload(msgspec.Struct):
     opening: KVOpen
     items: list[msgspec.Struct]
     arrivals: list[float]
+    over: bool = False  # the sender ended or aborted the lane
 
 
 def recorder(mesh: InProcessMesh) -> tuple[Node, list[Upload]]:
@@ -75,9 +78,12 @@ def recorder(mesh: InProcessMesh) -> tuple[Node, list[Upload]]:
     async def on_kv(opening: KVOpen, items: Mailbox[msgspec.Struct], ctx: Context) -> KVAccepted:
         upload = Upload(opening, [], [])
         uploads.append(upload)
-        async for item in items:
-            upload.items.append(item)
-            upload.arrivals.append(anyio.current_time())
+        try:
+            async for item in items:
+                upload.items.append(item)
+                upload.arrivals.append(anyio.current_time())
+        finally:
+            upload.over = True
         return KVAccepted(request_id=opening.request_id, lane=opening.lane,
                           pieces=len(upload.items), bytes=0)
 
@@ -188,6 +194,42 @@ async def test_pieces_leave_while_layers_compute_unless_told_to_wait() -> None:
     assert overlapped[1].compute_s > 0.15
     assert overlapped[0] < 0.6 * overlapped[1].compute_s
     assert held[0] >= 0.9 * held[1].compute_s
+
+
+@pytest.mark.trio
+async def test_a_compute_that_fails_sends_no_close() -> None:
+    """A compute that breaks after its first piece: the caller gets its error, and no lane
+    carries a KVClose, so the decode side never takes the cut stream for a whole one (it
+    counts the pieces missing)."""
+    request = PrefillRequest(request_id="f", prompt=tokens(100), decode_worker="d",
+                             connections=2)
+    async with in_process(TOPOLOGY, ["p"]) as mesh:
+        service = mesh.services["p"]
+        assert isinstance(service, WorkerService)
+        engine = service.prefill._compute.engine
+        compute = engine.compute_prefill
+
+        def fail_after_one_piece(job: PrefillJob, emit: Emit, snapshot_every: int) -> int:
+            def emit_once(step: int, chunk: KVChunk) -> None:
+                if step > 0:
+                    raise RuntimeError("the compute broke")
+                emit(step, chunk)
+            return compute(job, emit_once, snapshot_every)
+
+        engine.compute_prefill = fail_after_one_piece  # type: ignore[method-assign]
+        node, uploads = recorder(mesh)
+        async with node, mesh.client() as client:
+            await node.listen()
+            with trio.fail_after(60), pytest.raises(RemoteError) as failure:
+                await client.call("p", request, PrefillDone)
+            # Both lanes are over at once: aborted, not left open until their deadline.
+            with trio.fail_after(5):
+                while len(uploads) < 2 or not all(u.over for u in uploads):
+                    await trio.sleep(0.01)
+        service.prefill.check_integrity()
+    assert "the compute broke" in failure.value.detail
+    assert sorted(u.opening.lane for u in uploads) == [0, 1]
+    assert [type(i) for u in uploads for i in u.items] == [KVChunk]
 
 
 @pytest.mark.trio
