@@ -314,7 +314,8 @@ class Node:
         """`async with node.stream_to(p, first) as sink: await sink.send(item)`.
 
         End on exit, then waits for the handler's reply (`sink.result`); Abort if the body
-        raises. The deadline covers the whole stream.
+        raises, or if the sender is cancelled before that reply. The deadline covers the
+        whole stream.
         """
         deadline = self._deadline(timeout)
         self._peers.counts.streams += 1
