@@ -24,6 +24,12 @@ from hypercorn.config import Config as HypercornConfig
 
 BACKLOG = 128
 GRACE_S = 1.0
+# hypercorn closes a keep-alive connection idle this long (its default, said here). A client
+# must drop its idle connections sooner (CLIENT_KEEPALIVE_S as httpx's keepalive_expiry): one
+# reused just as the server closes it fails with "Server disconnected without sending a
+# response" (seen in `make chaos`, posting to the link's control API after a 5 s fault).
+KEEP_ALIVE_S = 5.0
+CLIENT_KEEPALIVE_S = 2.0
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -47,6 +53,7 @@ def _config(sock: socket.socket, log_name: str) -> HypercornConfig:
     config.accesslog = None
     config.errorlog = logging.getLogger(log_name)
     config.graceful_timeout = GRACE_S
+    config.keep_alive_timeout = KEEP_ALIVE_S
     return config
 
 

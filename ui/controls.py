@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, Protocol
 import httpx
 import msgspec
 
+from mesh.http import CLIENT_KEEPALIVE_S
 from services.contract.access import bearer_headers
 from ui.errors import ControlError
 
@@ -147,7 +148,8 @@ class HttpControlClient:
         def client(url: str | None) -> httpx.AsyncClient | None:
             if url is None:
                 return None
-            return httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers)
+            return httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers,
+                                     limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
 
         return cls(client(link_url), client(router_url), client(supervisor_url))
 

@@ -18,6 +18,7 @@ import httpx
 import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
+from mesh.http import CLIENT_KEEPALIVE_S
 from services.bench.errors import BenchError
 from services.bench.sse import DONE, ChunkInfo, SSEDecoder, read_chunk
 from services.bench.stats import RequestResult
@@ -206,7 +207,10 @@ async def run_benchmark(sessions: list[Session], config: ClientConfig, *, progre
                         transport: httpx.AsyncBaseTransport | None = None) -> BenchRun:
     """Run every session open-loop; the results in completion order and the run's duration."""
     total = sum(len(s.turns) for s in sessions)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # Idle connections go before the server's keep-alive timeout closes them (hypercorn's
+    # and uvicorn's are 5 s): open-loop gaps are often longer.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                          keepalive_expiry=CLIENT_KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=config.base_url, timeout=config.timeout_s,
                                  limits=limits, transport=transport) as client:
         with tqdm(total=total, desc="prfaas bench", unit="req", disable=not progress) as bar:

@@ -24,6 +24,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from mesh.http import CLIENT_KEEPALIVE_S
 from services.chaos.faults import Faults
 from services.chaos.load import Load
 from services.chaos.mesh import ChaosMeshError, MeshConfig, running_mesh
@@ -104,7 +105,8 @@ async def _main(args: argparse.Namespace, workdir: Path, config: MeshConfig
                 ) -> list[ScenarioResult]:
     with running_mesh(workdir, config) as mesh:
         assert mesh.urls is not None
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                              keepalive_expiry=CLIENT_KEEPALIVE_S)
         async with httpx.AsyncClient(base_url=mesh.urls.api, timeout=httpx.Timeout(None),
                                      limits=limits) as client:
             faults = Faults(client, mesh.urls.supervisor, mesh.urls.link_control,
