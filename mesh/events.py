@@ -129,6 +129,11 @@ class EventBus(Generic[E]):
         self._gone_dropped = 0
         self._joined: anyio.Event | None = None  # made by the first waiter, set on a subscribe
 
+    @property
+    def subscribed(self) -> bool:
+        """Someone reads now: a publisher on a hot path builds its events only then."""
+        return bool(self._subscriptions)
+
     def publish(self, event: E) -> None:
         """Hands `event` to every subscriber; never blocks."""
         self._published += 1

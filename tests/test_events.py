@@ -108,3 +108,14 @@ async def test_wait_subscribed_returns_once_someone_subscribes(
     assert returned == [5.0]
     with bus.subscribe():
         await bus.wait_subscribed()  # returns at once
+
+
+def test_subscribed_says_whether_anyone_reads_now() -> None:
+    bus: EventBus[int] = EventBus()
+    assert not bus.subscribed
+    with bus.subscribe() as first:
+        assert bus.subscribed
+        with bus.subscribe():
+            pass
+        assert bus.subscribed  # the first still reads
+    assert not bus.subscribed and first.statistics().queued == 0

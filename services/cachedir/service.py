@@ -120,7 +120,8 @@ class CacheDirService:
                 sign = 1 if event.kind == "stored" else -1
                 self._totals[event.worker] = self._totals.get(event.worker, 0) + (
                     sign * event.n_blocks)
-            if event.kind in ("stored", "evicted", "replaced") and event.worker:
+            if event.kind in ("stored", "evicted", "replaced") and event.worker \
+                    and self.bus.subscribed:
                 self.bus.publish(CacheActivity(
                     ts=event.ts, source=self.node.name, worker=event.worker,
                     cluster=event.cluster, kind="evicted" if event.kind == "evicted" else "stored",

@@ -195,6 +195,8 @@ class RequestRunner:
                                                        strict=False))
 
     def phase(self, request_id: str, phase: Phase, worker: str, detail: str = "") -> None:
+        if not self.events.subscribed:  # the dashboard's and the simulation's
+            return
         self.events.publish(RequestPhase(ts=self.clock(), source="router", request_id=request_id,
                                          phase=phase, worker=worker, detail=detail))
 

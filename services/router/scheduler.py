@@ -214,9 +214,10 @@ class Scheduler:
         prefill = self._choose_prefill(decision, inputs, match)
         pull = self._pull(decision, prefill, match)
         self._counts.to_prfaas += decision.cluster == "prfaas"
-        self.events.publish(decision_event(
-            inputs, decision, policy=self.policy.name, prefill_worker=prefill,
-            decode_worker=decode, ts=self.clock()))
+        if self.events.subscribed:
+            self.events.publish(decision_event(
+                inputs, decision, policy=self.policy.name, prefill_worker=prefill,
+                decode_worker=decode, ts=self.clock()))
         self._runner.phase(request_id, "queued", prefill, decision.reason)
         return Placement(
             request_id=request_id, cluster=decision.cluster, prefill_worker=prefill,
@@ -356,6 +357,8 @@ class Scheduler:
             c.cached_tokens += result.cached_tokens
 
     def _publish_done(self, handle: RequestHandle, cancelled: bool) -> None:
+        if not self.events.subscribed:  # the dashboard's and the simulation's
+            return
         p, result, now = handle.placement, handle.result, self.clock()
         ttft = handle.first_token_at - handle.started if handle.first_token_at else 0.0
         e2e = now - handle.started

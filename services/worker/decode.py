@@ -356,6 +356,8 @@ class DecodeWorker:
             self._idle.set()
 
     def _phase(self, request_id: str, phase: str, detail: str = "") -> None:
+        if not self._bus.subscribed:  # the dashboard's: not built for nobody
+            return
         self._bus.publish(RequestPhase(
             ts=anyio.current_time(), source=self.config.name, request_id=request_id,
             phase=phase,  # type: ignore[arg-type]

@@ -294,6 +294,8 @@ class PrefillWorker:
             self._report(change)
 
     def _flow(self, job: PrefillJob, phase: str, layers_done: int) -> None:
+        if not self._bus.subscribed:  # the dashboard's; a few per piece are not free
+            return
         cfg, request = self.model.cfg, job.request
         self._bus.publish(KVFlow(
             ts=anyio.current_time(), source=self.config.name, request_id=request.request_id,
@@ -308,6 +310,8 @@ class PrefillWorker:
         ))
 
     def _phase(self, request_id: str, phase: str, detail: str = "") -> None:
+        if not self._bus.subscribed:
+            return
         self._bus.publish(RequestPhase(
             ts=anyio.current_time(), source=self.config.name, request_id=request_id,
             phase=phase,  # type: ignore[arg-type]
