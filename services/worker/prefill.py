@@ -268,7 +268,7 @@ class PrefillWorker:
         opening = KVOpen(
             request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
             dtype=job.cache.dtype_name, start=request.decode_has_tokens, end=job.length,
-            pieces=len(range(lane, sum(map(len, job.plan)), job.lanes)), lane=lane,
+            pieces=len(range(lane, job.pieces, job.lanes)), lane=lane,
             lanes=job.lanes,
         )
         node, peer = self._lanes[lane], request.decode_worker
