@@ -50,13 +50,14 @@ from services.contract.messages import (
 from services.contract.prefix import block_hashes
 from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
+from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
 from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
 from services.router.policies.prfaas import threshold_rule
 from services.router.policy import LinkSample, RouteInputs
 from services.router.requests import Finished, Placement, RequestHandle
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 
 BLOCK = 16

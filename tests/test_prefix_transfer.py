@@ -30,10 +30,11 @@ from services.contract.messages import Sampling
 from services.contract.prefix import block_hashes
 from services.model.cache import RequestCache
 from services.model.config import ModelConfig, family_config
+from services.router.config import SchedulerConfig
 from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
 from services.router.requests import RequestHandle
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.worker import engine as engine_module
 from services.worker import prefix_pull as prefix_pull_module

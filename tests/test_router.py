@@ -20,12 +20,11 @@ from mesh.errors import ConfigError
 from mesh.topology import parse_topology
 from services.model.tokenizer import ByteTokenizer
 from services.router.app import CLUSTER_HEADER, THREAD_BODY_BYTES, RouterApp, run_router
-from services.router.config import router_config
+from services.router.config import SchedulerConfig, router_config
 from services.router.load import DemoWorkload, WorkloadConfig
 from services.router.openai.schema import CompletionRequest, Limits, completion_generation
 from services.router.policies import create_policy
 from services.router.policies.prfaas_dynamic import PrfaasDynamicPolicy
-from services.router.scheduler import SchedulerConfig
 from services.service import ServiceContext
 
 FAST = Timing(prfaas_s_per_token=1e-5, pd_s_per_token=1e-5, decode_step_s=0.001)
@@ -401,6 +400,19 @@ def test_router_options() -> None:
     assert config.policy_options()["prfaas"]["bandwidth"] == "auto"
     auto = router_config({"block_size": 16}).scheduler_config()
     assert auto.block_size == 16 and auto.links == ()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("block_size", 0, "block_size must be >= 1, got 0"),
+    ("max_inflight", 0, "max_inflight must be >= 1, got 0"),
+    ("connections", -1, "connections must be >= 1, got -1"),
+    ("lookup_timeout_s", 0.0, "lookup_timeout_s must be > 0, got 0.0"),
+    ("kv_timeout_s", float("nan"), "kv_timeout_s must be > 0, got nan"),
+])
+def test_scheduler_config_refuses_bounds_that_admit_nothing(field: str, value: float,
+                                                            message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SchedulerConfig(**{field: value})
 
 
 def test_router_passes_each_policys_own_options_over_the_derived_ones() -> None:

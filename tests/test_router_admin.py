@@ -19,10 +19,10 @@ from router_fakes import BLOCK, FakeMesh, Timing, decisions, fake_mesh, generati
 
 from services.contract.events import Event, RoleChanged, ThresholdChanged
 from services.paper.workload import TruncatedLogNormal
+from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
 from services.router.policies.prfaas import PrfaasPolicy
 from services.router.policy import Action, ClusterState, ConvertWorker, SetThreshold
-from services.router.scheduler import SchedulerConfig
 from services.router.workers import ModelMismatch
 
 

@@ -14,8 +14,8 @@ from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
 
 from services.contract.events import RequestDone
 from services.contract.messages import PrefixPull
+from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
-from services.router.scheduler import SchedulerConfig
 
 
 @pytest.mark.trio

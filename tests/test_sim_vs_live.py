@@ -22,11 +22,12 @@ from services.cli.launch import in_process
 from services.contract.events import RequestDone, RoutingDecision
 from services.contract.messages import Sampling
 from services.paper.hardware import CostModel
+from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
 from services.router.link import link_ends
 from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import ServiceContext
 from services.sim.engine import ModeledConfig, ModeledTokenizer

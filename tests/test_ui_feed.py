@@ -32,9 +32,10 @@ from services.contract.events import AnyEvent, Event, KVFlow, WorkerStatus
 from services.contract.messages import CODEC_MESSAGES, Echo, Sampling, Subscribe
 from services.contract.prefix import block_hashes
 from services.model.config import family_config, kv_bytes
+from services.router.config import SchedulerConfig
 from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import serve_events
 from services.worker.kv_stream import expected_kv_bytes

@@ -1,4 +1,5 @@
-"""The router service's options, as the topology gives them (all optional).
+"""The router's configuration: the service's options, as the topology gives them (all
+optional), and the scheduler's bounds and deadlines that they set (`SchedulerConfig`).
 
 Flat keys set `RouterConfig`'s fields; a dotted key "policy.option[.field]" sets one policy's
 option (`router_config`), checked when that policy is built. `policy_options` derives each
@@ -17,7 +18,31 @@ from mesh.errors import ConfigError
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.router.link import LinkEnds
 from services.router.policies import POLICIES
-from services.router.scheduler import SchedulerConfig
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds and deadlines (seconds on the scheduler's clock)."""
+
+    block_size: int = 64  # the model's KV block: prefix hashes must match the workers'
+    max_inflight: int = 64
+    cachedir: str = "cachedir"
+    lookup_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    kv_timeout_s: float = 60.0
+    # KV lanes for a cross-cluster prefill, at most the worker's own (1 within a cluster)
+    connections: int = 4
+    stall_window_s: float = 30.0
+    links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
+
+    id_prefix: str = ""  # request ids req-PREFIX-N; "" draws a random prefix
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_inflight", "connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("lookup_timeout_s", "request_timeout_s", "kv_timeout_s", "stall_window_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

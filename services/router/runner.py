@@ -34,7 +34,7 @@ from services.router.requests import Delta, Finished, RequestHandle
 from services.router.workers import WorkerTable
 
 if TYPE_CHECKING:
-    from services.router.scheduler import SchedulerConfig
+    from services.router.config import SchedulerConfig
 
 
 class Driven(msgspec.Struct, frozen=True, kw_only=True):

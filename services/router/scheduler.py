@@ -40,15 +40,16 @@ import anyio
 import anyio.abc
 import msgspec
 
-from mesh.errors import ConfigError, MeshError
+from mesh.errors import MeshError
 from mesh.events import EventBus
 from mesh.node import Node
 from services.contract.events import Event, RequestDone
 from services.contract.messages import PrefixMatch, PrefixPull, PrefixQuery, PrefixReply
 from services.contract.prefix import block_hashes, reusable_blocks
 from services.model.tokenizer import TokenizerLike
+from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
-from services.router.link import LinkBook, LinkEnds
+from services.router.link import LinkBook
 from services.router.openai.schema import GenerationRequest
 from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
 from services.router.policy import (
@@ -65,31 +66,6 @@ from services.router.runner import RequestRunner
 from services.router.workers import WorkerTable
 
 log = logging.getLogger(__name__)
-
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Bounds and deadlines (seconds on the scheduler's clock)."""
-
-    block_size: int = 64  # the model's KV block: prefix hashes must match the workers'
-    max_inflight: int = 64
-    cachedir: str = "cachedir"
-    lookup_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
-    kv_timeout_s: float = 60.0
-    # KV lanes for a cross-cluster prefill, at most the worker's own (1 within a cluster)
-    connections: int = 4
-    stall_window_s: float = 30.0
-    links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
-
-    id_prefix: str = ""  # request ids req-PREFIX-N; "" draws a random prefix
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_inflight", "connections"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("lookup_timeout_s", "request_timeout_s", "kv_timeout_s", "stall_window_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-
 
 class SchedulerStatistics(msgspec.Struct, frozen=True):
     admitted: int

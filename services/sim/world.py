@@ -32,11 +32,12 @@ from services.cachedir.service import CacheDirService, run_cachedir
 from services.contract.messages import CODEC_MESSAGES
 from services.link.frames import payload_weight
 from services.paper.hardware import CostModel
+from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
 from services.router.link import link_ends
 from services.router.policies import create_policy
 from services.router.policy import LinkSample
-from services.router.scheduler import Scheduler, SchedulerConfig
+from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
