@@ -18,7 +18,8 @@ Three handler kinds: `handles` (request/reply with `call`, or one-way with `cast
 `accepts_stream` (reads the caller's items; the caller writes them with `stream_to`). Each
 takes `slots=N` to run that message type's requests in a pool of their own (mesh.pools),
 beside the node's shared `max_concurrency` slots. Outgoing connections are dialled on first
-use, cached per peer, and redialled after a loss.
+use, cached per peer, and redialled after a loss (mesh.peers); incoming ones are admitted up
+to `max_connections` and must finish their handshake in time (mesh.incoming).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import msgspec
 from mesh import native
 from mesh.client import ClientSession, StreamReader, StreamSink, unwrap
 from mesh.config import NodeConfig
-from mesh.connection import Connection, ConnectionStatistics, add_traffic, server_handshake
+from mesh.connection import Connection, ConnectionStatistics
 from mesh.errors import ConfigError, MeshError, UnexpectedReply
 from mesh.handlers import (
     Handlers,
@@ -45,6 +46,7 @@ from mesh.handlers import (
     UnaryHandler,
     UploadHandler,
 )
+from mesh.incoming import Incoming
 from mesh.mailbox import Mailbox, MailboxStatistics
 from mesh.membership import check_secret, require_secret_beyond_loopback
 from mesh.peers import Peers
@@ -136,11 +138,7 @@ class Node:
         self._slots: Slots = self._pools.shared.slots
         self._stack: AsyncExitStack | None = None
         self._group: anyio.abc.TaskGroup | None = None
-        self._servers: set[ServerSession] = set()
-        self._retired = ConnectionStatistics("retired", 0, 0, 0, 0)
-        # Accepted connections in the handshake or served; bounded by config.max_connections.
-        self._incoming = 0
-        self._refused = 0
+        self._incoming = Incoming(name, codec, self.config, self._secret, self._session_for)
         # anyio's clock until the node runs, then the loop's own (same time, no lookup).
         self.now: Callable[[], float] = anyio.current_time
 
@@ -326,8 +324,8 @@ class Node:
     def statistics(self) -> NodeStatistics:
         clients = self._peers.sessions()
         links = [s.conn.statistics() for s in clients] + [
-            s.conn.statistics() for s in self._servers]
-        total = [self._retired, self._peers.retired, *links]
+            s.conn.statistics() for s in self._incoming.sessions]
+        total = [self._incoming.retired, self._peers.retired, *links]
         counts, out = self._handlers.counts, self._peers.counts
         return NodeStatistics(
             name=self.name,
@@ -339,8 +337,8 @@ class Node:
             streams_out=out.streams,
             deadlines_out=out.deadlines,
             stray_frames=counts.stray_frames + out.stray + sum(s.stray_frames for s in clients),
-            connection_errors=counts.connection_errors,
-            connections_in=len(self._servers),
+            connection_errors=counts.connection_errors + self._incoming.failed_handshakes,
+            connections_in=len(self._incoming.sessions),
             connections_out=sum(s.alive for s in clients),
             waiting_calls=sum(s.waiting for s in clients),
             frames_in=sum(c.frames_in for c in total),
@@ -352,7 +350,7 @@ class Node:
             connections=tuple(links),
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
-            connections_refused=self._refused,
+            connections_refused=self._incoming.refused,
             pools=tuple(pool.statistics() for pool in self._pools.own()),
         )
 
@@ -363,7 +361,7 @@ class Node:
         self._peers.watch.check_integrity()
         for session in self._peers.sessions():
             session.conn.check_integrity()
-        for server in self._servers:
+        for server in self._incoming.sessions:
             server.conn.check_integrity()
             server.check_integrity()
 
@@ -395,42 +393,8 @@ class Node:
 
     async def _accept(self, listener: anyio.abc.Listener[anyio.abc.ByteStream]) -> None:
         async with listener:
-            await listener.serve(self._serve_connection, self._group)
+            await listener.serve(self._incoming.serve, self._group)
 
-    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
-        """Serves an accepted stream, unless max_connections are already being served."""
-        if self._incoming >= self.config.max_connections:
-            self._refused += 1
-            log.warning("node %s refused a connection: max_connections=%d are open",
-                        self.name, self.config.max_connections)
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-            return
-        self._incoming += 1
-        try:
-            await self._serve_admitted(stream)
-        finally:
-            self._incoming -= 1
-
-    async def _serve_admitted(self, stream: anyio.abc.ByteStream) -> None:
-        config = self.config
-        conn = Connection(
-            stream, self.codec, receive_size=config.receive_size, send_buffer=config.send_buffer
-        )
-        try:
-            with anyio.fail_after(config.handshake_timeout):
-                await server_handshake(conn, self.name, self._secret)
-        except (MeshError, TimeoutError) as exc:
-            self._handlers.counts.connection_errors += 1
-            log.warning("node %s refused a connection from %s: %r", self.name, conn.peer, exc)
-            with anyio.CancelScope(shield=True):
-                await conn.aclose()
-            return
+    def _session_for(self, conn: Connection) -> ServerSession:
         group = self._running("serving")
-        session = ServerSession(self, conn, self.pool_for, self._handlers, group.start_soon)
-        self._servers.add(session)
-        try:
-            await session.run(config.stream_buffer)
-        finally:
-            self._servers.discard(session)
-            self._retired = add_traffic(self._retired, conn.statistics())
+        return ServerSession(self, conn, self.pool_for, self._handlers, group.start_soon)

@@ -163,20 +163,6 @@ async def test_bad_frame_drops_that_client_only_over_tcp(frame: bytes) -> None:
     assert dropped and errors == 1
 
 
-@pytest.mark.trio
-async def test_garbage_instead_of_hello_is_refused(memory_hub: MemoryHub) -> None:
-    transport = MemoryTransport(memory_hub)
-    svc = service(transport, Address("svc", 1))
-    async with svc:
-        address = await svc.listen()
-        stream = await transport.connect(address)
-        await stream.send(GARBAGE)
-        with pytest.raises(anyio.EndOfStream):
-            await stream.receive()
-        await stream.aclose()
-        assert svc.statistics().connection_errors == 1
-
-
 @given(body=st.binary(max_size=300), declared_extra=st.sampled_from([0, 0, 0, MAX_FRAME + 1]))
 @settings(max_examples=40)
 def test_random_frames_never_stop_the_service(body: bytes, declared_extra: int) -> None:
@@ -385,56 +371,6 @@ def capped_service(transport: Transport, max_connections: int) -> Node:
         return Pong(len(msg.payload))
 
     return node
-
-
-async def refused_at_once(transport: Transport, address: Address) -> bool:
-    """Connects raw; True when the service closes the stream without a word."""
-    stream = await transport.connect(address)
-    try:
-        with anyio.fail_after(5):
-            await stream.receive()
-    except (anyio.EndOfStream, anyio.BrokenResourceError):
-        return True
-    finally:
-        await stream.aclose()
-    return False
-
-
-async def cap_scenario(transport: Transport, address: Address) -> None:
-    svc = capped_service(transport, max_connections=2)
-    async with svc:
-        address = await svc.listen(address)
-        peers = {"svc": address}
-        async with Node("a", BLOB_CODEC, transport, peers) as a:
-            async with Node("b", BLOB_CODEC, transport, peers) as b:
-                assert await a.call("svc", Ping(1), timeout=10) == Pong(1)
-                assert await b.call("svc", Ping(2), timeout=10) == Pong(2)
-                assert await refused_at_once(transport, address)
-                # The two admitted clients are served on as before.
-                assert await a.call("svc", Ping(3), timeout=10) == Pong(3)
-                assert await b.call("svc", Ping(4), timeout=10) == Pong(4)
-                assert svc.statistics().connections_refused == 1
-            # b left: its place is free again.
-            with anyio.fail_after(5):
-                while svc.statistics().connections_in > 1:
-                    await anyio.sleep(0.01)
-            async with Node("c", BLOB_CODEC, transport, peers) as c:
-                assert await c.call("svc", Ping(5), timeout=10) == Pong(5)
-        assert svc.statistics().connections_refused == 1
-
-
-@pytest.mark.trio
-async def test_connections_over_the_cap_are_refused_in_memory(
-    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    await cap_scenario(MemoryTransport(memory_hub), Address("svc", 1))
-    refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert refusals == ["node svc refused a connection: max_connections=2 are open"]
-
-
-@pytest.mark.anyio
-async def test_connections_over_the_cap_are_refused_over_tcp() -> None:
-    await cap_scenario(TcpTransport(), Address("127.0.0.1", 0))
 
 
 @pytest.mark.anyio
