@@ -34,6 +34,7 @@ from collections.abc import Callable
 import msgspec
 
 from netem.params import LinkError, LinkParamError, LinkParams
+from netem.rate import RateWindow
 
 
 class Direction(enum.Enum):
@@ -107,33 +108,6 @@ class Flow:
         self.queued_bytes = 0
 
 
-class _RateWindow:
-    """Bytes per second over a sliding window, kept as fixed-width time buckets."""
-
-    def __init__(self, window_s: float, buckets: int = 10) -> None:
-        self._bucket_s = window_s / buckets
-        self._buckets = buckets
-        self._counts: deque[list[int]] = deque()
-        self._first_sample = math.inf
-
-    def add(self, now: float, nbytes: int) -> None:
-        self._first_sample = min(self._first_sample, now)
-        index = int(now // self._bucket_s)
-        if self._counts and self._counts[-1][0] == index:
-            self._counts[-1][1] += nbytes
-            return
-        self._counts.append([index, nbytes])
-        while len(self._counts) > self._buckets + 1:
-            self._counts.popleft()
-
-    def rate(self, now: float) -> float:
-        first = int(now // self._bucket_s) - self._buckets + 1
-        total = sum(count for index, count in self._counts if index >= first)
-        # Never average over time before the first sample (a link that just started).
-        span = now - max(first * self._bucket_s, self._first_sample)
-        return total / max(span, self._bucket_s)
-
-
 class _DirectionState:
     def __init__(self, window_s: float) -> None:
         self.wire_free = -math.inf
@@ -146,7 +120,7 @@ class _DirectionState:
         self.stalls = 0
         self.stall_s = 0.0
         self.flows: set[Flow] = set()
-        self.out_rate = _RateWindow(window_s)
+        self.out_rate = RateWindow(window_s)
 
 
 def _drain_changed(old: LinkParams, new: LinkParams) -> bool:
