@@ -25,7 +25,8 @@ completions, router and baseline taking turns (`--rounds`) in the same run. adde
 latency minus baseline latency at the same percentile. Each process's CPU per request is shown
 beside: on a shared machine it says what each costs when rps and latency say mostly how busy
 the machine was. The headline keys are the worse of the two kinds (lowest rps ratio, largest
-added latency); `kinds` has each one.
+added latency); `kinds` has each one. `rps_ratio_spread` is the lowest and highest ratio of
+one round (router and baseline back to back): how far the host's load moved the ratio.
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
         [--tokens-per-message N] [--rounds N] [--long-senders N]
@@ -282,9 +283,11 @@ class Run:
     wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
+    round_rps: list[float] = field(default_factory=list)  # each added round's own rate
 
     def add(self, other: Run) -> None:
         """Another round of the same phase."""
+        self.round_rps.append(other.rps())
         self.latencies += other.latencies
         self.wall_s += other.wall_s
         self.failures += other.failures
@@ -427,8 +430,12 @@ def kind_report(router: dict[str, Run], base: dict[str, Run], kind: str) -> dict
     r_lat, b_lat = router[f"{kind}/lat"], base[f"{kind}/lat"]
     r_rps_run, b_rps_run = router[f"{kind}/rps"], base[f"{kind}/rps"]
     r_rps, b_rps = r_rps_run.rps(), b_rps_run.rps()
+    # Router and baseline take turns: each round's ratio saw one stretch of the host's load.
+    rounds = [round(r / b, 3) if b else 0.0
+              for r, b in zip(r_rps_run.round_rps, b_rps_run.round_rps, strict=True)]
     return {"router_rps": round(r_rps, 1), "baseline_rps": round(b_rps, 1),
             "rps_ratio": round(r_rps / b_rps, 3) if b_rps else 0.0,
+            "rps_ratio_spread": [min(rounds), max(rounds)],
             "router_ms_p50": round(r_lat.ms(0.5), 2), "router_ms_p99": round(r_lat.ms(0.99), 2),
             "baseline_ms_p50": round(b_lat.ms(0.5), 2),
             "baseline_ms_p99": round(b_lat.ms(0.99), 2),
@@ -450,7 +457,7 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
     done = sum(len(run.latencies) for target in runs.values() for run in target.values())
     return {
         "router_rps": worst["router_rps"], "baseline_rps": worst["baseline_rps"],
-        "rps_ratio": worst["rps_ratio"],
+        "rps_ratio": worst["rps_ratio"], "rps_ratio_spread": worst["rps_ratio_spread"],
         "added_ms_p50": max(k["added_ms_p50"] for k in kinds.values()),
         "added_ms_p99": max(k["added_ms_p99"] for k in kinds.values()),
         "latency_concurrency": 1, "rps_concurrency": options.concurrency,
@@ -479,11 +486,13 @@ def long_report(router: dict[str, Run], options: Options) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     print(f"router vs bare endpoint: latency at concurrency 1, throughput at concurrency "
           f"{result['rps_concurrency']}, {result['max_tokens']} tokens per completion")
-    print(f"{'kind':8} {'router rps':>10} {'base rps':>9} {'ratio':>6} {'router p50':>10} "
-          f"{'base p50':>9} {'added p50':>9} {'router p99':>10} {'base p99':>9} "
-          f"{'added p99':>9}")
+    print(f"{'kind':8} {'router rps':>10} {'base rps':>9} {'ratio':>6} {'its rounds':>11} "
+          f"{'router p50':>10} {'base p50':>9} {'added p50':>9} {'router p99':>10} "
+          f"{'base p99':>9} {'added p99':>9}")
     for kind, k in result["kinds"].items():
+        low, high = k["rps_ratio_spread"]
         print(f"{kind:8} {k['router_rps']:10.1f} {k['baseline_rps']:9.1f} {k['rps_ratio']:6.3f}"
+              f" {low:5.3f}-{high:5.3f}"
               f" {k['router_ms_p50']:10.2f} {k['baseline_ms_p50']:9.2f} {k['added_ms_p50']:9.2f}"
               f" {k['router_ms_p99']:10.2f} {k['baseline_ms_p99']:9.2f}"
               f" {k['added_ms_p99']:9.2f}")

@@ -31,3 +31,5 @@ def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None
     assert (result["failed"], result["completed"]) == (
         0, 2 * 2 * (20 + 5) + 5 + long["long_completed"])
     assert result["router_rps"] > 0 and result["baseline_rps"] > 0
+    low, high = result["rps_ratio_spread"]
+    assert 0 < low <= high
