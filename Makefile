@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser
-# glibc's allocator trims and re-grows the heap per received chunk without this (docs/engineering-notes.md G3).
+# glibc's allocator settings for every process make starts (mesh/allocator.py, where the launcher
+# takes them from; docs/engineering-notes.md G3 and G14): without the pad the heap is trimmed and
+# regrown per received frame; with the pad alone every block from 128 KiB up is a fresh mmap.
 export MALLOC_TOP_PAD_ ?= 67108864
+export MALLOC_MMAP_THRESHOLD_ ?= 33554432
+export MALLOC_TRIM_THRESHOLD_ ?= 134217728
 
 .PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean
 

@@ -58,6 +58,7 @@ import h11
 import httpx
 import msgspec
 
+from mesh.allocator import allocator_env
 from mesh.cputime import cpu_seconds
 from mesh.ports import free_ports
 from mesh.run import run as run_on
@@ -182,7 +183,7 @@ async def serve_baseline(port: int, tokens_per_message: int) -> None:
 @contextmanager
 def child(*args: str) -> Iterator[subprocess.Popen[str]]:
     """This script in another role, once it has printed its ready line."""
-    env = dict(os.environ, MALLOC_TOP_PAD_="67108864")
+    env = allocator_env(os.environ)
     process = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE,
                                text=True, env=env)
     try:

@@ -26,8 +26,9 @@ several repetitions taken in turns, since the 2-vCPU host has slow windows
 The two sides of a round trip run one after the other, so its wall time is about the CPU
 time of both plus wake-ups;
 CPU time is less disturbed by other load on the host than wall time. Every process runs with
-MALLOC_TOP_PAD_=64 MiB: without it glibc trims and regrows the heap per received chunk
-(docs/engineering-notes.md G3). The last line printed is one JSON object.
+glibc's allocator settings of mesh/allocator.py: without the 64 MiB top pad glibc trims and
+regrows the heap per received chunk (docs/engineering-notes.md G3). The last line printed
+is one JSON object.
 
     .venv/bin/python benchmarks/bench_wire.py [--quick] [--pin cross|same|none]
 """
@@ -53,13 +54,13 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mesh.allocator import allocator_env, has_allocator_env
 from mesh.node import Node, NodeConfig
 from mesh.run import Backend, run
 from mesh.server import Context
 from mesh.transport import Address, TcpTransport
 from mesh.wire import Codec
 
-MALLOC_PAD = "67108864"
 PAYLOAD = memoryview(b"\xa5" * (1 << 20))
 HOST = "127.0.0.1"
 
@@ -388,7 +389,7 @@ def pin(mode: str, servers: list[int]) -> str:
 
 
 def start_server(role: str) -> tuple[subprocess.Popen[str], list[int]]:
-    env = {**os.environ, "MALLOC_TOP_PAD_": MALLOC_PAD}
+    env = allocator_env(os.environ)
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve", role], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -484,10 +485,9 @@ def main() -> None:
         backend: Backend = "trio" if args.serve == "trio" else "uvloop"
         run(serve_mesh, backend=backend)
         return
-    if os.environ.get("MALLOC_TOP_PAD_") != MALLOC_PAD:
-        # glibc reads it at start-up only, so restart this process with it set.
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, "MALLOC_TOP_PAD_": MALLOC_PAD})
+    if not has_allocator_env(os.environ):
+        # glibc reads them at start-up only, so restart this process with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], allocator_env(os.environ))
     sizes = ({"bulk": 256, "small": 20_000, "rtt": 2_000} if args.quick
              else {"bulk": 1024, "small": 100_000, "rtt": 10_000})
     medians = measure(3 if args.quick else 5, sizes, args.pin)

@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from mesh.allocator import allocator_env
 from mesh.errors import MeshError
 from mesh.ports import free_ports
 from mesh.topology import Topology
@@ -350,5 +351,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("MALLOC_TOP_PAD_", "67108864")
+    os.environ.update(allocator_env(os.environ))
     sys.exit(main())

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from mesh.allocator import allocator_env
 from mesh.ports import NoFreePorts, free_ports
 from mesh.topology import topology_toml
 from services.cli.lifeline import child_env
@@ -116,7 +117,7 @@ class ChaosMesh:
     def start(self, config: MeshConfig) -> None:
         (self.workdir / "topology.toml").write_text(topology_toml(self.topology))
         (self.workdir / "Procfile").write_text(procfile_text())
-        env = {**os.environ, TOKEN_ENV: self.token, "MALLOC_TOP_PAD_": "67108864"}
+        env = allocator_env({**os.environ, TOKEN_ENV: self.token})
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli.main", "up", "--procfile", "Procfile",

@@ -21,6 +21,7 @@ from typing import IO
 
 import anyio
 
+from mesh.allocator import allocator_env
 from mesh.node import Node
 from mesh.topology import Topology
 from mesh.transport import Address, MemoryHub, MemoryTransport, Transport
@@ -96,11 +97,11 @@ def launch(
     """Runs `prfaas serve NAME` for each name as a child process until the block ends.
 
     All start at once (they load their models in parallel); the block starts once each has
-    printed its ready line. Children get MALLOC_TOP_PAD_ (docs/engineering-notes.md G3); their logs
-    go to
-    log_dir/NAME.log. Every child is terminated (then killed) on the way out.
+    printed its ready line. Children get the allocator settings (mesh/allocator.py) that the
+    environment does not set; their logs go to log_dir/NAME.log. Every child is terminated
+    (then killed) on the way out.
     """
-    env = {**os.environ, "MALLOC_TOP_PAD_": os.environ.get("MALLOC_TOP_PAD_", "67108864")}
+    env = allocator_env(os.environ)
     children: dict[str, subprocess.Popen[str]] = {}
     logs: list[IO[str]] = []
     try:

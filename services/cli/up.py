@@ -30,6 +30,7 @@ import anyio
 import httpx
 import msgspec
 
+from mesh.allocator import allocator_env
 from mesh.errors import MeshError
 from mesh.http import serve_http
 from mesh.topology import Topology, load_topology
@@ -101,7 +102,7 @@ def up_main(argv: list[str] | None = None) -> int:
         print(f"prfaas up: {exc}", file=sys.stderr)
         return 2
     token = token_from_env() or secrets.token_urlsafe(24)
-    env = {**os.environ, TOKEN_ENV: token}
+    env = allocator_env({**os.environ, TOKEN_ENV: token})
     if args.topology is not None:
         env[TOPOLOGY_ENV] = str(args.topology.resolve())
     anyio.run(partial(_run, specs, env, policy, args.control_port, endpoints(topology)),
