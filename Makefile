@@ -10,7 +10,7 @@ BROWSER_STAMP := $(VENV)/.browser
 # regrown per received frame; with the pad alone every block from 128 KiB up is a fresh mmap.
 export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
-export MALLOC_TRIM_THRESHOLD_ ?= 134217728
+export MALLOC_ARENA_MAX ?= 2
 
 .PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean
 

@@ -246,3 +246,33 @@ async def test_bad_requests_name_the_value(change: dict[str, object], message: s
     with pytest.raises(RemoteError) as failure:
         await run_prefill(request)
     assert message in failure.value.detail
+
+
+@pytest.mark.trio
+async def test_an_idle_worker_gives_its_compute_memory_back() -> None:
+    async with in_process(TOPOLOGY, ["p"]) as mesh:
+        service = mesh.services["p"]
+        assert isinstance(service, WorkerService)
+        engine = service.prefill._compute.engine
+        releases: list[int] = []
+
+        def release_memory() -> None:
+            releases.append(service.prefill.busy)
+
+        engine.release_memory = release_memory  # type: ignore[method-assign]
+        node, _ = recorder(mesh)
+        async with node, mesh.client() as client:
+            await node.listen()
+
+            async def one(name: str) -> None:
+                request = PrefillRequest(request_id=name, prompt=tokens(100), decode_worker="d")
+                await client.call("p", request, PrefillDone)
+
+            with trio.fail_after(60):
+                await one("alone")
+                assert releases == [0]
+                async with trio.open_nursery() as nursery:
+                    for name in ("x", "y", "z"):
+                        nursery.start_soon(one, name)
+    # Only once nothing was queued or running: not after each of three requests sent at once.
+    assert 2 <= len(releases) < 4 and set(releases) == {0}

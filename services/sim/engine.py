@@ -242,6 +242,9 @@ class ModeledEngine:
     def paces_decode(self) -> bool:
         return True
 
+    def release_memory(self) -> None:
+        """Sizes, not tensors: nothing to give back."""
+
     def empty_cache(self) -> VirtualCache:
         return VirtualCache(self._cfg, self.sizes)
 

@@ -174,6 +174,10 @@ class PrefillCompute:
         piece as its layer finishes; returns the first token."""
         return self.engine.compute_prefill(job, emit, self._snapshot_every)
 
+    async def release_memory(self) -> None:
+        """The engine gives back what its computations freed, on the compute's side."""
+        await self._runner.run(self.engine.release_memory)
+
     def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
         """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
         if self._pacing is None:

@@ -18,7 +18,9 @@ An engine answers:
   batch may take several steps at once, cut short when `interrupt` is set: a request joined);
 - `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
 - `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
-  stretches each real step).
+  stretches each real step);
+- `release_memory()`: give the memory a finished computation freed back to the system (the
+  prefill worker calls it, through its runner, when it goes idle).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from mesh.allocator import release_free_memory
 from services.contract.messages import KVChunk, KVOpen
 from services.model.batch import DecodeBatch, StepResult
 from services.model.cache import RequestCache, dtype_name
@@ -68,6 +71,8 @@ class Engine(Protocol):
 
     @property
     def paces_decode(self) -> bool: ...
+
+    def release_memory(self) -> None: ...
 
 
 class ModelEngine:
@@ -128,6 +133,11 @@ class ModelEngine:
 
     def new_batch(self, slots: int) -> DecodeBatch:
         return DecodeBatch(self.model, slots=slots)
+
+    def release_memory(self) -> None:
+        """A long prefill's activations stay in the allocator's heap when freed
+        (mesh/allocator.py); this hands them back."""
+        release_free_memory()
 
     async def step(self, batch: DecodeBatch, interrupt: anyio.Event) -> StepResult:
         # One real step in a worker thread; the loop keeps serving meanwhile.

@@ -156,7 +156,7 @@ class PrefillWorker:
         try:
             async with self._slot:
                 self._queued, self._running, running = self._queued - 1, self._running + 1, True
-                return await self._run(job, anyio.current_time() - queued_at)
+                done = await self._run(job, anyio.current_time() - queued_at)
         except anyio.get_cancelled_exc_class():
             # Queued: it leaves the queue; running: its compute stops at the next chunk.
             self._counts.cancelled += 1
@@ -166,6 +166,11 @@ class PrefillWorker:
             raise
         finally:
             self._leave(running)
+        if self.busy == 0:
+            # Idle: a long prompt's activations go back to the system, not kept at their peak
+            # (mesh/allocator.py). The first token has left with the KV; only this answer waits.
+            await self._compute.release_memory()
+        return done
 
     async def wait_idle(self) -> None:
         """Returns once no job is queued or running."""
