@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser
 # glibc's allocator settings for every process make starts (mesh/allocator.py, where the launcher
 # takes them from; docs/engineering-notes.md G3 and G14): without the pad the heap is trimmed and
-# regrown per received frame; with the pad alone every block from 128 KiB up is a fresh mmap.
+# regrown per received frame; with the pad alone every block from 128 KiB up is a fresh mmap;
+# with an arena per thread each thread keeps its own free memory.
 export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
