@@ -267,7 +267,8 @@ async def _overlap_runs(topology_path: Path, control: int, setup: OverlapSetup,
     from mesh.transport import TcpTransport
     from mesh.wire import Codec
     from services.cli.send import drive_request
-    from services.contract.messages import CODEC_MESSAGES, Sampling
+    from services.contract.messages import CODEC_MESSAGES
+    from services.contract.sampling import Sampling
 
     topology = load_topology(topology_path, "")
     node = Node("bench", Codec(CODEC_MESSAGES), TcpTransport(), topology.address)

@@ -41,13 +41,13 @@ from services.contract.messages import (
     ModelInfo,
     PrefillDone,
     PrefillRequest,
-    Sampling,
     SetRole,
     StatusQuery,
     TokenChunk,
     WorkerState,
 )
 from services.contract.prefix import block_hashes
+from services.contract.sampling import Sampling
 from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig

@@ -21,7 +21,8 @@ from mesh.transport import Address, MemoryHub, MemoryTransport
 from mesh.wire import Codec
 from services.cli.launch import in_process
 from services.cli.send import drive_request
-from services.contract.messages import CODEC_MESSAGES, KVChunk, KVClose, KVOpen, Sampling
+from services.contract.messages import CODEC_MESSAGES, KVChunk, KVClose, KVOpen
+from services.contract.sampling import Sampling
 from services.model.config import family_config
 from services.model.model import build_model
 from services.paper.hardware import CostModel, Pacer

@@ -13,14 +13,8 @@ from services.cachedir.service import CacheDirService
 from services.cli.launch import InProcessMesh, in_process
 from services.cli.send import decode_has_tokens, drive_request
 from services.contract.events import CacheActivity
-from services.contract.messages import (
-    PlanQuery,
-    PlanReply,
-    PrefixQuery,
-    PrefixReply,
-    Sampling,
-    Subscribe,
-)
+from services.contract.messages import PlanQuery, PlanReply, PrefixQuery, PrefixReply, Subscribe
+from services.contract.sampling import Sampling
 from services.worker.prefix_store import prompt_hashes
 from services.worker.service import WorkerService
 

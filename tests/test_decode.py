@@ -26,12 +26,12 @@ from services.contract.messages import (
     DecodeRequest,
     KVChunk,
     KVOpen,
-    Sampling,
     SetRole,
     StatusQuery,
     TokenChunk,
     WorkerState,
 )
+from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer

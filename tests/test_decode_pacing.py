@@ -14,7 +14,8 @@ import trio
 from mesh.topology import parse_topology
 from services.cli.launch import in_process
 from services.cli.send import drive_request
-from services.contract.messages import Sampling, TokenChunk
+from services.contract.messages import TokenChunk
+from services.contract.sampling import Sampling
 from services.paper.hardware import CostModel, Pacer
 from services.worker.compute import Pacing
 

@@ -36,7 +36,8 @@ from mesh.wire import Codec
 from services.cli.launch import launch
 from services.cli.send import decode_has_tokens, drive_request, link_egress_bytes
 from services.contract.events import KVFlow
-from services.contract.messages import CODEC_MESSAGES, Sampling, Subscribe
+from services.contract.messages import CODEC_MESSAGES, Subscribe
+from services.contract.sampling import Sampling
 from services.model.config import kv_bytes_split
 from services.router.errors import UpstreamFailed
 from tests.kv_exact import (

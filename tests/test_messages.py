@@ -30,7 +30,6 @@ from services.contract.messages import (
     PrefixReply,
     PushPrefix,
     ReportCache,
-    Sampling,
     SetRole,
     StatusQuery,
     Subscribe,
@@ -40,6 +39,7 @@ from services.contract.messages import (
     WorkerReport,
     WorkerState,
 )
+from services.contract.sampling import Sampling
 from services.model.sampling import SamplingError
 from services.worker.compute import sampling_params
 

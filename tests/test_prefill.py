@@ -23,8 +23,8 @@ from services.contract.messages import (
     KVOpen,
     PrefillDone,
     PrefillRequest,
-    Sampling,
 )
+from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
 from services.model.config import family_config
 from services.model.export import KVPiece, import_cache

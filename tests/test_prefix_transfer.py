@@ -26,8 +26,8 @@ import trio
 from mesh.topology import Topology, parse_topology
 from mesh.transport import TcpTransport
 from services.cli.launch import in_process
-from services.contract.messages import Sampling
 from services.contract.prefix import block_hashes
+from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
 from services.model.config import ModelConfig, family_config
 from services.router.config import SchedulerConfig

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from router_fakes import DONE, placed_handle
 
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.router.errors import UpstreamFailed
 from services.router.openai.schema import GenerationRequest
 from services.router.requests import RequestHandle

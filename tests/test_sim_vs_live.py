@@ -20,7 +20,7 @@ from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
 from services.cli.launch import in_process
 from services.contract.events import RequestDone, RoutingDecision
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl

@@ -29,8 +29,9 @@ from mesh.wire import Codec
 from services.cli.launch import in_process
 from services.cli.serve import default_topology, runner_for, serve_main
 from services.contract.events import AnyEvent, Event, KVFlow, WorkerStatus
-from services.contract.messages import CODEC_MESSAGES, Echo, Sampling, Subscribe
+from services.contract.messages import CODEC_MESSAGES, Echo, Subscribe
 from services.contract.prefix import block_hashes
+from services.contract.sampling import Sampling
 from services.model.config import family_config, kv_bytes
 from services.router.config import SchedulerConfig
 from services.router.openai.schema import GenerationRequest

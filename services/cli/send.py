@@ -39,11 +39,11 @@ from services.contract.messages import (
     PlanReply,
     PrefillDone,
     PrefillRequest,
-    Sampling,
     StatusQuery,
     TokenChunk,
     WorkerState,
 )
+from services.contract.sampling import Sampling
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.errors import RouterError
 from services.router.runner import drive

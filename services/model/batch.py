@@ -18,7 +18,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from services.contract.messages import TokenLogprob
+from services.contract.sampling import TokenLogprob
 from services.model.cache import (
     CacheError,
     LinearState,

@@ -8,7 +8,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from services.contract.messages import TokenLogprob
+from services.contract.sampling import TokenLogprob
 from services.model.config import ModelError
 
 

@@ -17,7 +17,7 @@ import anyio.abc
 import msgspec
 
 from mesh.errors import ConfigError
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import TokenizerLike, default_corpus_path
 from services.paper.workload import TruncatedLogNormal

@@ -23,7 +23,7 @@ import msgspec
 
 from mesh.errors import ConfigError
 from services.contract.events import AnyEvent
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.paper.workload import TruncatedLogNormal
 from services.router.errors import RouterError
 from services.router.openai.schema import GenerationRequest

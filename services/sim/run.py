@@ -22,7 +22,7 @@ from mesh.events import Subscription
 from mesh.run import fewer_collections
 from netem.params import LinkParams
 from services.contract.events import Event, RequestDone, RoleChanged, RoutingDecision
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.router.errors import RouterError
 from services.router.openai.schema import GenerationRequest
 from services.sim.clock import JumpClock

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import anyio
 
 from mesh.mailbox import Mailbox
-from services.contract.messages import KVChunk, KVClose, PrefillRequest, Sampling, TokenLogprob
+from services.contract.messages import KVChunk, KVClose, PrefillRequest
+from services.contract.sampling import Sampling, TokenLogprob
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel, Pacer
 from services.worker.kv_stream import Computed, PieceSpec, release, step_ends

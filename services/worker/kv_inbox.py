@@ -21,7 +21,8 @@ import msgspec
 
 from mesh.errors import StreamAborted
 from services.contract.errors import KVTransferError, RequestError
-from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen, TokenLogprob
+from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
+from services.contract.sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from services.contract.messages import TokenLogprob
+from services.contract.sampling import TokenLogprob
 from services.model.tokenizer import TokenizerLike
 
 

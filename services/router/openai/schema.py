@@ -29,7 +29,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from services.contract.messages import Sampling
+from services.contract.sampling import Sampling
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
 
