@@ -45,6 +45,13 @@ CODEC = Codec([Nap, Count, Stall, Chunk, Upload])
 PEERS = {"srv": Address("srv", 1)}
 
 
+async def logged(log: list[str]) -> None:
+    """Returns once the server has logged what became of a stream (at most 5 s)."""
+    with trio.fail_after(5):
+        while not log:
+            await trio.sleep(0.01)
+
+
 def server(hub: MemoryHub, log: list[str]) -> Node:
     # A small send buffer keeps the endless stream below from queueing a million items.
     node = Node("srv", CODEC, MemoryTransport(hub), PEERS, NodeConfig(send_buffer=4096))
@@ -139,9 +146,7 @@ async def test_leaving_a_download_early_stops_the_server(
             async for item in items:
                 if item == Count(2):
                     break
-        with trio.fail_after(5):
-            while not log:
-                await trio.sleep(0.01)
+        await logged(log)
     assert log == ["count closed"]
 
 
@@ -179,9 +184,7 @@ async def test_sender_exception_aborts_the_upload(
             async with cli.stream_to("srv", Upload()) as sink:
                 await sink.send(Chunk(b"abc"))
                 raise KeyError("oops")
-        with trio.fail_after(5):
-            while not log:
-                await trio.sleep(0.01)
+        await logged(log)
     assert log == ["upload aborted: cli: sender raised KeyError: 'oops'"]
 
 
@@ -198,9 +201,7 @@ async def test_a_sender_cancelled_at_its_end_aborts_the_upload(
                 await sink.send(Chunk(b"abc"))
                 scope.cancel()
         assert scope.cancelled_caught
-        with trio.fail_after(5):
-            while not log:
-                await trio.sleep(0.01)
+        await logged(log)
         srv.check_integrity()
     assert log == ["upload aborted: cli: the sender was cancelled before its end"]
 
