@@ -195,11 +195,6 @@ def _to_chunks(x: Tensor, chunk: int) -> Tensor:
     return out.view(n * b * h, chunk, d)
 
 
-def _tracks_grad(*tensors: Tensor) -> bool:
-    """Training needs autograd, which the preallocated `out=` fast paths do not support."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _from_chunks(
     o: Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype, scale: float
 ) -> Tensor:
@@ -208,65 +203,67 @@ def _from_chunks(
     chunk = o.shape[1]
     n = o.shape[0] // (b * h)
     by_chunk = o.view(n, b, h, chunk, d).permute(1, 2, 0, 3, 4)
-    if _tracks_grad(o):
-        out = (by_chunk * scale).reshape(b, h, n * chunk, d).to(dtype)
-        return out[:, :, :t]
     out = torch.empty(b, h, n * chunk, d, dtype=dtype, device=o.device)
     torch.mul(by_chunk, scale, out=out.view(b, h, n, chunk, d))
     return out if n * chunk == t else out[:, :, :t].contiguous()
 
 
+IntraParts = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
 def _intra_chunk(
-    q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor,
-    matmul_dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor, matmul_dtype: torch.dtype,
+    out: IntraParts,
+) -> None:
     """Per-chunk pieces, all chunks at once. q, k: [M, C, Dk]; v: [M, C, Dv];
     gcum: [M, C, Dk or 1]; beta: [M, C, 1].
 
-    Returns (q_state [M, C, Dk], o_local [M, C, Dv], transition [M, Dk, Dk],
+    Writes out = (q_state [M, C, Dk], o_local [M, C, Dv], transition [M, Dk, Dk],
     inject [M, Dk, Dv]) such that o = o_local + q_state @ S0 (unscaled) and the end state
-    is transition @ S0 + inject.
+    is transition @ S0 + inject. Every elementwise step writes its result where it is next
+    read (in the matmul dtype where a matmul reads it), so no pass is spent on a copy.
     """
     m, c, dk = k.shape
-    kb = k * beta  # [M, C, Dk]
+    dv, low = v.shape[-1], matmul_dtype
+    q_state, o_local, transition, inject = out
+    rows = k.new_empty(m, 2, c, dk)  # [kb | q] for the decayed products
+    kb = torch.mul(k, beta, out=rows[:, 0])
+    rows[:, 1].copy_(q)
     products = decayed_products_scalar if gcum.shape[-1] == 1 else decayed_products_channel
-    r = products(torch.stack((kb, q), dim=1), k, gcum)  # [M, 2, C, C]: A, P unmasked
+    r = products(rows, k, gcum)  # [M, 2, C, C]: A, P, valid on and below the diagonal
     decay_in = gcum.exp()  # [M, C, Dk or 1], from the chunk start, <= 1
-    if _tracks_grad(kb, v, decay_in):
-        rhs = torch.cat((kb * decay_in, v * beta), dim=-1)
-    else:
-        rhs = k.new_empty(m, c, dk + v.shape[-1])
-        torch.mul(kb, decay_in, out=rhs[..., :dk])
-        torch.mul(v, beta, out=rhs[..., dk:])
-    low = matmul_dtype
-    inverse = unit_lower_inverse(torch.tril(r[:, 0], -1))
-    solved = inverse.to(low) @ rhs.to(low)  # [M, C, Dk + Dv], [W | U']
+    rhs = k.new_empty(m, c, dk + dv, dtype=low)
+    torch.mul(kb, decay_in, out=rhs[..., :dk])
+    torch.mul(v, beta, out=rhs[..., dk:])
+    # The inverse reads only A's strictly lower triangle; P is masked after its conversion
+    # (tril of the strided fp32 view costs 20x the conversion).
+    solved = unit_lower_inverse(r[:, 0]).to(low) @ rhs  # [M, C, Dk + Dv], [W | U']
+    p_solved = r[:, 1].to(low).tril_() @ solved  # [M, C, Dk + Dv]
     g_last = gcum[:, -1:]  # [M, 1, Dk or 1]
-    p_solved = torch.tril(r[:, 1]).to(low) @ solved  # [M, C, Dk + Dv]
-    k_end = k * (g_last - gcum).exp()  # [M, C, Dk]: k decayed to the chunk end
-    end_solved = k_end.to(low).transpose(-1, -2) @ solved  # [M, Dk, Dk + Dv]
-    q_state = torch.mul(q, decay_in).sub_(p_solved[..., :dk])
-    transition = torch.diag_embed(g_last[:, 0].exp().expand(-1, dk)).sub_(end_solved[..., :dk])
-    return q_state, p_solved[..., dk:].float(), transition, end_solved[..., dk:].float()
+    k_end_t = k.new_empty(m, dk, c, dtype=low)  # k decayed to the chunk end, transposed
+    torch.mul(k.mT, (g_last - gcum).exp_().mT, out=k_end_t)
+    end_solved = k_end_t @ solved  # [M, Dk, Dk + Dv]
+    torch.mul(q, decay_in, out=q_state).sub_(p_solved[..., :dk])
+    o_local.copy_(p_solved[..., dk:])
+    torch.mul(end_solved[..., :dk], -1.0, out=transition)
+    transition.diagonal(dim1=-2, dim2=-1).add_(g_last[:, 0].exp())
+    inject.copy_(end_solved[..., dk:])
 
 
 def _intra_chunks(
     q: Tensor, k: Tensor, v: Tensor, gcum: Tensor, beta: Tensor, matmul_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> IntraParts:
     """`_intra_chunk` over all chunks, a group of them at a time (_GROUP_BYTES); the chunks
     are independent, so the result is the same as in one call."""
     m, c, dk = k.shape
+    dv = v.shape[-1]
     group = max(1, _GROUP_BYTES // (c * c * 4))
-    if m <= group or _tracks_grad(q, k, v, gcum, beta):
-        return _intra_chunk(q, k, v, gcum, beta, matmul_dtype)
-    outs = (k.new_empty(m, c, dk), k.new_empty(m, c, v.shape[-1]), k.new_empty(m, dk, dk),
-            k.new_empty(m, dk, v.shape[-1]))
+    outs = (k.new_empty(m, c, dk), k.new_empty(m, c, dv), k.new_empty(m, dk, dk),
+            k.new_empty(m, dk, dv))
     for lo in range(0, m, group):
         hi = lo + group
-        parts = _intra_chunk(q[lo:hi], k[lo:hi], v[lo:hi], gcum[lo:hi], beta[lo:hi],
-                             matmul_dtype)
-        for out, part in zip(outs, parts, strict=True):
-            out[lo:hi] = part
+        _intra_chunk(q[lo:hi], k[lo:hi], v[lo:hi], gcum[lo:hi], beta[lo:hi], matmul_dtype,
+                     (outs[0][lo:hi], outs[1][lo:hi], outs[2][lo:hi], outs[3][lo:hi]))
     return outs
 
 
@@ -274,11 +271,6 @@ def _pass_states(transition: Tensor, inject: Tensor, s0: Tensor) -> Tensor:
     """The only sequential part. transition [N, BH, Dk, Dk], inject [N, BH, Dk, Dv],
     s0 [BH, Dk, Dv] -> states at every chunk boundary [N + 1, BH, Dk, Dv]."""
     n = transition.shape[0]
-    if _tracks_grad(transition, inject, s0):
-        chain = [s0]
-        for i in range(n):
-            chain.append(torch.baddbmm(inject[i], transition[i], chain[i]))
-        return torch.stack(chain)
     states = s0.new_empty(n + 1, *s0.shape)
     states[0] = s0
     states[1:] = inject  # one copy, not one inside each baddbmm below
@@ -343,8 +335,17 @@ def delta_rule_chunked(
     the outputs and state updates from it, as bf16 matmuls with fp32 accumulation (as fla's
     chunk kernels do); the decayed key products, the triangular inverse and the recurrent
     states stay fp32. About 3x faster products, at bf16 rounding of their results.
+
+    Inference only: it writes into preallocated buffers, which autograd cannot follow.
+    Training runs `delta_rule_train.delta_rule_trainable` (same maths, plain ops).
     """
     _check_inputs(q, k, v, g, beta, state)
+    if torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, state)
+    ):
+        raise DeltaRuleError(
+            "delta_rule_chunked has no backward; train through delta_rule_trainable"
+        )
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise DeltaRuleError(f"chunk_size must be a power of two, got {chunk_size}")
     b, h, t, dk = q.shape
