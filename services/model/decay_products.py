@@ -68,5 +68,5 @@ def decayed_products_scalar(rows: Tensor, cols: Tensor, gcum: Tensor) -> Tensor:
     """As `decayed_products_channel` for a per-head decay, gcum [M, C, 1]: a masked matmul."""
     m, x, c, d = rows.shape
     decay = (gcum - gcum.transpose(-1, -2)).clamp_(max=0.0).exp_()  # [M, C, C]
-    r = rows.view(m, x * c, d) @ cols.transpose(-1, -2)  # [M, X*C, C]
+    r = rows.view(m, x * c, d) @ cols.to(rows.dtype).transpose(-1, -2)  # [M, X*C, C]
     return r.view(m, x, c, c) * decay[:, None]

@@ -180,12 +180,12 @@ def delta_rule_step_(
     return torch.bmm(qf, flat).view(b, h, dv).to(v.dtype)
 
 
-def _to_chunks(x: Tensor, chunk: int) -> Tensor:
-    """[B, H, T, D] (any strides) -> [N*B*H, C, D] fp32, chunk-major (chunk n of every head,
-    then chunk n + 1), zero-padding T up to N*C. One copy."""
+def _to_chunks(x: Tensor, chunk: int, dtype: torch.dtype | None = None) -> Tensor:
+    """[B, H, T, D] (any strides) -> [N*B*H, C, D] in dtype (x's by default), chunk-major
+    (chunk n of every head, then chunk n + 1), zero-padding T up to N*C. One copy."""
     b, h, t, d = x.shape
     n, full = -(-t // chunk), t // chunk
-    out = torch.empty(n, b, h, chunk, d, dtype=torch.float32, device=x.device)
+    out = torch.empty(n, b, h, chunk, d, dtype=dtype or x.dtype, device=x.device)
     by_chunk = x[:, :, : full * chunk].unflatten(2, (full, chunk))  # [B, H, full, C, D]
     out[:full].copy_(by_chunk.permute(2, 0, 1, 3, 4))
     if full < n:
@@ -226,7 +226,7 @@ def _intra_chunk(
     m, c, dk = k.shape
     dv, low = v.shape[-1], matmul_dtype
     q_state, o_local, transition, inject = out
-    rows = k.new_empty(m, 2, c, dk)  # [kb | q] for the decayed products
+    rows = k.new_empty(m, 2, c, dk, dtype=torch.float32)  # [kb | q], the decayed products'
     kb = torch.mul(k, beta, out=rows[:, 0])
     rows[:, 1].copy_(q)
     products = decayed_products_scalar if gcum.shape[-1] == 1 else decayed_products_channel
@@ -258,8 +258,9 @@ def _intra_chunks(
     m, c, dk = k.shape
     dv = v.shape[-1]
     group = max(1, _GROUP_BYTES // (c * c * 4))
-    outs = (k.new_empty(m, c, dk), k.new_empty(m, c, dv), k.new_empty(m, dk, dk),
-            k.new_empty(m, dk, dv))
+    f32 = torch.float32
+    outs = (k.new_empty(m, c, dk, dtype=f32), k.new_empty(m, c, dv, dtype=f32),
+            k.new_empty(m, dk, dk, dtype=f32), k.new_empty(m, dk, dv, dtype=f32))
     for lo in range(0, m, group):
         hi = lo + group
         _intra_chunk(q[lo:hi], k[lo:hi], v[lo:hi], gcum[lo:hi], beta[lo:hi], matmul_dtype,
@@ -352,11 +353,13 @@ def delta_rule_chunked(
     dv = v.shape[-1]
     n = -(-t // chunk_size)
     s0 = _initial_state(state, q, dv).reshape(b * h, dk, dv)
+    # q, k, v keep their dtype (bf16 from a bf16 model): every step that reads them computes
+    # in fp32 by type promotion, so converting them here would only move twice the bytes.
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))  # [M, C, D], M = N*B*H
     # Padded tokens have g = 0, beta = 0 and k = 0: they leave the state untouched.
-    gcum = _to_chunks(g, chunk_size).cumsum_(dim=1)
+    gcum = _to_chunks(g, chunk_size, torch.float32).cumsum_(dim=1)
     q_state, o_local, transition, inject = _intra_chunks(
-        qc, kc, vc, gcum, _to_chunks(beta[..., None], chunk_size), matmul_dtype
+        qc, kc, vc, gcum, _to_chunks(beta[..., None], chunk_size, torch.float32), matmul_dtype
     )
     states = _pass_states(
         transition.view(n, b * h, dk, dk), inject.view(n, b * h, dk, dv), s0
