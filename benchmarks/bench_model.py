@@ -4,7 +4,8 @@ and the KV cache size S_kv of hybrid against dense models.
     .venv/bin/python benchmarks/bench_model.py [--quick] [--dtype auto|float32|bfloat16]
                                                [--families F ...] [--profile]
 
-Random weights at the default size (the speed does not depend on training), in the serving
+Random weights at the default size (the matmuls do not depend on training; the delta rule's
+split path for steep decays does, a little: docs/engineering-notes.md G15), in the serving
 dtype (`--dtype auto`: bfloat16 where the CPU has native bf16, see services/model/precision.py).
 Prefill goes through `generate.prefill` (the serving path: cache writes, last-token logits);
 decode through `DecodeBatch.step` with B requests at the same context. The baseline is
