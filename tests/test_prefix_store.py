@@ -113,6 +113,30 @@ def test_an_extension_folds_the_older_entry_and_keeps_its_snapshots(model: Hybri
         "w", "pd", "decode", 1)
 
 
+
+def test_a_store_the_directory_already_knows_of_is_not_announced(model: HybridLM) -> None:
+    """A hot prefix stored again (every request that reuses it) tells the directory nothing:
+    no BlocksStored. A store that adds a block or a snapshot still says so."""
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(140)
+    hashes = prompt_hashes(ids, BLOCK)
+    assert store.store(hashes, cached(model, ids)).stored is not None
+    again = store.store(hashes, cached(model, ids))
+    assert (again.stored, again.evicted) == (None, [])
+    store.check_integrity()
+    assert store.statistics().entries == 1 and store.match(hashes) == LocalMatch(2, 2)
+    # The same blocks with a snapshot the store lacks (a chain stored without snapshots,
+    # then again with them): announced, with the new snapshot in the run.
+    other = tokens(140, 5)
+    bare = prefill(model, other).cache  # no snapshot below its last full block
+    first = store.store(prompt_hashes(other, BLOCK), bare)
+    assert first.stored is not None and first.stored.runs[0].snapshot_at == []
+    second = store.store(prompt_hashes(other, BLOCK), cached(model, other))
+    assert second.stored is not None and second.stored.runs[0].snapshot_at == [0, 1]
+    longer = ids + tokens(BLOCK, 6)
+    grown = store.store(prompt_hashes(longer, BLOCK), cached(model, longer))
+    assert grown.stored is not None and len(grown.stored.runs[0].hashes) == 3
+
 def entry_bytes(model: HybridLM, n: int) -> int:
     store = PrefixStore("probe", BLOCK)
     ids = tokens(n, 9)

@@ -139,12 +139,20 @@ class PrefixStore:
         return entry.cache
 
     def store(self, hashes: Sequence[int], cache: RequestCache) -> StoreChange:
-        """Keep `cache` (now owned by the store) under `hashes`, its full blocks' chain."""
+        """Keep `cache` (now owned by the store) under `hashes`, its full blocks' chain.
+
+        `stored` is None when the store held every block of the chain already, with a
+        snapshot wherever the new entry has one: the directory, told of each block and
+        snapshot as it came, learns nothing from it (a hot prefix stored again by every
+        request that reuses it)."""
         self._check_chain(hashes, cache)
         if not hashes:
             return StoreChange(None, [])
         if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
             cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
+        held = self._held(hashes) == len(hashes)
+        snapshots_held = {n for n in range(1, len(hashes) + 1)
+                          if held and self._snapshot_left(hashes[n - 1], n)}
         for old in self.prefixes_of(hashes):
             self._fold(old, cache)
         entry = _Entry(self._next_id, tuple(hashes), cache, _entry_bytes(cache))
@@ -154,6 +162,8 @@ class PrefixStore:
         self._add(entry)
         self._counts["stores"] += 1
         evicted = self._evict_over_budget(keep=entry.id)
+        if held and entry.snapshot_blocks <= snapshots_held:
+            return StoreChange(None, evicted)
         return StoreChange(BlocksStored(self.worker, [self._run(entry)]), evicted)
 
     def report(self, cluster: str, role: Role) -> WorkerReport:
