@@ -24,6 +24,7 @@ from services.model.config import ModelConfig
 from services.model.conv import causal_conv1d, causal_conv1d_step
 from services.model.delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_
 from services.model.delta_rule_train import delta_rule_trainable
+from services.model.linear import Linear
 
 
 def l2_normalise(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -57,9 +58,9 @@ class DeltaCore(nn.Module):
         self.block_size = cfg.block_size
         self.k1 = cfg.conv_size - 1
         inner = self.heads * self.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * inner, bias=False)
+        self.qkv = Linear(cfg.d_model, 3 * inner, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(3 * inner, cfg.conv_size))  # [C, K]
-        self.beta_proj = nn.Linear(cfg.d_model, self.heads, bias=False)
+        self.beta_proj = Linear(cfg.d_model, self.heads, bias=False)
 
     def forward(self, x: Tensor, g: Tensor, cache: LinearState | None, pos0: int,
                 snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from services.model.linear import Linear
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up are one fused projection."""
@@ -12,8 +14,8 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
         self.hidden = hidden
-        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.gate_up = Linear(d_model, 2 * hidden, bias=False)
+        self.down = Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # [..., F] each

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from services.model.cache import LinearState
 from services.model.config import ModelConfig
 from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.linear import Linear
 from services.model.norm import RMSNorm
 
 
@@ -28,12 +29,12 @@ class GatedDeltaNet(nn.Module):
         h, d, c = cfg.linear_heads, cfg.linear_head_dim, cfg.d_model
         self.heads, self.head_dim = h, d
         self.core = DeltaCore(cfg)
-        self.a_proj = nn.Linear(c, h, bias=False)
+        self.a_proj = Linear(c, h, bias=False)
         self.a_log = nn.Parameter(torch.zeros(h))
         self.dt_bias = nn.Parameter(torch.zeros(h))
-        self.z_proj = nn.Linear(c, h * d, bias=False)
+        self.z_proj = Linear(c, h * d, bias=False)
         self.o_norm = RMSNorm(d, cfg.norm_eps)
-        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.o_proj = Linear(h * d, c, bias=False)
 
     def init_special(self, generator: torch.Generator) -> None:
         init_decay_params(self.a_log, self.dt_bias, generator)

@@ -19,6 +19,7 @@ from services.model.attention import (
 )
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
+from services.model.linear import Linear
 from services.model.padded_kv import PaddedKV
 from services.model.rope import Rotary, rotate
 
@@ -29,7 +30,7 @@ class RopeQKV(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.proj = nn.Linear(cfg.d_model, (self.hq + 2 * self.hkv) * self.d, bias=False)
+        self.proj = Linear(cfg.d_model, (self.hq + 2 * self.hkv) * self.d, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -53,8 +54,8 @@ class GQA(nn.Module):
         self.hq, self.d = cfg.n_heads, cfg.head_dim
         self.qkv = RopeQKV(cfg)
         inner = cfg.n_heads * cfg.head_dim
-        self.gate = nn.Linear(cfg.d_model, inner, bias=False) if cfg.attn_output_gate else None
-        self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.gate = Linear(cfg.d_model, inner, bias=False) if cfg.attn_output_gate else None
+        self.o_proj = Linear(inner, cfg.d_model, bias=False)
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:
         """o [B, T, Hq * D] -> gated, projected [B, T, C]."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from services.model.cache import LinearState
 from services.model.config import ModelConfig
 from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.linear import Linear
 from services.model.norm import RMSNorm
 
 
@@ -27,14 +28,14 @@ class KDA(nn.Module):
         h, d, c, rank = cfg.linear_heads, cfg.linear_head_dim, cfg.d_model, cfg.gate_rank
         self.heads, self.head_dim = h, d
         self.core = DeltaCore(cfg)
-        self.f_down = nn.Linear(c, rank, bias=False)
-        self.f_up = nn.Linear(rank, h * d, bias=False)
+        self.f_down = Linear(c, rank, bias=False)
+        self.f_up = Linear(rank, h * d, bias=False)
         self.a_log = nn.Parameter(torch.zeros(h))
         self.dt_bias = nn.Parameter(torch.zeros(h * d))
-        self.g_down = nn.Linear(c, rank, bias=False)
-        self.g_up = nn.Linear(rank, h * d, bias=False)
+        self.g_down = Linear(c, rank, bias=False)
+        self.g_up = Linear(rank, h * d, bias=False)
         self.o_norm = RMSNorm(d, cfg.norm_eps)
-        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.o_proj = Linear(h * d, c, bias=False)
 
     def init_special(self, generator: torch.Generator) -> None:
         init_decay_params(self.a_log, self.dt_bias, generator)

@@ -21,6 +21,7 @@ from services.model.attention import (
 )
 from services.model.cache import CacheError, TokenKV
 from services.model.config import ModelConfig
+from services.model.linear import Linear
 from services.model.norm import RMSNorm
 from services.model.padded_kv import PaddedKV
 
@@ -32,12 +33,12 @@ class MLA(nn.Module):
         super().__init__()
         h, d, c, r = cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.kv_lora_rank
         self.heads, self.head_dim, self.rank = h, d, r
-        self.q_proj = nn.Linear(c, h * d, bias=False)
-        self.kv_down = nn.Linear(c, r, bias=False)
+        self.q_proj = Linear(c, h * d, bias=False)
+        self.kv_down = Linear(c, r, bias=False)
         self.kv_norm = RMSNorm(r, cfg.norm_eps)
-        self.k_up = nn.Linear(r, h * d, bias=False)
-        self.v_up = nn.Linear(r, h * d, bias=False)
-        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.k_up = Linear(r, h * d, bias=False)
+        self.v_up = Linear(r, h * d, bias=False)
+        self.o_proj = Linear(h * d, c, bias=False)
 
     def forward(self, x: Tensor, cache: TokenKV | None = None, pos0: int = 0,
                 snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[None]]:

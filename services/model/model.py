@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.model.cache import (
@@ -32,6 +31,7 @@ from services.model.ffn import SwiGLU
 from services.model.gated_deltanet import GatedDeltaNet
 from services.model.gqa import GQA
 from services.model.kda import KDA
+from services.model.linear import WeightPack
 from services.model.mla import MLA
 from services.model.norm import RMSNorm
 from services.model.padded_kv import PaddedKV
@@ -98,6 +98,7 @@ class HybridLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, kind) for kind in cfg.layer_kinds)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.logits_pack = WeightPack()  # the tied embedding's, as a linear layer's weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,7 +109,7 @@ class HybridLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., C] -> logits [..., V] (fp32) through the tied embedding."""
-        return F.linear(self.final_norm(hidden), self.embed.weight).float()
+        return self.logits_pack.linear(self.final_norm(hidden), self.embed.weight).float()
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, T] -> logits [B, T, V]: training and the full-recompute reference."""

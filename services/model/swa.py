@@ -17,6 +17,7 @@ from services.model.attention import sliding_window_attention, window_decode_att
 from services.model.cache import CacheError, WindowKV
 from services.model.config import ModelConfig
 from services.model.gqa import RopeQKV
+from services.model.linear import Linear
 
 
 class SlidingWindowAttention(nn.Module):
@@ -27,7 +28,7 @@ class SlidingWindowAttention(nn.Module):
         self.hq, self.d, self.window = cfg.n_heads, cfg.head_dim, cfg.window
         self.qkv = RopeQKV(cfg)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.swa_sinks else None
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor, cache: WindowKV | None = None, pos0: int = 0,
                 snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[WindowKV]]:
