@@ -144,6 +144,19 @@ def entry_bytes(model: HybridLM, n: int) -> int:
     return store.statistics().bytes
 
 
+def test_a_stored_cache_keeps_its_snapshots(model: HybridLM) -> None:
+    """The store reads an entry's snapshot blocks once; a stored cache changed afterwards
+    would make its answers stale, and check_integrity says so."""
+    store = PrefixStore("w", BLOCK)
+    ids = tokens(200)
+    cache = cached(model, ids)
+    store.store(prompt_hashes(ids, BLOCK), cache)
+    store.check_integrity()
+    del cache.snapshots[2 * BLOCK]
+    with pytest.raises(PrefixStoreError, match="snapshots changed"):
+        store.check_integrity()
+
+
 def test_lru_eviction_within_the_budget(model: HybridLM) -> None:
     size = entry_bytes(model, 128)
     store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=2 * size + size // 2))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -82,12 +82,17 @@ class _Entry:
     hashes: tuple[int, ...]
     cache: RequestCache
     nbytes: int
+    # Block counts n with a snapshot at n * block_size. Taken once: a stored cache is not
+    # changed (check_integrity compares), and the store asks for it per block of a chain.
+    snapshot_blocks: frozenset[int] = field(init=False)
 
-    @property
-    def snapshot_blocks(self) -> frozenset[int]:
-        """Block counts n with a snapshot at n * block_size."""
-        block = self.cache.cfg.block_size
-        return frozenset(length // block for length in self.cache.snapshots)
+    def __post_init__(self) -> None:
+        self.snapshot_blocks = _snapshot_blocks(self.cache)
+
+
+def _snapshot_blocks(cache: RequestCache) -> frozenset[int]:
+    block = cache.cfg.block_size
+    return frozenset(length // block for length in cache.snapshots)
 
 
 def _entry_bytes(cache: RequestCache) -> int:
@@ -193,6 +198,8 @@ class PrefixStore:
                 raise PrefixStoreError(f"entry {entry.id}: cache length {entry.cache.length} "
                                        f"< {len(entry.hashes)} blocks")
             entry.cache.check_integrity()
+            if entry.snapshot_blocks != _snapshot_blocks(entry.cache):
+                raise PrefixStoreError(f"entry {entry.id}: its cache's snapshots changed")
             for i, h in enumerate(entry.hashes):
                 index.setdefault(h, {})[entry.id] = i
         if index != self._by_hash:
