@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from services.chaos.cli import chaos_main
+from services.chaos.cli import chaos_main, exit_status
 from services.chaos.faults import envelope_frames, malformed_bodies, random_frames
 from services.chaos.load import OUTCOMES
 from services.chaos.mesh import MeshConfig, chaos_topology
+from services.chaos.report import verdict
+from services.chaos.scenarios import ScenarioResult
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +27,13 @@ def test_frames_and_bodies_are_as_many_as_asked() -> None:
 @pytest.mark.timeout(400)
 def test_quick_kill_decode_is_measured_and_the_worker_comes_back(tmp_path: Path) -> None:
     out = tmp_path / "reliability.md"
-    assert chaos_main(["--quick", "--only", "kill-decode", "--out", str(out),
-                       "--workdir", str(tmp_path / "mesh")]) == 0
+    status = chaos_main(["--quick", "--only", "kill-decode", "--out", str(out),
+                         "--workdir", str(tmp_path / "mesh")])
     report = out.read_text()
     assert "### kill-decode:" in report
+    # The exit status is the verdict: 0 when the scenario passed, 1 (report still written)
+    # when it failed.
+    assert status == (0 if "### kill-decode: PASS" in report else 1)
     row = next(line for line in report.splitlines() if line.startswith("| kill-decode |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     sent, outcomes = int(cells[2]), [int(c) for c in cells[3:7]]
@@ -45,3 +50,16 @@ def test_the_chaos_mesh_gives_every_worker_the_small_cache_budget() -> None:
     clusters = {c["name"]: c["options"] for c in data["clusters"]}
     assert workers and all(
         {**clusters[s["cluster"]], **s.get("options", {})}["cache_mib"] == 24.0 for s in workers)
+
+
+def test_the_exit_status_is_the_verdict() -> None:
+    def result(**outcomes: int) -> ScenarioResult:
+        rss = {"router": 100 << 20}
+        return ScenarioResult(name="x", description="x", sent=sum(outcomes.values()),
+                              outcomes=outcomes, statuses={}, killed=(), deaths={},
+                              rss_start=rss, rss_peak=rss, rss_after=rss, recover_s=1.0)
+
+    good, hung = result(completed=10), result(completed=9, hung=1)
+    assert verdict(good).passed and not verdict(hung).passed
+    assert exit_status([good, good]) == 0
+    assert exit_status([good, hung]) == 1

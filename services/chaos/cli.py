@@ -6,7 +6,8 @@
 Starts the default mesh under `prfaas up` on free ports of 127.0.0.1 (services.chaos.mesh),
 runs each scenario (services.chaos.scenarios) in order, writes the Markdown report
 (services.chaos.report) and prints one JSON line: scenarios run, passed, and seconds taken.
-Exit status 0 when the run completed (whatever the verdicts), 2 when the mesh did not start.
+Exit status 0 when every scenario passed, 1 when one failed (the report is written either way),
+2 when the mesh did not start.
 """
 
 from __future__ import annotations
@@ -137,7 +138,12 @@ def chaos_main(argv: list[str] | None = None) -> int:
     passed = sum(verdict(r).passed for r in results)
     print(json.dumps({"scenarios": len(results), "passed": passed,
                       "seconds": round(seconds, 1), "report": str(args.out)}))
-    return 0
+    return exit_status(results)
+
+
+def exit_status(results: list[ScenarioResult]) -> int:
+    """0 when every scenario passed, else 1."""
+    return 0 if all(verdict(r).passed for r in results) else 1
 
 
 def _cpus() -> int:
