@@ -87,3 +87,22 @@ def test_copies_of_a_used_model_start_without_the_pack() -> None:
 def test_a_pack_pickles_empty() -> None:
     pack = WeightPack()
     assert pickle.loads(pickle.dumps(pack))._packed is None
+
+
+@needs_packing
+def test_packing_is_off_when_torchs_private_ops_fail_or_disagree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    check = packing_available.__wrapped__  # the check itself, not its cached answer
+    assert check()
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    assert not check()
+
+    def wrong(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.zeros(x.shape[0], 24, dtype=x.dtype)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", wrong)
+    assert not check()

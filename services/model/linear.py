@@ -31,8 +31,19 @@ _ROWS_HINT = 32
 
 @functools.cache
 def packing_available() -> bool:
-    """oneDNN is built in and the CPU has native bf16 dot products."""
-    return bool(torch.backends.mkldnn.is_available()) and cpu_has_native_bf16()
+    """oneDNN is built in, the CPU has native bf16 dot products, and torch's packed-linear ops
+    (private to torch, so checked rather than assumed) exist and agree with `F.linear`."""
+    if not (torch.backends.mkldnn.is_available() and cpu_has_native_bf16()):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=generator).to(torch.bfloat16)
+    x = torch.randn(3, 40, generator=generator).to(torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return isinstance(out, Tensor) and torch.equal(out, F.linear(x, w))
 
 
 class WeightPack:
