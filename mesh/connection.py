@@ -101,11 +101,14 @@ class Connection:
         FrameTooLarge fails this send only; PeerGone once the connection is broken;
         DeadlineExceeded if the queue stays full until `deadline`.
         """
-        frame = self._codec.encode(envelope)
+        parts = self._codec.encode_parts(envelope)
         self._frames_out += 1
-        self._bytes_out += len(frame)
-        if not (urgent and self._outbox.put_nowait(frame)):
-            await self._outbox.put(frame, urgent=urgent, deadline=deadline)
+        self._bytes_out += sum(len(part) for part in parts)
+        if len(parts) > 1:
+            # A bulk frame: queued whole for the writer (never urgent-written: too big).
+            await self._outbox.put(parts, urgent=False, deadline=deadline)
+        elif not (urgent and self._outbox.put_nowait(parts[0])):
+            await self._outbox.put(parts[0], urgent=urgent, deadline=deadline)
 
     async def run_writer(self) -> None:
         """Writes deferred frames in batches; run it beside the reader for the connection's life."""

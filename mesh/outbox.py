@@ -130,16 +130,20 @@ class Outbox:
             self._work.fire()
         return True
 
-    async def put(self, frame: Frame, *, urgent: bool, deadline: float = math.inf) -> None:
+    async def put(self, frame: Frame | tuple[Frame, ...], *, urgent: bool,
+                  deadline: float = math.inf) -> None:
         """Writes or queues `frame` after every frame put before it; PeerGone once broken.
+        A tuple is one frame in parts (`Codec.encode_parts`), queued together, in order.
 
         Waits (until `deadline`, then DeadlineExceeded, the frame unsent) only while the queue
         is over its limit.
         """
         if self.broken is not None:
             raise self.broken
-        if urgent and not self._writing and not self._queue and len(frame) < BIG_FRAME:
-            await self._write_now(frame)
+        parts = frame if isinstance(frame, tuple) else (frame,)
+        size = sum(len(part) for part in parts)
+        if urgent and not self._writing and not self._queue and size < BIG_FRAME:
+            await self._write_now(parts[0] if len(parts) == 1 else b"".join(parts))
             return
         if self._queued > self._limit and self._writer_running:
             # Wait for room before queueing: a send that gives up has sent nothing.
@@ -148,8 +152,9 @@ class Outbox:
                     await self._drained.wait()
             if self.broken is not None:
                 raise self.broken
-        self._queue.append(frame)
-        self._queued += len(frame)
+        # No await from here to the queue: the parts of a frame stay next to each other.
+        self._queue.extend(parts)
+        self._queued += size
         if not self._writer_running:
             await self._write_queue_here()
         self._work.fire()

@@ -5,9 +5,11 @@ envelope (`Hello`, `Call`, `Reply`, ...). Envelopes carry the application's mess
 `body` field; the application names its message types (tagged msgspec Structs) once, in a
 `Codec`, and the mesh never looks inside them.
 
-Bulk payloads avoid needless copies: the sender encodes straight into one fresh bytearray per
-frame (the payload is copied once, by msgspec) and never reuses it (uvloop keeps a reference to
-a sent buffer, docs/engineering-notes.md G8); the receiver decodes a frame that arrived whole from
+Bulk payloads avoid needless copies. The sender encodes straight into one fresh bytearray per
+frame and never reuses it (uvloop keeps a reference to a sent buffer, docs/engineering-notes.md
+G8); a message's large byte string that cannot change (`bytes`, or a memoryview of one) is not
+copied at all: `Codec.encode_parts` cuts the frame around it, and the socket reads it where it
+lies (the bytes on the wire are the same). The receiver decodes a frame that arrived whole from
 a memoryview
 of the received chunk, and assembles a split frame into a bytearray of exactly its size that
 no one touches afterwards, so an application field typed `memoryview` decodes zero-copy
@@ -17,10 +19,13 @@ is allocated.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Annotated, Any, Generic, TypeVar, Union
 
 import msgspec
+import msgspec.inspect
+import msgspec.structs
 
 from mesh.errors import (
     ConfigError,
@@ -35,6 +40,11 @@ PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 HEADER_SIZE = 4
 _MAX_HEADER_VALUE = 2**32 - 1
+# An immutable byte string this long or longer in a message travels as its own part of the
+# frame (`Codec.encode_parts`), uncopied. MessagePack writes it as bin 32: 0xc6, then its
+# length in 4 big-endian bytes, then the bytes.
+BULK_BYTES = 64 * 1024
+_BIN32 = 0xC6
 # Bounds on envelope fields, checked by the decoder (in C) before anything uses a value: a
 # peer's NaN, infinite or negative timeout would otherwise reach a cancel scope and raise.
 MAX_ID = 2**63 - 1
@@ -203,6 +213,37 @@ class Codec:
         except TypeError as exc:
             raise ConfigError(f"messages: {exc}") from exc
         self._encoder = msgspec.msgpack.Encoder()
+        # encode_parts encodes a bulk field as this random stand-in, then finds it.
+        self._stand_in = os.urandom(16)
+        self._stand_in_encoded = self._encoder.encode(self._stand_in)
+        self._bulk_fields = {message: _bulk_fields(message) for message in self.messages}
+
+    def encode_parts(self, envelope: Envelope) -> tuple[bytes | bytearray | memoryview, ...]:
+        """The frame of `envelope` as buffers to write in order: their bytes joined are
+        `encode(envelope)`. One buffer, unless the body holds an immutable byte string of at
+        least BULK_BYTES (a `bytes` or `memoryview` field): then three, the middle one being
+        that string itself, uncopied. Errors as `encode`."""
+        body = getattr(envelope, "body", None)
+        fields = self._bulk_fields.get(type(body), ())
+        name, bulk = _largest_bulk(body, fields) if fields else ("", None)
+        if bulk is None:
+            return (self.encode(envelope),)
+        stand_in = msgspec.structs.replace(body, **{name: self._stand_in})
+        frame = self.encode(msgspec.structs.replace(envelope, body=stand_in))  # type: ignore[type-var]
+        marker = self._stand_in_encoded
+        at = frame.find(marker, HEADER_SIZE)
+        if at < 0 or frame.find(marker, at + 1) >= 0:
+            # The stand-in's bytes also occur elsewhere in the message: no cut, one copy.
+            return (self.encode(envelope),)
+        size = len(frame) - HEADER_SIZE - len(marker) + 5 + bulk.nbytes
+        if size > self.max_frame:
+            raise FrameTooLarge(size, self.max_frame)
+        head = frame[:at]
+        head[:HEADER_SIZE] = size.to_bytes(HEADER_SIZE, "big")
+        head.append(_BIN32)
+        head += bulk.nbytes.to_bytes(4, "big")
+        tail = frame[at + len(marker) :]
+        return (head, bulk, tail) if tail else (head, bulk)
 
     def encode(self, envelope: Envelope) -> bytearray:
         """One complete frame in a fresh buffer; the caller must not reuse it after sending.
@@ -236,6 +277,32 @@ class Codec:
     def parser(self) -> FrameParser:
         """A fresh incremental parser for one connection's byte stream."""
         return FrameParser(self)
+
+
+def _bulk_fields(message: type[msgspec.Struct]) -> tuple[str, ...]:
+    """The fields of `message` declared as plain `bytes` or `memoryview`."""
+    info = msgspec.inspect.type_info(message)
+    assert isinstance(info, msgspec.inspect.StructType)
+    kinds = (msgspec.inspect.BytesType, msgspec.inspect.MemoryViewType)
+    return tuple(f.name for f in info.fields if isinstance(f.type, kinds))
+
+
+def _largest_bulk(body: Any, fields: tuple[str, ...]) -> tuple[str, memoryview | None]:
+    """(name, bytes view) of `body`'s largest field among `fields` that is immutable (a
+    `bytes`, or a flat memoryview of one) and at least BULK_BYTES long; ("", None) if none."""
+    best, found = "", None
+    for name in fields:
+        value = getattr(body, name)
+        if isinstance(value, bytes):
+            view = memoryview(value)
+        elif (isinstance(value, memoryview) and isinstance(value.obj, bytes)
+              and value.c_contiguous):
+            view = value.cast("B") if value.format != "B" or value.ndim != 1 else value
+        else:
+            continue
+        if view.nbytes >= BULK_BYTES and (found is None or view.nbytes > found.nbytes):
+            best, found = name, view
+    return best, found
 
 
 class FrameParser:

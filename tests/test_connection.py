@@ -13,14 +13,19 @@ import trio
 from mesh.connection import Connection, client_handshake, server_handshake
 from mesh.errors import FrameDecodeError, HandshakeError, PeerGone
 from mesh.transport import Address, TcpTransport, memory_pipe
-from mesh.wire import Call, Codec, Envelope, Fail, Hello, Reply
+from mesh.wire import BULK_BYTES, Call, Cast, Codec, Envelope, Fail, Hello, Item, Reply
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
     n: int
 
 
-CODEC = Codec([Ping])
+class Blob(msgspec.Struct, frozen=True, tag=True):
+    data: memoryview
+    n: int = 0
+
+
+CODEC = Codec([Ping, Blob])
 
 
 def connected() -> tuple[Connection, Connection]:
@@ -142,5 +147,28 @@ async def test_direct_delivery_skips_receive_and_reports_errors_through_it() -> 
         await server.receive()
     # Off again: frames come through receive.
     server.deliver_directly(None)
+    await client.aclose()
+    await server.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {}), ("asyncio", {"use_uvloop": True}),
+                                           ("asyncio", {})], ids=["trio", "uvloop", "asyncio"])
+@pytest.mark.anyio
+async def test_bulk_frames_sent_in_parts_arrive_whole_between_small_ones() -> None:
+    client, server = await tcp_connections()
+    payloads = [bytes([i]) * (BULK_BYTES + i * 99_991) for i in range(1, 9)]
+    sent: list[Envelope] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.run_writer)
+        for i, payload in enumerate(payloads):
+            item = Item(i, Blob(memoryview(payload), i))
+            await client.send(item, urgent=False)
+            await client.send(Cast(Ping(i)))
+            sent += [item, Cast(Ping(i))]
+        with anyio.fail_after(10):
+            got = [await server.receive() for _ in sent]
+        group.cancel_scope.cancel()
+    assert got == sent
+    assert client.statistics().bytes_out == server.statistics().bytes_in
     await client.aclose()
     await server.aclose()

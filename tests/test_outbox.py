@@ -92,6 +92,24 @@ async def test_big_frames_are_written_alone() -> None:
 
 
 @pytest.mark.trio
+async def test_a_frame_in_parts_is_written_in_order_between_its_neighbours() -> None:
+    stream = RecordingStream()
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    big = b"B" * BIG_FRAME
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await outbox.put(b"a", urgent=False)
+        await outbox.put((b"head", memoryview(big), b"tail"), urgent=False)
+        outbox.check_integrity()
+        await outbox.put(b"b", urgent=True)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"a" + b"head" + big + b"tail" + b"b"
+    assert big in stream.writes  # the bulk part alone, never joined
+    assert outbox.queued_bytes == 0
+
+
+@pytest.mark.trio
 async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -18,6 +18,7 @@ from mesh.errors import (
     UnknownMessageType,
 )
 from mesh.wire import (
+    BULK_BYTES,
     HEADER_SIZE,
     MAX_ID,
     MAX_NAME,
@@ -125,6 +126,66 @@ def test_split_frame_decodes_zero_copy_and_parser_stays_usable() -> None:
     assert isinstance(big, Cast) and bytes(big.body.payload) == b"q" * 5000
     assert small == Cast(Ping(2))
     assert parser.buffered == 0
+
+
+class Piece(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """As a KV piece: the bulk field between others, so the frame has a tail."""
+
+    name: str
+    data: memoryview
+    extra: bytes = b""
+    start: int = 0
+
+
+def test_bulk_bytes_go_out_uncopied_in_a_frame_equal_to_the_plain_encoding() -> None:
+    c = Codec((*APP, Piece), max_frame=1 << 22)
+    payload = bytes(range(256)) * (BULK_BYTES // 256 + 3)
+    cases: list[tuple[Envelope, bytes]] = [
+        (Item(3, Blob(1, payload)), payload),
+        (Push(4, Blob(2, payload), 9.0), payload),
+        (Cast(View(memoryview(payload)[5:])), payload),
+        (Item(5, Piece(name="p", data=memoryview(payload), extra=b"x" * 10, start=7)), payload),
+        # The larger of two bulk fields is the one cut out.
+        (Call(6, Piece(name="q", data=memoryview(payload[:BULK_BYTES]), extra=payload)), payload),
+    ]
+    for envelope, source in cases:
+        parts = c.encode_parts(envelope)
+        assert len(parts) in (2, 3)
+        joined = b"".join(parts)
+        assert joined == bytes(c.encode(envelope))
+        assert decode_frame(c, joined) == envelope
+        bulk = parts[1]
+        assert isinstance(bulk, memoryview) and bulk.obj is source  # not a copy
+
+
+def test_small_or_mutable_payloads_stay_one_frame() -> None:
+    c = Codec((*APP, Piece), max_frame=1 << 22)
+    big = b"z" * BULK_BYTES
+    for envelope in (
+        Cast(Blob(1, b"z" * (BULK_BYTES - 1))),  # below the bulk size
+        Cast(View(memoryview(bytearray(big)))),  # may change after the send: copied
+        Cast(Ping(1)),
+        Fail(1, "E", "m"),
+    ):
+        (frame,) = c.encode_parts(envelope)
+        assert frame == c.encode(envelope)
+
+
+def test_a_payload_holding_the_stand_in_is_sent_whole_and_right() -> None:
+    c = Codec((*APP, Piece), max_frame=1 << 22)
+    payload = b"y" * BULK_BYTES
+    # The stand-in's encoding also occurs in another field: no cut, still the same bytes.
+    envelope = Item(1, Piece(name="n", data=memoryview(payload),
+                             extra=c._stand_in_encoded * 2))
+    (frame,) = c.encode_parts(envelope)
+    assert decode_frame(c, frame) == envelope
+
+
+def test_bulk_frames_over_max_frame_fail_that_send() -> None:
+    c = Codec(APP, max_frame=BULK_BYTES + 64)
+    with pytest.raises(FrameTooLarge):
+        c.encode_parts(Cast(Blob(1, b"w" * (BULK_BYTES + 64))))
+    assert len(c.encode_parts(Cast(Blob(1, b"w" * BULK_BYTES)))) == 2
 
 
 def test_codec_rejects_bad_message_sets() -> None:
