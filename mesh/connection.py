@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 import anyio
@@ -24,7 +24,7 @@ import msgspec
 from mesh.errors import HandshakeError, MeshError, PeerGone
 from mesh.membership import NONCE_SIZE, new_nonce, proof, verify
 from mesh.outbox import STREAM_ERRORS, Outbox
-from mesh.tcp import AsyncioSocketStream
+from mesh.tcp import AsyncioSocketStream, TrioSocketStream
 from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello, Proof
 
 RECEIVE_SIZE = 1024 * 1024
@@ -78,6 +78,8 @@ class Connection:
         self._closed = False
         self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = 0
         self._route: Callable[[Envelope], None] | None = None
+        self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
+            stream.receive_into if isinstance(stream, TrioSocketStream) else None)
         # A frame error met while delivering directly, raised by the next `receive`.
         self._failure: MeshError | None = None
 
@@ -148,14 +150,25 @@ class Connection:
         while not self._ready:
             if self._failure is not None:
                 raise self._failure
+            # A bulk frame under way is read straight into its own buffer where the stream
+            # can (FrameParser.into): no chunk to copy it from.
+            into = self._parser.into() if self._receive_into is not None else None
             try:
-                data = await self._stream.receive(self._receive_size)
+                if into is not None:
+                    assert self._receive_into is not None
+                    count = await self._receive_into(into)
+                else:
+                    data = await self._stream.receive(self._receive_size)
             except STREAM_ERRORS as exc:
                 raise PeerGone(f"connection from {self.peer} ended: {exc!r}") from exc
             if self._failure is not None:
                 raise self._failure
-            self._bytes_in += len(data)
-            self._ready.extend(self._parser.feed(data))
+            if into is not None:
+                self._bytes_in += count
+                self._ready.extend(self._parser.filled(count))
+            else:
+                self._bytes_in += len(data)
+                self._ready.extend(self._parser.feed(data))
         self._frames_in += 1
         return self._ready.popleft()
 

@@ -36,6 +36,8 @@ from mesh.errors import PeerGone
 from mesh.native import checkpoint_if_cancelled
 
 Frame = bytes | bytearray | memoryview
+# One frame as buffers to write in order (mesh.wire.Codec.encode_parts), uncopied.
+Parts = tuple[Frame, ...]
 
 
 @runtime_checkable
@@ -43,6 +45,17 @@ class SendsNowait(Protocol):
     """A stream that can write part or all of a buffer at once, without waiting."""
 
     def send_nowait(self, data: Frame) -> int: ...
+
+
+@runtime_checkable
+class SendsParts(Protocol):
+    """A stream that writes several buffers as one (a gathering write), without joining."""
+
+    async def send_parts(self, parts: Parts) -> None: ...
+
+
+def _size(entry: Frame | Parts) -> int:
+    return sum(len(part) for part in entry) if isinstance(entry, tuple) else len(entry)
 
 STREAM_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 BATCH_BYTES = 256 * 1024
@@ -86,7 +99,7 @@ class Outbox:
         self.broken: PeerGone | None = None
         self._stream = stream
         self._limit = limit
-        self._queue: deque[Frame] = deque()
+        self._queue: deque[Frame | Parts] = deque()
         self._queued = 0
         self._writing = False
         self._writer_running = False
@@ -95,6 +108,7 @@ class Outbox:
         # The loop's own checkpoint, looked up on first use (anyio's looks it up every time).
         self._checkpoint: Callable[[], Awaitable[None]] | None = None
         self._send_nowait = stream.send_nowait if isinstance(stream, SendsNowait) else None
+        self._send_parts = stream.send_parts if isinstance(stream, SendsParts) else None
 
     @property
     def queued_bytes(self) -> int:
@@ -102,7 +116,7 @@ class Outbox:
 
     def check_integrity(self) -> None:
         """Asserts the queue accounting (tests call it after each operation)."""
-        assert self._queued == sum(len(frame) for frame in self._queue), "queued bytes drifted"
+        assert self._queued == sum(_size(entry) for entry in self._queue), "queued bytes drifted"
         assert self._queued >= 0
 
     def put_nowait(self, frame: Frame) -> bool:
@@ -130,20 +144,20 @@ class Outbox:
             self._work.fire()
         return True
 
-    async def put(self, frame: Frame | tuple[Frame, ...], *, urgent: bool,
+    async def put(self, frame: Frame | Parts, *, urgent: bool,
                   deadline: float = math.inf) -> None:
         """Writes or queues `frame` after every frame put before it; PeerGone once broken.
-        A tuple is one frame in parts (`Codec.encode_parts`), queued together, in order.
+        A tuple is one frame in parts (`Codec.encode_parts`), written with one gathering
+        write where the stream has one (`SendsParts`), else part by part.
 
         Waits (until `deadline`, then DeadlineExceeded, the frame unsent) only while the queue
         is over its limit.
         """
         if self.broken is not None:
             raise self.broken
-        parts = frame if isinstance(frame, tuple) else (frame,)
-        size = sum(len(part) for part in parts)
+        size = _size(frame)
         if urgent and not self._writing and not self._queue and size < BIG_FRAME:
-            await self._write_now(parts[0] if len(parts) == 1 else b"".join(parts))
+            await self._write_now(b"".join(frame) if isinstance(frame, tuple) else frame)
             return
         if self._queued > self._limit and self._writer_running:
             # Wait for room before queueing: a send that gives up has sent nothing.
@@ -152,8 +166,7 @@ class Outbox:
                     await self._drained.wait()
             if self.broken is not None:
                 raise self.broken
-        # No await from here to the queue: the parts of a frame stay next to each other.
-        self._queue.extend(parts)
+        self._queue.append(frame)
         self._queued += size
         if not self._writer_running:
             await self._write_queue_here()
@@ -202,18 +215,18 @@ class Outbox:
         finally:
             self._writer_running = False
 
-    def _take_batch(self) -> list[Frame]:
+    def _take_batch(self) -> list[Frame | Parts]:
         batch = [self._queue.popleft()]
-        size = len(batch[0])
+        size = _size(batch[0])
         while (
             self._queue
             and size < BATCH_BYTES
             and size < BIG_FRAME
-            and len(self._queue[0]) < BIG_FRAME
+            and _size(self._queue[0]) < BIG_FRAME
         ):
             frame = self._queue.popleft()
             batch.append(frame)
-            size += len(frame)
+            size += _size(frame)
         self._queued -= size
         return batch
 
@@ -222,10 +235,18 @@ class Outbox:
             while self._queue and not self._writing:
                 await self._write(self._take_batch())
 
-    async def _write(self, batch: list[Frame]) -> None:
+    async def _write(self, batch: list[Frame | Parts]) -> None:
         self._writing = True
         try:
-            data = batch[0] if len(batch) == 1 else b"".join(batch)
+            first = batch[0]
+            if isinstance(first, tuple):  # a frame in parts is big: always alone
+                if self._send_parts is not None:
+                    await self._send_parts(first)
+                else:
+                    for part in first:
+                        await self._stream.send(part)  # type: ignore[arg-type]
+                return
+            data = first if len(batch) == 1 else b"".join(batch)  # type: ignore[arg-type]
             # Streams take any buffer (typed bytes); a frame is never reused once sent (G8).
             await self._stream.send(data)  # type: ignore[arg-type]
         except STREAM_ERRORS as exc:

@@ -32,7 +32,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -40,6 +40,8 @@ import anyio.lowlevel
 import trio
 
 from mesh.native import on_asyncio
+
+_T = TypeVar("_T")
 
 FAIR_READS = 16
 # Reads start at this size and grow to the caller's max only while the data keeps coming:
@@ -79,13 +81,27 @@ class TrioSocketStream(anyio.abc.ByteStream):
         self._last_read = 0
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
+        size = max_bytes if self._last_read >= SMALL_READ else min(max_bytes, SMALL_READ)
+        data = await self._read(lambda: self._sock.recv(size))
+        self._count_read(len(data), size)
+        return data
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Reads straight into `buffer` (mesh.connection: a bulk frame's own memory); how
+        many bytes, at least one. The next `receive` starts small again: what follows a bulk
+        frame is read into a new chunk, so the less of the next one it holds, the better."""
+        count: int = await self._read(lambda: self._sock.recv_into(buffer))
+        self._count_read(count, len(buffer))
+        self._last_read = 0
+        return count
+
+    async def _read(self, read: Callable[[], _T]) -> _T:
         if self._closed:
             raise anyio.ClosedResourceError
         wait = self._drained
         if not wait and self._fast_reads >= FAIR_READS:
             self._fast_reads = 0
             await trio.lowlevel.checkpoint()
-        size = max_bytes if self._last_read >= SMALL_READ else min(max_bytes, SMALL_READ)
         while True:
             if wait:
                 try:
@@ -93,20 +109,19 @@ class TrioSocketStream(anyio.abc.ByteStream):
                 except trio.ClosedResourceError:
                     raise anyio.ClosedResourceError from None
             try:
-                data = self._sock.recv(size)
+                return read()
             except BlockingIOError:
                 wait = True
-                continue
             except OSError as exc:
                 raise self._broken(exc) from exc
-            break
-        if not data:
+
+    def _count_read(self, count: int, asked: int) -> None:
+        if not count:
             raise anyio.EndOfStream
         # A short read emptied the socket: next time, wait first instead of a failing recv.
-        self._last_read = len(data)
-        self._drained = len(data) < size
+        self._last_read = count
+        self._drained = count < asked
         self._fast_reads = 0 if self._drained else self._fast_reads + 1
-        return data
 
     def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
         """Writes what the socket takes now, without waiting; how many bytes that was."""
@@ -119,6 +134,26 @@ class TrioSocketStream(anyio.abc.ByteStream):
             while sent < len(item):
                 await self._wait(trio.lowlevel.wait_writable)
                 sent += self._send_some(view[sent:])
+
+    async def send_parts(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        """Writes the buffers in order, as one stream of bytes, with gathering writes
+        (sendmsg): no buffer is copied or joined in user space."""
+        views = [memoryview(part) for part in parts]
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError
+            try:
+                sent = self._sock.sendmsg(views)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise self._broken(exc) from exc
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if not views:
+                return
+            views[0] = views[0][sent:]
+            await self._wait(trio.lowlevel.wait_writable)
 
     async def send_eof(self) -> None:
         if not self._closed:
@@ -274,6 +309,19 @@ class AsyncioSocketStream(anyio.abc.ByteStream):
         if self._closed or protocol.lost is not None or self._transport.is_closing():
             self._check_writable()
         self._transport.write(item)
+        await self._drain()
+
+    async def send_parts(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        """Writes the buffers in order, as one stream of bytes (uvloop: one gathering write,
+        nothing joined)."""
+        protocol = self._protocol
+        if self._closed or protocol.lost is not None or self._transport.is_closing():
+            self._check_writable()
+        self._transport.writelines(parts)
+        await self._drain()
+
+    async def _drain(self) -> None:
+        protocol = self._protocol
         while protocol.writing_paused:
             protocol.writer = waiter = asyncio.get_running_loop().create_future()
             await waiter

@@ -45,6 +45,10 @@ _MAX_HEADER_VALUE = 2**32 - 1
 # length in 4 big-endian bytes, then the bytes.
 BULK_BYTES = 64 * 1024
 _BIN32 = 0xC6
+# A receiver reserves a bulk frame's whole size when its first bytes arrive only up to this
+# (as much as an asyncio connection may already hold unread, mesh.tcp.READ_BUFFER); larger
+# frames take memory as their bytes come.
+ASSEMBLE_MAX = 4 * 1024 * 1024
 # Bounds on envelope fields, checked by the decoder (in C) before anything uses a value: a
 # peer's NaN, infinite or negative timeout would otherwise reach a cancel scope and raise.
 MAX_ID = 2**63 - 1
@@ -223,13 +227,13 @@ class Codec:
         `encode(envelope)`. One buffer, unless the body holds an immutable byte string of at
         least BULK_BYTES (a `bytes` or `memoryview` field): then three, the middle one being
         that string itself, uncopied. Errors as `encode`."""
-        body = getattr(envelope, "body", None)
-        fields = self._bulk_fields.get(type(body), ())
+        body: msgspec.Struct | None = getattr(envelope, "body", None)
+        fields = self._bulk_fields.get(type(body), ()) if body is not None else ()
         name, bulk = _largest_bulk(body, fields) if fields else ("", None)
-        if bulk is None:
+        if body is None or bulk is None:
             return (self.encode(envelope),)
         stand_in = msgspec.structs.replace(body, **{name: self._stand_in})
-        frame = self.encode(msgspec.structs.replace(envelope, body=stand_in))  # type: ignore[type-var]
+        frame = self.encode(msgspec.structs.replace(envelope, body=stand_in))
         marker = self._stand_in_encoded
         at = frame.find(marker, HEADER_SIZE)
         if at < 0 or frame.find(marker, at + 1) >= 0:
@@ -308,32 +312,59 @@ def _largest_bulk(body: Any, fields: tuple[str, ...]) -> tuple[str, memoryview |
 class FrameParser:
     """Turns a byte stream, fed in chunks of any size, into envelopes.
 
-    Fast path: frames lying whole in a chunk decode from a view of that chunk. The pieces of
-    a frame split across chunks are kept as views and joined once, when the last arrives,
-    into a bytes object of exactly the frame's size (one copy, no zero-fill), which is then
-    decoded. Errors (FrameTooLarge, FrameDecodeError) leave the parser unusable: the stream
-    is out of sync.
+    Fast path: frames lying whole in a chunk decode from a view of that chunk. A frame split
+    across chunks is assembled in one bytearray of exactly its size, which is then decoded
+    and which no one touches afterwards. Bulk frames (`assemble_from` .. ASSEMBLE_MAX bytes)
+    get that buffer as soon as their first bytes arrive, and a stream that can read into
+    memory fills it in place (`into`, then `filled`): the frame's bytes are copied once, by
+    the kernel. Smaller and larger ones keep their pieces as views and join them when the
+    last arrives (one copy; for the larger, nothing is reserved before its bytes arrive).
+    Errors (FrameTooLarge, FrameDecodeError) leave the parser unusable: the stream is out
+    of sync.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, *, assemble_from: int = BULK_BYTES) -> None:
         self._codec = codec
+        self._assemble_from = assemble_from
         self._header = bytearray()
         self._parts: list[memoryview] = []
+        self._frame: bytearray | None = None
+        self._filled = 0
         self._missing = 0
 
     @property
     def buffered(self) -> int:
         """Bytes held for a frame not yet complete."""
-        return len(self._header) + sum(len(part) for part in self._parts)
+        held = self._filled if self._frame is not None else sum(len(p) for p in self._parts)
+        return len(self._header) + held
 
     @property
     def capacity(self) -> int:
-        """Bytes of memory this parser keeps alive: the whole chunks its held pieces view.
+        """Bytes of memory this parser keeps alive: a bulk frame's buffer, or the whole
+        chunks its held pieces view.
 
         Grows only while a frame is incomplete and falls to (about) `buffered` once it is
-        decoded: nothing is reserved up front, whatever `max_frame` allows.
+        decoded: never more than ASSEMBLE_MAX is reserved before the bytes arrive, whatever
+        `max_frame` allows.
         """
+        if self._frame is not None:
+            return len(self._header) + len(self._frame)
         return len(self._header) + sum(_base_size(part) for part in self._parts)
+
+    def into(self) -> memoryview | None:
+        """Where the next bytes of the stream belong when a bulk frame is being assembled
+        (its unfilled rest; write at the start, then call `filled`), else None."""
+        if self._frame is None:
+            return None
+        return memoryview(self._frame)[self._filled :]
+
+    def filled(self, count: int) -> list[Envelope]:
+        """`count` bytes were written at the start of the view `into` returned."""
+        if self._frame is None or not 0 < count <= self._missing:
+            raise ValueError(f"filled({count}) without that much room from into()")
+        self._filled += count
+        self._missing -= count
+        return self._finish_frame() if not self._missing else []
 
     def feed(self, data: bytes | bytearray) -> list[Envelope]:
         """Consumes `data`, which must not change afterwards (pieces of it are held)."""
@@ -371,19 +402,34 @@ class FrameParser:
         if end - pos >= size:
             out.append(self._codec.decode(view[pos : pos + size]))
             return pos + size
-        self._parts = [_hold(view, pos)]
+        if self._assemble_from <= size <= ASSEMBLE_MAX:
+            self._frame = bytearray(size)
+            self._frame[: end - pos] = view[pos:]
+            self._filled = end - pos
+        else:
+            self._parts = [_hold(view, pos)]
         self._missing = size - (end - pos)
         return end
 
     def _continue_frame(self, view: memoryview, pos: int, out: list[Envelope]) -> int:
         take = min(self._missing, len(view) - pos)
-        self._parts.append(view[pos : pos + take])
+        if self._frame is not None:
+            self._frame[self._filled : self._filled + take] = view[pos : pos + take]
+            self._filled += take
+        else:
+            self._parts.append(view[pos : pos + take])
         self._missing -= take
         if not self._missing:
-            body = b"".join(self._parts)
-            self._parts = []
-            out.append(self._codec.decode(body))
+            out += self._finish_frame()
         return pos + take
+
+    def _finish_frame(self) -> list[Envelope]:
+        body: bytes | bytearray
+        if self._frame is not None:
+            body, self._frame, self._filled = self._frame, None, 0
+        else:
+            body, self._parts = b"".join(self._parts), []
+        return [self._codec.decode(body)]
 
 
 # A frame's first piece at most this big, in a chunk over twice its size, is copied out, so

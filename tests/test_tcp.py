@@ -66,6 +66,23 @@ async def test_bulk_bytes_arrive_whole_and_in_order() -> None:
 
 
 @pytest.mark.anyio
+async def test_gathered_parts_arrive_whole_and_in_order() -> None:
+    rng = random.Random(8)
+    parts = [rng.randbytes(rng.choice([1, 30, 70_000, 1 << 20])) for _ in range(24)]
+    left, right = await connected_pair()
+    async with left, right, anyio.create_task_group() as group:
+
+        async def write() -> None:
+            for i in range(0, len(parts), 3):  # more than the socket takes at once
+                await left.send_parts(tuple(memoryview(p) for p in parts[i : i + 3]))  # type: ignore[attr-defined]
+
+        group.start_soon(write)
+        with anyio.fail_after(20):
+            got = await read_exactly(right, sum(map(len, parts)))
+        assert got == b"".join(parts)
+
+
+@pytest.mark.anyio
 async def test_end_of_stream_after_the_data_and_the_other_half_still_works() -> None:
     left, right = await connected_pair()
     async with left, right:

@@ -18,6 +18,7 @@ from mesh.errors import (
     UnknownMessageType,
 )
 from mesh.wire import (
+    ASSEMBLE_MAX,
     BULK_BYTES,
     HEADER_SIZE,
     MAX_ID,
@@ -282,13 +283,62 @@ def stream_and_cuts(draw: st.DrawFn) -> tuple[list[Envelope], bytes, list[int]]:
     return messages, stream, cuts
 
 
-@given(stream_and_cuts())
+@given(stream_and_cuts(), st.sampled_from([1, 64, BULK_BYTES]))
+def test_parser_assembling_in_place_matches_reference_under_any_chunking(
+    case: tuple[list[Envelope], bytes, list[int]], assemble_from: int,
+) -> None:
+    """As a stream that reads into the parser's buffer where it offers one (mesh.tcp)."""
+    messages, stream, cuts = case
+    c = codec()
+    parser = FrameParser(c, assemble_from=assemble_from)
+    out: list[Envelope] = []
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        piece = stream[start:end]
+        while piece:
+            into = parser.into()
+            if into is None:
+                out.extend(parser.feed(piece))
+                break
+            count = min(len(into), len(piece))
+            into[:count] = piece[:count]
+            out.extend(parser.filled(count))
+            piece = piece[count:]
+    assert out == messages
+    assert parser.buffered == 0 and parser.into() is None
+
+
+def test_a_bulk_frame_is_reserved_once_and_filled_in_place() -> None:
+    c = Codec(APP, max_frame=2 * ASSEMBLE_MAX)
+    frame = bytes(c.encode(Cast(Blob(1, b"\x07" * (3 * BULK_BYTES)))))
+    parser = c.parser()
+    assert parser.into() is None
+    assert parser.feed(frame[:1000]) == []
+    into = parser.into()
+    assert into is not None and len(into) == len(frame) - 1000
+    assert parser.capacity == len(frame) - HEADER_SIZE  # the whole body, at once
+    into[:500] = frame[1000:1500]
+    assert parser.filled(500) == [] and parser.buffered == 1500 - HEADER_SIZE
+    with pytest.raises(ValueError, match="without that much room"):
+        parser.filled(len(frame))
+    rest = parser.into()
+    assert rest is not None
+    rest[:] = frame[1500:]
+    (envelope,) = parser.filled(len(rest))
+    assert envelope == Cast(Blob(1, b"\x07" * (3 * BULK_BYTES)))
+    assert parser.capacity == 0 and parser.into() is None
+    # Beyond ASSEMBLE_MAX nothing is reserved before the bytes arrive.
+    huge = bytes(c.encode(Cast(Blob(2, b"\x08" * (ASSEMBLE_MAX + 1)))))
+    assert parser.feed(huge[:100]) == [] and parser.into() is None
+    assert parser.capacity <= 100
+
+
+@given(stream_and_cuts(), st.sampled_from([1, BULK_BYTES]))
 def test_parser_matches_reference_under_any_chunking(
-    case: tuple[list[Envelope], bytes, list[int]],
+    case: tuple[list[Envelope], bytes, list[int]], assemble_from: int,
 ) -> None:
     messages, stream, cuts = case
     c = codec()
-    parser = c.parser()
+    parser = FrameParser(c, assemble_from=assemble_from)
     out: list[Envelope] = []
     for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
         out.extend(parser.feed(stream[start:end]))
