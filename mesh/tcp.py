@@ -18,6 +18,9 @@ anyio 20 us on trio and 23 us on uvloop; these streams 12 us and 11 us; blocking
   wait unread (backpressure to the peer), and `send` waits only while the transport has
   paused writing.
 
+Both also write several buffers as one (`send_parts`: a frame cut around its bulk payload,
+mesh.wire.Codec.encode_parts) without joining them, and the trio stream reads into a given
+buffer (`receive_into`: the rest of a bulk frame, mesh.wire.FrameParser.into).
 Neither `send` nor `receive` is a checkpoint when it need not wait: callers loop around real
 waits (mesh.connection's readers and writer do). Errors follow anyio's streams: EndOfStream
 at the peer's end, BrokenResourceError for a reset or refused write, ClosedResourceError after
