@@ -80,6 +80,8 @@ class Connection:
         self._route: Callable[[Envelope], None] | None = None
         self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
             stream.receive_into if isinstance(stream, TrioSocketStream) else None)
+        if isinstance(stream, AsyncioSocketStream):
+            stream.fill_into(self._fill_into, self._filled)
         # A frame error met while delivering directly, raised by the next `receive`.
         self._failure: MeshError | None = None
 
@@ -129,6 +131,33 @@ class Connection:
         self._route = route
         self._stream.deliver_to(None if route is None else self._consume)
         return True
+
+    def _fill_into(self) -> memoryview | None:
+        """Where an asyncio stream may put the next bytes itself (FrameParser.into)."""
+        return None if self._failure is not None else self._parser.into()
+
+    def _filled(self, count: int) -> bool:
+        """`count` bytes landed where `_fill_into` said. A completed frame goes to the route
+        when direct delivery is on and nothing waits ahead of it, else to `receive`; True if
+        the reader must look (a frame for it, or the route's error to raise)."""
+        self._bytes_in += count
+        try:
+            envelopes = self._parser.filled(count)
+        except MeshError as exc:
+            self._failure = exc
+            return True
+        route = self._route
+        for envelope in envelopes:
+            if route is None or self._ready:
+                self._ready.append(envelope)
+                continue
+            try:
+                self._frames_in += 1
+                route(envelope)
+            except MeshError as exc:
+                self._failure = exc
+                return True
+        return bool(self._ready)
 
     def _consume(self, data: bytes) -> bool:
         route = self._route

@@ -19,8 +19,8 @@ anyio 20 us on trio and 23 us on uvloop; these streams 12 us and 11 us; blocking
   paused writing.
 
 Both also write several buffers as one (`send_parts`: a frame cut around its bulk payload,
-mesh.wire.Codec.encode_parts) without joining them, and the trio stream reads into a given
-buffer (`receive_into`: the rest of a bulk frame, mesh.wire.FrameParser.into).
+mesh.wire.Codec.encode_parts) without joining them, and read the rest of a bulk frame straight
+into its own buffer (mesh.wire.FrameParser.into): trio's `receive_into`, asyncio's `fill_into`.
 Neither `send` nor `receive` is a checkpoint when it need not wait: callers loop around real
 waits (mesh.connection's readers and writer do). Errors follow anyio's streams: EndOfStream
 at the peer's end, BrokenResourceError for a reset or refused write, ClosedResourceError after
@@ -52,6 +52,8 @@ FAIR_READS = 16
 # allocator settings (13 us on the 2-vCPU host; docs/engineering-notes.md G3).
 SMALL_READ = 64 * 1024
 READ_BUFFER = 4 * 1024 * 1024
+# The asyncio protocol's read buffer, copied out per read (uvloop's own is this size).
+SCRATCH = 256 * 1024
 WRITE_BUFFER = 256 * 1024
 
 
@@ -197,11 +199,21 @@ class TrioSocketStream(anyio.abc.ByteStream):
         return anyio.BrokenResourceError(f"socket error: {exc!r}")
 
 
-class _StreamProtocol(asyncio.Protocol):
-    """Queues received chunks for one reader; tracks the transport's write pauses."""
+class _StreamProtocol(asyncio.BufferedProtocol):
+    """Queues received chunks for one reader; tracks the transport's write pauses.
+
+    A buffered protocol: the loop reads into the buffer `get_buffer` returns. While nothing
+    is queued and the reader has named a place for the next bytes (`fill_into`: the rest of
+    a bulk frame), that place; else a scratch buffer, copied out as a chunk (what uvloop
+    does itself for a plain protocol).
+    """
 
     def __init__(self) -> None:
         self.chunks: deque[bytes] = deque()
+        self.into: Callable[[], memoryview | None] | None = None
+        self.filled: Callable[[int], bool] | None = None
+        self._scratch: bytearray | None = None
+        self._reading_into = False
         self.buffered = 0
         self.eof = False
         self.lost: Exception | None = None
@@ -216,6 +228,29 @@ class _StreamProtocol(asyncio.Protocol):
         # uvloop's transports quack like asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(WRITE_BUFFER)
+
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        if self.into is not None and not self.chunks:
+            target = self.into()
+            if target is not None:
+                self._reading_into = True
+                return target
+        self._reading_into = False
+        if self._scratch is None:
+            self._scratch = bytearray(SCRATCH)
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._reading_into:
+            self._reading_into = False
+            assert self.filled is not None
+            if self.filled(nbytes):
+                # An empty chunk: the reader looks again (frames are ready, or an error).
+                self.chunks.append(b"")
+                self.wake_reader()
+            return
+        assert self._scratch is not None
+        self.data_received(bytes(memoryview(self._scratch)[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         if self.consumer is not None and not self.chunks and self.consumer(data):
@@ -275,6 +310,15 @@ class AsyncioSocketStream(anyio.abc.ByteStream):
         """Offers each chunk that arrives while none is queued to `consumer` first, from the
         loop's callback; it returns False to leave the chunk queued for `receive`."""
         self._protocol.consumer = consumer
+
+    def fill_into(self, into: Callable[[], memoryview | None] | None,
+                  filled: Callable[[int], bool] | None) -> None:
+        """Lets the reader name where the next bytes go: `into()` gives a view (or None for
+        a chunk as usual), read into while no chunk is queued; `filled(n)` then says how many
+        landed there and returns True to have the reader woken (`receive` then returns an
+        empty chunk). None turns this off."""
+        self._protocol.into = into
+        self._protocol.filled = filled
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         protocol = self._protocol

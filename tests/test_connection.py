@@ -12,6 +12,7 @@ import trio
 
 from mesh.connection import Connection, client_handshake, server_handshake
 from mesh.errors import FrameDecodeError, HandshakeError, PeerGone
+from mesh.tcp import AsyncioSocketStream
 from mesh.transport import Address, TcpTransport, memory_pipe
 from mesh.wire import BULK_BYTES, Call, Cast, Codec, Envelope, Fail, Hello, Item, Reply
 
@@ -158,17 +159,93 @@ async def test_bulk_frames_sent_in_parts_arrive_whole_between_small_ones() -> No
     client, server = await tcp_connections()
     payloads = [bytes([i]) * (BULK_BYTES + i * 99_991) for i in range(1, 9)]
     sent: list[Envelope] = []
-    async with anyio.create_task_group() as group:
-        group.start_soon(client.run_writer)
-        for i, payload in enumerate(payloads):
-            item = Item(i, Blob(memoryview(payload), i))
-            await client.send(item, urgent=False)
-            await client.send(Cast(Ping(i)))
-            sent += [item, Cast(Ping(i))]
-        with anyio.fail_after(10):
-            got = [await server.receive() for _ in sent]
-        group.cancel_scope.cancel()
+    for i, payload in enumerate(payloads):
+        sent += [Item(i, Blob(memoryview(payload), i)), Cast(Ping(i))]
+    read_in_place = count_reads_in_place(server)
+    # A bulk frame last: nothing after it wakes the reader but the frame itself.
+    sent += [Item(100, Blob(memoryview(b"L" * (9 * BULK_BYTES))))]
+    got: list[Envelope] = []
+
+    async def read() -> None:
+        while len(got) < len(sent):
+            got.append(await server.receive())
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as group:
+                group.start_soon(client.run_writer)
+                group.start_soon(read)
+                for envelope in sent:
+                    await client.send(envelope, urgent=isinstance(envelope, Cast))
+                while len(got) < len(sent):
+                    await anyio.sleep(0.001)
+                group.cancel_scope.cancel()
+    finally:
+        await client.aclose()
+        await server.aclose()
     assert got == sent
     assert client.statistics().bytes_out == server.statistics().bytes_in
-    await client.aclose()
-    await server.aclose()
+    assert read_in_place[0] > 0  # the bulk frames' rest went straight into their buffers
+
+
+def count_reads_in_place(conn: Connection) -> list[int]:
+    """Counts the reads that land in a bulk frame's own buffer (trio and asyncio streams)."""
+    count = [0]
+    stream = conn._stream
+    if isinstance(stream, AsyncioSocketStream):
+        filled = conn._filled
+
+        def counting_filled(n: int) -> bool:
+            count[0] += 1
+            return filled(n)
+
+        stream.fill_into(conn._fill_into, counting_filled)
+    else:
+        receive_into = conn._receive_into
+        assert receive_into is not None
+
+        async def counting_receive_into(view: memoryview) -> int:
+            count[0] += 1
+            return await receive_into(view)
+
+        conn._receive_into = counting_receive_into
+    return count
+
+
+@pytest.mark.anyio
+async def test_direct_delivery_takes_bulk_frames_read_in_place_in_order() -> None:
+    client, server = await tcp_connections()
+    got: list[Envelope] = []
+
+    def route(envelope: Envelope) -> None:
+        if isinstance(envelope, Item) and envelope.id == 99:
+            raise FrameDecodeError("item 99 is not allowed here")
+        got.append(envelope)
+
+    read_in_place = count_reads_in_place(server)
+    assert server.deliver_directly(route)
+    sent: list[Envelope] = []
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(client.run_writer)
+            try:
+                for i in range(6):
+                    item = Item(i, Blob(memoryview(bytes([i]) * (5 * BULK_BYTES + i)), i))
+                    await client.send(item, urgent=False)
+                    await client.send(Cast(Ping(i)))
+                    sent += [item, Cast(Ping(i))]
+                with anyio.fail_after(10):
+                    while len(got) < len(sent):
+                        await anyio.sleep(0.001)
+                assert got == sent and read_in_place[0] > 0
+                assert server.statistics().frames_in == len(sent)
+                # A bulk frame the route refuses: the next receive raises the route's error.
+                await client.send(Item(99, Blob(memoryview(b"r" * (32 * BULK_BYTES)))),
+                                  urgent=False)
+                with anyio.fail_after(10), pytest.raises(FrameDecodeError, match="item 99"):
+                    await server.receive()
+            finally:
+                group.cancel_scope.cancel()
+    finally:
+        await client.aclose()
+        await server.aclose()

@@ -187,3 +187,38 @@ async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
         assert await stream.receive(len(chunk)) == chunk
     # Below half the buffer again: the transport reads on.
     assert transport.calls[-1] == "resume"
+
+
+@pytest.mark.anyio
+async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued() -> None:
+    protocol = tcp._StreamProtocol()
+    transport = FakeTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
+    target = bytearray(10)
+    landed: list[int] = []
+
+    def filled(count: int) -> bool:
+        landed.append(count)
+        return count == 4  # "a frame is ready": wake the reader
+
+    stream.fill_into(lambda: memoryview(target), filled)
+    # A chunk is queued: its bytes come first, so the next read goes to a chunk too.
+    protocol.data_received(b"first")
+    scratch = protocol.get_buffer(-1)
+    assert scratch is not target and len(scratch) == tcp.SCRATCH
+    scratch[:3] = b"abc"
+    protocol.buffer_updated(3)
+    assert await stream.receive() == b"first" and await stream.receive() == b"abc"
+    # Nothing queued: the read lands in the reader's buffer, in place.
+    into = protocol.get_buffer(-1)
+    into[:2] = b"xy"
+    protocol.buffer_updated(2)
+    assert target[:2] == b"xy" and landed == [2] and not protocol.chunks
+    into = protocol.get_buffer(-1)
+    into[:4] = b"zzzz"
+    protocol.buffer_updated(4)
+    # filled() asked for the reader: an empty chunk wakes it.
+    assert landed == [2, 4] and await stream.receive() == b""
+    stream.fill_into(None, None)
+    assert protocol.get_buffer(-1) is not target
