@@ -45,9 +45,9 @@ _MAX_HEADER_VALUE = 2**32 - 1
 # length in 4 big-endian bytes, then the bytes.
 BULK_BYTES = 64 * 1024
 _BIN32 = 0xC6
-# A receiver reserves a bulk frame's whole size when its first bytes arrive only up to this
-# (as much as an asyncio connection may already hold unread, mesh.tcp.READ_BUFFER); larger
-# frames take memory as their bytes come.
+# A receiver reserves a bulk frame's whole size, once a quarter of it has arrived, only up to
+# this (as much as an asyncio connection may already hold unread, mesh.tcp.READ_BUFFER);
+# larger frames take memory as their bytes come.
 ASSEMBLE_MAX = 4 * 1024 * 1024
 # Bounds on envelope fields, checked by the decoder (in C) before anything uses a value: a
 # peer's NaN, infinite or negative timeout would otherwise reach a cancel scope and raise.
@@ -317,8 +317,10 @@ class FrameParser:
     and which no one touches afterwards. Bulk frames (`assemble_from` .. ASSEMBLE_MAX bytes)
     get that buffer as soon as their first bytes arrive, and a stream that can read into
     memory fills it in place (`into`, then `filled`): the frame's bytes are copied once, by
-    the kernel. Smaller and larger ones keep their pieces as views and join them when the
-    last arrives (one copy; for the larger, nothing is reserved before its bytes arrive).
+    the kernel. That buffer is taken once a quarter of the frame has arrived (the pieces so
+    far are copied in), so a peer cannot make a receiver reserve more than 4x what it sent.
+    Smaller and larger frames keep their pieces as views and join them when the last arrives
+    (one copy; nothing is reserved before the bytes arrive).
     Errors (FrameTooLarge, FrameDecodeError) leave the parser unusable: the stream is out
     of sync.
     """
@@ -344,8 +346,8 @@ class FrameParser:
         chunks its held pieces view.
 
         Grows only while a frame is incomplete and falls to (about) `buffered` once it is
-        decoded: never more than ASSEMBLE_MAX is reserved before the bytes arrive, whatever
-        `max_frame` allows.
+        decoded: at most 4x `buffered` and ASSEMBLE_MAX is reserved before the bytes arrive,
+        whatever `max_frame` allows.
         """
         if self._frame is not None:
             return len(self._header) + len(self._frame)
@@ -402,13 +404,9 @@ class FrameParser:
         if end - pos >= size:
             out.append(self._codec.decode(view[pos : pos + size]))
             return pos + size
-        if self._assemble_from <= size <= ASSEMBLE_MAX:
-            self._frame = bytearray(size)
-            self._frame[: end - pos] = view[pos:]
-            self._filled = end - pos
-        else:
-            self._parts = [_hold(view, pos)]
+        self._parts = [_hold(view, pos)]
         self._missing = size - (end - pos)
+        self._maybe_assemble(size)
         return end
 
     def _continue_frame(self, view: memoryview, pos: int, out: list[Envelope]) -> int:
@@ -421,7 +419,23 @@ class FrameParser:
         self._missing -= take
         if not self._missing:
             out += self._finish_frame()
+        elif self._frame is None:
+            self._maybe_assemble(self._missing + sum(len(part) for part in self._parts))
         return pos + take
+
+    def _maybe_assemble(self, size: int) -> None:
+        """Moves the held pieces of a bulk frame into a buffer of its size once a quarter of
+        it has arrived: announcing a frame costs a peer 4 bytes, so the rest is reserved only
+        for a peer that has sent a fair part of it (at most 4x what it sent)."""
+        held = size - self._missing
+        if not self._assemble_from <= size <= ASSEMBLE_MAX or 4 * held < size:
+            return
+        frame = bytearray(size)
+        at = 0
+        for part in self._parts:
+            frame[at : at + len(part)] = part
+            at += len(part)
+        self._frame, self._filled, self._parts = frame, held, []
 
     def _finish_frame(self) -> list[Envelope]:
         body: bytes | bytearray
