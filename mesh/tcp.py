@@ -33,6 +33,7 @@ import asyncio
 import errno
 import os
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -199,6 +200,19 @@ class TrioSocketStream(anyio.abc.ByteStream):
         return anyio.BrokenResourceError(f"socket error: {exc!r}")
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch() -> bytearray:
+    """The read buffer of this thread's loop, shared by its connections (the loop fills one
+    and `buffer_updated` copies it out before it reads again); one per connection grew the
+    services' memory by 256 KiB for each peer connected at once."""
+    buffer: bytearray | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None:
+        buffer = _SCRATCH.buffer = bytearray(SCRATCH)
+    return buffer
+
+
 class _StreamProtocol(asyncio.BufferedProtocol):
     """Queues received chunks for one reader; tracks the transport's write pauses.
 
@@ -212,7 +226,6 @@ class _StreamProtocol(asyncio.BufferedProtocol):
         self.chunks: deque[bytes] = deque()
         self.into: Callable[[], memoryview | None] | None = None
         self.filled: Callable[[int], bool] | None = None
-        self._scratch: bytearray | None = None
         self._reading_into = False
         self.buffered = 0
         self.eof = False
@@ -236,9 +249,7 @@ class _StreamProtocol(asyncio.BufferedProtocol):
                 self._reading_into = True
                 return target
         self._reading_into = False
-        if self._scratch is None:
-            self._scratch = bytearray(SCRATCH)
-        return self._scratch
+        return _scratch()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._reading_into:
@@ -249,8 +260,7 @@ class _StreamProtocol(asyncio.BufferedProtocol):
                 self.chunks.append(b"")
                 self.wake_reader()
             return
-        assert self._scratch is not None
-        self.data_received(bytes(memoryview(self._scratch)[:nbytes]))
+        self.data_received(bytes(memoryview(_scratch())[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         if self.consumer is not None and not self.chunks and self.consumer(data):
