@@ -24,6 +24,7 @@ import msgspec
 from mesh.errors import HandshakeError, MeshError, PeerGone
 from mesh.membership import NONCE_SIZE, new_nonce, proof, verify
 from mesh.outbox import STREAM_ERRORS, Outbox
+from mesh.parser import FrameParser
 from mesh.tcp import AsyncioSocketStream, TrioSocketStream
 from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello, Proof
 
@@ -70,7 +71,7 @@ class Connection:
     ) -> None:
         self._stream = stream
         self._codec = codec
-        self._parser = codec.parser()
+        self._parser = FrameParser(codec)
         self._ready: deque[Envelope] = deque()
         self._receive_size = receive_size
         # on_deadline: told when a send gives up waiting for room (counted as a deadline).

@@ -17,8 +17,8 @@ from mesh.errors import (
     InvalidEnvelope,
     UnknownMessageType,
 )
+from mesh.parser import ASSEMBLE_MAX, FrameParser, parse_frames_reference
 from mesh.wire import (
-    ASSEMBLE_MAX,
     BULK_BYTES,
     HEADER_SIZE,
     MAX_ID,
@@ -32,14 +32,12 @@ from mesh.wire import (
     End,
     Envelope,
     Fail,
-    FrameParser,
     Hello,
     Item,
     Open,
     Proof,
     Push,
     Reply,
-    parse_frames_reference,
     wire_timeout,
 )
 
@@ -108,7 +106,7 @@ def test_every_message_type_round_trips_in_every_carrier(body: msgspec.Struct) -
 def test_memoryview_field_round_trips_and_points_into_the_chunk() -> None:
     c = codec()
     chunk = bytes(c.encode(Cast(View(memoryview(b"abc" * 100)))))
-    (envelope,) = c.parser().feed(chunk)
+    (envelope,) = FrameParser(c).feed(chunk)
     assert isinstance(envelope, Cast) and isinstance(envelope.body, View)
     assert bytes(envelope.body.payload) == b"abc" * 100
     # Zero-copy: the decoded view is a window on the received chunk itself.
@@ -119,7 +117,7 @@ def test_split_frame_decodes_zero_copy_and_parser_stays_usable() -> None:
     c = codec()
     first = bytes(c.encode(Cast(View(memoryview(b"q" * 5000)))))
     second = bytes(c.encode(Cast(Ping(2))))
-    parser = c.parser()
+    parser = FrameParser(c)
     assert parser.feed(first[:10]) == []
     assert parser.buffered == 10 - HEADER_SIZE  # the header is parsed, not held
     (big,) = parser.feed(first[10:])
@@ -215,7 +213,7 @@ def test_codec_rejects_bad_message_sets() -> None:
 
 def test_oversized_header_rejected_before_the_body_arrives() -> None:
     c = codec(max_frame=1000)
-    parser = c.parser()
+    parser = FrameParser(c)
     with pytest.raises(FrameTooLarge) as info:
         parser.feed((1001).to_bytes(HEADER_SIZE, "big"))
     assert (info.value.size, info.value.max_frame) == (1001, 1000)
@@ -224,7 +222,7 @@ def test_oversized_header_rejected_before_the_body_arrives() -> None:
 
 
 def test_oversized_header_split_across_chunks_is_rejected() -> None:
-    parser = codec(max_frame=1000).parser()
+    parser = FrameParser(codec(max_frame=1000))
     header = (2**32 - 1).to_bytes(HEADER_SIZE, "big")
     assert parser.feed(header[:2]) == []
     with pytest.raises(FrameTooLarge):
@@ -247,7 +245,7 @@ def test_encoding_a_message_outside_the_codec_fails_that_send() -> None:
 
 
 def test_undecodable_frame_raises_frame_decode_error() -> None:
-    parser = codec().parser()
+    parser = FrameParser(codec())
     body = msgspec.msgpack.encode(["call", 1, {"type": "Nope"}, None])
     with pytest.raises(FrameDecodeError, match="undecodable frame"):
         parser.feed(len(body).to_bytes(HEADER_SIZE, "big") + body)
@@ -258,12 +256,12 @@ def test_a_tag_that_is_not_utf8_is_a_decode_error() -> None:
     # msgspec reports this one as UnicodeDecodeError; the codec makes it a FrameDecodeError.
     body = b"\x91\xa5\x00\x00\x00\x00\x80"
     with pytest.raises(FrameDecodeError, match="undecodable frame"):
-        codec().parser().feed(len(body).to_bytes(HEADER_SIZE, "big") + body)
+        FrameParser(codec()).feed(len(body).to_bytes(HEADER_SIZE, "big") + body)
 
 
 def test_chunks_of_exactly_one_frame_take_the_fast_path_and_match_the_reference() -> None:
     c = codec(max_frame=2000)
-    parser = c.parser()
+    parser = FrameParser(c)
     for envelope in ENVELOPES:
         frame = bytes(c.encode(envelope))
         assert parser.feed(frame) == parse_frames_reference(c, frame)[0] == [envelope]
@@ -310,7 +308,7 @@ def test_parser_assembling_in_place_matches_reference_under_any_chunking(
 def test_a_bulk_frame_is_reserved_once_and_filled_in_place() -> None:
     c = Codec(APP, max_frame=2 * ASSEMBLE_MAX)
     frame = bytes(c.encode(Cast(Blob(1, b"\x07" * (3 * BULK_BYTES)))))
-    parser = c.parser()
+    parser = FrameParser(c)
     assert parser.into() is None
     # An announced frame is not reserved until a quarter of it has arrived.
     quarter = HEADER_SIZE - (-(len(frame) - HEADER_SIZE) // 4)  # rounded up
@@ -354,7 +352,7 @@ def test_parser_matches_reference_under_any_chunking(
 @given(st.binary(max_size=2000), st.integers(1, 64))
 def test_random_bytes_give_frames_or_typed_errors_only(data: bytes, step: int) -> None:
     c = codec(max_frame=4096)
-    parser: FrameParser = c.parser()
+    parser: FrameParser = FrameParser(c)
     try:
         out: list[Any] = []
         for start in range(0, len(data), step):
@@ -407,7 +405,7 @@ def test_wire_timeout_sends_none_beyond_the_cap() -> None:
 def test_after_a_large_frame_the_parser_holds_only_a_small_tail() -> None:
     # Codec default max_frame (64 MiB): nothing of it is reserved up front.
     c = Codec(APP)
-    parser = c.parser()
+    parser = FrameParser(c)
     assert parser.capacity == 0
     big = c.encode(Cast(Blob(1, b"\x01" * (5 << 19))))
     small = c.encode(Cast(Ping(2)))
