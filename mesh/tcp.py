@@ -20,7 +20,7 @@ anyio 20 us on trio and 23 us on uvloop; these streams 12 us and 11 us; blocking
 
 Both also write several buffers as one (`send_parts`: a frame cut around its bulk payload,
 mesh.wire.Codec.encode_parts) without joining them, and read the rest of a bulk frame straight
-into its own buffer (mesh.wire.FrameParser.into): trio's `receive_into`, asyncio's `fill_into`.
+into its own buffer (mesh.parser.FrameParser.into): trio's `receive_into`, asyncio's `fill_into`.
 Neither `send` nor `receive` is a checkpoint when it need not wait: callers loop around real
 waits (mesh.connection's readers and writer do). Errors follow anyio's streams: EndOfStream
 at the peer's end, BrokenResourceError for a reset or refused write, ClosedResourceError after
@@ -45,6 +45,7 @@ import trio
 
 from mesh.native import on_asyncio
 
+_A = TypeVar("_A")
 _T = TypeVar("_T")
 
 FAIR_READS = 16
@@ -88,7 +89,7 @@ class TrioSocketStream(anyio.abc.ByteStream):
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         size = max_bytes if self._last_read >= SMALL_READ else min(max_bytes, SMALL_READ)
-        data = await self._read(lambda: self._sock.recv(size))
+        data = await self._read(self._sock.recv, size)
         self._count_read(len(data), size)
         return data
 
@@ -96,12 +97,13 @@ class TrioSocketStream(anyio.abc.ByteStream):
         """Reads straight into `buffer` (mesh.connection: a bulk frame's own memory); how
         many bytes, at least one. The next `receive` starts small again: what follows a bulk
         frame is read into a new chunk, so the less of the next one it holds, the better."""
-        count: int = await self._read(lambda: self._sock.recv_into(buffer))
+        count: int = await self._read(self._sock.recv_into, buffer)
         self._count_read(count, len(buffer))
         self._last_read = 0
         return count
 
-    async def _read(self, read: Callable[[], _T]) -> _T:
+    async def _read(self, read: Callable[[_A], _T], argument: _A) -> _T:
+        """read(argument) once the socket has data; the waits and fairness of `receive`."""
         if self._closed:
             raise anyio.ClosedResourceError
         wait = self._drained
@@ -115,7 +117,7 @@ class TrioSocketStream(anyio.abc.ByteStream):
                 except trio.ClosedResourceError:
                     raise anyio.ClosedResourceError from None
             try:
-                return read()
+                return read(argument)
             except BlockingIOError:
                 wait = True
             except OSError as exc:
