@@ -110,8 +110,7 @@ class Connection:
         self._frames_out += 1
         self._bytes_out += sum(len(part) for part in parts)
         if len(parts) > 1:
-            # A bulk frame: queued whole for the writer (never urgent-written: too big).
-            await self._outbox.put(parts, urgent=False, deadline=deadline)
+            await self._outbox.put(parts, urgent=urgent, deadline=deadline)
         elif not (urgent and self._outbox.put_nowait(parts[0])):
             await self._outbox.put(parts[0], urgent=urgent, deadline=deadline)
 

@@ -147,8 +147,8 @@ class Outbox:
     async def put(self, frame: Frame | Parts, *, urgent: bool,
                   deadline: float = math.inf) -> None:
         """Writes or queues `frame` after every frame put before it; PeerGone once broken.
-        A tuple is one frame in parts (`Codec.encode_parts`), written with one gathering
-        write where the stream has one (`SendsParts`), else part by part.
+        A tuple is one frame in parts (`Codec.encode_parts`): always queued, then written
+        with one gathering write where the stream has one (`SendsParts`), else part by part.
 
         Waits (until `deadline`, then DeadlineExceeded, the frame unsent) only while the queue
         is over its limit.
@@ -156,8 +156,9 @@ class Outbox:
         if self.broken is not None:
             raise self.broken
         size = _size(frame)
-        if urgent and not self._writing and not self._queue and size < BIG_FRAME:
-            await self._write_now(b"".join(frame) if isinstance(frame, tuple) else frame)
+        if (urgent and not self._writing and not self._queue and size < BIG_FRAME
+                and not isinstance(frame, tuple)):
+            await self._write_now(frame)
             return
         if self._queued > self._limit and self._writer_running:
             # Wait for room before queueing: a send that gives up has sent nothing.
