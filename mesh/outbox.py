@@ -1,6 +1,6 @@
 """Outbox: orders and writes one connection's outgoing frames.
 
-Two ways out, one order:
+Three ways out, one order:
 
 * urgent frames (calls, replies, stream ends) are written at once by the sending task when
   nothing else is queued or being written: no hand-off to another task, so request/reply
@@ -11,10 +11,14 @@ Two ways out, one order:
   cancellation breaks the connection instead.
 * deferred frames (casts, stream items) are queued and the sender returns; the writer task
   (`run`) joins small queued frames into one write of up to BATCH_BYTES, so a burst of small
-  messages costs one system call per batch, not per message (docs/engineering-notes.md 3a: batching
-  takes
-  small-frame rates from ~75k to 0.5-0.8M per second). Large frames go out alone, unjoined,
-  to avoid a copy. A sender waits only when more than `limit` bytes are queued.
+  messages costs one system call per batch, not per message (docs/engineering-notes.md 3a:
+  batching takes small-frame rates from ~75k to 0.5-0.8M per second). Large frames go out
+  alone, unjoined, to avoid a copy. A sender waits only when more than `limit` bytes are
+  queued.
+* a frame in parts (a bulk payload cut out of it, `mesh.wire.Codec.encode_parts`) is written
+  by its sender, urgent or not, while nothing is queued or being written: one gathering
+  write of what the socket takes at once, the rest first in line for the writer task. A bulk
+  stream then costs no hand-off between tasks per frame while the socket keeps up.
 
 When no writer task runs (during the handshake, or a bare Connection in a test), senders
 write their own frames.
@@ -49,13 +53,26 @@ class SendsNowait(Protocol):
 
 @runtime_checkable
 class SendsParts(Protocol):
-    """A stream that writes several buffers as one (a gathering write), without joining."""
+    """A stream that writes several buffers as one (a gathering write), without joining:
+    all of them, waiting for room, or what the socket takes at once (how many bytes)."""
 
     async def send_parts(self, parts: Parts) -> None: ...
+
+    def send_parts_nowait(self, parts: Parts) -> int: ...
 
 
 def _size(entry: Frame | Parts) -> int:
     return sum(len(part) for part in entry) if isinstance(entry, tuple) else len(entry)
+
+
+def _unsent(parts: Parts, sent: int) -> Parts:
+    """What is left of `parts` once their first `sent` bytes are written."""
+    rest = list(parts)
+    while sent >= len(rest[0]):
+        sent -= len(rest.pop(0))
+    rest[0] = memoryview(rest[0])[sent:]
+    return tuple(rest)
+
 
 STREAM_ERRORS = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 BATCH_BYTES = 256 * 1024
@@ -108,7 +125,9 @@ class Outbox:
         # The loop's own checkpoint, looked up on first use (anyio's looks it up every time).
         self._checkpoint: Callable[[], Awaitable[None]] | None = None
         self._send_nowait = stream.send_nowait if isinstance(stream, SendsNowait) else None
-        self._send_parts = stream.send_parts if isinstance(stream, SendsParts) else None
+        self._parts_stream = stream if isinstance(stream, SendsParts) else None
+        # Bytes of frames in parts written by their senders since one of them last yielded.
+        self._inline = 0
 
     @property
     def queued_bytes(self) -> int:
@@ -147,8 +166,10 @@ class Outbox:
     async def put(self, frame: Frame | Parts, *, urgent: bool,
                   deadline: float = math.inf) -> None:
         """Writes or queues `frame` after every frame put before it; PeerGone once broken.
-        A tuple is one frame in parts (`Codec.encode_parts`): always queued, then written
-        with one gathering write where the stream has one (`SendsParts`), else part by part.
+        A tuple is one frame in parts (`Codec.encode_parts`), urgent or not: written by this
+        task while nothing is ahead of it, where the stream can write without waiting
+        (`SendsParts`); otherwise queued, then written with one gathering write where the
+        stream has one, else part by part.
 
         Waits (until `deadline`, then DeadlineExceeded, the frame unsent) only while the queue
         is over its limit.
@@ -156,8 +177,10 @@ class Outbox:
         if self.broken is not None:
             raise self.broken
         size = _size(frame)
-        if (urgent and not self._writing and not self._queue and size < BIG_FRAME
-                and not isinstance(frame, tuple)):
+        if isinstance(frame, tuple):
+            if await self._put_parts_inline(frame, size):
+                return
+        elif urgent and not self._writing and not self._queue and size < BIG_FRAME:
             await self._write_now(frame)
             return
         if self._queued > self._limit and self._writer_running:
@@ -172,6 +195,37 @@ class Outbox:
         if not self._writer_running:
             await self._write_queue_here()
         self._work.fire()
+
+    async def _put_parts_inline(self, parts: Parts, size: int) -> bool:
+        """Writes a frame in parts from the sending task while nothing is queued or being
+        written and the writer task runs: what the socket takes at once goes now, the rest
+        first in line for the writer. While the socket keeps up, a bulk stream costs no
+        hand-off between tasks per frame. False (nothing done) where that cannot be.
+
+        The sender yields before each `limit` bytes so written, as a queue that full would
+        have made it wait (other tasks run; a cancel then sends nothing).
+        """
+        stream = self._parts_stream
+        if stream is None or not self._writer_running:
+            return False
+        if self._inline >= self._limit:
+            self._inline = 0
+            await anyio.lowlevel.checkpoint()
+            if self.broken is not None:
+                raise self.broken
+        if self._writing or self._queue:
+            return False
+        try:
+            sent = stream.send_parts_nowait(parts)
+        except STREAM_ERRORS as exc:
+            self.broken = PeerGone(f"send to {self.peer} failed: {exc!r}")
+            raise self.broken from exc
+        self._inline += size
+        if sent < size:
+            self._queue.append(_unsent(parts, sent))
+            self._queued += size - sent
+            self._work.fire()
+        return True
 
     async def _write_now(self, frame: Frame) -> None:
         # No shield (a cancel scope costs as much as the write): a cancel that lands before
@@ -241,8 +295,8 @@ class Outbox:
         try:
             first = batch[0]
             if isinstance(first, tuple):  # a frame in parts is big: always alone
-                if self._send_parts is not None:
-                    await self._send_parts(first)
+                if self._parts_stream is not None:
+                    await self._parts_stream.send_parts(first)
                 else:
                     for part in first:
                         await self._stream.send(part)  # type: ignore[arg-type]

@@ -18,9 +18,11 @@ anyio 20 us on trio and 23 us on uvloop; these streams 12 us and 11 us; blocking
   wait unread (backpressure to the peer), and `send` waits only while the transport has
   paused writing.
 
-Both also write several buffers as one (`send_parts`: a frame cut around its bulk payload,
-mesh.wire.Codec.encode_parts) without joining them, and read the rest of a bulk frame straight
-into its own buffer (mesh.parser.FrameParser.into): trio's `receive_into`, asyncio's `fill_into`.
+Both also write several buffers as one (`send_parts`, or `send_parts_nowait` for what the
+socket takes at once: a frame cut around its bulk payload, mesh.wire.Codec.encode_parts)
+without joining them, and read the rest of a bulk frame straight into its own buffer
+(mesh.parser.FrameParser.into), BULK_READ bytes at a time: trio's `receive_into`, asyncio's
+`fill_into`.
 Neither `send` nor `receive` is a checkpoint when it need not wait: callers loop around real
 waits (mesh.connection's readers and writer do). Errors follow anyio's streams: EndOfStream
 at the peer's end, BrokenResourceError for a reset or refused write, ClosedResourceError after
@@ -54,6 +56,12 @@ FAIR_READS = 16
 # allocator settings (13 us on the 2-vCPU host; docs/engineering-notes.md G3).
 SMALL_READ = 64 * 1024
 READ_BUFFER = 4 * 1024 * 1024
+# The rest of a bulk frame is read into its buffer this much at a time. Reading loopback TCP
+# in steps of 64 KiB made the *sender* cheaper per byte than reading up to 1 MiB at once, and
+# the reader too: a blocking sender to a blocking `recv_into`, 4.9 against 4.0 GB/s; the mesh
+# on trio 4.95 against 3.15, on uvloop 4.67 against 3.31, sender and receiver CPU per GiB
+# both lower (docs/engineering-notes.md 3a).
+BULK_READ = 64 * 1024
 # The asyncio protocol's read buffer, copied out per read (uvloop's own is this size).
 SCRATCH = 256 * 1024
 WRITE_BUFFER = 256 * 1024
@@ -95,10 +103,12 @@ class TrioSocketStream(anyio.abc.ByteStream):
 
     async def receive_into(self, buffer: memoryview) -> int:
         """Reads straight into `buffer` (mesh.connection: a bulk frame's own memory); how
-        many bytes, at least one. The next `receive` starts small again: what follows a bulk
-        frame is read into a new chunk, so the less of the next one it holds, the better."""
-        count: int = await self._read(self._sock.recv_into, buffer)
-        self._count_read(count, len(buffer))
+        many bytes, at least one and at most BULK_READ. The next `receive` starts small
+        again: what follows a bulk frame is read into a new chunk, so the less of the next
+        one it holds, the better."""
+        step = buffer[:BULK_READ]
+        count: int = await self._read(self._sock.recv_into, step)
+        self._count_read(count, len(step))
         self._last_read = 0
         return count
 
@@ -148,20 +158,29 @@ class TrioSocketStream(anyio.abc.ByteStream):
         (sendmsg): no buffer is copied or joined in user space."""
         views = [memoryview(part) for part in parts]
         while True:
-            if self._closed:
-                raise anyio.ClosedResourceError
-            try:
-                sent = self._sock.sendmsg(views)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise self._broken(exc) from exc
+            sent = self._send_parts_some(views)
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if not views:
                 return
             views[0] = views[0][sent:]
             await self._wait(trio.lowlevel.wait_writable)
+
+    def send_parts_nowait(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+        """One gathering write of what the socket takes now, without waiting; the bytes."""
+        return self._send_parts_some(parts)
+
+    def _send_parts_some(
+        self, parts: tuple[bytes | bytearray | memoryview, ...] | list[memoryview]
+    ) -> int:
+        if self._closed:
+            raise anyio.ClosedResourceError
+        try:
+            return self._sock.sendmsg(parts)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise self._broken(exc) from exc
 
     async def send_eof(self) -> None:
         if not self._closed:
@@ -249,7 +268,7 @@ class _StreamProtocol(asyncio.BufferedProtocol):
             target = self.into()
             if target is not None:
                 self._reading_into = True
-                return target
+                return target[:BULK_READ]
         self._reading_into = False
         return _scratch()
 
@@ -378,6 +397,17 @@ class AsyncioSocketStream(anyio.abc.ByteStream):
             self._check_writable()
         self._transport.writelines(parts)
         await self._drain()
+
+    def send_parts_nowait(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+        """Hands the buffers to the transport unless it has paused writing; the bytes it
+        took (all or none)."""
+        protocol = self._protocol
+        if self._closed or protocol.lost is not None or self._transport.is_closing():
+            self._check_writable()
+        if protocol.writing_paused:
+            return 0
+        self._transport.writelines(parts)
+        return sum(len(part) for part in parts)
 
     async def _drain(self) -> None:
         protocol = self._protocol

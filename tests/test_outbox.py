@@ -227,3 +227,119 @@ async def test_put_nowait_on_a_broken_stream_breaks_the_outbox() -> None:
             outbox.put_nowait(b"lost")
         nursery.cancel_scope.cancel()
     assert outbox.broken is not None
+
+
+class PartsStream(RecordingStream):
+    """Takes at most `room` bytes per immediate gathering write, the rest when waited for;
+    `inline` records what each immediate write took, `waited` each waiting write."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.inline: list[bytes] = []
+        self.waited: list[bytes] = []
+
+    def send_parts_nowait(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+        if self.fail:
+            raise anyio.BrokenResourceError
+        taken = b"".join(bytes(part) for part in parts)[: self.room]
+        self.inline.append(taken)
+        self.writes.append(taken)
+        return len(taken)
+
+    async def send_parts(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        await trio.lowlevel.checkpoint()
+        joined = b"".join(bytes(part) for part in parts)
+        self.waited.append(joined)
+        self.writes.append(joined)
+
+
+def bulk_frame(seq: int, size: int = BIG_FRAME) -> tuple[bytes, memoryview, bytes]:
+    return (b"head%d" % seq, memoryview(bytes([seq % 256]) * size), b"tail")
+
+
+@pytest.mark.trio
+async def test_a_frame_in_parts_is_written_by_its_sender_when_nothing_is_ahead() -> None:
+    stream = PartsStream(room=1 << 20)
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(bulk_frame(1), urgent=False)
+        # Written before any other task ran: no hand-off to the writer.
+        assert stream.inline == [b"".join(bulk_frame(1))]
+        assert outbox.queued_bytes == 0
+        nursery.cancel_scope.cancel()
+    assert stream.waited == []
+
+
+@pytest.mark.trio
+async def test_what_the_socket_does_not_take_at_once_waits_first_in_line() -> None:
+    stream = PartsStream(room=BIG_FRAME // 2 + 3)
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    first, second = bulk_frame(1), bulk_frame(2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(first, urgent=False)
+        outbox.check_integrity()
+        assert outbox.queued_bytes == sum(map(len, first)) - stream.room
+        # The rest of the first frame is queued: the second goes behind it, not inline.
+        await outbox.put(second, urgent=True)
+        outbox.check_integrity()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"".join(first) + b"".join(second)
+    assert len(stream.inline) == 1 and len(stream.waited) == 2
+    assert outbox.queued_bytes == 0
+
+
+@pytest.mark.trio
+async def test_a_frame_in_parts_goes_behind_queued_frames() -> None:
+    stream = PartsStream(room=1 << 20)
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(b"small", urgent=False)  # queued: the writer has not run yet
+        await outbox.put(bulk_frame(1), urgent=False)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"small" + b"".join(bulk_frame(1))
+    assert stream.inline == []
+
+
+@pytest.mark.trio
+async def test_a_sender_of_frames_in_parts_yields_once_per_limit_and_a_cancel_sends_nothing(
+) -> None:
+    stream = PartsStream(room=1 << 20)
+    size = sum(map(len, bulk_frame(0)))
+    outbox = Outbox(stream, "peer", limit=3 * size)
+    sent = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            for seq in range(10):
+                await outbox.put(bulk_frame(seq), urgent=False)
+                sent += 1
+        nursery.cancel_scope.cancel()
+    # Three frames fill the limit; the fourth put yields first, sees the cancel, sends nothing.
+    assert sent == 3
+    assert b"".join(stream.writes) == b"".join(b"".join(bulk_frame(seq)) for seq in range(3))
+    assert outbox.broken is None
+
+
+@pytest.mark.trio
+async def test_a_broken_stream_fails_the_sender_of_a_frame_in_parts() -> None:
+    stream = PartsStream(room=1 << 20)
+    stream.fail = True
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(PeerGone, match="send to peer failed"):
+            await outbox.put(bulk_frame(1), urgent=False)
+        nursery.cancel_scope.cancel()
+    assert outbox.broken is not None

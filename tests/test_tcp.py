@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from mesh import tcp
-from mesh.tcp import FAIR_READS, READ_BUFFER, TrioSocketStream
+from mesh.tcp import BULK_READ, FAIR_READS, READ_BUFFER, TrioSocketStream
 
 
 @pytest.fixture(
@@ -222,3 +222,35 @@ async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued
     assert landed == [2, 4] and await stream.receive() == b""
     stream.fill_into(None, None)
     assert protocol.get_buffer(-1) is not target
+
+
+@pytest.mark.anyio
+async def test_asyncio_reads_into_the_readers_buffer_a_bulk_step_at_a_time() -> None:
+    protocol = tcp._StreamProtocol()
+    transport = FakeTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
+    target = bytearray(3 * BULK_READ + 5)
+    stream.fill_into(lambda: memoryview(target), lambda count: False)
+    into = protocol.get_buffer(-1)
+    assert len(into) == BULK_READ
+    into[:] = b"s" * BULK_READ
+    protocol.buffer_updated(BULK_READ)
+    assert target[:BULK_READ] == b"s" * BULK_READ and not any(target[BULK_READ:])
+
+
+@pytest.mark.trio
+async def test_trio_reads_into_a_buffer_a_bulk_step_at_a_time() -> None:
+    left, right = tcp_socket_pair()
+    payload = random.Random(9).randbytes(4 * BULK_READ + 7)
+    left.sendall(payload)
+    left.close()
+    stream = TrioSocketStream(right)
+    buffer = bytearray(len(payload))
+    got = 0
+    async with stream:
+        while got < len(payload):
+            count = await stream.receive_into(memoryview(buffer)[got:])
+            assert 0 < count <= BULK_READ
+            got += count
+    assert bytes(buffer) == payload
