@@ -11,8 +11,9 @@ The client (this process) measures, for each:
   bulk   1 MiB frames: `node.stream_to` items (payload a memoryview field, as KV pieces carry
          theirs: decoded without a copy) against the byte-moving limit of a plain socket
          (raw: the same frame bytes, encoded once, `sendall` on one side and `recv_into` a
-         preallocated buffer on the other, nothing decoded); GB/s. The raw side's framed
-         msgspec stream (encode and decode every frame) is reported beside it as raw_msgspec
+         preallocated buffer 64 KiB at a time on the other, nothing decoded; RAW_READ says
+         why); GB/s. Beside it: the same with reads of up to 1 MiB (raw_read_1m), and the raw
+         side's framed msgspec stream (encode and decode every frame) as raw_msgspec
   small  ~200-byte messages: raw, one `sendall` each; mesh, `node.cast` (batched by the outbox)
   rtt    ~200-byte request/reply: raw send+recv vs `node.call`; microseconds per round trip,
          wall time and CPU time (client process + server process, from /proc/<pid>/schedstat)
@@ -22,7 +23,9 @@ The client (this process) measures, for each:
 Apart from the bulk limit, both sides encode and decode every message with msgspec (the raw
 side with a plain length prefix and the same message Structs). Each figure is the median of
 several repetitions taken in turns, since the 2-vCPU host has slow windows
-(docs/engineering-notes.md G12).
+(docs/engineering-notes.md G12): bulk in 15 short rounds of 512 MiB a path (one transfer
+swung from 2 to 6.7 GB/s on an idle host), the rest in 5; `bulk_ratio_<backend>_spread` is
+the lowest and highest ratio of one round, the path and raw measured back to back.
 The two sides of a round trip run one after the other, so its wall time is about the CPU
 time of both plus wake-ups;
 CPU time is less disturbed by other load on the host than wall time. Every process runs with
@@ -211,27 +214,37 @@ class RawClient:
         return clock.per(n)
 
 
+# The raw receiver's read size. Reading loopback TCP 64 KiB at a time is what a plain socket
+# does best here: a sweep of 16 KiB to 4 MiB, blocking sender and receiver each on a CPU of the
+# 2-vCPU host, gave 4.9 GB/s at 64 KiB against 4.0 at 1 MiB (the sender is the bound, and
+# cheaper per byte when the reader takes each segment as it comes; docs/engineering-notes.md
+# 3a). The 1 MiB read, this bench's limit before, is reported beside it (raw_read_1m).
+RAW_READ = 64 * 1024
+
+
 def bytes_serve(conn: socket.socket) -> None:
-    """The byte-moving limit: per transfer an 8-byte total, then that many bytes read with
-    recv_into a preallocated buffer (never looked at), then an 8-byte acknowledgement."""
+    """The byte-moving limit: per transfer an 8-byte total and an 8-byte read size, then that
+    many bytes read with recv_into a preallocated buffer (never looked at), then an 8-byte
+    acknowledgement."""
     buf = memoryview(bytearray(1 << 20))
-    while head := conn.recv(8, socket.MSG_WAITALL):
-        left = int.from_bytes(head, "big")
+    while head := conn.recv(16, socket.MSG_WAITALL):
+        left, step = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:], "big")
         while left:
-            got = conn.recv_into(buf, min(left, len(buf)))
+            got = conn.recv_into(buf, min(left, step, len(buf)))
             if not got:
                 return
             left -= got
-        conn.sendall(head)
+        conn.sendall(head[:8])
 
 
-def bytes_bulk(port: int, frames: int) -> float:
-    """GB/s of `frames` Chunk frames, encoded once and sent as they are (see bytes_serve)."""
+def bytes_bulk(port: int, frames: int, read: int = RAW_READ) -> float:
+    """GB/s of `frames` Chunk frames, encoded once and sent as they are, the receiver reading
+    at most `read` bytes a time (see bytes_serve)."""
     data = frame_of(Chunk(0, PAYLOAD))
     total = frames * len(data)
     with socket.create_connection((HOST, port)) as sock:
         start = time.perf_counter()
-        sock.sendall(total.to_bytes(8, "big"))
+        sock.sendall(total.to_bytes(8, "big") + read.to_bytes(8, "big"))
         for _ in range(frames):
             sock.sendall(data)
         assert int.from_bytes(sock.recv(8, socket.MSG_WAITALL), "big") == total
@@ -343,13 +356,21 @@ async def echo_rtt(stream: anyio.abc.ByteStream, n: int) -> float:
         return (time.perf_counter() - start) / n
 
 
-async def mesh_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
+def client_node(ports: list[int]) -> Node:
     peers = {"server": Address(HOST, ports[0])}
-    node = Node("client", Codec(MESSAGES), TcpTransport(), peers, NodeConfig(call_timeout=600))
-    async with node:
+    return Node("client", Codec(MESSAGES), TcpTransport(), peers, NodeConfig(call_timeout=600))
+
+
+async def mesh_bulk_round(ports: list[int], frames: int) -> dict[str, float]:
+    async with client_node(ports) as node:
+        await mesh_bulk(node, 8)
+        return {"bulk": await mesh_bulk(node, frames)}
+
+
+async def mesh_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
+    async with client_node(ports) as node:
         await mesh_rtt(node, 200, server)
         return {
-            "bulk": await mesh_bulk(node, sizes["bulk"]),
             "small": await mesh_small(node, sizes["small"]),
             **await mesh_rtt(node, sizes["rtt"], server),
             "anyio_rtt": await echo_rtt(await anyio.connect_tcp(HOST, ports[1]), sizes["rtt"]),
@@ -359,13 +380,23 @@ async def mesh_round(server: int, ports: list[int], sizes: dict[str, int]) -> di
         }
 
 
+def raw_bulk_round(ports: list[int], frames: int) -> dict[str, float]:
+    client = RawClient(ports[0])
+    try:
+        return {
+            "bulk": bytes_bulk(ports[1], frames),
+            "bulk_read_1m": bytes_bulk(ports[1], frames, read=1 << 20),
+            "bulk_msgspec": client.bulk(frames),
+        }
+    finally:
+        client.sock.close()
+
+
 def raw_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
     client = RawClient(ports[0])
     try:
         client.rtt(200, server)
         return {
-            "bulk": bytes_bulk(ports[1], sizes["bulk"]),
-            "bulk_msgspec": client.bulk(sizes["bulk"]),
             "small": client.small(sizes["small"]),
             **client.rtt(sizes["rtt"], server),
         }
@@ -397,28 +428,63 @@ def start_server(role: str) -> tuple[subprocess.Popen[str], list[int]]:
     return proc, [int(port) for port in proc.stdout.readline().split()]
 
 
-def measure(rounds: int, sizes: dict[str, int], placement: str) -> dict[str, dict[str, float]]:
+Runs = dict[str, list[dict[str, float]]]
+
+
+Taker = Callable[[int, list[int]], dict[str, float]]
+
+
+def measure(rounds: dict[str, int], sizes: dict[str, int], placement: str) -> Runs:
+    """Each path's figures, one dict a round: first `rounds["bulk"]` short rounds of bulk
+    alone, then `rounds["rest"]` of the other figures, the paths taking turns in every round."""
     procs = {role: start_server(role) for role in ("raw", "trio", "uvloop")}
     print(pin(placement, [proc.pid for proc, _ in procs.values()]))
-    runs: dict[str, list[dict[str, float]]] = {role: [] for role in procs}
-    takers: dict[str, Callable[[int, list[int]], dict[str, float]]] = {
-        "raw": lambda pid, ports: raw_round(pid, ports, sizes),
-        "trio": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="trio"),
-        "uvloop": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="uvloop"),
-    }
+    frames = sizes["bulk"]
+    phases: list[tuple[int, dict[str, Taker]]] = [
+        (rounds["bulk"], {
+            "raw": lambda pid, ports: raw_bulk_round(ports, frames),
+            "trio": lambda pid, ports: run(mesh_bulk_round, ports, frames, backend="trio"),
+            "uvloop": lambda pid, ports: run(mesh_bulk_round, ports, frames, backend="uvloop"),
+        }),
+        (rounds["rest"], {
+            "raw": lambda pid, ports: raw_round(pid, ports, sizes),
+            "trio": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="trio"),
+            "uvloop": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="uvloop"),
+        }),
+    ]
+    runs: Runs = {role: [] for role in procs}
     try:
-        # Take the paths in turns, so that a slow spell of the host hits all of them alike.
-        for _ in range(rounds):
-            for role, (proc, ports) in procs.items():
-                runs[role].append(takers[role](proc.pid, ports))
+        for count, takers in phases:
+            # Take the paths in turns, so that a slow spell of the host hits all of them alike.
+            for i in range(count):
+                for role, (proc, ports) in procs.items():
+                    figures = takers[role](proc.pid, ports)
+                    if i < len(runs[role]):
+                        runs[role][i].update(figures)
+                    else:
+                        runs[role].append(figures)
     finally:
         for proc, _ in procs.values():
             proc.terminate()
             proc.wait()
+    return runs
+
+
+def medians(runs: Runs) -> dict[str, dict[str, float]]:
+    """Each figure's median over the rounds that measured it."""
     return {
-        role: {key: statistics.median(r[key] for r in results) for key in results[0]}
+        role: {key: statistics.median(r[key] for r in results if key in r)
+               for key in results[0]}
         for role, results in runs.items()
     }
+
+
+def bulk_ratio_spread(runs: Runs, backend: str) -> list[float]:
+    """The lowest and highest bulk ratio of one round (the path and raw a second apart):
+    how far the host's load moved the ratio."""
+    ratios = [m["bulk"] / r["bulk"] for m, r in zip(runs[backend], runs["raw"], strict=False)
+              if "bulk" in m and "bulk" in r]
+    return [round(min(ratios), 3), round(max(ratios), 3)]
 
 
 def rtt_cpu(m: dict[str, float]) -> float:
@@ -433,33 +499,42 @@ def us(m: dict[str, float], key: str) -> str:
     return f"{m[key] * 1e6:.1f}" if key in m else "-"
 
 
-def report(medians: dict[str, dict[str, float]], quick: bool) -> dict[str, Any]:
-    raw = medians["raw"]
-    print("bulk ratios against the raw byte-moving limit (recv_into, nothing decoded)")
-    print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'small msg/s':>13}")
-    for role, m in medians.items():
+def report(runs: Runs, quick: bool) -> dict[str, Any]:
+    typical = medians(runs)
+    raw = typical["raw"]
+    print("bulk ratios against the raw byte-moving limit (recv_into, nothing decoded);"
+          " spread: the lowest and highest of one round")
+    print(f"{'path':<22}{'bulk GB/s':>10}{'ratio':>7}{'spread':>14}{'small msg/s':>13}")
+    for role, m in typical.items():
+        low, high = bulk_ratio_spread(runs, role)
+        spread = "-" if role == "raw" else f"{low:.2f}-{high:.2f}"
         print(f"{label(role):<22}{m['bulk'] / 1e9:>10.2f}{m['bulk'] / raw['bulk']:>7.2f}"
-              f"{m['small']:>13,.0f}")
-    framed = raw["bulk_msgspec"]
-    print(f"{'raw, msgspec frames':<22}{framed / 1e9:>10.2f}{framed / raw['bulk']:>7.2f}")
+              f"{spread:>14}{m['small']:>13,.0f}")
+    for name, key in (("raw, 1 MiB reads", "bulk_read_1m"), ("raw, msgspec frames",
+                                                             "bulk_msgspec")):
+        print(f"{name:<22}{raw[key] / 1e9:>10.2f}{raw[key] / raw['bulk']:>7.2f}")
     print(f"\n{'path':<22}{'rtt us':>8}{'ratio':>7}{'cpu us (cli+srv)':>20}{'ratio':>7}"
           f"{'bare anyio echo':>17}{'bare mesh.tcp echo':>20}")
-    for role, m in medians.items():
+    for role, m in typical.items():
         cpu = f"{rtt_cpu(m) * 1e6:.1f} ({us(m, 'rtt_cpu_client')}+{us(m, 'rtt_cpu_server')})"
         print(f"{label(role):<22}{m['rtt'] * 1e6:>8.1f}{m['rtt'] / raw['rtt']:>7.2f}{cpu:>20}"
               f"{rtt_cpu(m) / rtt_cpu(raw):>7.2f}{us(m, 'anyio_rtt'):>17}{us(m, 'fast_rtt'):>20}")
     # bulk ratios are against the byte-moving limit (raw recv_into, nothing decoded).
     result: dict[str, Any] = {"bench": "wire", "quick": quick, "bulk_baseline": "recv_into"}
+    result["raw_read_bytes"] = RAW_READ
+    result["raw_read_1m_gbytes_per_s"] = round(raw["bulk_read_1m"] / 1e9, 3)
+    result["bulk_ratio_raw_read_1m"] = round(raw["bulk_read_1m"] / raw["bulk"], 3)
     result["raw_msgspec_gbytes_per_s"] = round(raw["bulk_msgspec"] / 1e9, 3)
     result["bulk_ratio_raw_msgspec"] = round(raw["bulk_msgspec"] / raw["bulk"], 3)
     for backend in ("trio", "uvloop"):
-        m = medians[backend]
+        m = typical[backend]
         result[f"bulk_ratio_{backend}"] = round(m["bulk"] / raw["bulk"], 3)
+        result[f"bulk_ratio_{backend}_spread"] = bulk_ratio_spread(runs, backend)
         result[f"rtt_ratio_{backend}"] = round(m["rtt"] / raw["rtt"], 3)
         result[f"rtt_cpu_ratio_{backend}"] = round(rtt_cpu(m) / rtt_cpu(raw), 3)
         result[f"{backend}_anyio_echo_rtt_us"] = round(m["anyio_rtt"] * 1e6, 1)
         result[f"{backend}_fast_echo_rtt_us"] = round(m["fast_rtt"] * 1e6, 1)
-    for role, m in medians.items():
+    for role, m in typical.items():
         result[f"{role}_gbytes_per_s"] = round(m["bulk"] / 1e9, 3)
         result[f"{role}_small_msgs_per_s"] = round(m["small"])
         result[f"{role}_rtt_us"] = round(m["rtt"] * 1e6, 1)
@@ -489,9 +564,10 @@ def main() -> None:
         # glibc reads them at start-up only, so restart this process with them set.
         os.execve(sys.executable, [sys.executable, *sys.argv], allocator_env(os.environ))
     sizes = ({"bulk": 256, "small": 20_000, "rtt": 2_000} if args.quick
-             else {"bulk": 1024, "small": 100_000, "rtt": 10_000})
-    medians = measure(3 if args.quick else 5, sizes, args.pin)
-    print(json.dumps({**report(medians, args.quick), "pin": args.pin}))
+             else {"bulk": 512, "small": 100_000, "rtt": 10_000})
+    rounds = {"bulk": 5, "rest": 3} if args.quick else {"bulk": 15, "rest": 5}
+    runs = measure(rounds, sizes, args.pin)
+    print(json.dumps({**report(runs, args.quick), "pin": args.pin}))
 
 
 if __name__ == "__main__":
