@@ -25,7 +25,7 @@ import msgspec
 from mesh import tcp
 from mesh.errors import ConfigError
 from mesh.mailbox import Mailbox
-from mesh.tcp_listener import TcpListener
+from mesh.tcp.listener import TcpListener
 
 Chunk = bytes | bytearray
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from mesh import tcp
-from mesh.tcp import BULK_READ, FAIR_READS, READ_BUFFER, TrioSocketStream
+from mesh.tcp import BULK_READ, FAIR_READS, READ_BUFFER, TrioSocketStream, asyncio_stream
 
 
 @pytest.fixture(
@@ -175,13 +175,13 @@ class FakeTransport:
 
 @pytest.mark.anyio
 async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
-    protocol = tcp._StreamProtocol()
+    protocol = asyncio_stream._StreamProtocol()
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
     chunk = b"z" * (READ_BUFFER // 4)
     for _ in range(5):
         protocol.data_received(chunk)
-    assert transport.calls == [f"limits {tcp.WRITE_BUFFER}", "pause"]
+    assert transport.calls == [f"limits {asyncio_stream.WRITE_BUFFER}", "pause"]
     stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
     for _ in range(3):
         assert await stream.receive(len(chunk)) == chunk
@@ -191,7 +191,7 @@ async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
 
 @pytest.mark.anyio
 async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued() -> None:
-    protocol = tcp._StreamProtocol()
+    protocol = asyncio_stream._StreamProtocol()
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
     stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
@@ -206,7 +206,7 @@ async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued
     # A chunk is queued: its bytes come first, so the next read goes to a chunk too.
     protocol.data_received(b"first")
     scratch = protocol.get_buffer(-1)
-    assert scratch is not target and len(scratch) == tcp.SCRATCH
+    assert scratch is not target and len(scratch) == asyncio_stream.SCRATCH
     scratch[:3] = b"abc"
     protocol.buffer_updated(3)
     assert await stream.receive() == b"first" and await stream.receive() == b"abc"
@@ -226,7 +226,7 @@ async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued
 
 @pytest.mark.anyio
 async def test_asyncio_reads_into_the_readers_buffer_a_bulk_step_at_a_time() -> None:
-    protocol = tcp._StreamProtocol()
+    protocol = asyncio_stream._StreamProtocol()
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
     stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
