@@ -82,22 +82,22 @@ class TrioSocketStream(anyio.abc.ByteStream):
 
     def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
         """Writes what the socket takes now, without waiting; how many bytes that was."""
-        return self._send_some(data)
+        return self._send_some(self._sock.send, data)
 
     async def send(self, item: bytes) -> None:
-        sent = self._send_some(item)
+        sent = self._send_some(self._sock.send, item)
         if sent < len(item):
             view = memoryview(item)
             while sent < len(item):
                 await self._wait(trio.lowlevel.wait_writable)
-                sent += self._send_some(view[sent:])
+                sent += self._send_some(self._sock.send, view[sent:])
 
     async def send_parts(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
         """Writes the buffers in order, as one stream of bytes, with gathering writes
         (sendmsg): no buffer is copied or joined in user space."""
         views = [memoryview(part) for part in parts]
         while True:
-            sent = self._send_parts_some(views)
+            sent = self._send_some(self._sock.sendmsg, views)
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if not views:
@@ -107,19 +107,7 @@ class TrioSocketStream(anyio.abc.ByteStream):
 
     def send_parts_nowait(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
         """One gathering write of what the socket takes now, without waiting; the bytes."""
-        return self._send_parts_some(parts)
-
-    def _send_parts_some(
-        self, parts: tuple[bytes | bytearray | memoryview, ...] | list[memoryview]
-    ) -> int:
-        if self._closed:
-            raise anyio.ClosedResourceError
-        try:
-            return self._sock.sendmsg(parts)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            raise self._broken(exc) from exc
+        return self._send_some(self._sock.sendmsg, parts)
 
     async def send_eof(self) -> None:
         if not self._closed:
@@ -136,11 +124,12 @@ class TrioSocketStream(anyio.abc.ByteStream):
     def extra_attributes(self) -> dict[Any, Callable[[], Any]]:
         return attributes(self._sock)
 
-    def _send_some(self, data: bytes | bytearray | memoryview) -> int:
+    def _send_some(self, write: Callable[[_A], int], data: _A) -> int:
+        """write(data) (send or sendmsg) now: the bytes the socket took, 0 if none."""
         if self._closed:
             raise anyio.ClosedResourceError
         try:
-            return self._sock.send(data)
+            return write(data)
         except BlockingIOError:
             return 0
         except OSError as exc:
