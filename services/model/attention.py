@@ -2,7 +2,17 @@
 
 - `causal_attention`: queries are the last T of L keys (a prefill resumed after P = L - T
   cached tokens). P == 0 is SDPA with is_causal; otherwise queries go in chunks, each with
-  an explicit bottom-right-aligned mask, so no T x L matrix is ever built at once.
+  an explicit bottom-right-aligned mask, so no T x L matrix is ever built at once. In bf16
+  on a CPU with AVX512-BF16 but no AMX it is `causal_attention_rows` instead (below).
+- `causal_attention_rows`: the same maths a block of query rows and one head at a time,
+  through oneDNN. torch's CPU flash kernel multiplies bf16 through MKL, which on such CPUs
+  (an AMD EPYC of the Zen 5 family, 2 threads) widened both operands to fp32 and ran MKL's
+  fp32 kernel: perf put 54% of a 4K kimi-linear attention in `mkl_blas_def_sgemm_kernel_0_zen`,
+  and the kernel took as long in fp32 as in bf16 (85-96 ms a layer, about 135 GFLOP/s).
+  Here Q K^T is oneDNN's fp32 matmul (460 against MKL's 196 GFLOP/s on that host, exact
+  products of the bf16 inputs, fp32 sums), the softmax runs in fp32, and P V is oneDNN's
+  bf16 matmul on P rounded to bf16 (as the flash kernel rounds it): 49-60 ms a layer there.
+  Where the CPU has AMX the flash kernel takes oneDNN's AMX path, so it is kept.
 - `sliding_window_attention`: a query at position t sees keys t - W .. t (the W previous
   tokens and itself; the request state is the last W tokens' K/V). Learnable sinks add one
   logit per query head to the softmax denominator (docs/paper-notes.md section 6.2). Computed block-
@@ -18,14 +28,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from services.model.precision import cpu_flags, cpu_has_native_bf16
 
 # Query rows per chunk of a resumed causal prefill: bounds the mask to CHUNK x L booleans.
 _QUERY_CHUNK = 1024
 # Query blocks of W processed together in sliding-window prefill (bounds the score tensor).
 _WINDOW_GROUP = 16
+# Query rows per block of `causal_attention_rows`: a block's fp32 scores are ROWS x L per
+# head (4 MiB at L = 4096). 256 and 512 measured alike at 4K, 128 10-20% slower (Zen 5).
+_ROWS = 256
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
@@ -35,6 +52,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     """
     t, length = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if rows_kernel_applies(q, k, v):
+        return causal_attention_rows(q, k, v, scale)
     if t == length:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
@@ -49,6 +68,75 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
             attn_mask=cols <= rows, scale=scale, enable_gqa=gqa,
         ))
     return torch.cat(outputs, dim=2)
+
+
+def rows_kernel_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """`causal_attention` takes `causal_attention_rows`: bf16 on a CPU with native bf16 dot
+    products but no AMX, no autograd, and oneDNN's fp32 linear present (`_onednn_linear`)."""
+    if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
+        return False
+    if q.device.type != "cpu" or q.shape[2] == 0:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return _rows_kernel_host()
+
+
+@functools.cache
+def _rows_kernel_host() -> bool:
+    return cpu_has_native_bf16() and "amx_bf16" not in cpu_flags() and _onednn_linear()
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """oneDNN's fp32 linear (a torch-private op, so checked rather than assumed) exists and
+    agrees with `F.linear` on a plain weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 24, generator=generator), torch.randn(7, 24, generator=generator)
+    try:
+        out = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return isinstance(out, Tensor) and bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
+
+
+def causal_attention_rows(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """`causal_attention` a block of _ROWS query rows and one query head at a time (contract
+    and GQA head mapping as SDPA's): fp32 scores from oneDNN's linear on the fp32 copies of
+    q (times the scale) and k, the causal mask on the block's diagonal square only, an fp32
+    softmax, then P in v's dtype times v. Inference only; any dtype, fastest in bf16 (see the
+    module docstring). The result is a [B, Hq, T, Dv] view of a [B, T, Hq, Dv] tensor, so a
+    caller that merges the heads gets them without a copy.
+    """
+    b, hq, t, d = q.shape
+    hkv, length, dv = k.shape[1], k.shape[2], v.shape[3]
+    group, prefix = hq // hkv, length - t
+    # Contiguous fp32 copies (never q itself, which is scaled here; torch.mul(q, s, out=)
+    # would multiply in q's dtype and round before widening).
+    qf = q.new_empty(q.shape, dtype=torch.float32).copy_(q).mul_(scale or d**-0.5)
+    kf = k.new_empty(k.shape, dtype=torch.float32).copy_(k)
+    vc = v.contiguous()
+    out = q.new_empty(b, t, hq, dv, dtype=v.dtype)
+    rows = min(_ROWS, t)
+    hidden = torch.full((rows, rows), float("-inf"), device=q.device).triu_(1)
+    onednn = q.device.type == "cpu" and _onednn_linear()
+    for i in range(b):
+        for r0 in range(0, t, rows):
+            r1 = min(t, r0 + rows)
+            n, end = r1 - r0, prefix + r1  # query r0 + a sees keys 0 .. prefix + r0 + a
+            for h in range(hq):
+                keys = kf[i, h // group, :end]
+                if onednn:
+                    scores = torch.ops.mkldnn._linear_pointwise(qf[i, h, r0:r1], keys, None,
+                                                                "none", [], "")
+                else:
+                    scores = qf[i, h, r0:r1] @ keys.T
+                scores[:, end - n :].add_(hidden[:n, :n])
+                probs = scores.softmax(-1).to(v.dtype)
+                torch.mm(probs, vc[i, h // group, :end], out=out[i, r0:r1, h])
+    return out.transpose(1, 2)
 
 
 def _expand_heads(x: Tensor, n_heads: int) -> Tensor:
