@@ -98,3 +98,12 @@ def test_causal_attention_takes_the_rows_kernel_where_it_applies(
     sdpa = causal_attention(q, k, v)
     torch.testing.assert_close(sdpa.float(), causal_attention_rows(q, k, v).float(),
                                atol=2e-2, rtol=1.6e-2)
+
+
+def test_rows_kernel_without_onednn_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where torch lacks oneDNN's linear the scores come from a plain matmul: same maths.
+    monkeypatch.setattr(attention, "_onednn_linear", lambda: False)
+    monkeypatch.setattr(attention, "_ROWS", 16)
+    q, k, v = _inputs(37, 100, 4, 1, torch.float32, seed=5)
+    torch.testing.assert_close(causal_attention_rows(q, k, v),
+                               causal_attention_reference(q, k, v))
