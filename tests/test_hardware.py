@@ -121,6 +121,27 @@ def test_profiles_name_their_sources() -> None:
     assert load_model().sources
 
 
+def test_every_modeled_part_says_what_kind_of_source_it_has() -> None:
+    # What the docs mark as reproduced by construction: H20 is fitted to Table 6.
+    assert load_profile("h200").source_kinds() == {"prefill": "measured", "decode": "assumed"}
+    assert load_profile("h20").source_kinds() == {"prefill": "fitted", "decode": "fitted"}
+    assert load_profile("cpu").source_kinds() == {}
+    assert load_model().source.kind == "measured"
+    assert all(load_profile(n).decode.source.detail for n in ("h200", "h20"))  # type: ignore[union-attr]
+
+
+def test_a_part_without_a_source_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\ndescription = ""\ngpus_per_instance = 8\npaced = false\n'
+                   'sources = []\n[prefill]\nfit = "quadratic"\n'
+                   'lengths = [1, 2, 3]\nseconds = [1, 2, 3]\n')
+    with pytest.raises(ProfileError, match="source"):
+        load_profile(bad)
+    bad.write_text(bad.read_text() + 'source = { kind = "guessed", detail = "" }\n')
+    with pytest.raises(ProfileError, match="guessed"):
+        load_profile(bad)
+
+
 def test_profile_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="no_such_chip"):
         load_profile("no_such_chip")
@@ -135,7 +156,8 @@ def test_profile_errors_name_the_problem(tmp_path: Path) -> None:
         load_profile(bad)
     bad.write_text('name = "x"\ndescription = ""\ngpus_per_instance = 8\npaced = false\n'
                    'sources = []\n[prefill]\nfit = "affine_of"\nbase = "h200"\n'
-                   'lengths = [1, 2, 3]\nseconds = [1, 2, 3]\n')
+                   'lengths = [1, 2, 3]\nseconds = [1, 2, 3]\n'
+                   'source = { kind = "assumed", detail = "a test" }\n')
     with pytest.raises(ProfileError, match="2 anchors"):
         load_profile(bad)
     with pytest.raises(ProfileError, match="no prefill"):

@@ -48,6 +48,13 @@ token) / HBM bandwidth: each step reads every sequence's cache once (8 x 4.0 TB/
 H200 decode is not in the paper: assumed the same shape with HBM 4.8 TB/s per GPU and the
 anchor step scaled by 4.0 / 4.8. The `cpu` profile models nothing: every time is 0.
 
+Sources. Each part ([prefill], [decode], and the model's KV size) names its `source`: its kind
+(measured, fitted, assumed) and from what. Here: H200 prefill and the KV size are measured
+(the paper's Table 5); H20 prefill and H20 decode are fitted to Table 6, so the homogeneous
+row's Lambda_max (2.11), Theta_pd-p (1.64) and the decode stage throughputs are reproduced by
+construction; H200 decode is assumed (nothing in the simulation decodes on H200). Profiles
+written by `prfaas profile` are measured on this machine's device.
+
 Incremental prefill after a cached prefix of c tokens is modeled as T(c + l) - T(c) + c0:
 the fixed cost once, the per-token work for the new tokens only, and the attention part
 for new tokens attending to the whole prefix (the quadratic term's difference).
@@ -73,10 +80,26 @@ class ProfileError(ValueError):
     """A hardware or model profile that is missing, malformed or inconsistent."""
 
 
+SourceKind = Literal["measured", "fitted", "assumed"]
+
+
+class Source(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a part of a profile comes from (module docstring, "Sources").
+
+    kind: "measured" (timed on the device: the paper's Table 5, or `prfaas profile` here),
+    "fitted" (solved from a system-level result, the paper's Table 6: what reproduces that
+    table is reproduced by construction) or "assumed" (neither); detail: from what, in words.
+    """
+
+    kind: SourceKind
+    detail: str
+
+
 class PrefillSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fit: Literal["quadratic", "affine_of"]
     lengths: tuple[float, ...]
     seconds: tuple[float, ...]
+    source: Source
     base: str = ""
 
 
@@ -87,6 +110,7 @@ class DecodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_s: float
     reference_context: int
     hbm_bytes_per_s: float
+    source: Source
 
 
 class ProfileSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,6 +129,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sources: tuple[str, ...]
     kv_lengths: tuple[float, ...]
     kv_mib: tuple[float, ...]
+    source: Source
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
@@ -176,6 +201,16 @@ class HardwareProfile:
     prefill: QuadraticPrefill | None
     prefill_points: tuple[tuple[float, float], ...]
     decode: DecodeSpec | None
+    prefill_source: Source | None = None
+
+    def source_kinds(self) -> dict[str, SourceKind]:
+        """Each modeled part's kind of source: {"prefill": ..., "decode": ...}."""
+        kinds: dict[str, SourceKind] = {}
+        if self.prefill_source is not None:
+            kinds["prefill"] = self.prefill_source.kind
+        if self.decode is not None:
+            kinds["decode"] = self.decode.source.kind
+        return kinds
 
 
 @dataclass(frozen=True)
@@ -185,6 +220,7 @@ class ModelProfile:
     sources: tuple[str, ...]
     kv: KVSize
     kv_points: tuple[tuple[float, float], ...]
+    source: Source
 
 
 def _resolve(name_or_path: str | Path) -> Path:
@@ -241,7 +277,8 @@ def _load_profile(path: Path, depth: int) -> HardwareProfile:
     points = tuple(zip(spec.prefill.lengths, spec.prefill.seconds, strict=True)) if (
         spec.prefill is not None) else ()
     return HardwareProfile(spec.name, spec.description, spec.gpus_per_instance, spec.paced,
-                           spec.sources, prefill, points, spec.decode)
+                           spec.sources, prefill, points, spec.decode,
+                           spec.prefill.source if spec.prefill is not None else None)
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
@@ -256,7 +293,7 @@ def load_model(name_or_path: str | Path = "hybrid_1t") -> ModelProfile:
     fixed, per_token = polyfit(spec.kv_lengths, [m * MIB for m in spec.kv_mib], 1)
     points = tuple(zip(spec.kv_lengths, spec.kv_mib, strict=True))
     return ModelProfile(spec.name, spec.description, spec.sources, KVSize(fixed, per_token),
-                        points)
+                        points, spec.source)
 
 
 def _check_count(name: str, value: int) -> None:
