@@ -101,6 +101,10 @@ class PrefillSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seconds: tuple[float, ...]
     source: Source
     base: str = ""
+    # Measured profiles (`prfaas profile`): the prefill chunk the times were taken with (0:
+    # the whole prompt at once) and the fit's largest relative error over the points.
+    chunk_tokens: int = 0
+    fit_error: float = 0.0
 
 
 class DecodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -111,6 +115,16 @@ class DecodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reference_context: int
     hbm_bytes_per_s: float
     source: Source
+    # fit "hbm": the step is the fixed cost plus the KV read at HBM bandwidth (module
+    # docstring). fit "linear": measured by `prfaas profile`; step times at (batch size,
+    # tokens per sequence) points, fitted as fixed + per_sequence * batch + per_token *
+    # context (`LinearDecode`); hbm_bytes_per_s is then unused. fit_error: the fit's largest
+    # relative error over the points.
+    fit: Literal["hbm", "linear"] = "hbm"
+    batches: tuple[int, ...] = ()
+    contexts: tuple[int, ...] = ()
+    seconds: tuple[float, ...] = ()
+    fit_error: float = 0.0
 
 
 class ProfileSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -181,6 +195,43 @@ class QuadraticPrefill:
 
 
 @dataclass(frozen=True)
+class LinearDecode:
+    """A measured decode step: fixed_s + per_sequence_s * batch + per_token_s * context
+    seconds, context being the tokens the whole batch holds. On a CPU the step is the weights'
+    matmuls (fixed, and per sequence) plus attention over every cached token."""
+
+    fixed_s: float
+    per_sequence_s: float
+    per_token_s: float
+
+    def __call__(self, batch: int, context: int) -> float:
+        return self.fixed_s + self.per_sequence_s * batch + self.per_token_s * context
+
+    @classmethod
+    def fit(cls, batches: Sequence[int], contexts: Sequence[int], seconds: Sequence[float],
+            ) -> LinearDecode:
+        """Least squares over points of (batch size, tokens per sequence, step seconds)."""
+        rows = [(1.0, float(b), float(b * c)) for b, c in zip(batches, contexts, strict=True)]
+        if len(rows) != len(seconds) or len(rows) < 3:
+            raise ProfileError(f"a linear decode fit needs >= 3 paired points, got "
+                               f"{len(rows)} points and {len(seconds)} times")
+        # Columns scaled to [0, 1] so the normal equations stay well conditioned.
+        scale = [max(abs(r[k]) for r in rows) or 1.0 for k in range(3)]
+        cols = [[r[k] / scale[k] for r in rows] for k in range(3)]
+        normal = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols]
+                  for ci in cols]
+        rhs = [sum(a * y for a, y in zip(ci, seconds, strict=True)) for ci in cols]
+        fixed, per_seq, per_token = (c / s for c, s in zip(_solve(normal, rhs), scale,
+                                                           strict=True))
+        return cls(fixed, per_seq, per_token)
+
+
+def relative_errors(fitted: Sequence[float], measured: Sequence[float]) -> list[float]:
+    """(fitted - measured) / measured per point: what a profile's fit_error summarises."""
+    return [f / m - 1.0 for f, m in zip(fitted, measured, strict=True)]
+
+
+@dataclass(frozen=True)
 class KVSize:
     """S_kv(l) = fixed_bytes + bytes_per_token * l: the bytes one request's KV cache holds."""
 
@@ -202,6 +253,7 @@ class HardwareProfile:
     prefill_points: tuple[tuple[float, float], ...]
     decode: DecodeSpec | None
     prefill_source: Source | None = None
+    decode_fit: LinearDecode | None = None  # a measured decode (DecodeSpec fit "linear")
 
     def source_kinds(self) -> dict[str, SourceKind]:
         """Each modeled part's kind of source: {"prefill": ..., "decode": ...}."""
@@ -278,7 +330,21 @@ def _load_profile(path: Path, depth: int) -> HardwareProfile:
         spec.prefill is not None) else ()
     return HardwareProfile(spec.name, spec.description, spec.gpus_per_instance, spec.paced,
                            spec.sources, prefill, points, spec.decode,
-                           spec.prefill.source if spec.prefill is not None else None)
+                           spec.prefill.source if spec.prefill is not None else None,
+                           _decode_model(spec))
+
+
+def _decode_model(spec: ProfileSpec) -> LinearDecode | None:
+    """The measured decode fit of a [decode] with fit "linear"; None for the HBM model."""
+    dec = spec.decode
+    if dec is None or dec.fit == "hbm":
+        return None
+    where = f"profile {spec.name!r} [decode]"
+    if not len(dec.batches) == len(dec.contexts) == len(dec.seconds):
+        raise ProfileError(f"{where}: batches, contexts and seconds must pair up, got "
+                           f"{len(dec.batches)}, {len(dec.contexts)} and {len(dec.seconds)}")
+    _check_points(where, [float(b) for b in dec.batches], dec.seconds)
+    return LinearDecode.fit(dec.batches, dec.contexts, dec.seconds)
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
@@ -341,6 +407,8 @@ class CostModel:
         _check_count("context", context)
         if not self.profile.paced or batch == 0:
             return 0.0
+        if self.profile.decode_fit is not None:
+            return self.profile.decode_fit(batch, context)
         return self._decode_fixed_s() + self._decode_read_s(batch, context)
 
     def _decode_read_s(self, batch: int, context: int) -> float:
