@@ -43,6 +43,10 @@ COMMANDS: dict[str, Command] = {
     "sim": Command(
         "services.cli.sim", "sim_main", "the live services at paper scale on virtual time"
     ),
+    "profile": Command(
+        "services.cli.profile", "profile_main",
+        "time the real model on this machine; writes a measured hardware profile",
+    ),
     "sim-dashboard": Command(
         "services.cli.sim_dashboard", "sim_dashboard_main",
         "the dashboard on the simulation (virtual time at a chosen speed), or --record a log",
