@@ -12,17 +12,20 @@ scrape, calls the source and turns every numeric field of the struct into a metr
 
 `metrics_app(registry)` is the ASGI app to mount at `/metrics` (Starlette `Mount`, or served
 alone); `render(registry)` gives the text exposition for tests and plain handlers.
+`MergedCollector` exposes several owners' families of one name as one family (one process
+holding what several services observe, as the simulation does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from mesh.errors import ConfigError
 
@@ -112,6 +115,33 @@ def register_statistics(
     collector = StatisticsCollector(prefix, source, labels)
     registry.register(collector)
     return collector
+
+
+class MergedCollector:
+    """The families of several collectors, one per name: samples of equal names are joined
+    (the owners must tell theirs apart by a label, else the exposition repeats a series)."""
+
+    def __init__(self, sources: Iterable[Collector]) -> None:
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for source in self.sources:
+            for family in source.collect():
+                first = merged.get(family.name)
+                merged[family.name] = family if first is None else _joined(first, family)
+        yield from merged.values()
+
+    def describe(self) -> list[Metric]:
+        # The names depend on the sources' data: skip the registry's duplicate checks.
+        return []
+
+
+def _joined(first: Metric, second: Metric) -> Metric:
+    """A new family with both families' samples (the sources' own are left as they were)."""
+    joined = Metric(first.name, first.documentation, first.type, first.unit)
+    joined.samples = [*first.samples, *second.samples]
+    return joined
 
 
 def metrics_app(registry: CollectorRegistry) -> Any:

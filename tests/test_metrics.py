@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from mesh.errors import ConfigError
 from mesh.events import EventBus
-from mesh.metrics import flatten, metrics_app, register_statistics, render
+from mesh.histogram import Histogram
+from mesh.metrics import MergedCollector, flatten, metrics_app, register_statistics, render
 
 
 class Link(msgspec.Struct, frozen=True):
@@ -96,3 +97,17 @@ async def test_asgi_app_serves_metrics() -> None:
     assert sent[0]["status"] == 200
     body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     assert 'mesh_node_queue_depth{name="node-a"} 3.0' in body
+
+
+def test_merged_collector_joins_families_of_one_name_and_leaves_the_sources_alone() -> None:
+    a, b = Histogram("demo_seconds", "demo", ["service"], [1.0]), \
+        Histogram("demo_seconds", "demo", ["service"], [1.0])
+    a.labels("w0").observe(0.5)
+    b.labels("w1").observe(2.0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MergedCollector([a, b]))
+    text = render(registry)
+    assert text.count("# TYPE demo_seconds histogram") == 1
+    assert 'demo_seconds_bucket{le="1.0",service="w0"} 1.0' in text
+    assert 'demo_seconds_bucket{le="1.0",service="w1"} 0.0' in text
+    assert [len(family.samples) for family in a.collect()] == [4]

@@ -147,6 +147,7 @@ class RouterApp:
         self.admin_token = admin_token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))
+        self.registry.register(scheduler.metrics)
         self._parse_threads: anyio.CapacityLimiter | None = None
         self.app = Quart(__name__)
         # Streams last as long as generation does; Quart's default cuts them at 60 s.

@@ -1,19 +1,34 @@
-"""The router's /metrics: the scheduler's, the policy's and the workers' statistics.
+"""The router's /metrics: the scheduler's, the policy's and the workers' statistics, and the
+requests' latency and length histograms.
 
-Read at scrape time from each component's `statistics()`, so nothing is counted twice.
+`SchedulerCollector` reads each component's `statistics()` at scrape time, so nothing is
+counted twice. `RequestMetrics` is observed as requests run (the scheduler at a request's end,
+the runner at each streamed token): per request, labelled by the cluster that prefilled and
+the policy that placed it, the time to first token, every gap between streamed tokens, the
+end-to-end time, the time queued at the prefill worker, the time per output token, prompt and
+completion lengths; and by cluster, the prompt tokens looked up in the prefill worker's prefix
+cache and those found there. The names, units and buckets are vLLM's and NVIDIA Dynamo's
+habits (docs/observability.md); the buckets are services.histograms'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from mesh.histogram import Histogram, HistogramSeries
+from services.histograms import SECONDS_BUCKETS, TOKENS_BUCKETS
+
 if TYPE_CHECKING:
+    from services.router.requests import RequestHandle
     from services.router.scheduler import Scheduler
+
+REQUEST_LABELS = ("cluster", "policy")
 
 
 class SchedulerCollector(Collector):
@@ -65,3 +80,86 @@ class SchedulerCollector(Collector):
             up.add_metric([view.name, view.role], float(view.up))
             queue.add_metric([view.name], view.queue)
         yield from (up, queue)
+
+
+class RequestSeries(NamedTuple):
+    """One (cluster, policy)'s children of every request histogram, looked up once."""
+
+    ttft: HistogramSeries
+    itl: HistogramSeries
+    duration: HistogramSeries
+    queue: HistogramSeries
+    tpot: HistogramSeries
+    prompt: HistogramSeries
+    completion: HistogramSeries
+    query_tokens: Counter
+    hit_tokens: Counter
+
+
+class RequestMetrics(Collector):
+    """The router's per-request histograms and prefix-cache counters (module docstring)."""
+
+    def __init__(self) -> None:
+        seconds = (
+            ("prfaas_time_to_first_token_seconds", "Request sent to its first token"),
+            ("prfaas_inter_token_latency_seconds", "Gap before each output token after the "
+             "first (a chunk's gap spread over its tokens)"),
+            ("prfaas_request_duration_seconds", "Request sent to its last token (completed "
+             "requests)"),
+            ("prfaas_request_queue_seconds", "Time a request waited at its prefill worker "
+             "before its prefill began"),
+            ("prfaas_time_per_output_token_seconds", "(duration - TTFT) / (completion tokens "
+             "- 1), per completed request"),
+        )
+        tokens = (("prfaas_request_prompt_tokens", "Prompt length of completed requests"),
+                  ("prfaas_request_generation_tokens", "Completion length of completed "
+                   "requests"))
+        self._histograms = [
+            *(Histogram(name, doc, REQUEST_LABELS, SECONDS_BUCKETS) for name, doc in seconds),
+            *(Histogram(name, doc, REQUEST_LABELS, TOKENS_BUCKETS) for name, doc in tokens)]
+        self._queries = Counter("prfaas_prefix_cache_query_tokens", "Prompt tokens looked up "
+                                "in the prefill worker's prefix cache", ["cluster"],
+                                registry=None)
+        self._hits = Counter("prfaas_prefix_cache_hit_tokens", "Prompt tokens found in the "
+                             "prefill worker's prefix cache (not computed)", ["cluster"],
+                             registry=None)
+        self._series: dict[tuple[str, str], RequestSeries] = {}
+
+    def series(self, cluster: str, policy: str) -> RequestSeries:
+        """The children for requests prefilled in `cluster` and placed by `policy`."""
+        key = (cluster, policy)
+        found = self._series.get(key)
+        if found is None:
+            found = RequestSeries._make([*(h.labels(cluster, policy) for h in self._histograms),
+                                         self._queries.labels(cluster),
+                                         self._hits.labels(cluster)])
+            self._series[key] = found
+        return found
+
+    def finished(self, handle: RequestHandle, now: float) -> None:
+        """Observes a request that has ended: its first token and prefill whatever the
+        outcome, its duration and lengths when it completed."""
+        series, result = handle.series, handle.result
+        if series is None:
+            return
+        ttft = handle.first_token_at - handle.started if handle.first_token_at else None
+        if ttft is not None:
+            series.ttft.observe(ttft)
+        if handle.prefill is not None:
+            series.queue.observe(handle.prefill.queue_s)
+            series.query_tokens.inc(handle.prefill.prompt_tokens)
+            series.hit_tokens.inc(handle.prefill.reused_tokens)
+        if result is None:
+            return
+        duration = now - handle.started
+        series.duration.observe(duration)
+        series.prompt.observe(result.prompt_tokens)
+        series.completion.observe(result.completion_tokens)
+        if ttft is not None and result.completion_tokens > 1:
+            series.tpot.observe((duration - ttft) / (result.completion_tokens - 1))
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in self._histograms:
+            yield from histogram.collect()
+        yield from self._queries.collect()
+        yield from self._hits.collect()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -23,6 +24,9 @@ from services.router.errors import RouterError
 from services.router.openai.logprobs import TokenRecord
 from services.router.openai.schema import GenerationRequest
 from services.router.policy import Decision
+
+if TYPE_CHECKING:
+    from services.router.metrics import RequestSeries
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,7 +118,9 @@ class RequestHandle:
         self.prefill: PrefillDone | None = None
         self.error: RouterError | None = None
         self.result: Finished | None = None
-        self.started = self.first_token_at = 0.0
+        self.started = self.first_token_at = self.last_token_at = 0.0
+        # Its histograms (services/router/metrics.py), set by the scheduler that places it.
+        self.series: RequestSeries | None = None
         self.outbox = Outbox()
 
     def cancel(self) -> None:

@@ -165,9 +165,8 @@ class RequestRunner:
     def _take(self, handle: RequestHandle, chunk: TokenChunk,
               assembler: TextAssembler) -> str | None:
         """Feeds one chunk to the outbox; the finish reason once the request is done."""
-        if handle.first_token_at == 0.0 and chunk.tokens:
-            handle.first_token_at = self.clock()
-            self.phase(chunk.request_id, "decode", handle.placement.decode_worker)
+        if chunk.tokens:
+            self._token_times(handle, len(chunk.tokens))
         sampling = handle.request.sampling
         tokens = chunk.tokens[:sampling.max_tokens - assembler.tokens]
         stop_token = (chunk.finish_reason == "stop" and tokens == chunk.tokens
@@ -183,6 +182,19 @@ class RequestRunner:
         if assembler.tokens >= sampling.max_tokens:
             return chunk.finish_reason or "length"
         return chunk.finish_reason
+
+    def _token_times(self, handle: RequestHandle, tokens: int) -> None:
+        """The first token's time, then the gap before each later token (the ITL histogram):
+        `tokens` arriving g after the last one count as `tokens` gaps of g / tokens (a whole
+        answer's tokens after the first come together at its end)."""
+        now = self.clock()
+        if handle.first_token_at == 0.0:
+            handle.first_token_at = handle.last_token_at = now
+            self.phase(handle.placement.request_id, "decode", handle.placement.decode_worker)
+            tokens -= 1
+        if tokens > 0 and handle.series is not None:
+            handle.series.itl.observe((now - handle.last_token_at) / tokens, tokens)
+        handle.last_token_at = now
 
     def _records(self, chunk: TokenChunk, tokens: list[int], start: int,
                  end: int) -> tuple[TokenRecord, ...] | None:

@@ -50,6 +50,7 @@ from services.model.tokenizer import TokenizerLike
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
 from services.router.link import LinkBook
+from services.router.metrics import RequestMetrics
 from services.router.openai.schema import GenerationRequest
 from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
 from services.router.policy import (
@@ -129,6 +130,7 @@ class Scheduler:
         self._directory_answers = True
         self._placing = 0
         self._runner = RequestRunner(node, workers, tokenizer, self.config, self.events, clock)
+        self.metrics = RequestMetrics()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -156,6 +158,8 @@ class Scheduler:
         finally:
             self._placing -= 1
         handle.started = started
+        handle.series = self.metrics.series(
+            self.workers.cluster_of(handle.placement.prefill_worker), self.policy.name)
         self._active[handle.placement.request_id] = handle
         self.workers.dispatched(handle.placement.prefill_worker, handle.placement.decode_worker)
         self._counts.admitted += 1
@@ -314,6 +318,7 @@ class Scheduler:
         error = UpstreamFailed(f"request {p.request_id} was cancelled") if cancelled \
             else handle.error
         self._count(handle.result, cancelled)
+        self.metrics.finished(handle, self.clock())
         handle.outbox.close(handle.result, error)
         self._publish_done(handle, cancelled)
         self.policy.observe(RequestFinished(
