@@ -68,6 +68,10 @@ class Histogram:
             series = self._series[values] = HistogramSeries(self.bounds)
         return series
 
+    def items(self) -> list[tuple[tuple[str, ...], HistogramSeries]]:
+        """Every series observed so far, by its label values."""
+        return list(self._series.items())
+
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.doc, labels=list(self.label_names))
         les = [*(_format_bound(b) for b in self.bounds), "+Inf"]

@@ -9,12 +9,13 @@ find their peers - directly inside a cluster, through the link's proxy port acro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Info
+from prometheus_client.registry import Collector
 
 from mesh.errors import ConfigError
 from mesh.events import EventBus
@@ -148,14 +149,18 @@ def serve_events(node: Node, bus: EventBus[Event]) -> None:
 
 
 async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource],
-                        info: dict[str, dict[str, str]] | None = None) -> None:
+                        info: dict[str, dict[str, str]] | None = None,
+                        collectors: Sequence[Collector] = ()) -> None:
     """`/metrics` of the service's statistics on options.metrics_port (0: none), until
     cancelled; each source's numbers under prfaas_<prefix>_..., labelled with the service;
-    each `info` entry a constant prfaas_<name>_info{service, its labels} 1 (what it runs)."""
+    each `info` entry a constant prfaas_<name>_info{service, its labels} 1 (what it runs);
+    and `collectors` as they are (histograms their owners observe)."""
     port = ctx.option("metrics_port", 0)
     if port == 0:
         return
     registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
     for prefix, source in sources.items():
         register_statistics(registry, f"prfaas_{prefix}", source, {"service": ctx.name})
     for name, labels in (info or {}).items():

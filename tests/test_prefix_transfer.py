@@ -23,6 +23,7 @@ import httpx
 import pytest
 import trio
 
+from mesh.histogram import HistogramSeries
 from mesh.topology import Topology, parse_topology
 from mesh.transport import TcpTransport
 from services.cli.launch import in_process
@@ -39,6 +40,7 @@ from services.router.workers import WorkerTable
 from services.worker import engine as engine_module
 from services.worker import prefix_pull as prefix_pull_module
 from services.worker.kv_stream import expected_kv_bytes
+from services.worker.service import WorkerService
 from tests.kv_exact import (
     MUTATIONS,
     Mutation,
@@ -160,6 +162,8 @@ class PullOutcome:
     two: RequestHandle
     text: str
     moved: int
+    # (service, link, kind) -> (transfers, bytes) of the workers' KV-transfer histograms
+    transfers: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
 
 
 async def pull_scenario(checkpoint: Path) -> PullOutcome:
@@ -182,7 +186,19 @@ async def pull_scenario(checkpoint: Path) -> PullOutcome:
             text, _ = await two.collect()
             moved = await link_bytes(topo) - before
         group.cancel_scope.cancel()
-    return PullOutcome(one, two, text, moved)
+        transfers = {labels: (series.count, bytes_series.sum)
+                     for name in ("q", "d") for labels, series, bytes_series in
+                     kv_transfers(mesh.services[name])}
+    return PullOutcome(one, two, text, moved, transfers)
+
+
+def kv_transfers(service: object) -> list[tuple[tuple[str, str, str], HistogramSeries,
+                                                HistogramSeries]]:
+    """Each (service, link, kind) a worker's KV-transfer histograms hold: seconds, bytes."""
+    assert isinstance(service, WorkerService)
+    metrics = service.kv_metrics
+    return [(labels, series, metrics.bytes.labels(*labels))
+            for labels, series in metrics.seconds.items()]
 
 
 def check_pull(outcome: PullOutcome, pulls: Pulls) -> None:
@@ -208,6 +224,11 @@ def check_pull(outcome: PullOutcome, pulls: Pulls) -> None:
     assert cache_bytes(pulls.decoded[1]) == cache_bytes(one_process_cache("kimi-linear",
                                                                           SECOND))
     assert IdTokenizer().encode(outcome.text) == reference(SECOND)
+    # Each transfer observed once by its receiver: turn 1 whole over the link to d, the
+    # prefix over the link to q, turn 2's rest from q to d inside the PD cluster.
+    assert {labels: count for labels, (count, _) in outcome.transfers.items()} == {
+        ("d", "link", "full"): 1, ("q", "link", "prefix"): 1, ("d", "local", "incremental"): 1}
+    assert prefix_kv <= outcome.transfers["q", "link", "prefix"][1] <= outcome.moved
 
 
 @pytest.mark.trio

@@ -45,6 +45,7 @@ from services.worker.kv_inbox import KVAssembly, KVInbox
 from services.worker.kv_stream import out_of_range
 from services.worker.member import Member, token_chunk
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
+from services.worker.transfer_metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,12 @@ class DecodeWorker:
         bus: EventBus[Event] | None = None,
         pacing: Pacing | None = None,
         report: Callable[[StoreChange], None] | None = None,
+        kv_metrics: KVTransferMetrics | None = None,
     ) -> None:
         self.model = as_engine(model)
         self.store = store
         self.config = config
+        self.kv_metrics = kv_metrics or KVTransferMetrics(config.name)
         self._bus = bus or EventBus()
         self._pacing = pacing
         self._report = report
@@ -236,6 +239,7 @@ class DecodeWorker:
                                   f"{opening.start}, not below the prompt's {opening.end}")
         base = self._base(request, opening.start)
         cache: RequestCache = await self.model.import_kv(opening, base, assembly.pieces)
+        self.kv_metrics.imported(assembly)
         assembly.free()
         self._counts.reused_tokens += opening.start
         return cache

@@ -55,6 +55,9 @@ class KVAssembly:
         self.first_logprob: TokenLogprob | None = None
         self.failure: KVTransferError | None = None
         self.gone = False  # released or dropped: its lanes are refused
+        self.peer = "?"  # the sending node (services/worker/transfer_metrics.py: its link)
+        self.first_piece_at: float | None = None
+        self.received_bytes = 0  # pieces' payload, kept after `free` (the transfer's size)
         self._closed: set[int] = set()
         self._opened: set[int] = set()
         self._changed = anyio.Event()
@@ -88,6 +91,9 @@ class KVAssembly:
                                   f"{self.request_id!r} arrived twice")
         self.pieces[key] = _owned(chunk.data)
         self.nbytes += len(chunk.data)
+        self.received_bytes += chunk.size
+        if self.first_piece_at is None:
+            self.first_piece_at = anyio.current_time()
 
     def close_lane(self, lane: int) -> None:
         self._closed.add(lane)
@@ -151,6 +157,7 @@ class KVInbox:
         """One upload lane: check it is for this model, collect its pieces, close it."""
         self._refuse_if_gone(opening.request_id)
         assembly = self._assembly(opening.request_id)
+        assembly.peer = peer
         count = nbytes = 0
         try:
             self._check_model(opening)

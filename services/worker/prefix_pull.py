@@ -51,6 +51,7 @@ from services.model.model import HybridLM
 from services.worker.kv_inbox import KVInbox
 from services.worker.kv_stream import PieceSpec, import_pieces, stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
+from services.worker.transfer_metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,9 @@ class PrefixTransfer:
 
     def __init__(self, name: str, model: HybridLM, store: PrefixStore, lanes: Sequence[Node],
                  *, report: Callable[[StoreChange], None] | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, kv_metrics: KVTransferMetrics | None = None) -> None:
         self.name, self.model, self.store = name, model, store
+        self.kv_metrics = kv_metrics or KVTransferMetrics(name)
         self._lanes = list(lanes)
         self._report = report
         self.timeout = timeout
@@ -134,6 +136,7 @@ class PrefixTransfer:
             dtype = assembly.opening.dtype if assembly.opening else _dtype(self.model)
             cache = await anyio.to_thread.run_sync(import_pieces, self.model.cfg, dtype, base,
                                                    assembly.pieces)
+            self.kv_metrics.imported(assembly)
         finally:
             self.inbox.release(key)
         self._keep(hashes, cache)

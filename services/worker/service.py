@@ -63,6 +63,7 @@ from services.worker.engine import Engine, ModelEngine
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
+from services.worker.transfer_metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +239,12 @@ class WorkerService:
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
         self.reporter = CacheReporter(self.node, cachedir, self.report)
         pacing = self._pacing()
+        # One owner for both receiving sides: the decode worker's and a pulled prefix's.
+        self.kv_metrics = KVTransferMetrics(self.name, link_of_peer(ctx.topology, self.cluster))
         # Moving cached KV between workers needs real caches: a modeled engine has none.
         self.transfer = PrefixTransfer(self.name, engine.model, self.store, self.lanes,
-                                       report=self.reporter.submit) if isinstance(
+                                       report=self.reporter.submit,
+                                       kv_metrics=self.kv_metrics) if isinstance(
             engine, ModelEngine) else None
         self.prefill = PrefillWorker(
             engine, self.store, self.lanes,
@@ -261,6 +265,7 @@ class WorkerService:
                                              max_batch=ctx.option("max_batch", 0),
                                              orphan_timeout=ctx.option("orphan_timeout", 120.0)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
+            kv_metrics=self.kv_metrics,
         )
         self._register()
 
@@ -376,7 +381,8 @@ class WorkerService:
                 sources["prefix_transfer"] = self.transfer.statistics
             model = {"family": self.info.family, "size": self.info.size,
                      "dtype": self.info.dtype, "source": self.info.source}
-            tg.start_soon(serve_metrics, self.ctx, sources, {"model": model})
+            tg.start_soon(serve_metrics, self.ctx, sources, {"model": model},
+                          [self.kv_metrics])
             log.info("%s serving role %s with %s %s in %s (%s)", self.name, self.role,
                      self.info.family, self.info.size, self.info.dtype, self.info.source)
             task_status.started(address)
