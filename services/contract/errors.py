@@ -18,6 +18,10 @@ class KVTransferError(DataPathError):
     """A request's KV did not arrive whole: the stream broke, timed out or does not fit."""
 
 
+class KVStalled(KVTransferError):
+    """A request's KV made no progress for its bound (`DecodeRequest.kv_stall`): abandoned."""
+
+
 class WrongRole(DataPathError):
     """A worker was asked for work of the role it does not hold (or is draining)."""
 

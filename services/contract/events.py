@@ -9,7 +9,7 @@ through it and their HTTP endpoints. Times are seconds on the publishing service
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -114,6 +114,28 @@ class RequestDone(Event, frozen=True, tag="done"):
     error: str = ""
 
 
+MigrationReason = Literal["decode_lost", "prefill_lost", "kv_stalled", "kv_cut"]
+MIGRATION_REASONS: tuple[MigrationReason, ...] = get_args(MigrationReason)
+
+
+class RequestMigrated(Event, frozen=True, tag="migrated"):
+    """A request's data path broke and the router continued it elsewhere (its timeline shows
+    the break): decode_lost (the decode worker or its stream went), prefill_lost (the prefill
+    worker went before the first token), kv_stalled (its KV made no progress on the link for
+    the bound) or kv_cut (its KV stream broke on the way). `attempt` counts from 1; the
+    workers see the attempt's own id (`attempt_id`)."""
+
+    request_id: str
+    attempt: int
+    reason: MigrationReason
+    failed_worker: str  # the worker whose side broke
+    prefill_worker: str  # where the attempt goes on
+    decode_worker: str
+    cluster: str  # the cluster of its new prefill
+    tokens_kept: int  # output tokens already streamed, re-sent with the prompt
+    detail: str = ""
+
+
 class ThresholdChanged(Event, frozen=True, tag="threshold"):
     """The router's threshold t moved (short-term loop, planner re-solve, or an override)."""
 
@@ -149,6 +171,7 @@ AnyEvent = (
     | WorkerStatus
     | RequestPhase
     | RequestDone
+    | RequestMigrated
     | ThresholdChanged
     | RoleChanged
     | CacheActivity
@@ -161,6 +184,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     WorkerStatus,
     RequestPhase,
     RequestDone,
+    RequestMigrated,
     ThresholdChanged,
     RoleChanged,
     CacheActivity,
@@ -168,6 +192,21 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 
 _json_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
 _json_encoder = msgspec.json.Encoder()
+
+
+# The workers know a migrated request by its attempt's id: the router's id and this mark.
+ATTEMPT_MARK = ".m"
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id the workers see for `attempt` of a request (0: the router's id itself)."""
+    return request_id if attempt == 0 else f"{request_id}{ATTEMPT_MARK}{attempt}"
+
+
+def base_request_id(request_id: str) -> str:
+    """The router's id of a request from any of its attempts' ids (`attempt_id`)."""
+    base, mark, attempt = request_id.rpartition(ATTEMPT_MARK)
+    return base if mark and attempt.isdigit() else request_id
 
 
 def encode_json(event: Event) -> bytes:

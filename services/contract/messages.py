@@ -131,6 +131,10 @@ class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     sampling: Sampling = Sampling()
     kv_timeout: float = 60.0
     incremental: bool = True
+    # Seconds the KV may make no progress (no lane opened, no piece arrived) before the
+    # stream fails with KVStalled; 0: no bound but kv_timeout. The router sets it for KV that
+    # crosses a link, so that a stalled transfer is abandoned and re-prefilled in the PD cluster.
+    kv_stall: float = 0.0
 
 
 class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):

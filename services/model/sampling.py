@@ -49,6 +49,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.temperature == 0
 
 
+# A fixed odd multiplier spreads (seed, index) pairs over the 63-bit seed space; being odd,
+# it is invertible there, which `continued_seed` relies on.
+_SPREAD = 0x9E3779B97F4A7C15
+_SEED_SPACE = 2**63
+
+
+def _token_seed(seed: int, index: int) -> int:
+    """The generator seed of output token number `index` of a request seeded `seed`."""
+    return (seed * _SPREAD + index) % _SEED_SPACE
+
+
+def continued_seed(seed: int, drawn: int) -> int:
+    """The seed whose token i is drawn as token `drawn` + i of a request seeded `seed`: a
+    request continued elsewhere after `drawn` tokens (the router's migration) keeps its
+    place in the seed's stream."""
+    return (seed + drawn * pow(_SPREAD, -1, _SEED_SPACE)) % _SEED_SPACE
+
+
 class RequestSampler:
     """Draws one request's tokens. Token i is drawn with a generator seeded from (seed, i),
     so a decode worker in another process continues exactly where the prefill side (which
@@ -67,8 +85,7 @@ class RequestSampler:
     def generator_for(self, index: int) -> torch.Generator | None:
         if self._generator is None or self._seed is None:
             return None
-        # A fixed odd multiplier spreads (seed, index) pairs over the 64-bit seed space.
-        return self._generator.manual_seed((self._seed * 0x9E3779B97F4A7C15 + index) % 2**63)
+        return self._generator.manual_seed(_token_seed(self._seed, index))
 
     def blocks(self, index: int) -> bool:
         """Whether output token number `index` has tokens masked (min_tokens)."""

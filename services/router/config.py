@@ -19,6 +19,13 @@ from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.router.link import LinkEnds
 from services.router.policies import POLICIES
 
+# Request migration (services/router/runner.py): how many times one request may be continued
+# elsewhere after its data path broke, and how long KV crossing a link may make no progress
+# before it is abandoned and the request re-prefilled in the PD cluster. The topology's
+# router options `migration_limit` and `kv_stall_s` set them.
+MIGRATION_LIMIT = 3
+KV_STALL_S = 3.0
+
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Bounds and deadlines (seconds on the scheduler's clock)."""
@@ -33,6 +40,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     connections: int = 4
     stall_window_s: float = 30.0
     links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
+    migration_limit: int = MIGRATION_LIMIT  # 0: a broken data path fails its request
+    # 0: no stall bound (the simulation's default: its queues may hold KV back for long);
+    # the router service takes the topology's, KV_STALL_S unless it says otherwise.
+    kv_stall_s: float = 0.0
 
     id_prefix: str = ""  # request ids req-PREFIX-N; "" draws a random prefix
 
@@ -43,6 +54,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("lookup_timeout_s", "request_timeout_s", "kv_timeout_s", "stall_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("migration_limit", "kv_stall_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,6 +77,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_size: int = 64  # must equal the workers' model block size
     connections: int = 4
     tick_s: float = 1.0
+    # Times one request may continue elsewhere after a worker or its KV stream failed
+    # (0: off), and the seconds KV crossing a link may make no progress (0: no bound).
+    migration_limit: int = MIGRATION_LIMIT
+    kv_stall_s: float = KV_STALL_S
     model: str = "prfaas"
     tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
     # Each policy's own options (fields of its config type) over the defaults that
@@ -92,7 +110,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def scheduler_config(self, links: tuple[LinkEnds, ...] = ()) -> SchedulerConfig:
         return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
-                               connections=self.connections, links=links)
+                               connections=self.connections, links=links,
+                               migration_limit=self.migration_limit, kv_stall_s=self.kv_stall_s)
 
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:

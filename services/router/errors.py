@@ -68,6 +68,18 @@ class UpstreamFailed(RouterError):
     status, kind = 502, "upstream_error"
 
 
+class DataPathBroken(UpstreamFailed):
+    """A placed request's data path broke (services/router/runner.py `drive`): the message is
+    the first error either side met; `prefill` and `decode` hold what each side met (the mesh
+    error, or the UpstreamFailed of a broken protocol), None for a side that met nothing. The
+    request runner reads them to decide whether and where the request continues."""
+
+    def __init__(self, message: str, *, prefill: Exception | None,
+                 decode: Exception | None) -> None:
+        super().__init__(message)
+        self.prefill, self.decode = prefill, decode
+
+
 class ErrorDetail(msgspec.Struct, frozen=True):
     message: str
     type: str

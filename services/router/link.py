@@ -89,7 +89,8 @@ def link_ends(topology: Topology) -> tuple[LinkEnds, ...]:
 
 
 class LinkBook:
-    """The latest sample of each link and its recent stalls (over `stall_window_s`)."""
+    """The latest sample of each link, its recent stalls (over `stall_window_s`), and the
+    links held back from new offload after KV stalled on them (`hold`)."""
 
     def __init__(self, links: Sequence[LinkEnds], stall_window_s: float) -> None:
         self._ends = {(e.a, e.b): e.name for e in links}
@@ -97,6 +98,7 @@ class LinkBook:
         self.stall_window_s = stall_window_s
         self._samples: dict[str, LinkSample] = {}
         self._stalls: dict[str, deque[tuple[float, int]]] = {}
+        self._held: dict[str, float] = {}  # link -> until when it takes no new offload
 
     def observe(self, sample: LinkSample) -> None:
         self._samples[sample.link] = sample
@@ -113,6 +115,14 @@ class LinkBook:
         """The latest sample of the link between a and b; an unnamed sample stands for any."""
         name = self.between(a, b)
         return self._samples.get(name) or self._samples.get("")
+
+    def hold(self, a: str, b: str, until: float) -> None:
+        """KV stalled on the link between a and b: it takes no new offload until `until`."""
+        name = self.between(a, b)
+        self._held[name] = max(until, self._held.get(name, until))
+
+    def held(self, a: str, b: str, now: float) -> bool:
+        return self._held.get(self.between(a, b), now) > now
 
     def recent_stalls(self, a: str, b: str) -> int:
         name = self.between(a, b)

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from mesh.histogram import Histogram, HistogramSeries
+from services.contract.events import MIGRATION_REASONS
 from services.histograms import SECONDS_BUCKETS, TOKENS_BUCKETS
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._requests()
+        yield from self._migrations()
         yield from self._policy()
         yield from self._workers()
 
@@ -62,6 +64,21 @@ class SchedulerCollector(Collector):
                                   "that failed", value=stats.lookup_failures)
         yield GaugeMetricFamily("prfaas_router_inflight", "Requests in flight",
                                 value=stats.inflight)
+
+    def _migrations(self) -> Iterator[Metric]:
+        """Requests continued elsewhere after their data path broke (services/router/runner.py)."""
+        stats = self._scheduler.statistics()
+        migrations = CounterMetricFamily("prfaas_router_migrations", "Requests continued on "
+                                         "other workers after their data path broke, by "
+                                         "reason", labels=["reason"])
+        for reason in MIGRATION_REASONS:
+            migrations.add_metric([reason], stats.migrations.get(reason, 0))
+        yield migrations
+        yield CounterMetricFamily("prfaas_router_migrations_gave_up", "Requests that broke "
+                                  "again past the migration limit", value=stats.migrations_gave_up)
+        yield CounterMetricFamily("prfaas_router_migration_resume_seconds", "Summed time from "
+                                  "a break to the continued attempt's first token",
+                                  value=stats.migration_resume_s)
 
     def _policy(self) -> Iterator[Metric]:
         policy = self._scheduler.policy.statistics()

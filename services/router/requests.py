@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from services.contract.events import MigrationReason, attempt_id
 from services.contract.messages import PrefillDone, PrefixPull
 from services.contract.types import Cluster
 from services.router.errors import RouterError
@@ -41,6 +42,25 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     decode_has_tokens: int  # the prefix whose KV the decode worker already holds
     decision: Decision
     pull: PrefixPull | None = None  # the cached prefix the prefill worker fetches first
+    # 0 for the request as placed; n after its n-th migration (services/router/runner.py).
+    attempt: int = 0
+
+    @property
+    def wire_id(self) -> str:
+        """The id the workers know this attempt by (the router's own for attempt 0)."""
+        return attempt_id(self.request_id, self.attempt)
+
+
+class Migration(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request whose data path broke is to continue (services/router/runner.py):
+    the runner's ask, the scheduler's placement answers it."""
+
+    reason: MigrationReason
+    attempt: int  # this continuation's number, from 1
+    prompt: list[int]  # the request's prompt and every output token streamed so far
+    failed_worker: str
+    avoid: frozenset[str]  # the workers that failed this request so far
+    cluster: Cluster | None  # the kind of cluster to prefill in; None: the policy decides
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):

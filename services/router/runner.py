@@ -10,27 +10,53 @@ and cancels the other; cancelling the request's scope (the client left) aborts t
 stream at its worker and gives up the prefill call. `prfaas send` (services/cli/send.py)
 drives a prompt through two workers it names on the same `drive`. Counting and events of the
 request's end are the scheduler's (services/router/scheduler.py).
+
+Migration (`RequestRunner.run`): when an attempt's data path breaks, the request continues
+elsewhere, at most `migration_limit` times, as NVIDIA Dynamo's request migration does:
+1. `breakage` reads what each side met and says what broke: the decode worker or its stream
+   (decode_lost), the prefill worker before the first token (prefill_lost), the KV making no
+   progress across the link for `kv_stall_s` (kv_stalled, which the decode worker reports) or
+   the KV stream cut on its way (kv_cut); an error of the request itself (a bad value, its
+   deadline) is not a breakage and fails it as before;
+2. the prompt and every output token already streamed to the client become the new
+   attempt's prompt; max_tokens and min_tokens shrink by those tokens, and a seeded sampled
+   request keeps its place in its seed's stream (`continued`: token i of the new attempt is
+   drawn as token k + i of the old). The model is deterministic at temperature 0, so a
+   greedy request gives the text it would have given unbroken;
+3. the scheduler places it again (`Migration`): decode_lost by the current policy, away from
+   the lost worker; prefill_lost in the same kind of cluster on another worker, else the
+   other kind; kv_stalled and a cut cross-cluster stream in the PD cluster. A worker whose
+   connection broke is marked down until it answers a status poll again;
+4. the client's stream goes on from the same TextAssembler: no token repeated or missing,
+   usage counts the whole answer. Each migration is a `RequestMigrated` event (the request's
+   timeline) and counted by reason (`statistics`, /metrics). Past the limit, or with no
+   worker to continue on, the request ends with an explicit error.
+The workers know each attempt by its own id (`attempt_id`: a decode worker refuses an id it
+has decoded), and the old attempt's KV is let go on both ends: the decode stream's end frees
+its pieces and refuses late lanes, and the prefill call is given up (its job cancelled).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
-from mesh.errors import MeshError
+from mesh.errors import MeshError, PeerGone, RemoteError, StreamAborted
 from mesh.events import EventBus
 from mesh.node import Node
-from services.contract.events import Event, RequestPhase
+from services.contract.events import Event, MigrationReason, RequestMigrated, RequestPhase
 from services.contract.messages import DecodeRequest, PrefillDone, PrefillRequest, TokenChunk
-from services.contract.types import Phase
+from services.contract.sampling import Sampling
+from services.contract.types import Cluster, Phase
+from services.model.sampling import continued_seed
 from services.model.tokenizer import TokenizerLike
-from services.router.errors import UpstreamFailed
+from services.router.errors import DataPathBroken, NoWorkerAvailable, QueueFull, UpstreamFailed
 from services.router.openai.logprobs import TokenRecord, chat_entry, text_offsets
 from services.router.openai.text import TextAssembler
-from services.router.requests import Delta, Finished, RequestHandle
+from services.router.requests import Delta, Finished, Migration, Placement, RequestHandle
 from services.router.workers import WorkerTable
 
 if TYPE_CHECKING:
@@ -58,9 +84,10 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
     Each chunk goes to `on_chunk`, which returns the finish reason once the request is done;
     done before the worker (a stop string, max_tokens), leaving the stream aborts the rest of
     the generation there. `on_prefilled` runs when the prefill call ends, either way. Raises
-    UpstreamFailed naming the worker: the first error either side met, which cancels the
-    other; after a failed prefill the token stream has `grace_s` to report its own, more
-    specific error first (a cut KV stream), which is then the one raised.
+    DataPathBroken (an UpstreamFailed) naming the worker: the first error either side met,
+    which cancels the other; after a failed prefill the token stream has `grace_s` to report
+    its own, more specific error first (a cut KV stream), which then names it. The error
+    holds what each side met.
     """
     failures: list[tuple[str, UpstreamFailed]] = []
     done: list[PrefillDone] = []
@@ -84,8 +111,7 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
         if failures:
             group.cancel_scope.cancel()
     if failures:
-        decoded = [f for kind, f in failures if kind == "decode"]
-        raise decoded[0] if decoded and grace_s > 0 else failures[0][1]
+        raise _broken(failures, grace_s)
     if reason is None:
         raise UpstreamFailed(f"decode on {decode_worker} ended request {decode.request_id} "
                              "without a finish reason")
@@ -116,6 +142,17 @@ async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: 
     return None
 
 
+def _broken(failures: list[tuple[str, UpstreamFailed]], grace_s: float) -> DataPathBroken:
+    decoded = [f for kind, f in failures if kind == "decode"]
+    first = decoded[0] if decoded and grace_s > 0 else failures[0][1]
+    # A side's own error is the mesh error behind its UpstreamFailed, if any.
+    met = {kind: f.__cause__ if isinstance(f.__cause__, Exception) else f
+           for kind, f in reversed(failures)}
+    broken = DataPathBroken(first.message, prefill=met.get("prefill"), decode=met.get("decode"))
+    broken.__cause__ = first.__cause__
+    return broken
+
+
 def _failed(what: str, exc: MeshError) -> UpstreamFailed:
     """UpstreamFailed for `exc`, which stays its cause (a RemoteError's kind and detail)."""
     failure = UpstreamFailed(f"{what}: {exc}")
@@ -123,52 +160,138 @@ def _failed(what: str, exc: MeshError) -> UpstreamFailed:
     return failure
 
 
+# After a failed prefill, the decode side's own error is awaited this long: when the decode
+# worker died, the prefill fails too (its KV lanes broke), and the decode side says which.
+GRACE_S = 0.5
+# Errors a worker raises that say its side of the data path broke, not that the request is
+# wrong (services/contract/errors.py): a request meeting one of them may continue elsewhere.
+BREAKAGES = frozenset({"KVTransferError", "KVStalled", "DataPathError", "WrongRole"})
+
+Replace = Callable[[RequestHandle, Migration], Awaitable[Placement]]
+
+
+class RunnerStatistics(msgspec.Struct, frozen=True):
+    migrations: dict[str, int]  # by reason (MigrationReason)
+    gave_up: int  # requests past migration_limit
+    resumed: int  # migrated attempts that streamed their first token
+    resume_s: float  # their summed time from the break to that token
+
+
 class RequestRunner:
-    """Runs placed requests (module docstring); `phase` publishes a request's progress."""
+    """Runs placed requests (module docstring); `phase` publishes a request's progress.
+    `replace` is the scheduler's placement of a migrated request (None: none migrates)."""
 
     def __init__(self, node: Node, workers: WorkerTable, tokenizer: TokenizerLike,
                  config: SchedulerConfig, events: EventBus[Event],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], replace: Replace | None = None) -> None:
         self.node, self.workers, self.tokenizer = node, workers, tokenizer
         self.config, self.events, self.clock = config, events, clock
+        self._replace = replace
+        self._migrations: dict[str, int] = {}
+        self._gave_up = self._resumed = 0
+        self._resume_s = 0.0
 
     async def run(self, handle: RequestHandle) -> Finished:
-        """`drive` with the tokens going through a TextAssembler into the request's outbox;
-        the result, or the first error either side met."""
-        p, request, cfg = handle.placement, handle.request, self.config
+        """`drive` with the tokens going through a TextAssembler into the request's outbox,
+        continued elsewhere when its data path breaks (module docstring); the result, or
+        the error that ended it."""
+        request = handle.request
         assembler = TextAssembler(self.tokenizer, request.stop, request.sampling.min_tokens)
+        kept: list[int] = []  # output tokens taken so far, over every attempt
+        avoid: set[str] = set()
+        broken_at: list[float] = []  # when the last break was met, until the next token
+        while True:
+            try:
+                driven = await self._attempt(handle, assembler, kept, broken_at)
+                break
+            except DataPathBroken as broken:
+                broken_at[:] = [self.clock()]
+                await self._migrate(handle, broken, kept, avoid)
+        handle.prefill = driven.prefill
+        handle.outbox.put(assembler.finish())
+        prompt = len(request.prompt)
+        return Finished(finish_reason=driven.finish_reason, prompt_tokens=prompt,
+                        completion_tokens=assembler.tokens,
+                        cached_tokens=min(prompt, driven.prefill.reused_tokens))
+
+    async def _attempt(self, handle: RequestHandle, assembler: TextAssembler,
+                       kept: list[int], broken_at: list[float]) -> Driven:
+        """One attempt: the prompt and the tokens kept so far, on the placement's workers."""
+        p, request, cfg = handle.placement, handle.request, self.config
+        prompt = [*request.prompt, *kept]
+        sampling = continued(request.sampling, len(kept))
         self.phase(p.request_id, "prefill", p.prefill_worker, f"cluster {p.cluster}")
         # A whole (non-streamed) answer without stop strings needs no token before the last
         # but the first (its time is the TTFT): the worker sends the rest at the finish.
-        decode = DecodeRequest(request_id=p.request_id, prompt=request.prompt,
-                               sampling=request.sampling, kv_timeout=cfg.kv_timeout_s,
-                               incremental=request.stream or bool(request.stop))
-        driven = await drive(
-            self.node, p.prefill_worker, self._prefill_request(handle), p.decode_worker, decode,
-            timeout=cfg.request_timeout_s,
-            on_chunk=lambda chunk: self._take(handle, chunk, assembler),
-            on_prefilled=lambda: self.workers.prefilled(p.prefill_worker))
-        handle.prefill = driven.prefill
-        handle.outbox.put(assembler.finish())
-        return Finished(finish_reason=driven.finish_reason, prompt_tokens=p.prompt_tokens,
-                        completion_tokens=assembler.tokens,
-                        cached_tokens=driven.prefill.reused_tokens)
+        # Only KV that crosses a link has a stall bound: within a cluster a wait is a queue.
+        decode = DecodeRequest(request_id=p.wire_id, prompt=prompt, sampling=sampling,
+                               kv_timeout=cfg.kv_timeout_s,
+                               incremental=request.stream or bool(request.stop),
+                               kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0)
+        return await drive(
+            self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
+            p.decode_worker, decode, timeout=cfg.request_timeout_s,
+            on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
+            on_prefilled=lambda: self.workers.prefilled(p.prefill_worker), grace_s=GRACE_S)
 
-    def _prefill_request(self, handle: RequestHandle) -> PrefillRequest:
-        p, request = handle.placement, handle.request
+    async def _migrate(self, handle: RequestHandle, broken: DataPathBroken, kept: list[int],
+                       avoid: set[str]) -> None:
+        """Places the request's next attempt (steps 1-3 of the module docstring), or raises
+        the error that ends it."""
+        p, limit = handle.placement, self.config.migration_limit
+        found = breakage(broken, p)
+        if found is None or limit == 0 or self._replace is None:
+            raise broken
+        reason, worker, lost = found
+        if p.attempt >= limit:
+            self._gave_up += 1
+            raise UpstreamFailed(f"{broken.message}; request {p.request_id} was not continued: "
+                                 f"it has been migrated {p.attempt} times, migration_limit="
+                                 f"{limit}") from broken
+        if lost:
+            self.workers.lost(worker)
+        avoid.add(worker)
+        migration = Migration(
+            reason=reason, attempt=p.attempt + 1, prompt=[*handle.request.prompt, *kept],
+            failed_worker=worker, avoid=frozenset(avoid), cluster=_cluster_after(reason, p))
+        try:
+            placed = await self._replace(handle, migration)
+        except (NoWorkerAvailable, QueueFull) as exc:
+            raise UpstreamFailed(f"{broken.message}; request {p.request_id} could not be "
+                                 f"continued: {exc.message}") from broken
+        self._migrations[reason] = self._migrations.get(reason, 0) + 1
+        self._published(migration, placed, len(kept), broken.message)
+
+    def _published(self, migration: Migration, placed: Placement, kept: int,
+                   detail: str) -> None:
+        if not self.events.subscribed:  # the dashboard's and the simulation's
+            return
+        self.events.publish(RequestMigrated(
+            ts=self.clock(), source="router", request_id=placed.request_id,
+            attempt=migration.attempt, reason=migration.reason,
+            failed_worker=migration.failed_worker, prefill_worker=placed.prefill_worker,
+            decode_worker=placed.decode_worker, cluster=placed.cluster, tokens_kept=kept,
+            detail=detail))
+
+    def _prefill_request(self, handle: RequestHandle, prompt: list[int],
+                         sampling: Sampling) -> PrefillRequest:
+        p = handle.placement
         lanes = min(self.config.connections, self.workers.lanes(p.prefill_worker))
         return PrefillRequest(
-            request_id=p.request_id, prompt=request.prompt, decode_worker=p.decode_worker,
-            decode_has_tokens=p.decode_has_tokens, sampling=request.sampling,
+            request_id=p.wire_id, prompt=prompt, decode_worker=p.decode_worker,
+            decode_has_tokens=p.decode_has_tokens, sampling=sampling,
             connections=lanes if p.cluster == "prfaas" else 1, pull=p.pull)
 
-    def _take(self, handle: RequestHandle, chunk: TokenChunk,
-              assembler: TextAssembler) -> str | None:
+    def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
+              kept: list[int], broken_at: list[float]) -> str | None:
         """Feeds one chunk to the outbox; the finish reason once the request is done."""
+        if broken_at and chunk.tokens:
+            self._resumed_after(handle, broken_at.pop())
         if chunk.tokens:
             self._token_times(handle, len(chunk.tokens))
         sampling = handle.request.sampling
         tokens = chunk.tokens[:sampling.max_tokens - assembler.tokens]
+        kept.extend(tokens)
         stop_token = (chunk.finish_reason == "stop" and tokens == chunk.tokens
                       and tokens[-1:] != [] and tokens[-1] in sampling.stop_token_ids)
         shown = tokens[:-1] if stop_token else tokens
@@ -196,6 +319,17 @@ class RequestRunner:
             handle.series.itl.observe((now - handle.last_token_at) / tokens, tokens)
         handle.last_token_at = now
 
+    def _resumed_after(self, handle: RequestHandle, broken_at: float) -> None:
+        """A migrated attempt's first token: the end of the gap its migration cost."""
+        self._resumed += 1
+        self._resume_s += self.clock() - broken_at
+        self.phase(handle.placement.request_id, "decode", handle.placement.decode_worker,
+                   f"attempt {handle.placement.attempt}")
+
+    def statistics(self) -> RunnerStatistics:
+        return RunnerStatistics(migrations=dict(self._migrations), gave_up=self._gave_up,
+                                resumed=self._resumed, resume_s=self._resume_s)
+
     def _records(self, chunk: TokenChunk, tokens: list[int], start: int,
                  end: int) -> tuple[TokenRecord, ...] | None:
         """The logprobs of `tokens` (a chunk's first ones), their text at [start, end)."""
@@ -219,3 +353,56 @@ async def _after_end(chunks: AsyncIterator[object]) -> str | None:
     async for extra in chunks:
         return type(extra).__name__
     return None
+
+
+def continued(sampling: Sampling, kept: int) -> Sampling:
+    """The sampling of an attempt that continues after `kept` output tokens: as many fewer to
+    go, and a seed that draws token i as the original draws token kept + i. A request with no
+    seed drew its seed on the worker; its continuation draws afresh (still a draw from the
+    model given the tokens so far)."""
+    if kept == 0:
+        return sampling
+    seed = None if sampling.seed is None else continued_seed(sampling.seed, kept)
+    return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - kept,
+                                   min_tokens=max(0, sampling.min_tokens - kept), seed=seed)
+
+
+def breakage(broken: DataPathBroken, p: Placement) -> tuple[MigrationReason, str, bool] | None:
+    """What broke (the reason, the worker whose side broke, whether its connection went), or
+    None when a side met an error of the request itself (step 1 of the module docstring)."""
+    prefill, decode = broken.prefill, broken.decode
+    if not all(_breaks(side) for side in (prefill, decode) if side is not None):
+        return None
+    if isinstance(decode, PeerGone):
+        return "decode_lost", p.decode_worker, True
+    if _remote(decode, "KVStalled"):
+        return "kv_stalled", p.prefill_worker, False
+    if isinstance(prefill, PeerGone):
+        return "prefill_lost", p.prefill_worker, True
+    if _remote(decode, "KVTransferError") or (decode is None
+                                              and _remote(prefill, "KVTransferError")):
+        return "kv_cut", p.prefill_worker, False
+    if decode is not None:
+        return "decode_lost", p.decode_worker, False
+    return "prefill_lost", p.prefill_worker, False
+
+
+def _breaks(error: Exception) -> bool:
+    """Whether a side's error says the data path broke (a worker, a connection, a stream),
+    not that the request is wrong or out of time."""
+    if isinstance(error, RemoteError):
+        return error.error in BREAKAGES
+    return isinstance(error, PeerGone | StreamAborted) or type(error) is UpstreamFailed
+
+
+def _remote(error: Exception | None, kind: str) -> bool:
+    return isinstance(error, RemoteError) and error.error == kind
+
+
+def _cluster_after(reason: MigrationReason, p: Placement) -> Cluster | None:
+    """The kind of cluster a migrated request prefills in (step 3 of the module docstring)."""
+    if reason == "decode_lost":
+        return None
+    if reason == "kv_stalled" or (reason == "kv_cut" and p.cluster == "prfaas"):
+        return "pd"
+    return p.cluster

@@ -16,6 +16,14 @@ KV it lacks is sent), and feeds the tokens through a `TextAssembler` into the re
 (services/router/requests.py). Cancelling the handle (the client left) cancels the task: the
 decode stream is aborted at its worker (an Abort frame), and the prefill call is given up.
 
+A request whose data path breaks is continued by the runner (migration, at most
+`migration_limit` times); `_replace` places its next attempt: the policy decides again for
+the prompt and the tokens already streamed, or the runner names the kind of cluster
+(services/router/runner.py), away from the workers that failed it. When no prefill worker of
+the chosen kind of cluster serves, a request (new or migrated) prefills in the other kind
+instead, if its link is up, rather than failing with 503. A link whose KV stalled is taken
+out of the policy's choices for `LINK_HOLD_STALLS` stall bounds.
+
 The control loops (services/router/control.py) feed it link samples (`observe_link`) and
 keep its worker table (services/router/workers.py: roles, draining, liveness) current.
 
@@ -43,9 +51,10 @@ import msgspec
 from mesh.errors import MeshError
 from mesh.events import EventBus
 from mesh.node import Node
-from services.contract.events import Event, RequestDone
+from services.contract.events import Event, RequestDone, attempt_id
 from services.contract.messages import PrefixMatch, PrefixPull, PrefixQuery, PrefixReply
 from services.contract.prefix import block_hashes, reusable_blocks
+from services.contract.types import Cluster
 from services.model.tokenizer import TokenizerLike
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
@@ -62,11 +71,15 @@ from services.router.policy import (
     RouteInputs,
     decision_event,
 )
-from services.router.requests import Finished, Placement, RequestHandle, RequestIds
+from services.router.requests import Finished, Migration, Placement, RequestHandle, RequestIds
 from services.router.runner import RequestRunner
 from services.router.workers import WorkerTable
 
 log = logging.getLogger(__name__)
+
+# After KV stalled on a link, the link takes no new offload for this many stall bounds (a
+# stalled link costs each request sent over it a bound's wait).
+LINK_HOLD_STALLS = 3.0
 
 class SchedulerStatistics(msgspec.Struct, frozen=True):
     admitted: int
@@ -84,6 +97,10 @@ class SchedulerStatistics(msgspec.Struct, frozen=True):
     cached_tokens: int
     # What admission allows now: max_inflight, or less if the decode workers hold fewer.
     admission_limit: int = 0
+    migrations: dict[str, int] = {}  # requests continued elsewhere, by reason
+    migrations_gave_up: int = 0  # requests that broke past migration_limit
+    migrations_resumed: int = 0  # continued attempts that streamed a token
+    migration_resume_s: float = 0.0  # their summed time from the break to that token
 
 
 @dataclass
@@ -129,7 +146,8 @@ class Scheduler:
         self._counts = _Counts()
         self._directory_answers = True
         self._placing = 0
-        self._runner = RequestRunner(node, workers, tokenizer, self.config, self.events, clock)
+        self._runner = RequestRunner(node, workers, tokenizer, self.config, self.events, clock,
+                                     self._replace)
         self.metrics = RequestMetrics()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -186,25 +204,59 @@ class Scheduler:
 
     async def _place(self, request: GenerationRequest) -> Placement:
         request_id = self._ids.next()
-        match = await self._lookup(self._reusable_hashes(request.prompt))
-        decode = self._choose_decode(match)
-        inputs = self.policy.narrow(self._inputs(request_id, len(request.prompt), match,
-                                                 self.workers.cluster_of(decode)))
-        decision = self.policy.decide(inputs)
-        prefill = self._choose_prefill(decision, inputs, match)
-        pull = self._pull(decision, prefill, match)
+        placement, inputs = await self._placement(request_id, request.prompt)
+        decision = placement.decision
         self._counts.to_prfaas += decision.cluster == "prfaas"
         if self.events.subscribed:
             self.events.publish(decision_event(
-                inputs, decision, policy=self.policy.name, prefill_worker=prefill,
-                decode_worker=decode, ts=self.clock()))
-        self._runner.phase(request_id, "queued", prefill, decision.reason)
+                inputs, decision, policy=self.policy.name,
+                prefill_worker=placement.prefill_worker,
+                decode_worker=placement.decode_worker, ts=self.clock()))
+        self._runner.phase(request_id, "queued", placement.prefill_worker, decision.reason)
+        return placement
+
+    async def _replace(self, handle: RequestHandle, migration: Migration) -> Placement:
+        """Places a migrated request's next attempt (services/router/runner.py) and moves the
+        request's share of the worker table there; NoWorkerAvailable when nothing can take
+        it (the request's placement is then unchanged)."""
+        old = handle.placement
+        if migration.reason == "kv_stalled":
+            self._hold_link(old)
+        placed, _ = await self._placement(old.request_id, migration.prompt, migration)
+        self.workers.released(old.decode_worker)
+        self.workers.dispatched(placed.prefill_worker, placed.decode_worker)
+        handle.placement = placed
+        self._runner.phase(old.request_id, "queued", placed.prefill_worker,
+                           f"migrated ({migration.reason}): {placed.decision.reason}")
+        return placed
+
+    async def _placement(self, request_id: str, prompt: list[int],
+                         migration: Migration | None = None) -> tuple[Placement, RouteInputs]:
+        """Where `prompt` runs: the decision, the workers, and the inputs decided on. A
+        migration names the workers to avoid and may name the kind of cluster."""
+        attempt = migration.attempt if migration else 0
+        avoid = migration.avoid if migration else frozenset()
+        match = await self._lookup(self._reusable_hashes(prompt))
+        decode = self._choose_decode(match, avoid)
+        inputs = self.policy.narrow(self._inputs(attempt_id(request_id, attempt), len(prompt),
+                                                 match, self.workers.cluster_of(decode)))
+        if migration is None or migration.cluster is None:
+            decision = self.policy.decide(inputs)
+        else:
+            decision = _placed_in(inputs, migration.cluster, f"migrated ({migration.reason})")
+        decision, prefill = self._choose_prefill(decision, inputs, match, avoid)
         return Placement(
             request_id=request_id, cluster=decision.cluster, prefill_worker=prefill,
-            decode_worker=decode, prompt_tokens=len(request.prompt),
+            decode_worker=decode, prompt_tokens=len(prompt),
             cached_tokens=decision.resume_prefix, decision=decision,
             decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size,
-            pull=pull)
+            pull=self._pull(decision, prefill, match), attempt=attempt), inputs
+
+    def _hold_link(self, stalled: Placement) -> None:
+        """The link the stalled KV crossed takes no new offload for a while."""
+        until = self.clock() + LINK_HOLD_STALLS * self.config.kv_stall_s
+        self.links.hold(self.workers.cluster_of(stalled.prefill_worker),
+                        self.workers.cluster_of(stalled.decode_worker), until)
 
     def _reusable_hashes(self, prompt: list[int]) -> list[int]:
         # Only blocks strictly below the last token are asked for: every cached length the
@@ -212,29 +264,49 @@ class Scheduler:
         bs = self.config.block_size
         return block_hashes(prompt[: reusable_blocks(len(prompt), bs) * bs], bs)
 
-    def _choose_decode(self, match: PrefixMatch | None) -> str:
+    def _choose_decode(self, match: PrefixMatch | None, avoid: frozenset[str]) -> str:
         if self.workers.decode_full():
             self._reject_full("every decode worker holds as many streams as it can")
         try:
-            return choose_decode_worker(self.workers.decode_candidates(
-                match, self.config.block_size))
+            return choose_decode_worker([
+                c for c in self.workers.decode_candidates(match, self.config.block_size)
+                if c.name not in avoid])
         except PlacementError as exc:
             self._counts.rejected_no_worker += 1
             raise NoWorkerAvailable(f"no worker can serve this request: {exc}",
                                     code="no_worker") from exc
 
     def _choose_prefill(self, decision: Decision, inputs: RouteInputs,
-                        match: PrefixMatch | None) -> str:
-        name = inputs.prfaas_cluster if decision.cluster == "prfaas" else inputs.pd_cluster
+                        match: PrefixMatch | None,
+                        avoid: frozenset[str]) -> tuple[Decision, str]:
+        """The prefill worker in the decided kind of cluster, else in the other kind (the
+        decision moved there, if that kind can take KV to the decode worker)."""
+        kinds: tuple[Cluster, Cluster] = (decision.cluster, _other(decision.cluster))
+        failures = []
+        for kind in kinds:
+            if kind == "prfaas" and not inputs.prfaas_available:
+                failures.append("the PrfaaS cluster is unavailable")
+                continue
+            try:
+                worker = choose_prefill_worker([
+                    c for c in self.workers.prefill_candidates(
+                        kind, match, self.config.block_size, self._cluster(kind, inputs))
+                    if c.name not in avoid])
+            except PlacementError as exc:
+                failures.append(str(exc))
+                continue
+            if kind == decision.cluster:
+                return decision, worker
+            return _placed_in(inputs, kind, f"{decision.reason}; no {decision.cluster} "
+                              f"prefill worker serves ({failures[0]})"), worker
+        self._counts.rejected_no_worker += 1
+        raise NoWorkerAvailable(f"no worker can serve this request: {'; '.join(failures)}",
+                                code="no_worker")
+
+    def _cluster(self, kind: Cluster, inputs: RouteInputs) -> str | None:
+        name = inputs.prfaas_cluster if kind == "prfaas" else inputs.pd_cluster
         # Inputs built without cluster names (by hand, in tests) place in the kind at large.
-        cluster = name if name in self.workers.clusters(decision.cluster) else None
-        try:
-            return choose_prefill_worker(self.workers.prefill_candidates(
-                decision.cluster, match, self.config.block_size, cluster))
-        except PlacementError as exc:
-            self._counts.rejected_no_worker += 1
-            raise NoWorkerAvailable(f"no worker can serve this request: {exc}",
-                                    code="no_worker") from exc
+        return name if name in self.workers.clusters(kind) else None
 
     def _pull(self, decision: Decision, prefill: str,
               match: PrefixMatch | None) -> PrefixPull | None:
@@ -293,7 +365,8 @@ class Scheduler:
             queue=self.workers.prefill_queue("prfaas", name),
             link_utilisation=link.utilisation if link else 0.0,
             link_stalls=self.links.recent_stalls(name, pd),
-            available=self.workers.has_prefill("prfaas", name) and (link is None or link.up))
+            available=self.workers.has_prefill("prfaas", name) and (link is None or link.up)
+            and not self.links.held(name, pd, self.clock()))
 
     async def _serve(self, handle: RequestHandle) -> None:
         """Runs one request to its end; its failure is the request's, never the router's."""
@@ -366,14 +439,16 @@ class Scheduler:
         return [h.placement for h in self._active.values()]
 
     def statistics(self) -> SchedulerStatistics:
-        c = self._counts
+        c, runner = self._counts, self._runner.statistics()
         return SchedulerStatistics(
             admitted=c.admitted, rejected_full=c.rejected_full,
             rejected_no_worker=c.rejected_no_worker, completed=c.completed, failed=c.failed,
             cancelled=c.cancelled, inflight=len(self._active), to_prfaas=c.to_prfaas,
             to_pd=c.admitted - c.to_prfaas, lookup_failures=c.lookup_failures,
             prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens, admission_limit=self.admission_limit())
+            cached_tokens=c.cached_tokens, admission_limit=self.admission_limit(),
+            migrations=runner.migrations, migrations_gave_up=runner.gave_up,
+            migrations_resumed=runner.resumed, migration_resume_s=runner.resume_s)
 
     def check_integrity(self) -> None:
         c = self._counts
@@ -382,3 +457,17 @@ class Scheduler:
             raise AssertionError(f"admitted {c.admitted} != finished {done} + in flight "
                                  f"{len(self._active)}")
         self.workers.check_integrity(self.active())
+
+
+def _other(kind: Cluster) -> Cluster:
+    return "pd" if kind == "prfaas" else "prfaas"
+
+
+def _placed_in(inputs: RouteInputs, kind: Cluster, why: str) -> Decision:
+    """A decision that prefills in `kind` whatever the policy's rule says: a migration's, or
+    a request whose decided kind of cluster has no prefill worker serving. Each cluster's own
+    cache counts (no cache moves for it)."""
+    cached = inputs.cached_pd if kind == "pd" else inputs.cached_prfaas
+    return Decision(cluster=kind, counted_prefix=cached, incremental_len=inputs.total_len - cached,
+                    resume_prefix=cached, threshold=None, bandwidth_scarce=True,
+                    cross_cluster_cache_transfer=False, reason=f"{why}: prefill in {kind}")

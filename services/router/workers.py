@@ -245,6 +245,14 @@ class WorkerTable:
     def released(self, decode: str) -> None:
         self._workers[decode].decodes -= 1
 
+    def lost(self, name: str) -> None:
+        """A request's connection to `name` broke: it is down (placed nothing new) until it
+        answers a status poll again."""
+        worker = self._workers[name]
+        if worker.up:
+            log.warning("worker %s is down: a request's connection to it broke", name)
+        worker.up = False
+
     async def poll(self, node: Node, timeout: float, block_size: int,
                    vocab_size: int | None = None) -> None:
         """Asks every worker for its state at once; one that does not answer is down.

@@ -8,7 +8,8 @@ whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode si
 
 1. waits (at most `kv_timeout`) until every lane has closed and the first token is known; a
    lane cut off mid-stream (the prefill worker died) or a stream for another model fails the
-   request at once with an explicit `KVTransferError`;
+   request at once with an explicit `KVTransferError`, and KV that makes no progress for
+   `kv_stall` seconds (a stalled link) with `KVStalled`; either way its pieces are let go;
 2. imports the pieces in a worker thread (checksums and shapes checked per piece) on top of
    the KV it already holds for the prompt's first `start` tokens (its own prefix cache);
 3. joins the request to the `DecodeBatch`, which one loop task (`run`) steps in a worker
@@ -31,7 +32,7 @@ import anyio
 import msgspec
 
 from mesh.events import EventBus
-from services.contract.errors import DataPathError, KVTransferError, RequestError
+from services.contract.errors import DataPathError, KVStalled, KVTransferError, RequestError
 from services.contract.events import Event, RequestPhase
 from services.contract.messages import DecodeRequest, TokenChunk
 from services.model.batch import StepResult, finish_reason, result_reason
@@ -217,7 +218,7 @@ class DecodeWorker:
 
     async def _await_kv(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
         with anyio.move_on_after(request.kv_timeout):
-            await assembly.wait()
+            await _kv_arrival(request, assembly)
         if assembly.failure is not None:
             raise assembly.failure
         if not assembly.ready:
@@ -369,6 +370,26 @@ class DecodeWorker:
         ))
 
 
+async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
+    """Until the KV is whole or failed; KVStalled once it made no progress (no lane opened,
+    no piece arrived) for `request.kv_stall` seconds since the stream opened or its last
+    progress. The assembly is released by the caller, so the late lanes are refused."""
+    if not request.kv_stall > 0:
+        await assembly.wait()
+        return
+    opened = anyio.current_time()
+    while not assembly.finished:
+        since = max(opened, assembly.progress_at)
+        # Pieces do not wake the waiter (one Event per piece would): it looks again when
+        # the bound would pass, and goes on if a piece came meanwhile.
+        with anyio.move_on_at(since + request.kv_stall):
+            await assembly.wait()
+        if not assembly.finished and max(opened, assembly.progress_at) == since:
+            raise KVStalled(
+                f"the KV of {request.request_id!r} made no progress for kv_stall="
+                f"{request.kv_stall:g} s ({len(assembly.pieces)} pieces arrived)")
+
+
 def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
     if not request.prompt:
         raise RequestError("prompt must hold at least one token, got 0")
@@ -377,4 +398,6 @@ def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
     if not request.kv_timeout > 0:
         raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
+    if request.kv_stall < 0:
+        raise RequestError(f"kv_stall must be >= 0 seconds, got {request.kv_stall}")
     return sampling_params(request.sampling)

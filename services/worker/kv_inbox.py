@@ -58,6 +58,7 @@ class KVAssembly:
         self.peer = "?"  # the sending node (services/worker/transfer_metrics.py: its link)
         self.first_piece_at: float | None = None
         self.received_bytes = 0  # pieces' payload, kept after `free` (the transfer's size)
+        self.progress_at = created  # when a lane last opened or a piece last arrived
         self._closed: set[int] = set()
         self._opened: set[int] = set()
         self._changed = anyio.Event()
@@ -83,6 +84,7 @@ class KVAssembly:
                                   f"{opening.lane} for {self.request_id!r}")
         self.opening = first
         self._opened.add(opening.lane)
+        self.progress_at = anyio.current_time()
 
     def add(self, chunk: KVChunk) -> None:
         key = (chunk.layer, chunk.start)
@@ -94,6 +96,7 @@ class KVAssembly:
         self.received_bytes += chunk.size
         if self.first_piece_at is None:
             self.first_piece_at = anyio.current_time()
+        self.progress_at = anyio.current_time()
 
     def close_lane(self, lane: int) -> None:
         self._closed.add(lane)
