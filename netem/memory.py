@@ -7,6 +7,11 @@ frame, each frame held until the shaper releases it, exactly as the TCP proxy ho
 for a frame that stands for a larger payload (a simulated KV piece carries its size, not its
 bytes) that size, so the link is as busy as the real one would be without the bytes existing.
 
+Backpressure as the proxy's: a reader stops reading while more than `queue_bytes` of the
+link's wire backlog lies ahead of the end of its last frame (ProxyConfig.queue_bytes, the
+bottleneck buffer), so a congested link holds its senders, not an unbounded queue. The
+in-memory pipe in front of it holds a few more frames, as a socket's buffers do.
+
 Frames are the mesh's: a 4-byte big-endian length, then the body (mesh/wire.py).
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import anyio
 import anyio.abc
@@ -23,12 +29,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from mesh.transport import Address, MemoryHub
 from mesh.wire import HEADER_SIZE
+from netem.proxy import ProxyConfig
 from netem.shaper import Admission, Direction, Flow, LinkShaper, LinkStatistics
 
 log = logging.getLogger(__name__)
 
 Weight = Callable[[memoryview], int]
 _Held = tuple[bytes, Admission, int]
+
+
+def _release_of(admission: Admission) -> float:
+    return admission.release  # read again after a change: a new rate re-times the backlog
 
 
 class MemoryRoute(msgspec.Struct, frozen=True):
@@ -66,8 +77,9 @@ class MemoryLink:
     """Serves `routes` on `hub`; every connection shares `shaper` (one link)."""
 
     def __init__(self, hub: MemoryHub, routes: Sequence[MemoryRoute], shaper: LinkShaper,
-                 weight: Weight = len) -> None:
+                 weight: Weight = len, queue_bytes: int = ProxyConfig().queue_bytes) -> None:
         self._hub = hub
+        self._queue_bytes = queue_bytes
         self._routes = tuple(routes)
         self._shaper = shaper
         self._weight = weight
@@ -141,23 +153,33 @@ class MemoryLink:
                 buffer += chunk
                 for frame in frames(buffer):
                     size = self._weight(memoryview(frame)[HEADER_SIZE:]) + HEADER_SIZE
-                    queue.send_nowait((frame, self._shaper.admit(flow, size), size))
+                    admission = self._shaper.admit(flow, size)
+                    queue.send_nowait((frame, admission, size))
+                    await self._wait_link(partial(self._room_at, admission))
+
+    def _room_at(self, admission: Admission) -> float:
+        """Link time from which at most `queue_bytes` of the backlog lie ahead of the end of
+        `admission` (at the current rate, as the proxy reckons it)."""
+        bandwidth = self._shaper.params.bandwidth_bps
+        queue_s = self._queue_bytes * 8.0 / bandwidth if bandwidth else math.inf
+        return admission.wire_done - queue_s
 
     async def _deliver(self, queue: MemoryObjectReceiveStream[_Held],
                        dst: anyio.abc.ByteStream, flow: Flow) -> None:
         async with queue:
             async for frame, admission, size in queue:
-                await self._wait_release(admission)
+                await self._wait_link(partial(_release_of, admission))
                 await dst.send(frame)
                 self._shaper.released(flow, size)
                 self._frames += 1
         await dst.send_eof()
 
-    async def _wait_release(self, admission: Admission) -> None:
-        """Sleep until the shaper releases the frame, re-reading its time after a change."""
+    async def _wait_link(self, link_time: Callable[[], float]) -> None:
+        """Sleep until the link clock reaches `link_time()`, read again after every change
+        (a new rate re-times the backlog)."""
         while True:
             changed = self._changed
-            wall = self._shaper.wall_time(admission.release)
+            wall = self._shaper.wall_time(link_time())
             if wall <= self._shaper.now():
                 return
             with anyio.CancelScope(deadline=wall):

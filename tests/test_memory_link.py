@@ -69,3 +69,29 @@ async def test_a_weighted_frame_takes_its_weight_in_wire_time(autojump_clock: ob
     expected = (declared + HEADER_SIZE) * 8 / 1e9 + 0.02
     assert times[0] == pytest.approx(expected, rel=1e-6)
     assert link.statistics().link.egress.bytes_out == declared + 2 * HEADER_SIZE + 5
+
+
+@pytest.mark.trio
+async def test_a_congested_link_holds_its_sender_as_the_proxy_does(
+        autojump_clock: object) -> None:
+    """Frames of 1 MB at 8 Mbps (1 s of wire each): the reader takes a frame only while at
+    most the proxy's queue (1 MiB, about 1 s here) lies ahead of the last one's end, so a
+    sender of 40 frames is held; only the pipe's few chunks and that queue are ever ahead."""
+    hub = MemoryHub(buffer_chunks=2)
+    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6), anyio.current_time, random.Random(0))
+    link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper,
+                      lambda body: 1_000_000 if bytes(body) == b"kv" else len(body))
+    sent: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_echo_server, hub, [])
+        await tg.start(link.run)
+        start = anyio.current_time()
+        async with await hub.connect(LISTEN) as client:
+            for _ in range(40):
+                await client.send(frame(b"kv"))
+                sent.append(anyio.current_time() - start)
+            backlog = shaper.statistics().egress.queued_bytes
+        tg.cancel_scope.cancel()
+    # Unbounded, all 40 would be taken at once; bounded, the sender keeps pace with the wire.
+    assert sent[-1] > 30.0
+    assert backlog <= 5 * 1_000_000

@@ -27,17 +27,41 @@ async def test_an_unpaced_profile_decodes_at_once_a_token_an_event_with_flush_on
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize(("flush", "counts"), [(1, [1] * 9), (4, [4, 4, 1]), (None, [9])])
-async def test_several_steps_at_once_hand_out_flush_tokens_an_event(
+@pytest.mark.parametrize(("flush", "counts"), [(1, [1] * 9), (4, [1, 4, 4]), (None, [1, 8])])
+async def test_the_second_token_comes_alone_then_flush_tokens_an_event(
         autojump_clock: trio.testing.MockClock, flush: int | None, counts: list[int]) -> None:
     engine = ModeledEngine(CostModel.load("cpu"), 1.0, flush=flush)
     batch = engine.new_batch(4)
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=10))
+    second = await engine.step(batch, anyio.Event())
+    # The first step stops at the second token (the client's time to second token).
+    assert [(e.index, e.count) for e in second.events] == [(1, 1)] and not second.finished
     result = await engine.step(batch, anyio.Event())
     assert "r" in result.finished and batch.statistics().tokens == 9
-    assert [e.count for e in result.events] == counts
-    assert [e.index for e in result.events] == [1 + sum(counts[:i]) for i in range(len(counts))]
-    assert [e.finish_reason for e in result.events] == [None] * (len(counts) - 1) + ["length"]
+    events = [*second.events, *result.events]
+    assert [e.count for e in events] == counts
+    assert [e.index for e in events] == [1 + sum(counts[:i]) for i in range(len(counts))]
+    assert [e.finish_reason for e in events] == [None] * (len(counts) - 1) + ["length"]
+
+
+@pytest.mark.trio
+async def test_a_decoded_token_adds_one_modeled_token_of_context(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """At 1/32 a served prompt token stands for 32 modeled ones; an output token for one."""
+    h20 = CostModel.load("h20", "hybrid_1t")
+    engine = ModeledEngine(h20, 32.0)
+    batch = engine.new_batch(4)
+    cache = engine.empty_cache()
+    cache.length = 100  # served prompt tokens: 3,200 modeled
+    batch.join("r", cache, MODELED_TOKEN, SamplingParams(max_new_tokens=1000))
+    assert batch.modeled_context() == 3201
+    await engine.step(batch, anyio.Event())
+    start = anyio.current_time()
+    await engine.step(batch, anyio.Event())
+    steps = batch.statistics().steps - 1
+    assert steps == 64 and batch.modeled_context() == 3200 + 2 + 64
+    # Each step timed at its start's context (3,202 modeled tokens), not 3,200 + 32 * 2.
+    assert anyio.current_time() - start == pytest.approx(64 * h20.decode_step_time(1, 3202))
 
 
 @pytest.mark.trio
@@ -47,5 +71,6 @@ async def test_a_paced_profile_still_takes_its_step_time(
     batch = engine.new_batch(4)
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=4))
     start = anyio.current_time()
+    await engine.step(batch, anyio.Event())
     result = await engine.step(batch, anyio.Event())
     assert anyio.current_time() > start and result.finished

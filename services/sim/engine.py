@@ -8,14 +8,18 @@ prefix store, continuous batching). Only these are modeled:
   and no bytes; its time is the live emulated-mode pacing (`services.worker.compute.Pacing`);
 - decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
   for its size and context, several steps at once until a request finishes, a joining request
-  cuts the run short, or `max_steps` is reached; a member's tokens go out as one event when
-  it finishes (or every `flush` tokens when asked): an hour at the paper's rate is millions of
-  tokens, not millions of messages, and what the simulation measures (the first token, which
-  comes with the prefill, and the last) needs no token in between.
+  cuts the run short, or `max_steps` is reached; a member's second token goes out on its own
+  at the step that makes it, the rest as one event when it finishes (or every `flush` tokens
+  when asked): an hour at the paper's rate is millions of tokens, not millions of messages,
+  and what the simulation measures (the first token, which comes with the prefill, the
+  second, which waits for a batch slot, and the last) needs no token in between.
 
-A served token stands for `tokens_per_served` modeled tokens (the simulation serves the
-traces' lengths at 1/8, so a 64-token block is one 512-token block of the Mooncake traces,
-and the workloads without prefix reuse at 1/32).
+A served token stands for `tokens_per_served` modeled tokens of the prompt; an output token is
+an output token at any scale (the output lengths are not scaled), so a decode step's context
+is the prompts' modeled length plus each member's generated tokens, one each.
+
+(The simulation serves the traces' lengths at 1/8, so a 64-token block is one 512-token
+block of the Mooncake traces, and the workloads without prefix reuse at 1/32.)
 """
 
 from __future__ import annotations
@@ -134,15 +138,18 @@ class _Run:
     cache: VirtualCache
     generated: int
     limit: int
+    prompt: int  # served tokens in the cache when it joined
     reported: int = 1  # tokens handed out so far (the first came with the prefill)
 
 
 class ModeledBatch:
     """Continuous batching as counts: who is in, how far each has got (module docstring)."""
 
-    def __init__(self, slots: int, flush: int | None = None) -> None:
+    def __init__(self, slots: int, flush: int | None = None,
+                 tokens_per_served: float = 1.0) -> None:
         self._slots = slots
         self._flush = flush or 1 << 62
+        self._per_served = tokens_per_served
         self._runs: dict[str, _Run] = {}
         self.steps = self.tokens = self.joined = self.left = 0
 
@@ -159,7 +166,7 @@ class ModeledBatch:
              params: SamplingParams) -> None:
         if request_id in self._runs:
             raise ModelError(f"request {request_id!r} is already in the batch")
-        self._runs[request_id] = _Run(cache, 1, params.max_new_tokens)
+        self._runs[request_id] = _Run(cache, 1, params.max_new_tokens, cache.length)
         self._slots = max(self._slots, len(self._runs))
         self.joined += 1
 
@@ -168,21 +175,34 @@ class ModeledBatch:
         return self._runs.pop(request_id).cache
 
     def context(self) -> int:
+        """Served tokens in the members' caches (what the worker's statistics report)."""
         return sum(run.cache.length for run in self._runs.values())
 
-    def steps_to_next_finish(self) -> int:
-        return min(run.limit - run.generated for run in self._runs.values())
+    def modeled_context(self) -> int:
+        """Modeled tokens a step reads: each prompt at the modeled scale, each generated
+        token once (module docstring)."""
+        return round(sum(run.prompt * self._per_served + run.generated
+                         for run in self._runs.values()))
+
+    def steps_to_next_event(self) -> int:
+        """Steps until a member finishes or makes its second token (handed out on its own)."""
+        return min(run.limit - run.generated if run.generated > 1 else 1
+                   for run in self._runs.values())
 
     def advance(self, steps: int) -> StepResult:
-        """Every member makes `steps` tokens; a member's tokens are handed out `flush` at a
-        time once that many are due, and all of them when it reaches its limit (then it
-        leaves with its cache)."""
+        """Every member makes `steps` tokens; a member's second token is handed out at once,
+        the later ones `flush` at a time once that many are due, and all of them when it
+        reaches its limit (then it leaves with its cache)."""
         events, finished, flush = [], {}, self._flush
         self.tokens += steps * len(self._runs)
         for rid, run in list(self._runs.items()):
             run.generated += steps
             run.cache.length += steps
             done = run.generated >= run.limit
+            if run.reported == 1 and not done:
+                # The second token on its own: the client's time to second token.
+                events.append(TokenEvent(rid, MODELED_TOKEN, 1, None, 1))
+                run.reported = 2
             end = run.generated if done else run.reported + (
                 run.generated - run.reported) // flush * flush
             for index in range(run.reported, end, flush):
@@ -275,7 +295,7 @@ class ModeledEngine:
         return MODELED_TOKEN
 
     def new_batch(self, slots: int) -> ModeledBatch:
-        return ModeledBatch(slots, self.flush)
+        return ModeledBatch(slots, self.flush, self._per_served)
 
     def info(self, source: str = "modeled") -> ModelInfo:
         """What the workers report of their model (the router checks block and vocab size)."""
@@ -287,9 +307,8 @@ class ModeledEngine:
     async def step(self, batch: ModeledBatch, interrupt: anyio.Event) -> StepResult:
         """Up to `max_steps` steps at this batch's step time; a join (`interrupt`) cuts the
         run at the step in progress, so the newcomer joins at the next step boundary."""
-        step_s = self._cost.decode_step_time(len(batch), round(batch.context() *
-                                                               self._per_served))
-        steps = min(self.max_steps, batch.steps_to_next_finish())
+        step_s = self._cost.decode_step_time(len(batch), batch.modeled_context())
+        steps = min(self.max_steps, batch.steps_to_next_event())
         if not self._cost.profile.paced:
             # Free compute (class docstring): the steps are done at once.
             await anyio.lowlevel.checkpoint()

@@ -68,15 +68,47 @@ def lognormal(rate: float, duration_s: float, scale: float, seed: int, *,
     times = (poisson_arrivals(count, rate, rng) if burstiness == 1.0
              else gamma_arrivals(count, rate, burstiness, rng))
     lengths = lengths or TruncatedLogNormal.paper()
-    out = []
-    for index, at in enumerate(start_s + t for t in times if t < duration_s):
-        paper_len = lengths.sample(rng)
-        # Fresh block ids per request: nothing is shared (the paper's case study).
-        first = (seed * 1_000_003 + index) * 512
-        length = served(paper_len, scale)
-        blocks = tuple(range(first, first + length // BLOCK + 1))
-        out.append(Arrival(at, blocks, length, output_len, paper_len))
-    return out
+    return [_fresh(index, seed, at, lengths.sample(rng), scale, output_len)
+            for index, at in enumerate(start_s + t for t in times if t < duration_s)]
+
+
+def _fresh(index: int, seed: int, at: float, paper_len: int, scale: float,
+           output_len: int) -> Arrival:
+    """A request whose blocks no other shares (the paper's case study caches nothing)."""
+    first = (seed * 1_000_003 + index) * 512
+    length = served(paper_len, scale)
+    blocks = tuple(range(first, first + length // BLOCK + 1))
+    return Arrival(at, blocks, length, output_len, paper_len)
+
+
+def evenly(rate: float, duration_s: float, scale: float, seed: int, *, paper_len: int,
+           output_len: int = 1024) -> list[Arrival]:
+    """One request every 1/rate s, each `paper_len` paper tokens long: no randomness, so a
+    deployment's saturation is known in closed form (tests of the capacity search)."""
+    count = math.ceil(rate * duration_s)
+    return [_fresh(index, seed, index / rate, paper_len, scale, output_len)
+            for index in range(count) if index / rate < duration_s]
+
+
+class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a capacity search offers at any rate (services/sim/capacity.py): the paper's
+    log-normal lengths with Poisson arrivals for `window_s`, or (`paper_len` > 0) evenly
+    spaced requests of one length."""
+
+    window_s: float = 600.0
+    output_len: int = 1024
+    paper_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0 or self.output_len < 1 or self.paper_len < 0:
+            raise ValueError(f"window_s must be > 0, output_len >= 1 and paper_len >= 0, got "
+                             f"{self.window_s}, {self.output_len}, {self.paper_len}")
+
+    def arrivals(self, rate: float, scale: float, seed: int) -> list[Arrival]:
+        if self.paper_len:
+            return evenly(rate, self.window_s, scale, seed, paper_len=self.paper_len,
+                          output_len=self.output_len)
+        return lognormal(rate, self.window_s, scale, seed, output_len=self.output_len)
 
 
 def from_trace(records: Sequence[TraceRecord], scale: float, *, speedup: float = 1.0,

@@ -1,0 +1,96 @@
+"""The capacity search (services/sim/capacity.py) on deployments whose answer is known."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+from services.sim.capacity import (
+    CapacityConfig,
+    SeedCapacity,
+    completion_rate,
+    mean_interval,
+    measure_capacity,
+    quantile,
+)
+from services.sim.workload import Workload
+from services.sim.world import Deployment
+
+pytestmark = pytest.mark.slow
+
+SERVICE_S = 2.0
+# One prefill instance that takes SERVICE_S for any prompt of one chunk, and a decode so fast
+# it never matters: the deployment saturates at 1 / SERVICE_S requests per second.
+CONSTANT_PROFILE = f'''
+name = "constant"
+description = "a prefill of {SERVICE_S} s whatever the length, a decode step of 1 ms"
+gpus_per_instance = 1
+paced = true
+sources = ["tests/test_sim_capacity.py: a closed-form deployment"]
+[prefill]
+fit = "quadratic"
+lengths = [1000, 2000, 3000]
+seconds = [{SERVICE_S}, {SERVICE_S}, {SERVICE_S}]
+source = {{ kind = "assumed", detail = "a test" }}
+[decode]
+bs_max = 64
+step_s = 0.001
+reference_context = 1000
+hbm_bytes_per_s = 1e18
+source = {{ kind = "assumed", detail = "a test" }}
+'''
+
+
+@pytest.fixture
+def one_stage(tmp_path: Path) -> Deployment:
+    profile = tmp_path / "constant.toml"
+    profile.write_text(CONSTANT_PROFILE)
+    return Deployment(name="closed", n_prfaas=0, n_pd_prefill=1, n_decode=1,
+                      policy="homogeneous", pd_profile=str(profile))
+
+
+def test_the_search_lands_within_its_resolution_below_a_known_saturation(
+        one_stage: Deployment) -> None:
+    """Deterministic service, evenly spaced arrivals, one stage: saturation is exactly
+    1 / SERVICE_S, and up to it nothing ever queues, so the SLO capacity is the saturation
+    itself; the bisection must find it from below, never above."""
+    saturation = 1.0 / SERVICE_S
+    workload = Workload(window_s=400.0, output_len=2, paper_len=1000)
+    config = CapacityConfig(seeds=(0, 1), resolution_rps=0.02)
+    mapped: list[int] = []
+
+    def run_map(job: Callable[[int], SeedCapacity], seeds: Iterable[int],
+                ) -> list[SeedCapacity]:
+        mapped.extend(seeds)
+        return [job(seed) for seed in reversed(mapped)]
+
+    found = measure_capacity(one_stage, workload, guess_rps=saturation, config=config,
+                             run_map=run_map)
+    assert mapped == [0, 1] and found.seeds == [0, 1]
+    assert found.saturation_rps == pytest.approx(saturation, rel=1e-3)
+    assert saturation - config.resolution_rps <= found.capacity_rps <= saturation
+    for seed in found.per_seed:
+        assert seed.capacity_rps <= seed.saturation_rps
+        overloaded = seed.points[0]
+        assert overloaded.rate == pytest.approx(1.3 * saturation)
+        assert not overloaded.holds and overloaded.rho["pd_p"] == pytest.approx(1.0)
+    assert found.rho["pd_p"] == pytest.approx(found.capacity_rps * SERVICE_S, rel=0.03)
+
+
+def test_mean_interval_is_students_t() -> None:
+    mean, (low, high) = mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    # sd = sqrt(2.5), t(0.975, 4) = 2.776
+    assert mean == 3.0
+    assert high - mean == pytest.approx(2.776 * math.sqrt(2.5) / math.sqrt(5))
+    assert mean - low == pytest.approx(high - mean)
+
+
+def test_quantile_and_completion_rate() -> None:
+    assert quantile([3.0, 1.0, 2.0, math.inf], 0.99) == math.inf
+    assert quantile(list(map(float, range(1, 101))), 0.99) == 99.0
+    # Whole gaps only: 5 completions 2 s apart are 0.5 per second, wherever a window cuts.
+    assert completion_rate([10.0, 12.0, 14.0, 16.0, 18.0]) == 0.5
+    assert completion_rate([3.0]) == 0.0
