@@ -1,7 +1,9 @@
 """The link's Prometheus metrics: `LinkCollector` turns `ProxyStatistics` into families.
 
 Every family is named `prfaas_link_<name>` and labelled with the link's name; per-direction
-families carry `direction` ("egress" or "ingress") too. Values are read at every scrape.
+families carry `direction` ("egress" or "ingress") too. Values are read at every scrape. Rates
+are in bytes per second, Prometheus's base unit (`promtool check metrics` refuses bits): the
+link's bandwidth_bps / 8.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from prometheus_client.registry import Collector
 
 from netem.proxy import ProxyStatistics
 
-# DirectionStatistics field -> (metric name after "prfaas_link_", kind).
+# DirectionStatistics field -> (metric name after "prfaas_link_", kind, factor): bit rates are
+# exposed as byte rates.
 _DIRECTION_METRICS = {
-    "bytes_in": ("bytes_in", "counter"),
-    "bytes_out": ("bytes_out", "counter"),
-    "bytes_dropped": ("bytes_dropped", "counter"),
-    "queued_bytes": ("queued_bytes", "gauge"),
-    "throughput_bps": ("throughput_bits_per_second", "gauge"),
-    "utilisation": ("utilisation_ratio", "gauge"),
-    "stalls": ("stalls", "counter"),
-    "stall_s": ("stall_seconds", "counter"),
+    "bytes_in": ("bytes_in", "counter", 1.0),
+    "bytes_out": ("bytes_out", "counter", 1.0),
+    "bytes_dropped": ("bytes_dropped", "counter", 1.0),
+    "queued_bytes": ("queued_bytes", "gauge", 1.0),
+    "throughput_bps": ("throughput_bytes_per_second", "gauge", 1 / 8),
+    "utilisation": ("utilisation_ratio", "gauge", 1.0),
+    "stalls": ("stalls", "counter", 1.0),
+    "stall_s": ("stall_seconds", "counter", 1.0),
 }
 
 
@@ -31,7 +34,7 @@ def _link_values(stats: ProxyStatistics) -> list[tuple[str, str, float]]:
     params = stats.link.params
     return [
         ("up", "gauge", float(params.up)),
-        ("bandwidth_bits_per_second", "gauge", params.bandwidth_bps or 0.0),
+        ("bandwidth_bytes_per_second", "gauge", (params.bandwidth_bps or 0.0) / 8),
         ("delay_seconds", "gauge", params.delay_s),
         ("jitter_seconds", "gauge", params.jitter_s),
         ("loss_ratio", "gauge", params.loss_rate),
@@ -61,11 +64,11 @@ class LinkCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._statistics()
-        for field, (name, kind) in _DIRECTION_METRICS.items():
+        for field, (name, kind, factor) in _DIRECTION_METRICS.items():
             family = _family(name, kind, ["link", "direction"])
             for direction in ("egress", "ingress"):
                 value = getattr(getattr(stats.link, direction), field)
-                family.add_metric([self._link, direction], float(value))
+                family.add_metric([self._link, direction], float(value) * factor)
             yield family
         for name, kind, value in _link_values(stats):
             family = _family(name, kind, ["link"])

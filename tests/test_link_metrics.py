@@ -29,3 +29,14 @@ def test_collector_reads_statistics_per_direction_and_per_link() -> None:
     names = {metric.name for metric in registry.collect()}
     assert all(name.startswith("prfaas_link_") for name in names)
     assert len(names) == 8 + 11
+
+
+def test_rates_are_in_bytes_per_second_as_prometheus_names_its_base_unit() -> None:
+    now = [0.0]
+    shaper = LinkShaper(LinkParams(bandwidth_bps=200e6), lambda: now[0], random.Random(0))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LinkCollector(LinkProxy([Route(9001, 9002)], shaper).statistics, "wan"))
+    assert registry.get_sample_value("prfaas_link_bandwidth_bytes_per_second",
+                                     {"link": "wan"}) == 25e6
+    names = {metric.name for metric in registry.collect()}
+    assert not [name for name in names if "bits" in name]

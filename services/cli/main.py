@@ -47,6 +47,10 @@ COMMANDS: dict[str, Command] = {
         "services.cli.profile", "profile_main",
         "time the real model on this machine; writes a measured hardware profile",
     ),
+    "prometheus-config": Command(
+        "services.cli.prometheus_config", "prometheus_config_main",
+        "a Prometheus scrape configuration for every service of a topology",
+    ),
     "sim-dashboard": Command(
         "services.cli.sim_dashboard", "sim_dashboard_main",
         "the dashboard on the simulation (virtual time at a chosen speed), or --record a log",

@@ -14,9 +14,9 @@ habits (docs/observability.md); the buckets are services.histograms'.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -99,6 +99,14 @@ class SchedulerCollector(Collector):
         yield from (up, queue)
 
 
+@dataclass
+class PrefixCacheTokens:
+    """Prompt tokens of one cluster's prefills: looked up in its prefix cache, found there."""
+
+    queried: int = 0
+    hit: int = 0
+
+
 class RequestSeries(NamedTuple):
     """One (cluster, policy)'s children of every request histogram, looked up once."""
 
@@ -109,8 +117,7 @@ class RequestSeries(NamedTuple):
     tpot: HistogramSeries
     prompt: HistogramSeries
     completion: HistogramSeries
-    query_tokens: Counter
-    hit_tokens: Counter
+    cache: PrefixCacheTokens  # the prefill cluster's, shared by its policies' series
 
 
 class RequestMetrics(Collector):
@@ -134,12 +141,7 @@ class RequestMetrics(Collector):
         self._histograms = [
             *(Histogram(name, doc, REQUEST_LABELS, SECONDS_BUCKETS) for name, doc in seconds),
             *(Histogram(name, doc, REQUEST_LABELS, TOKENS_BUCKETS) for name, doc in tokens)]
-        self._queries = Counter("prfaas_prefix_cache_query_tokens", "Prompt tokens looked up "
-                                "in the prefill worker's prefix cache", ["cluster"],
-                                registry=None)
-        self._hits = Counter("prfaas_prefix_cache_hit_tokens", "Prompt tokens found in the "
-                             "prefill worker's prefix cache (not computed)", ["cluster"],
-                             registry=None)
+        self._cache: dict[str, PrefixCacheTokens] = {}
         self._series: dict[tuple[str, str], RequestSeries] = {}
 
     def series(self, cluster: str, policy: str) -> RequestSeries:
@@ -148,8 +150,7 @@ class RequestMetrics(Collector):
         found = self._series.get(key)
         if found is None:
             found = RequestSeries._make([*(h.labels(cluster, policy) for h in self._histograms),
-                                         self._queries.labels(cluster),
-                                         self._hits.labels(cluster)])
+                                         self._cache.setdefault(cluster, PrefixCacheTokens())])
             self._series[key] = found
         return found
 
@@ -164,8 +165,8 @@ class RequestMetrics(Collector):
             series.ttft.observe(ttft)
         if handle.prefill is not None:
             series.queue.observe(handle.prefill.queue_s)
-            series.query_tokens.inc(handle.prefill.prompt_tokens)
-            series.hit_tokens.inc(handle.prefill.reused_tokens)
+            series.cache.queried += handle.prefill.prompt_tokens
+            series.cache.hit += handle.prefill.reused_tokens
         if result is None:
             return
         duration = now - handle.started
@@ -178,5 +179,13 @@ class RequestMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         for histogram in self._histograms:
             yield from histogram.collect()
-        yield from self._queries.collect()
-        yield from self._hits.collect()
+        queried = CounterMetricFamily("prfaas_prefix_cache_query_tokens", "Prompt tokens "
+                                      "looked up in the prefill worker's prefix cache",
+                                      labels=["cluster"])
+        hit = CounterMetricFamily("prfaas_prefix_cache_hit_tokens", "Prompt tokens found in "
+                                  "the prefill worker's prefix cache (not computed)",
+                                  labels=["cluster"])
+        for cluster, tokens in self._cache.items():
+            queried.add_metric([cluster], tokens.queried)
+            hit.add_metric([cluster], tokens.hit)
+        yield from (queried, hit)

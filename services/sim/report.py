@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from matplotlib.figure import Figure
 
+from services.sim.exposition import write_metrics
 from services.sim.run import Record, SimResult
 
 
@@ -38,7 +39,9 @@ def write_summary(out: Path, summary: Mapping[str, Any]) -> Path:
 
 
 def write_records(out: Path, runs: Mapping[str, SimResult]) -> Path:
-    """One JSON line per request, tagged with the run it belongs to."""
+    """One JSON line per request, tagged with the run it belongs to; and each run's metrics
+    as a scrape would read them (metrics-<run>.prom, services/sim/exposition.py)."""
+    write_metrics(out, {name: result.metrics for name, result in runs.items()})
     path = out / "records.jsonl"
     encoder = msgspec.json.Encoder()
     with path.open("wb") as f:
