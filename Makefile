@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser
+PROMETHEUS_STAMP := $(VENV)/.prometheus
 # glibc's allocator settings for every process make starts (mesh/allocator.py, where the launcher
 # takes them from; docs/engineering-notes.md G3 and G14): without the pad the heap is trimmed and
 # regrown per received frame; with the pad alone every block from 128 KiB up is a fresh mmap;
@@ -13,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean
+.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -40,6 +41,15 @@ $(BROWSER_STAMP): $(STAMP)
 
 browser: $(BROWSER_STAMP)
 
+# Debian's prometheus (with promtool) for the test that scrapes a running mesh
+# (tests/test_prometheus.py); never a download of its own.
+$(PROMETHEUS_STAMP): $(STAMP)
+	@echo "==> installing prometheus for the scrape test (Debian's package)"
+	@test -x /usr/bin/prometheus -a -x /usr/bin/promtool || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+	@touch $(PROMETHEUS_STAMP)
+
+prometheus: $(PROMETHEUS_STAMP)
+
 # The supervisor (services/cli/supervisor.py) runs the Procfile, restarts a process that dies,
 # prints the ready line once the router says ready, and exits 0 on Ctrl-C. It generates an
 # admin token for the run unless PRFAAS_ADMIN_TOKEN is set.
@@ -56,7 +66,7 @@ SPEED ?= 10
 sim-dashboard: $(STAMP)
 	$(VENV)/bin/prfaas sim-dashboard --speed $(SPEED) --port 8080
 
-test: $(STAMP) $(BROWSER_STAMP)
+test: $(STAMP) $(BROWSER_STAMP) $(PROMETHEUS_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks
 	$(PY) -m mypy mesh services netem ui
 	$(PY) -m pytest -q
