@@ -186,3 +186,59 @@ def test_pacer_waits_the_scaled_remainder() -> None:
         Pacer(0.0)
     with pytest.raises(ValueError, match="modeled_s"):
         pacer.remaining(0.0, -1.0)
+
+
+def test_a_linear_decode_fit_recovers_its_coefficients() -> None:
+    from services.paper.hardware import LinearDecode
+
+    truth = LinearDecode(0.012, 0.0009, 7e-7)
+    points = [(b, c) for b in (1, 2, 4, 8, 16) for c in (128, 512, 1024)]
+    fitted = LinearDecode.fit([b for b, _ in points], [c for _, c in points],
+                              [truth(b, b * c) for b, c in points])
+    for b, c in points:
+        assert fitted(b, b * c) == pytest.approx(truth(b, b * c), rel=1e-9)
+    with pytest.raises(ProfileError, match="3 paired points"):
+        LinearDecode.fit([1, 2], [10, 10], [0.1, 0.2])
+
+
+MEASURED = """name = "measured"
+description = "a measured profile"
+gpus_per_instance = 0
+paced = true
+sources = ["a test"]
+[prefill]
+fit = "quadratic"
+lengths = [64.0, 256.0, 512.0, 1024.0]
+seconds = [0.05, 0.16, 0.33, 0.75]
+source = { kind = "measured", detail = "a test" }
+chunk_tokens = 128
+fit_error = 0.02
+[decode]
+bs_max = 8
+step_s = 0.03
+reference_context = 512
+hbm_bytes_per_s = 0.0
+source = { kind = "measured", detail = "a test" }
+fit = "linear"
+batches = [1, 8, 1, 8]
+contexts = [128, 128, 1024, 1024]
+seconds = [0.0130, 0.0200, 0.0136, 0.0249]
+"""
+
+
+def test_a_measured_decode_profile_times_steps_by_its_fit(tmp_path: Path) -> None:
+    path = tmp_path / "measured.toml"
+    path.write_text(MEASURED)
+    cost = CostModel.load(path)
+    fit = cost.profile.decode_fit
+    assert fit is not None and cost.profile.source_kinds()["decode"] == "measured"
+    # The step is the fit, not the HBM model (whose bandwidth is 0 here).
+    assert cost.decode_step_time(8, 8 * 1024) == pytest.approx(fit(8, 8 * 1024))
+    assert cost.decode_step_time(8, 8 * 1024) == pytest.approx(0.0249, rel=0.05)
+    assert cost.decode_step_time(1, 128) < cost.decode_step_time(8, 1024) \
+        < cost.decode_step_time(8, 8 * 1024)
+    assert cost.decode_step_time(0, 0) == 0.0
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MEASURED.replace("batches = [1, 8, 1, 8]", "batches = [1, 8, 1]"))
+    with pytest.raises(ProfileError, match="pair up"):
+        load_profile(bad)

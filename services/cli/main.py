@@ -47,6 +47,10 @@ COMMANDS: dict[str, Command] = {
         "services.cli.profile", "profile_main",
         "time the real model on this machine; writes a measured hardware profile",
     ),
+    "validate-sim": Command(
+        "services.cli.validation", "validate_main",
+        "the simulation against the live mesh under load (make validate-sim)",
+    ),
     "prometheus-config": Command(
         "services.cli.prometheus_config", "prometheus_config_main",
         "a Prometheus scrape configuration for every service of a topology",

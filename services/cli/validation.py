@@ -1,0 +1,532 @@
+"""`prfaas validate-sim`: the simulation against the live mesh under load, as Vidur validates.
+
+    prfaas validate-sim                                   the full run (make validate-sim)
+    prfaas validate-sim --requests 40 --out /tmp/v        a shorter one
+
+The live side is the real system at its smallest: a cache directory, a link (the TCP proxy), one
+prefill worker in the PrfaaS cluster and one decode worker in the PD cluster, each `prfaas serve`
+process in live mode (real compute on the shipped model, one torch thread, no pacing), and the
+router's scheduler in this process. Every request goes remote (threshold 0), so its KV crosses
+the link. The simulation runs the same deployment on virtual time with the measured profile
+(`prfaas profile`) for both workers and the model's KV sizes.
+
+Steps: warm the workers up; measure the live mesh's capacity (a burst well above it, completions
+per second over the middle half of the finishes); then for each load (a fraction of that
+capacity) send the same seeded Poisson arrival list, prompt lengths and output lengths to both
+sides, and compare TTFT p50 / p90, TPOT p50 / p90 and completed requests per second. Errors are
+signed, sim over live minus 1. Beside them, what the live TTFT is made of, measured from the
+prefill worker's own report: queueing, compute, and the rest (the router's dispatch, the KV's
+trip through the link, its import on the decode side and the first token's way back).
+
+Writes DIR/summary.json, DIR/table.md, DIR/records.jsonl and a CDF plot per load
+(DIR/cdf_<load>.png), and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import msgspec
+from matplotlib.figure import Figure
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
+
+from mesh.ports import free_ports
+from mesh.topology import Topology, load_topology
+from mesh.transport import TcpTransport
+from services.bench.arrivals import poisson_arrivals
+from services.bench.stats import percentile
+from services.cli.launch import launch
+from services.contract.events import RequestDone
+from services.contract.sampling import Sampling
+from services.model.config import family_config
+from services.paper.hardware import CostModel
+from services.router.config import SchedulerConfig
+from services.router.control import ControlConfig, RouterControl
+from services.router.errors import RouterError
+from services.router.link import link_ends
+from services.router.openai.schema import GenerationRequest
+from services.router.policies import create_policy
+from services.router.requests import RequestHandle
+from services.router.scheduler import Scheduler
+from services.router.workers import WorkerTable
+from services.service import ServiceContext
+from services.sim.engine import ModeledConfig, ModeledTokenizer
+from services.sim.report import markdown_table
+from services.sim.run import run_virtual
+from services.sim.workload import BLOCK, Arrival
+from services.sim.world import Deployment
+
+MESH = ("cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0")
+# Vidur's reported error against the real engine (its paper): the goal to state against.
+VIDUR_GOAL = 0.09
+ACCEPT = 0.15
+
+
+class ValidationConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What runs and what is sent (module docstring)."""
+
+    profile: str = "vm-xeon-spr-1t"
+    model: str = "kimi-linear-default"
+    family: str = "kimi-linear"
+    size: str = "default"
+    checkpoint: str = "auto"
+    requests: int = 150
+    loads: tuple[tuple[str, float], ...] = (("light", 0.25), ("60%", 0.6), ("85%", 0.85))
+    prompt_tokens: tuple[int, int] = (192, 640)  # uniform; 2 to 5 chunks of 128
+    output_tokens: tuple[int, int] = (16, 48)
+    chunk_tokens: int = 128
+    snapshot_every: int = 1
+    capacity_requests: int = 48
+    capacity_rps: float = 0.0  # 0: measured with a burst of capacity_requests
+    warmup_requests: int = 4
+    bandwidth_bps: float = 10e9
+    delay_s: float = 0.001
+    seed: int = 0
+
+
+class Job(msgspec.Struct, frozen=True):
+    """One request of a load: the simulation's arrival and the live prompt of equal length."""
+
+    arrival: Arrival
+    prompt: list[int]
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """One request as the router saw it; the prefill parts from the worker's report (live)."""
+
+    at: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    ok: bool
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    error: str = ""
+
+
+class Row(msgspec.Struct, frozen=True):
+    load: str
+    rate: float
+    requests: int
+    live: dict[str, float]
+    sim: dict[str, float]
+    errors: dict[str, float]
+
+
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "completed_rps")
+
+
+def jobs(config: ValidationConfig, rate: float, count: int, seed: int,
+         burst_s: float | None = None) -> list[Job]:
+    """`count` requests, Poisson at `rate` (or spread evenly over `burst_s`), seeded lengths."""
+    rng = random.Random(seed)
+    times = ([burst_s * i / count for i in range(count)] if burst_s is not None
+             else poisson_arrivals(count, rate, rng))
+    vocab = family_config(config.family, config.size).vocab_size
+    out = []
+    for index, at in enumerate(times[:count]):
+        length = rng.randint(*config.prompt_tokens)
+        output = rng.randint(*config.output_tokens)
+        # Fresh blocks per request, in both worlds: nothing is shared, nothing cached.
+        first = (seed * 100_003 + index) * (length // BLOCK + 1)
+        blocks = tuple(range(first, first + length // BLOCK + 1))
+        prompt = [rng.randrange(1, vocab) for _ in range(length)]
+        out.append(Job(Arrival(at, blocks, length, output, length), prompt))
+    return out
+
+
+def deployment(config: ValidationConfig) -> Deployment:
+    """The live mesh's shape for the simulation: one remote prefill, one decode, one link."""
+    return Deployment(name="validate", n_prfaas=1, n_pd_prefill=0, n_decode=1,
+                      prfaas_profile=config.profile, pd_profile=config.profile,
+                      model=config.model, bandwidth_bps=config.bandwidth_bps,
+                      delay_s=config.delay_s, policy="prfaas",
+                      policy_options={"threshold": 0, "bandwidth": "scarce"}, scale=1.0,
+                      chunk_tokens=config.chunk_tokens, connections=1,
+                      snapshot_every=config.snapshot_every, seed=config.seed)
+
+
+def simulate(config: ValidationConfig, load: Sequence[Job]) -> list[Outcome]:
+    result, _ = run_virtual(deployment(config), [j.arrival for j in load])
+    return [Outcome(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
+                    r.ok, error=r.error) for r in result.records]
+
+
+def topology_text(config: ValidationConfig) -> str:
+    """The live mesh on free ports; the workers' options are the simulation's."""
+    p = free_ports(6)
+    bs_max, _ = CostModel.load(config.profile, config.model).decode_slo()
+    worker = (f'family = "{config.family}", size = "{config.size}", '
+              f'checkpoint = "{config.checkpoint}", threads = 1, connections = 1, '
+              f"chunk_tokens = {config.chunk_tokens}, snapshot_every = {config.snapshot_every}, "
+              f"max_batch = {bs_max}")
+    services = [("cachedir", "cachedir", "", p[0], ""),
+                ("link-0", "link", "", p[1], f"options = {{ control_port = {p[2]}, "
+                                                f"proxy_base_port = {p[3]} }}"),
+                ("prfaas-prefill-0", "prefill", "prfaas", p[4], ""),
+                ("pd-decode-0", "decode", "pd", p[5], ""),
+                ("router", "router", "", free_ports(1)[0], "")]
+    text = "".join(f'[[clusters]]\nname = "{c}"\nkind = "{c}"\noptions = {{ {worker} }}\n'
+                   for c in ("prfaas", "pd"))
+    for name, kind, cluster, port, extra in services:
+        text += f'[[services]]\nname = "{name}"\nkind = "{kind}"\nport = {port}\n'
+        text += (f'cluster = "{cluster}"\n' if cluster else "") + (extra + "\n" if extra else "")
+    return text + (f'[[links]]\nname = "link-0"\na = "prfaas"\nb = "pd"\n'
+                   f"bandwidth_bps = {config.bandwidth_bps}\ndelay_s = {config.delay_s}\n")
+
+
+@contextmanager
+def live_mesh(config: ValidationConfig, log_dir: Path) -> Iterator[Topology]:
+    """The live mesh's services as `prfaas serve` processes (live mode) until the block ends."""
+    path = log_dir / "topology.toml"
+    path.write_text(topology_text(config))
+    with launch(path, MESH, log_dir=log_dir, ready_timeout=180.0):
+        yield load_topology(path, "")
+
+
+class LiveRouter:
+    """The router's scheduler in this process, on the live mesh (as the router service runs
+    it, minus HTTP): requests go in as token ids, outcomes come from its own events."""
+
+    def __init__(self, topology: Topology, vocab: int) -> None:
+        ctx = ServiceContext(topology, topology.service("router"), "live", 1.0, TcpTransport())
+        policy = create_policy("prfaas", {"threshold": 0, "bandwidth": "scarce"})
+        self.scheduler = Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
+                                   ModeledTokenizer(ModeledConfig(vocab_size=vocab)),
+                                   SchedulerConfig(connections=1, links=link_ends(topology),
+                                                   max_inflight=1024))
+
+    async def run(self, load: Sequence[Job], progress: str = "") -> list[Outcome]:
+        scheduler = self.scheduler
+        async with anyio.create_task_group() as tg:
+            await tg.start(scheduler.run)
+            await tg.start(RouterControl(scheduler, ControlConfig(tick_s=1.0)).run)
+            with scheduler.events.subscribe(1 << 16) as events:
+                handles: dict[str, tuple[float, RequestHandle]] = {}
+                tg.start_soon(self._send, load, handles, tg)
+                done: dict[str, RequestDone] = {}
+                with tqdm(total=len(load), desc=progress, unit="req", file=sys.stderr,
+                          disable=not progress, leave=False) as bar:
+                    while len(done) < len(load):
+                        event = await events.receive()
+                        if isinstance(event, RequestDone):
+                            done[event.request_id] = event
+                            bar.update()
+            tg.cancel_scope.cancel()
+        return sorted((_outcome(handles[rid], done[rid]) for rid in done), key=lambda o: o.at)
+
+    async def _send(self, load: Sequence[Job], handles: dict[str, tuple[float, RequestHandle]],
+                    tg: anyio.abc.TaskGroup) -> None:
+        start = anyio.current_time()
+        for job in load:
+            await anyio.sleep_until(start + job.arrival.at)
+            sent = anyio.current_time() - start
+            handle = await self.scheduler.submit(GenerationRequest(
+                prompt=job.prompt, sampling=Sampling(max_tokens=job.arrival.output_len,
+                                                     stop_on_eos=False)))
+            handles[handle.placement.request_id] = (sent, handle)
+            tg.start_soon(_collect, handle)
+
+
+async def _collect(handle: RequestHandle) -> None:
+    try:
+        await handle.collect()
+    except RouterError:
+        # A placed request's RequestDone (ok False) carries its error into the outcomes.
+        return
+
+
+def _outcome(sent: tuple[float, RequestHandle], done: RequestDone) -> Outcome:
+    at, handle = sent
+    p = handle.prefill
+    return Outcome(at, done.prompt_tokens, done.output_tokens, done.ttft_s, done.tpot_s,
+                   done.e2e_s, done.ok, p.queue_s if p else 0.0, p.compute_s if p else 0.0,
+                   p.transfer_s if p else 0.0, done.error)
+
+
+def completed_rps(outcomes: Sequence[Outcome]) -> float:
+    """Completions per second from the first arrival to the last completion."""
+    ok = [o for o in outcomes if o.ok]
+    if not ok:
+        return 0.0
+    span = max(o.at + o.e2e_s for o in ok) - min(o.at for o in outcomes)
+    return len(ok) / span
+
+
+def service_rate(outcomes: Sequence[Outcome]) -> float:
+    """Completions per second over the middle half of the finishes (a burst's steady state)."""
+    ends = sorted(o.at + o.e2e_s for o in outcomes if o.ok)
+    low, high = len(ends) // 4, 3 * len(ends) // 4
+    if len(ends) < 4 or ends[high] <= ends[low]:
+        raise ValueError(f"need a burst of >= 4 completed requests, got {len(ends)}")
+    return (high - low) / (ends[high] - ends[low])
+
+
+def metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft_s for o in ok]
+    tpot = [o.tpot_s for o in ok if o.output_tokens > 1]
+    return {"ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90),
+            "tpot_p50": percentile(tpot, 50), "tpot_p90": percentile(tpot, 90),
+            "completed_rps": completed_rps(outcomes), "completed": float(len(ok))}
+
+
+def compare(load: str, rate: float, live: Sequence[Outcome], sim: Sequence[Outcome]) -> Row:
+    """Signed relative errors, sim over live minus 1, per metric."""
+    a, b = metrics(live), metrics(sim)
+    errors = {k: b[k] / a[k] - 1.0 if a[k] else math.inf for k in METRICS}
+    return Row(load, rate, len(live), a, b, errors)
+
+
+def ttft_parts(config: ValidationConfig, live: Sequence[Outcome]) -> dict[str, float]:
+    """Mean seconds of what the live TTFT is made of; `profile` is the profile's prefill time
+    for the same prompts (what the simulation's compute takes)."""
+    ok = [o for o in live if o.ok]
+    cost = CostModel.load(config.profile, config.model)
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+    return {"ttft": mean([o.ttft_s for o in ok]), "queue": mean([o.queue_s for o in ok]),
+            "compute": mean([o.compute_s for o in ok]),
+            "profile": mean([cost.prefill_time(o.prompt_tokens) for o in ok]),
+            "rest": mean([o.ttft_s - o.queue_s - o.compute_s for o in ok])}
+
+
+def plot_cdfs(out: Path, row: Row, live: Sequence[Outcome], sim: Sequence[Outcome]) -> Path:
+    """TTFT and TPOT CDFs of one load, live beside simulated."""
+    fig = Figure(figsize=(9, 3.6))
+    panels = (("TTFT (s)", "ttft_s", 1.0), ("TPOT (ms)", "tpot_s", 1e3))
+    for ax, (label, field, scale) in zip(fig.subplots(1, 2), panels, strict=True):
+        for name, outcomes in (("live", live), ("sim", sim)):
+            values = sorted(getattr(o, field) * scale for o in outcomes if o.ok)
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+        ax.set(xlabel=label, ylabel="share of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"load {row.load}: {row.rate:.2f} req/s, {row.requests} requests")
+    fig.tight_layout()
+    path = out / f"cdf_{_slug(row.load)}.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _slug(load: str) -> str:
+    return load.replace("%", "pct")
+
+
+def table(rows: Sequence[Row]) -> str:
+    header = ["load", "req/s", "requests", "metric", "live", "sim", "error"]
+    lines = []
+    for row in rows:
+        for key in METRICS:
+            scale, unit = (1e3, " ms") if key.startswith("tpot") else (1.0, "")
+            lines.append([row.load, f"{row.rate:.2f}", row.requests, key,
+                          f"{row.live[key] * scale:.3f}{unit}",
+                          f"{row.sim[key] * scale:.3f}{unit}", f"{row.errors[key]:+.1%}"])
+    return markdown_table(header, lines)
+
+
+def parts_table(parts: dict[str, dict[str, float]]) -> str:
+    header = ["load", "live TTFT", "queue", "prefill compute", "profile's prefill",
+              "rest (dispatch, link, import, first token)"]
+    return markdown_table(header, [[load, *(f"{p[k] * 1e3:.1f} ms" for k in (
+        "ttft", "queue", "compute", "profile", "rest"))] for load, p in parts.items()])
+
+
+def bench_line(rows: Sequence[Row]) -> str:
+    return json.dumps({"bench": "validate-sim", "rows": [{
+        "load": r.load, "requests": r.requests, "ttft_p50_err": round(r.errors["ttft_p50"], 4),
+        "ttft_p90_err": round(r.errors["ttft_p90"], 4),
+        "tpot_p50_err": round(r.errors["tpot_p50"], 4),
+        "completed_rps_err": round(r.errors["completed_rps"], 4)} for r in rows]})
+
+
+def accepted(row: Row, bound: float = ACCEPT) -> bool:
+    """The issue's acceptance for one load: TTFT p50 and p90 and TPOT p50 within `bound`."""
+    return all(abs(row.errors[k]) <= bound for k in ("ttft_p50", "ttft_p90", "tpot_p50"))
+
+
+class LiveRun(msgspec.Struct, frozen=True):
+    """What the live mesh did: its capacity (measured, or as configured) and each load's
+    outcomes (the capacity burst's under "capacity", when measured)."""
+
+    capacity_rps: float
+    outcomes: dict[str, list[Outcome]]
+    wall_s: float
+
+
+class Validation(msgspec.Struct, frozen=True):
+    """A whole run: the capacities, each load's row, its TTFT parts, and each side's records."""
+
+    config: ValidationConfig
+    live_capacity_rps: float
+    sim_capacity_rps: float
+    rows: list[Row]
+    parts: dict[str, dict[str, float]]
+    records: dict[str, dict[str, list[Outcome]]]
+    wall_s: float
+
+
+def _burst(config: ValidationConfig) -> list[Job]:
+    return jobs(config, 1.0, config.capacity_requests, config.seed + 98, burst_s=1.0)
+
+
+def _load(config: ValidationConfig, index: int, rate: float) -> list[Job]:
+    return jobs(config, rate, config.requests, config.seed + index)
+
+
+async def _drive_live(config: ValidationConfig, topology: Topology,
+                      say: Callable[[str], None]) -> tuple[float, dict[str, list[Outcome]]]:
+    """Warm-up, the capacity burst (unless configured), then each load on one live mesh."""
+    router = LiveRouter(topology, family_config(config.family, config.size).vocab_size)
+    out: dict[str, list[Outcome]] = {}
+    capacity = config.capacity_rps
+    async with router.scheduler.node:
+        await router.scheduler.node.listen()
+        await router.run(jobs(config, 1.0, config.warmup_requests, config.seed + 99,
+                              burst_s=2.0 * config.warmup_requests), "warm-up")
+        if not capacity:
+            out["capacity"] = await router.run(_burst(config), "capacity burst")
+            capacity = service_rate(out["capacity"])
+            say(f"live capacity: {capacity:.2f} req/s (a burst of {config.capacity_requests})")
+        for index, (name, fraction) in enumerate(config.loads):
+            say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} requests")
+            out[name] = await router.run(_load(config, index, fraction * capacity),
+                                         f"live {name}")
+    return capacity, out
+
+
+def run_live(config: ValidationConfig, log_dir: Path, say: Callable[[str], None] = print,
+             ) -> LiveRun:
+    """The live side of the comparison (module docstring); service logs go to `log_dir`."""
+    began = time.perf_counter()
+    with live_mesh(config, log_dir) as topology:
+        capacity, outcomes = anyio.run(_drive_live, config, topology, say, backend="trio")
+    return LiveRun(capacity, outcomes, time.perf_counter() - began)
+
+
+def against_sim(config: ValidationConfig, live: LiveRun) -> Validation:
+    """The simulation of every load of `live` with `config`'s profile, compared with it."""
+    sim_capacity = service_rate(simulate(config, _burst(config))) if (
+        "capacity" in live.outcomes) else 0.0
+    rows, parts = [], {}
+    records = {"capacity": {"live": live.outcomes["capacity"]}} if (
+        "capacity" in live.outcomes) else {}
+    for index, (name, fraction) in enumerate(config.loads):
+        rate = fraction * live.capacity_rps
+        sim = simulate(config, _load(config, index, rate))
+        rows.append(compare(name, rate, live.outcomes[name], sim))
+        parts[name] = ttft_parts(config, live.outcomes[name])
+        records[name] = {"live": live.outcomes[name], "sim": sim}
+    return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
+                      live.wall_s)
+
+
+def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
+    """`prfaas profile` (a child process, one thread, as the workers) over the lengths,
+    batches and contexts the loads reach, written to `out`; `config` reading it."""
+    low, high = config.prompt_tokens
+    top = high + config.output_tokens[1]
+    lengths = sorted({max(BLOCK, round(low / 2 + i * (high - low / 2) / 5)) for i in range(6)})
+    batches = "1,2,4" if quick else "1,2,4,8,16"
+    args = [sys.executable, "-m", "services.cli.main", "profile", "--out", str(out),
+            "--name", out.stem, "--no-progress", "--lengths", ",".join(map(str, lengths)),
+            "--chunk-tokens", str(config.chunk_tokens), "--batches", batches,
+            "--contexts", f"{low},{(low + top) // 2},{top}",
+            "--repeats", "2" if quick else "5", "--snapshot-every", str(config.snapshot_every),
+            "--family", config.family, "--size", config.size,
+            "--checkpoint", config.checkpoint]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+    model = out.parent / f"{config.family}-{config.size}.toml"
+    return msgspec.structs.replace(config, profile=str(out), model=str(model))
+
+
+def write_report(out: Path, result: Validation, machine: str) -> str:
+    """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text."""
+    out.mkdir(parents=True, exist_ok=True)
+    for row in result.rows:
+        plot_cdfs(out, row, result.records[row.load]["live"], result.records[row.load]["sim"])
+    with (out / "records.jsonl").open("wb") as file:
+        for load, sides in result.records.items():
+            for side, outcomes in sides.items():
+                for o in outcomes:
+                    record = {"load": load, "side": side, **msgspec.to_builtins(o)}
+                    file.write(msgspec.json.encode(record) + b"\n")
+    text = "\n".join([
+        f"Live capacity {result.live_capacity_rps:.2f} req/s (simulated "
+        f"{result.sim_capacity_rps:.2f}); {machine}; {result.wall_s:.0f} s in all.", "",
+        table(result.rows), "What the live TTFT is made of (means):", "",
+        parts_table(result.parts),
+        "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load): " +
+        ", ".join(f"{r.load} {'pass' if accepted(r) else 'FAIL'}" for r in result.rows) +
+        f"; Vidur's goal: {VIDUR_GOAL:.0%}.", ""])
+    (out / "table.md").write_text(text)
+    summary = msgspec.to_builtins({k: v for k, v in msgspec.structs.asdict(result).items()
+                                   if k != "records"})
+    summary["machine"] = machine
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return text
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    lines = (__doc__ or "").splitlines()
+    parser = argparse.ArgumentParser(prog="prfaas validate-sim", description=lines[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(lines[2:]))
+    defaults = ValidationConfig()
+    parser.add_argument("--profile", default=defaults.profile,
+                        help="the measured hardware profile (prfaas profile) the sim reads")
+    parser.add_argument("--model", default=defaults.model, help="the model's KV-size profile")
+    parser.add_argument("--reprofile", action="store_true",
+                        help="measure a fresh profile first (DIR/profile.toml) and use it")
+    parser.add_argument("--requests", type=int, default=defaults.requests,
+                        help="requests per load")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--out", type=Path, default=Path("validation-results"))
+    parser.add_argument("--log-dir", type=Path, help="the services' logs (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def machine_line() -> str:
+    """The CPU and how busy the machine was (1-minute load average) as the run ended."""
+    from services.cli.profile import host_line
+
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").is_file() \
+        else "?"
+    return f"{host_line(1)}; load average {load} at the end"
+
+
+def validate_main(argv: list[str]) -> int:
+    args = _parse(argv)
+    config = ValidationConfig(profile=args.profile, model=args.model, requests=args.requests,
+                              seed=args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    say = partial(print, file=sys.stderr)
+    if args.reprofile:
+        say("profiling the engine (prfaas profile) ...")
+        config = profile_for(config, args.out / "profile.toml")
+    with tempfile.TemporaryDirectory(prefix="validate-sim-") as temp:
+        log_dir = args.log_dir or Path(temp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        live = run_live(config, log_dir, say)
+    result = against_sim(config, live)
+    print(write_report(args.out, result, machine_line()))
+    print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
+    print(bench_line(result.rows))
+    return 0
