@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper train browser clean prometheus
+.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -101,6 +101,12 @@ bench-router: $(STAMP)
 # The paper's Table 6, measured by the simulation (about 15 minutes on 2 cores).
 sim-paper: $(STAMP)
 	$(VENV)/bin/prfaas sim --scenario paper --out sim-results/paper
+
+# The simulation against the live mesh under load (docs/simulation.md, "Validation against the
+# live system"): profiles the engine first, then three loads of 150 requests on the live mesh and
+# in the simulation; writes validation-results/ (about 15 minutes on 2 cores).
+validate-sim: $(STAMP)
+	$(VENV)/bin/prfaas validate-sim --reprofile --out validation-results
 
 # Not part of `bench`: it runs the whole mesh three times (about 10 minutes).
 bench-policies: $(STAMP)
