@@ -18,7 +18,8 @@ Three ways out, one order:
 * a frame in parts (a bulk payload cut out of it, `mesh.wire.Codec.encode_parts`) is written
   by its sender, urgent or not, while nothing is queued or being written: one gathering
   write of what the socket takes at once, the rest first in line for the writer task. A bulk
-  stream then costs no hand-off between tasks per frame while the socket keeps up.
+  stream then costs no hand-off between tasks per frame while the socket keeps up. A frame
+  in parts, or the rest of one, is never joined with others: the writer writes it alone.
 
 When no writer task runs (during the handshake, or a bare Connection in a test), senders
 write their own frames.
@@ -270,18 +271,25 @@ class Outbox:
         finally:
             self._writer_running = False
 
-    def _take_batch(self) -> list[Frame | Parts]:
-        batch = [self._queue.popleft()]
-        size = _size(batch[0])
-        while (
-            self._queue
-            and size < BATCH_BYTES
-            and size < BIG_FRAME
-            and _size(self._queue[0]) < BIG_FRAME
-        ):
-            frame = self._queue.popleft()
+    def _take_batch(self) -> Parts | list[Frame]:
+        """The next write: a frame in parts alone, or whole frames, small ones joined up to
+        BATCH_BYTES. A frame in parts is never joined, whatever its size: the rest of one
+        the socket cut short may be small, and the frames queued behind it are written by
+        the next write, not dropped (a push stream's End was: docs/engineering-notes.md,
+        "The stream that hung on trio")."""
+        first = self._queue.popleft()
+        if isinstance(first, tuple):
+            self._queued -= _size(first)
+            return first
+        batch = [first]
+        size = len(first)
+        while self._queue and size < BATCH_BYTES and size < BIG_FRAME:
+            frame = self._queue[0]
+            if isinstance(frame, tuple) or len(frame) >= BIG_FRAME:
+                break
+            self._queue.popleft()
             batch.append(frame)
-            size += _size(frame)
+            size += len(frame)
         self._queued -= size
         return batch
 
@@ -290,18 +298,17 @@ class Outbox:
             while self._queue and not self._writing:
                 await self._write(self._take_batch())
 
-    async def _write(self, batch: list[Frame | Parts]) -> None:
+    async def _write(self, batch: Parts | list[Frame]) -> None:
         self._writing = True
         try:
-            first = batch[0]
-            if isinstance(first, tuple):  # a frame in parts is big: always alone
+            if isinstance(batch, tuple):
                 if self._parts_stream is not None:
-                    await self._parts_stream.send_parts(first)
+                    await self._parts_stream.send_parts(batch)
                 else:
-                    for part in first:
+                    for part in batch:
                         await self._stream.send(part)  # type: ignore[arg-type]
                 return
-            data = first if len(batch) == 1 else b"".join(batch)  # type: ignore[arg-type]
+            data = batch[0] if len(batch) == 1 else b"".join(batch)
             # Streams take any buffer (typed bytes); a frame is never reused once sent (G8).
             await self._stream.send(data)  # type: ignore[arg-type]
         except STREAM_ERRORS as exc:

@@ -343,3 +343,25 @@ async def test_a_broken_stream_fails_the_sender_of_a_frame_in_parts() -> None:
             await outbox.put(bulk_frame(1), urgent=False)
         nursery.cancel_scope.cancel()
     assert outbox.broken is not None
+
+
+@pytest.mark.trio
+async def test_small_frames_queued_behind_the_short_rest_of_a_frame_in_parts_are_written(
+) -> None:
+    # The socket takes all of a frame in parts but a rest shorter than BIG_FRAME; the frames
+    # put before the writer runs queue behind that rest. Joined into one batch with it, they
+    # were dropped (a push stream's End lost: the trio stream that hung, issue 29).
+    frame = bulk_frame(1)
+    stream = PartsStream(room=sum(map(len, frame)) - 100)
+    outbox = Outbox(stream, "peer", limit=1 << 24)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await outbox.put(frame, urgent=False)
+        await outbox.put(b"item", urgent=False)
+        await outbox.put(b"end", urgent=True)
+        outbox.check_integrity()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert b"".join(stream.writes) == b"".join(frame) + b"item" + b"end"
+    assert outbox.queued_bytes == 0
