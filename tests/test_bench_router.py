@@ -19,7 +19,8 @@ KEYS = {"router_rps", "baseline_rps", "rps_ratio", "added_ms_p50", "added_ms_p99
 
 
 def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20"],
+    done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20",
+                           "--scrape-every", "0.1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -28,8 +29,13 @@ def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None
     # beside the long prompts, which were sent and answered too.
     long = result["long_prompts"]
     assert long["long_completed"] > 0 and long["long_failed"] == 0
+    # The scraped turns: /metrics answered while the same requests ran, and its cost alone.
+    scrape = result["scrape"]
+    assert scrape["metrics_bytes"] > 0 and scrape["router_cpu_ms_per_scrape"] > 0
+    assert all(kind["scrapes"] > 0 for kind in scrape["kinds"].values())
+    # The router's scraped turns add 20 at concurrency 16 per kind.
     assert (result["failed"], result["completed"]) == (
-        0, 2 * 2 * (20 + 5) + 5 + long["long_completed"])
+        0, 2 * 2 * (20 + 5) + 2 * 20 + 5 + long["long_completed"])
     assert result["router_rps"] > 0 and result["baseline_rps"] > 0
     low, high = result["rps_ratio_spread"]
     assert 0 < low <= high

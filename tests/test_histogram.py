@@ -53,3 +53,19 @@ def test_buckets_must_be_finite_and_increasing(buckets: list[float]) -> None:
 def test_label_values_must_match_the_label_names() -> None:
     with pytest.raises(ConfigError, match="takes labels"):
         Histogram("demo_seconds", "demo", ["a", "b"], [1.0]).labels("x")
+
+
+def test_the_direct_exposition_parses_to_the_samples_a_registry_writes() -> None:
+    histogram = Histogram("demo_seconds", 'a "doc"\\ with\nlines', ["path", "policy"],
+                          [0.001, 0.025, 1.5, 600.0])
+    for path, values in (('/v1 "x"\\y', [0.0005, 0.025, 0.0251, 700.0]), ("/v2\n", [3.0])):
+        for value in values:
+            histogram.labels(path, "prfaas").observe(value, 3)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(histogram)
+
+    def parsed(text: str) -> list[tuple[str, str, list[tuple[str, dict[str, str], float]]]]:
+        return [(f.name, f.documentation, [(s.name, s.labels, s.value) for s in f.samples])
+                for f in text_string_to_metric_families(text)]
+
+    assert parsed(histogram.exposition()) == parsed(generate_latest(registry).decode())

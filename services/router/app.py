@@ -147,7 +147,8 @@ class RouterApp:
         self.admin_token = admin_token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))
-        self.registry.register(scheduler.metrics)
+        # The request histograms are appended at each scrape (`metrics`), their counters here.
+        self.registry.register(scheduler.metrics.cache)
         self._parse_threads: anyio.CapacityLimiter | None = None
         self.app = Quart(__name__)
         # Streams last as long as generation does; Quart's default cuts them at 60 s.
@@ -261,7 +262,9 @@ class RouterApp:
                               200 if ready else 503)
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.registry), mimetype=CONTENT_TYPE_LATEST)
+        histograms = self.scheduler.metrics.histogram_exposition().encode()
+        return Response(generate_latest(self.registry) + histograms,
+                        mimetype=CONTENT_TYPE_LATEST)
 
     def _state(self) -> Response:
         workload = msgspec.to_builtins(self.workload.statistics())

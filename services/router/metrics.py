@@ -107,6 +107,28 @@ class PrefixCacheTokens:
     hit: int = 0
 
 
+class PrefixCacheCounters(Collector):
+    """prfaas_prefix_cache_{query,hit}_tokens_total by the cluster that prefilled."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[str, PrefixCacheTokens] = {}
+
+    def of(self, cluster: str) -> PrefixCacheTokens:
+        return self._clusters.setdefault(cluster, PrefixCacheTokens())
+
+    def collect(self) -> Iterator[Metric]:
+        queried = CounterMetricFamily("prfaas_prefix_cache_query_tokens", "Prompt tokens "
+                                      "looked up in the prefill worker's prefix cache",
+                                      labels=["cluster"])
+        hit = CounterMetricFamily("prfaas_prefix_cache_hit_tokens", "Prompt tokens found in "
+                                  "the prefill worker's prefix cache (not computed)",
+                                  labels=["cluster"])
+        for cluster, tokens in self._clusters.items():
+            queried.add_metric([cluster], tokens.queried)
+            hit.add_metric([cluster], tokens.hit)
+        yield from (queried, hit)
+
+
 class RequestSeries(NamedTuple):
     """One (cluster, policy)'s children of every request histogram, looked up once."""
 
@@ -141,7 +163,7 @@ class RequestMetrics(Collector):
         self._histograms = [
             *(Histogram(name, doc, REQUEST_LABELS, SECONDS_BUCKETS) for name, doc in seconds),
             *(Histogram(name, doc, REQUEST_LABELS, TOKENS_BUCKETS) for name, doc in tokens)]
-        self._cache: dict[str, PrefixCacheTokens] = {}
+        self.cache = PrefixCacheCounters()
         self._series: dict[tuple[str, str], RequestSeries] = {}
 
     def series(self, cluster: str, policy: str) -> RequestSeries:
@@ -150,7 +172,7 @@ class RequestMetrics(Collector):
         found = self._series.get(key)
         if found is None:
             found = RequestSeries._make([*(h.labels(cluster, policy) for h in self._histograms),
-                                         self._cache.setdefault(cluster, PrefixCacheTokens())])
+                                         self.cache.of(cluster)])
             self._series[key] = found
         return found
 
@@ -176,16 +198,13 @@ class RequestMetrics(Collector):
         if ttft is not None and result.completion_tokens > 1:
             series.tpot.observe((duration - ttft) / (result.completion_tokens - 1))
 
+    def histogram_exposition(self) -> str:
+        """The histograms' text, as `collect` through a registry writes them but written
+        directly: the router's /metrics appends it (scraped under load: bench_router.py
+        --scrape-every); `cache` goes through the router's registry."""
+        return "".join(histogram.exposition() for histogram in self._histograms)
+
     def collect(self) -> Iterator[Metric]:
         for histogram in self._histograms:
             yield from histogram.collect()
-        queried = CounterMetricFamily("prfaas_prefix_cache_query_tokens", "Prompt tokens "
-                                      "looked up in the prefill worker's prefix cache",
-                                      labels=["cluster"])
-        hit = CounterMetricFamily("prfaas_prefix_cache_hit_tokens", "Prompt tokens found in "
-                                  "the prefill worker's prefix cache (not computed)",
-                                  labels=["cluster"])
-        for cluster, tokens in self._cache.items():
-            queried.add_metric([cluster], tokens.queried)
-            hit.add_metric([cluster], tokens.hit)
-        yield from (queried, hit)
+        yield from self.cache.collect()
