@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -457,8 +458,10 @@ def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> Val
     return msgspec.structs.replace(config, profile=str(out), model=str(model))
 
 
-def write_report(out: Path, result: Validation, machine: str) -> str:
-    """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text."""
+def write_report(out: Path, result: Validation, machine: str,
+                 shipped: Validation | None = None) -> str:
+    """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text.
+    `shipped`: the same live run simulated with the profile in the repository, beside."""
     out.mkdir(parents=True, exist_ok=True)
     for row in result.rows:
         plot_cdfs(out, row, result.records[row.load]["live"], result.records[row.load]["sim"])
@@ -476,12 +479,23 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
         "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load): " +
         ", ".join(f"{r.load} {'pass' if accepted(r) else 'FAIL'}" for r in result.rows) +
         f"; Vidur's goal: {VIDUR_GOAL:.0%}.", ""])
+    if shipped is not None:
+        text += (f"\nThe same live run simulated with the shipped profile "
+                 f"{shipped.config.profile}:\n\n{table(shipped.rows)}")
     (out / "table.md").write_text(text)
-    summary = msgspec.to_builtins({k: v for k, v in msgspec.structs.asdict(result).items()
-                                   if k != "records"})
+    summary = _summary(result)
     summary["machine"] = machine
+    if shipped is not None:
+        summary["shipped_profile"] = _summary(shipped)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return text
+
+
+def _summary(result: Validation) -> dict[str, Any]:
+    fields = msgspec.structs.asdict(result)
+    del fields["records"]
+    built: dict[str, Any] = msgspec.to_builtins(fields)
+    return built
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -526,7 +540,10 @@ def validate_main(argv: list[str]) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         live = run_live(config, log_dir, say)
     result = against_sim(config, live)
-    print(write_report(args.out, result, machine_line()))
+    shipped = against_sim(msgspec.structs.replace(config, profile=args.profile,
+                                                  model=args.model), live) if (
+        args.reprofile) else None
+    print(write_report(args.out, result, machine_line(), shipped))
     print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
     print(bench_line(result.rows))
     return 0
