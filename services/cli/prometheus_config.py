@@ -39,20 +39,29 @@ class Target(msgspec.Struct, frozen=True):
     address: str  # host:port
 
 
+# Addresses a server binds to that are no address to scrape: the service's host is.
+_ANY = frozenset({"0.0.0.0", "::", ""})
+
+
 def _endpoints(spec: ServiceSpec) -> list[str]:
     """host:port of each /metrics the service serves (services/service.py serve_metrics,
     services/router/app.py, netem/control.py, ui/app.py)."""
     options = spec.options
+
+    def at(bound: str, port: object) -> str:
+        return f"{spec.host if bound in _ANY else bound}:{port}"
+
     found = []
     if spec.kind == "router":
         config = router_config(options)
-        found.append(f"{config.http_host}:{config.http_port}")
+        found.append(at(config.http_host, config.http_port))
     elif spec.kind == "link":
-        found.append(f"{spec.host}:{options.get('control_port', 8474)}")
+        found.append(at(spec.host, options.get("control_port", 8474)))
     elif spec.kind == "ui":
-        found.append(f"{options.get('http_host', spec.host)}:{options.get('http_port', 8080)}")
+        found.append(at(str(options.get("http_host", spec.host)),
+                        options.get("http_port", 8080)))
     if options.get("metrics_port"):
-        found.append(f"{spec.host}:{options['metrics_port']}")
+        found.append(at(spec.host, options["metrics_port"]))
     return found
 
 
