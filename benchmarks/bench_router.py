@@ -21,9 +21,10 @@ alone): the router tokenizes such a body (about 4 ms) in a worker thread, off it
 
 `--scrape-every S` adds a third turn to every throughput round: the router again, while a
 scraper GETs its /metrics every S seconds as Prometheus would (`scrape` in the JSON: the
-router's CPU per request with and without, the same-run A/B, and the router's CPU per scrape
-measured alone, 200 scrapes back to back once the histograms are full, with the share of a
-request's CPU that makes at the scraped rate).
+router's CPU per request with and without, the same-run A/B over the whole phase and as the
+median of each round's pair, its threads' CPU read to the nanosecond; and the router's CPU per
+scrape measured alone, 200 scrapes back to back once the histograms are full, with the share
+of a request's CPU that makes at the scraped rate).
 
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
@@ -292,10 +293,16 @@ class Run:
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the phase
     round_rps: list[float] = field(default_factory=list)  # each added round's own rate
     scrapes: int = 0  # GET /metrics answered during the phase (--scrape-every)
+    # The router's CPU per request of each added round, in ms, to the nanosecond
+    # (`thread_cpu_seconds`): the scrape A/B pairs rounds (--scrape-every).
+    round_router_ms: list[float] = field(default_factory=list)
+    router_ns_s: float = 0.0  # that CPU over this (one round's) phase, in seconds
 
     def add(self, other: Run) -> None:
         """Another round of the same phase."""
         self.round_rps.append(other.rps())
+        if other.latencies:
+            self.round_router_ms.append(1e3 * other.router_ns_s / len(other.latencies))
         self.latencies += other.latencies
         self.wall_s += other.wall_s
         self.failures += other.failures
@@ -357,13 +364,26 @@ class Options(msgspec.Struct, frozen=True):
     scrape_s: float = 0.0  # 0: no scraped turn
 
 
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds of the threads `pid` has now, to the nanosecond (/proc/PID/task/*/schedstat:
+    /proc/PID/stat counts 10 ms ticks, 5% of a 100-request round)."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with suppress(OSError):  # a thread that ended meanwhile
+            total += int(stat.read_text().split()[0])
+    return total / 1e9
+
+
 async def measured_phase(port: int, stream: bool, requests: int, concurrency: int,
                          options: Options, pids: dict[str, int]) -> Run:
     """A phase, and the CPU each process (`client`: this one) spent during it."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    router = thread_cpu_seconds(pids["router"]) if "router" in pids else 0.0
     client = time.process_time()
     run = await phase(port, stream, requests, concurrency, options.max_tokens)
     run.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    if "router" in pids:
+        run.router_ns_s = thread_cpu_seconds(pids["router"]) - router
     run.cpu_s["client"] = time.process_time() - client
     return run
 
@@ -456,16 +476,20 @@ async def measure(targets: dict[str, tuple[int, dict[str, int]]],
                         options.max_tokens)
         for key, concurrency, total in (("lat", 1, options.latency_requests),
                                         ("rps", options.concurrency, options.requests)):
-            for requests in split(total, options.rounds):
-                for target, (port, pids) in targets.items():
-                    run = await measured_phase(port, stream, requests, concurrency, options,
-                                               pids)
-                    runs[target].setdefault(f"{kind}/{key}", Run()).add(run)
-                if key == "rps" and options.scrape_s > 0:
-                    port, pids = targets["router"]
-                    run = await scraped_phase(port, stream, requests, concurrency, options,
-                                              pids)
-                    runs.setdefault("scraped", {}).setdefault(kind, Run()).add(run)
+            for i, requests in enumerate(split(total, options.rounds)):
+                # The scraped turn beside the router's own, first in every other round: the
+                # order within a round moves neither side of the pair.
+                turns = [*targets, *(["scraped"] if key == "rps" and options.scrape_s else [])]
+                if i % 2 and "scraped" in turns:
+                    turns.remove("scraped")
+                    turns.insert(0, "scraped")
+                for target in turns:
+                    scraping = target == "scraped"
+                    port, pids = targets["router" if scraping else target]
+                    run = await (scraped_phase if scraping else measured_phase)(
+                        port, stream, requests, concurrency, options, pids)
+                    runs.setdefault(target, {}).setdefault(
+                        kind if scraping else f"{kind}/{key}", Run()).add(run)
     if options.scrape_s > 0:
         port, pids = targets["router"]
         cost_ms, size = await scrape_cost(port, pids["router"])
@@ -534,20 +558,28 @@ def scrape_report(router: dict[str, Run], scraped: dict[str, Run],
     the scraped turns' rate of scrapes per request."""
     cost = scraped["cost"]
     per_scrape_ms, size = cost.cpu_s["router_ms_per_scrape"], cost.scrapes
-    kinds = {}
+    kinds: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         plain, with_scrapes = router[f"{kind}/rps"], scraped[kind]
         a, b = plain.cpu_ms("router"), with_scrapes.cpu_ms("router")
         per_request = with_scrapes.scrapes / max(1, len(with_scrapes.latencies))
+        # Each round's scraped turn against the plain turn of the same round: the median of
+        # the pairs is what the host's drift moves least.
+        pairs = [100 * (s / p - 1) for p, s in zip(plain.round_router_ms,
+                                                    with_scrapes.round_router_ms, strict=True)]
         kinds[kind] = {"router_cpu_ms_per_request": a, "scraped_cpu_ms_per_request": b,
                        "ab_added_pct": round(100 * (b - a) / a, 2) if a else 0.0,
+                       "ab_rounds_added_pct": [round(x, 2) for x in pairs],
+                       "ab_median_added_pct": round(statistics.median(pairs), 2),
                        "scrapes": with_scrapes.scrapes, "scrapes_per_request":
                        round(per_request, 5), "scrape_share_pct":
                        round(100 * per_scrape_ms * per_request / b, 3) if b else 0.0}
     return {"every_s": options.scrape_s, "metrics_bytes": size,
             "router_cpu_ms_per_scrape": round(per_scrape_ms, 3),
             "scrape_share_pct": max(k["scrape_share_pct"] for k in kinds.values()),
-            "ab_added_pct": max(k["ab_added_pct"] for k in kinds.values()), "kinds": kinds}
+            "ab_added_pct": max(k["ab_added_pct"] for k in kinds.values()),
+            "ab_median_added_pct": max(k["ab_median_added_pct"] for k in kinds.values()),
+            "kinds": kinds}
 
 
 def long_report(router: dict[str, Run], options: Options) -> dict[str, Any]:
@@ -592,7 +624,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"{scrape['router_cpu_ms_per_scrape']:.2f} ms CPU a scrape, "
               f"{scrape['scrape_share_pct']:.3f}% of its CPU per request; same-run A/B "
               + ", ".join(f"{kind} {k['router_cpu_ms_per_request']:.3f} -> "
-                          f"{k['scraped_cpu_ms_per_request']:.3f} ms ({k['ab_added_pct']:+.2f}%)"
+                          f"{k['scraped_cpu_ms_per_request']:.3f} ms ({k['ab_added_pct']:+.2f}%, "
+                          f"median of rounds {k['ab_median_added_pct']:+.2f}%)"
                           for kind, k in scrape["kinds"].items()))
     print(f"completed {result['completed']}, failed {result['failed']}")
     for reason, count in result["failures"].items():
