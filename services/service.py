@@ -1,5 +1,5 @@
 """What every service shares: its context (topology, spec, mode, how to reach peers), its
-event feed and its `/metrics` endpoint.
+event feed and its `/metrics` endpoint, with the buckets of every histogram it observes.
 
 A runner (`prfaas serve NAME` picks one per service kind, services/cli/serve.py) gets a
 `ServiceContext`: the topology, its own spec, the mode, and the means to build mesh nodes that
@@ -33,6 +33,20 @@ Mode = Literal["live", "emulated"]
 WORKER_KINDS = frozenset({"prefill", "decode"})
 T = TypeVar("T")
 StatisticsSource = Callable[[], msgspec.Struct]
+
+# The buckets of every PrfaaS histogram, one series per unit, live and simulated alike
+# (docs/observability.md). Times run from a fraction of a millisecond (a decode step of the
+# small CPU model, one gap between streamed tokens) to minutes (a queue of 128K-token prefills
+# on the emulated H20, each seconds long): 0.1 ms to 750 s, eight bounds a decade (1, 1.5, 2,
+# 2.5, 3, 4, 5, 7.5), so neighbouring bounds are at most 1.5x apart and the SLO's 25 ms
+# (40 tokens/s) is a bound. Written as decimal literals so that each prints as it reads
+# (le="0.025"). Token counts (1 to 1M) and KV bytes (1 KiB to 64 GiB: a paper-scale 128K
+# prefix is about 2.3 GiB) go in powers of two.
+SECONDS_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m}e{exponent}") for exponent in range(-4, 3)
+    for m in ("1", "1.5", "2", "2.5", "3", "4", "5", "7.5"))
+TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(21))
+BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(10, 37))
 
 
 def link_service_of(topology: Topology, link: LinkSpec) -> ServiceSpec:

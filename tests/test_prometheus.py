@@ -32,7 +32,7 @@ from services.bench.cli import bench_main
 from services.cli.launch import launch
 from services.cli.prometheus_config import prometheus_config_main, scrape_targets
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
-from services.histograms import SECONDS_BUCKETS
+from services.service import SECONDS_BUCKETS
 from tests.ports import distinct_ports, free_ports
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ the policy that placed it, the time to first token, every gap between streamed t
 end-to-end time, the time queued at the prefill worker, the time per output token, prompt and
 completion lengths; and by cluster, the prompt tokens looked up in the prefill worker's prefix
 cache and those found there. The names, units and buckets are vLLM's and NVIDIA Dynamo's
-habits (docs/observability.md); the buckets are services.histograms'.
+habits (docs/observability.md); the buckets are services/service.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from mesh.histogram import Histogram, HistogramSeries
 from services.contract.events import MIGRATION_REASONS
-from services.histograms import SECONDS_BUCKETS, TOKENS_BUCKETS
+from services.service import SECONDS_BUCKETS, TOKENS_BUCKETS
 
 if TYPE_CHECKING:
     from services.router.requests import RequestHandle

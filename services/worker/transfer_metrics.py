@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from mesh.histogram import Histogram
-from services.histograms import BYTES_BUCKETS, SECONDS_BUCKETS
+from services.service import BYTES_BUCKETS, SECONDS_BUCKETS
 from services.worker.kv_inbox import KVAssembly
 
 LABELS = ("service", "link", "kind")
