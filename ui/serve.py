@@ -5,8 +5,8 @@ Live it runs on asyncio with uvloop; tests run it on trio. The listening socket 
 On the real mesh the dashboard is `prfaas serve ui` (ui/feed.py feeds it every
 service's events); on the simulation it is `prfaas sim-dashboard` (services/cli/sim_dashboard.py
 finds `serve_dashboard` through the entry point `prfaas.dashboard:serve`: services never
-import ui); `ui_main` (`python -m ui`) is the dashboard alone: recorded logs, controls forwarded to
-a link and a router if they run.
+import ui; with --compare it serves ui/compare.py's page); `ui_main` (`python -m ui`) is
+the dashboard alone: recorded logs, controls forwarded to a link and a router if they run.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from anyio.abc import TaskStatus
 from mesh.http import serve_http
 from services.contract.access import token_from_env
 from ui.app import build_app
+from ui.compare import CompareSource, build_compare_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
 from ui.errors import UiConfigError
@@ -57,12 +58,22 @@ async def serve_ui(
 ) -> None:
     """Serves the dashboard until cancelled; reports the bound (host, port) when listening.
 
-    `replay_sleep` waits wall seconds for the replays (see `build_app`)."""
-    hub = EventHub(config or DashboardConfig())
-    app = build_app(source, controls, hub=hub, replay_dirs=replay_dirs,
-                    replay_sleep=replay_sleep)
+    `replay_sleep` waits wall seconds for the replays (see `build_app`). A source that
+    compares deployments (ui.compare's `CompareSource`) gets the compare page instead."""
+    if isinstance(source, CompareSource):
+        app = build_compare_app(source, controls, config=config)
+        hubs = list(app.state.hubs.values())
+    else:
+        hubs = [EventHub(config or DashboardConfig())]
+        app = build_app(source, controls, hub=hubs[0], replay_dirs=replay_dirs,
+                        replay_sleep=replay_sleep)
+
+    def close_feeds() -> None:
+        for hub in hubs:
+            hub.close()
+
     # Ending the feeds first lets every open event stream finish within the grace.
-    await serve_http(app, host, port, log_name="ui.http", before_stop=hub.close,
+    await serve_http(app, host, port, log_name="ui.http", before_stop=close_feeds,
                      task_status=task_status)
 
 

@@ -2,6 +2,7 @@
 
     prfaas sim-dashboard [--speed 10] [--port 8080] [--rate 1] [--policy prfaas]
     prfaas sim-dashboard --record ui/replays/sample.jsonl --seconds 120
+    prfaas sim-dashboard --compare prfaas_pd,homogeneous[,naive] [--rate 2.5] [--speed 60]
 
 The simulated deployment (services/sim/world.py: the live router, workers, cache directory
 and netem link over an in-memory network) runs in this process on a `PacedClock`: virtual time
@@ -11,6 +12,10 @@ every service's event bus (`LiveSim`); its controls act on the world (`SimContro
 Services never import ui: the dashboard's server is found through the entry point
 `prfaas.dashboard:serve` and handed the simulation's event source and controls, which have
 the shapes of ui's `EventSource` and `ControlClient`.
+
+`--compare` runs two or three deployments of the paper scenario (services/sim/compare.py) on
+one clock and one load, each arrival to all of them, and serves the compare page: a column per
+deployment, charts with a line each, the ratio of their completed rates.
 
 `--record FILE` runs the same world on an autojumping clock instead and writes its events as
 a JSON-lines log (the format of ui/replays/).
@@ -36,7 +41,13 @@ from mesh.errors import ConfigError, MeshError
 from mesh.run import fewer_collections
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
-from services.sim.controls import SimControls
+from services.sim.compare import (
+    COMPARABLE,
+    COMPARE_DEFAULT_RATE,
+    CompareSim,
+    compare_deployments,
+)
+from services.sim.controls import CompareControls, SimControls
 from services.sim.live import LOAD_KINDS, LiveConfig, LiveSim
 from services.sim.record import record_virtual, write_events
 from services.sim.run import LinkChange
@@ -89,15 +100,36 @@ async def serve_sim_dashboard(sim: LiveSim, host: str, port: int, *,
                 replay_dirs=tuple(replay_dirs), replay_sleep=wall_sleep, task_status=task_status)
 
 
-def run_sim_dashboard(sim: LiveSim, host: str, port: int, *,
+def compare_options(sim: CompareSim, rate: float) -> dict[str, Any]:
+    """The compare page's configuration: the deployments' names in its title."""
+    titles = " vs ".join(str(column["title"]) for column in sim.describe())
+    return {"title": f"PrfaaS simulation: {titles}", "live_mode": "simulated",
+            "prfaas_clusters": ["prfaas"], "default_rate": rate or COMPARE_DEFAULT_RATE}
+
+
+async def serve_compare_dashboard(sim: CompareSim, host: str, port: int, *,
+                                  server: DashboardServer | None = None,
+                                  task_status: anyio.abc.TaskStatus[tuple[str, int]] = (
+                                      anyio.TASK_STATUS_IGNORED)) -> None:
+    """Serves the compare page on `sim` (which the page runs) until cancelled."""
+    serve = server or dashboard_server()
+    await serve(host, port, sim, CompareControls(sim),
+                options=compare_options(sim, sim.config.rate), task_status=task_status)
+
+
+def run_sim_dashboard(sim: LiveSim | CompareSim, host: str, port: int, *,
                       replay_dirs: Sequence[Path] = ()) -> None:
-    """Runs the dashboard on `sim` under trio on the sim's clock until SIGINT or SIGTERM."""
+    """Runs the dashboard (the compare page for a `CompareSim`) on `sim` under trio on the
+    sim's clock until SIGINT or SIGTERM."""
     server = dashboard_server()
+    serving = (partial(serve_compare_dashboard, sim, host, port, server=server)
+               if isinstance(sim, CompareSim) else
+               partial(serve_sim_dashboard, sim, host, port, server=server,
+                       replay_dirs=replay_dirs))
 
     async def main() -> None:
         async with anyio.create_task_group() as tasks:
-            bound = await tasks.start(partial(serve_sim_dashboard, sim, host, port,
-                                              server=server, replay_dirs=replay_dirs))
+            bound = await tasks.start(serving)
             print(f"dashboard: http://{bound[0]}:{bound[1]}/", flush=True)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
@@ -118,9 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default="prfaas", choices=list(POLICIES))
     parser.add_argument("--bandwidth-gbps", type=float, default=100.0,
                         help="the PrfaaS -> PD link")
-    parser.add_argument("--rate", type=float, default=SIM_DEFAULT_RATE,
-                        help="requests per second of the load at the start (0: none; the paper "
-                        "deployment at 1/8 scale saturates near 1)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="requests per second of the load at the start (0: none; default "
+                        f"{SIM_DEFAULT_RATE:g}, with --compare {COMPARE_DEFAULT_RATE:g})")
     parser.add_argument("--kind", default="mixed", choices=LOAD_KINDS)
     parser.add_argument("--output-len", type=int, default=1024, help="served tokens per answer")
     parser.add_argument("--tick", type=float, default=1.0,
@@ -130,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="no dashboard: write the events of --seconds to FILE (JSON lines)")
     parser.add_argument("--seconds", type=float, default=120.0, help="of virtual time, --record")
+    parser.add_argument("--compare", metavar="NAMES",
+                        help="the page compares deployments of the paper scenario on the same "
+                        f"arrivals: two or three of {','.join(COMPARABLE)} (--rate defaults "
+                        f"to {COMPARE_DEFAULT_RATE:g}; --policy and --bandwidth-gbps do not "
+                        "apply)")
     return parser
 
 
@@ -139,12 +176,22 @@ def scaled_options(policy: str, scale: float) -> dict[str, Any]:
     return {"threshold": PAPER_THRESHOLD * scale} if policy == "prfaas" else {}
 
 
+def compare_sim(args: argparse.Namespace, clock: PacedClock | None = None) -> CompareSim:
+    """`--compare a,b[,c]`: the named deployments of the paper scenario on one load."""
+    names = [name.strip() for name in args.compare.split(",")]
+    deployments = compare_deployments(names, tick_s=args.tick, seed=args.seed)
+    rate = COMPARE_DEFAULT_RATE if args.rate is None else args.rate
+    config = LiveConfig(rate=rate, kind=args.kind, output_len=args.output_len, seed=args.seed)
+    return CompareSim(deployments, config=config, clock=clock)
+
+
 def live_sim(args: argparse.Namespace, *, arrivals: Sequence[Arrival] = (),
              changes: Sequence[LinkChange] = (), clock: PacedClock | None = None) -> LiveSim:
     options = scaled_options(args.policy, DEFAULT_SCALE)
     deployment = Deployment(policy=args.policy, bandwidth_bps=args.bandwidth_gbps * 1e9,
                             tick_s=args.tick, seed=args.seed, policy_options=options)
-    config = LiveConfig(rate=args.rate, kind=args.kind, output_len=args.output_len,
+    rate = SIM_DEFAULT_RATE if args.rate is None else args.rate
+    config = LiveConfig(rate=rate, kind=args.kind, output_len=args.output_len,
                         seed=args.seed)
     return LiveSim(deployment, arrivals=arrivals, changes=changes, config=config, clock=clock)
 
@@ -153,6 +200,11 @@ def sim_dashboard_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        if args.compare is not None:
+            if args.record is not None:
+                raise ConfigError("--record and --compare: a recording holds one deployment")
+            run_sim_dashboard(compare_sim(args, PacedClock(args.speed)), args.host, args.port)
+            return 0
         if args.record is not None:
             sim = live_sim(args)
             events = record_virtual(sim.deployment, args.seconds, config=sim.config)

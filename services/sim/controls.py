@@ -6,6 +6,7 @@ threshold and worker roles through the router's control plane (`RouterControl`),
 answers have the shapes of GET /link and GET /admin/state, so the page cannot tell them
 apart. Two controls exist only here: the page's load is the simulation's `LiveLoad`, and the
 speed of virtual time is the `PacedClock`'s rate. Errors are the contract's `ControlError`.
+`CompareControls` are the compare page's: the shared load and the clock, nothing else.
 
 The requests are ui's control structs; they are read through small protocols, since the
 simulation sits beside the dashboard, not above it (services never import ui).
@@ -22,7 +23,8 @@ from netem.params import LinkError
 from netem.toxics import apply_link_update, params_view
 from services.contract.errors import ControlError
 from services.router.errors import RouterError
-from services.sim.clock import MAX_RATE
+from services.sim.clock import MAX_RATE, PacedClock
+from services.sim.compare import CompareSim
 from services.sim.live import LiveSim
 from services.sim.world import SimWorld
 
@@ -56,6 +58,15 @@ class RoleChange(Protocol):
 class SpeedChange(Protocol):
     @property
     def speed(self) -> float: ...
+
+
+def set_clock_speed(clock: PacedClock | None, speed: float) -> None:
+    """The page's speed control: virtual seconds per wall second of a paced clock."""
+    if clock is None:
+        raise ControlError(409, "this simulation runs as fast as it can, not paced")
+    if not 0 < speed <= MAX_RATE:
+        raise ControlError(400, f"speed must be within (0, {MAX_RATE:g}], got {speed!r}")
+    clock.rate = speed
 
 
 def _refused(exc: RouterError) -> ControlError:
@@ -160,13 +171,7 @@ class SimControls:
         return self._router_view(world)
 
     async def set_speed(self, request: SpeedChange) -> JsonObject:
-        clock = self.sim.clock
-        if clock is None:
-            raise ControlError(409, "this simulation runs as fast as it can, not paced")
-        if not 0 < request.speed <= MAX_RATE:
-            raise ControlError(400, f"speed must be within (0, {MAX_RATE:g}], got "
-                                    f"{request.speed!r}")
-        clock.rate = request.speed
+        set_clock_speed(self.sim.clock, request.speed)
         return self._sim_view()
 
     async def processes(self) -> JsonObject:
@@ -180,6 +185,80 @@ class SimControls:
     async def restart(self, process: str) -> JsonObject:
         raise ControlError(409, f"restart {process!r}: the simulation's services are tasks of "
                                 "one process, not processes")
+
+    async def aclose(self) -> None:
+        return None
+
+
+class CompareControls:
+    """The compare page's controls over a `CompareSim`: the shared load's rate and the clock's
+    speed. Everything else belongs to one deployment and is refused (409): the comparison is
+    fair only while the deployments differ in nothing but what they are."""
+
+    def __init__(self, sim: CompareSim) -> None:
+        self.sim = sim
+
+    def _sim_view(self) -> JsonObject:
+        clock = self.sim.clock
+        return {"deployment": ",".join(c.name for c in self.sim.columns),
+                "virtual_s": self.sim.virtual_s(),
+                "speed": clock.rate if clock is not None else None,
+                "achieved": clock.statistics().achieved if clock is not None else None}
+
+    def _load_view(self) -> JsonObject:
+        load = self.sim.load
+        if load is None:
+            raise ControlError(503, "the comparison is not running (yet)")
+        return {"sim": self._sim_view(), "workload": msgspec.to_builtins(load.statistics())}
+
+    async def state(self) -> JsonObject:
+        try:
+            return {"link": None, "router": None, "errors": {}, **self._load_view()}
+        except ControlError as exc:
+            return {"link": None, "router": None, "errors": {"sim": str(exc)}, "sim": None}
+
+    async def workload(self, request: LoadChange) -> JsonObject:
+        view = self._load_view()
+        load = self.sim.load
+        assert load is not None  # _load_view checked
+        try:
+            load.start(request.rate, request.kind) if request.action == "start" else load.stop()
+        except ConfigError as exc:
+            raise ControlError(400, f"load: {exc}") from exc
+        return {**view, "workload": msgspec.to_builtins(load.statistics())}
+
+    async def set_speed(self, request: SpeedChange) -> JsonObject:
+        set_clock_speed(self.sim.clock, request.speed)
+        return self._sim_view()
+
+    def _refuse(self, what: str) -> ControlError:
+        return ControlError(409, f"{what}: the comparison's deployments differ only in what "
+                                 "they are; run prfaas sim-dashboard without --compare to "
+                                 "steer one")
+
+    async def update_link(self, update: object) -> JsonObject:
+        raise self._refuse("link")
+
+    async def set_policy(self, request: PolicyChange) -> JsonObject:
+        raise self._refuse("policy")
+
+    async def set_threshold(self, request: ThresholdChange) -> JsonObject:
+        raise self._refuse("threshold")
+
+    async def set_role(self, worker: str, request: RoleChange) -> JsonObject:
+        raise self._refuse(f"role of {worker!r}")
+
+    async def drain(self, worker: str) -> JsonObject:
+        raise self._refuse(f"drain {worker!r}")
+
+    async def processes(self) -> JsonObject:
+        return {"processes": [], "stopping": False, "supervised": False}
+
+    async def kill(self, process: str) -> JsonObject:
+        raise self._refuse(f"kill {process!r}")
+
+    async def restart(self, process: str) -> JsonObject:
+        raise self._refuse(f"restart {process!r}")
 
     async def aclose(self) -> None:
         return None

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import ClassVar, Literal
 
 import anyio
@@ -92,10 +93,15 @@ async def send_arrival(world: SimWorld, arrival: Arrival) -> bool:
 
 
 class LiveLoad:
-    """Poisson arrivals of the paper's prompts at a rate the page changes while it runs."""
+    """Poisson arrivals of the paper's prompts at a rate the page changes while it runs.
 
-    def __init__(self, world: SimWorld, config: LiveConfig) -> None:
+    Each arrival goes to `send` (by default `send_arrival` to `world`; the comparison hands
+    it to several worlds at once), which says whether it was served."""
+
+    def __init__(self, world: SimWorld, config: LiveConfig, *,
+                 send: Callable[[Arrival], Awaitable[bool]] | None = None) -> None:
         self.world, self.config = world, config
+        self._deliver = send or partial(send_arrival, world)
         self.rate, self.running = config.rate, config.rate > 0
         self.kind: str = config.kind
         self._rng = random.Random(config.seed)
@@ -141,7 +147,7 @@ class LiveLoad:
 
     async def _send(self, arrival: Arrival) -> None:
         try:
-            ok = await send_arrival(self.world, arrival)
+            ok = await self._deliver(arrival)
         finally:
             self._outstanding -= 1
         self._counts["completed" if ok else "failed"] += 1

@@ -11,7 +11,10 @@ const MAX_BUFFERED = 200; // batches held while a snapshot loads
 const RESYNC_MIN_INTERVAL_MS = 3000; // after drops, at most one snapshot this often
 
 export class Feed {
-  constructor({ onSnapshot, onEvents, onStatus }) {
+  // `base`: where the feed's routes are, relative to the page ("" for the single page,
+  // "d/NAME/" for one deployment of the compare page).
+  constructor({ onSnapshot, onEvents, onStatus, base = "" }) {
+    this.base = base;
     this.onSnapshot = onSnapshot;
     this.onEvents = onEvents;
     this.onStatus = onStatus;
@@ -23,7 +26,7 @@ export class Feed {
   }
 
   start() {
-    this.source = new EventSource("events");
+    this.source = new EventSource(`${this.base}events`);
     this.source.addEventListener("hello", () => this.resync("hello"));
     this.source.addEventListener("reset", () => this.resync("reset"));
     this.source.onmessage = (message) => this.receive(JSON.parse(message.data));
@@ -36,7 +39,7 @@ export class Feed {
     this.buffer = [];
     this.lastResync = performance.now();
     try {
-      const snapshot = await getJSON("api/snapshot");
+      const snapshot = await getJSON(`${this.base}api/snapshot`);
       this.expected = snapshot.seq + 1;
       this.onSnapshot(snapshot, why);
       this.onStatus(snapshot.mode);
