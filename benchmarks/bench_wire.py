@@ -30,7 +30,9 @@ The two sides of a round trip run one after the other, so its wall time is about
 time of both plus wake-ups;
 CPU time is less disturbed by other load on the host than wall time. Every process runs with
 glibc's allocator settings of mesh/allocator.py: without the 64 MiB top pad glibc trims and
-regrows the heap per received chunk (docs/engineering-notes.md G3). The last line printed
+regrows the heap per received chunk (docs/engineering-notes.md G3). Every warm-up and round
+has a deadline of seconds (WARM_UP_SECONDS, ROUND_SECONDS): one that passes it stops the run
+with an error naming it (RoundOverdue), instead of waiting out a hang. The last line printed
 is one JSON object.
 
     .venv/bin/python benchmarks/bench_wire.py [--quick] [--pin cross|same|none]
@@ -46,10 +48,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -66,6 +70,23 @@ from mesh.wire import Codec
 
 PAYLOAD = memoryview(b"\xa5" * (1 << 20))
 HOST = "127.0.0.1"
+# Deadlines in seconds of a warm-up and of one round of each phase. On the 2-vCPU host a
+# bulk round takes 0.1-0.5 s a path and a round of the rest 3-6 s when it is idle, and up to
+# 3 s and 40 s with four other busy processes on it (load 9): a hang ends in seconds, a slow
+# host still gets its figures.
+WARM_UP_SECONDS = 10.0
+ROUND_SECONDS = {"bulk": 30.0, "rest": 120.0}
+
+T = TypeVar("T")
+
+
+class RoundOverdue(Exception):
+    """A warm-up or round passed its deadline; the message names it."""
+
+
+def overdue(what: str, seconds: float, cause: BaseException | None) -> RoundOverdue:
+    because = "" if cause is None else f" ({type(cause).__name__}: {cause})"
+    return RoundOverdue(f"{what} passed its deadline of {seconds:g} s{because}")
 
 
 class Chunk(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +158,43 @@ class RoundTripClock:
 # Raw blocking-socket side ----------------------------------------------------------------
 
 
+class Watchdog:
+    """The deadline of a round on blocking sockets: past it, a timer thread shuts the
+    watched sockets down, so that the call blocked on one returns, and the round then fails
+    with RoundOverdue naming it. Nothing is added to the sockets' own calls (a socket timeout
+    would poll before every send and receive, and the raw figures are the baseline)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        self.what = what
+        self.seconds = seconds
+        self._sockets: list[socket.socket] = []
+        self._fired = threading.Event()
+        self._timer = threading.Timer(seconds, self._expire)
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        self._sockets.append(sock)
+        return sock
+
+    def _expire(self) -> None:
+        self._fired.set()
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                # Closed already (ENOTCONN, EBADF): nothing of it is left to unblock.
+                continue
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._timer.cancel()
+        if self._fired.is_set():
+            raise overdue(self.what, self.seconds, exc) from exc
+
+
 def raw_serve(conn: socket.socket) -> None:
     """Counts Chunk bytes and Small casts; echoes Small 'rtt'; answers Count with the tally."""
     decoder = msgspec.msgpack.Decoder(Chunk | Small | Count)
@@ -187,7 +245,10 @@ class RawClient:
                     msg: Small | Count = self.decoder.decode(self.buf[4 : 4 + size])
                     del self.buf[: 4 + size]
                     return msg
-            self.buf += self.sock.recv(1 << 20)
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the raw server closed the connection")
+            self.buf += data
 
     def bulk(self, frames: int) -> float:
         start = time.perf_counter()
@@ -237,12 +298,12 @@ def bytes_serve(conn: socket.socket) -> None:
         conn.sendall(head[:8])
 
 
-def bytes_bulk(port: int, frames: int, read: int = RAW_READ) -> float:
+def bytes_bulk(port: int, frames: int, dog: Watchdog, read: int = RAW_READ) -> float:
     """GB/s of `frames` Chunk frames, encoded once and sent as they are, the receiver reading
     at most `read` bytes a time (see bytes_serve)."""
     data = frame_of(Chunk(0, PAYLOAD))
     total = frames * len(data)
-    with socket.create_connection((HOST, port)) as sock:
+    with dog.watch(socket.create_connection((HOST, port))) as sock:
         start = time.perf_counter()
         sock.sendall(total.to_bytes(8, "big") + read.to_bytes(8, "big"))
         for _ in range(frames):
@@ -319,9 +380,19 @@ async def serve_mesh() -> None:
             await listener.serve(echo)
 
 
-async def mesh_bulk(node: Node, frames: int) -> float:
+async def within(seconds: float, what: str, work: Callable[[], Awaitable[T]]) -> T:
+    """work() under a deadline of `seconds`; RoundOverdue naming `what` once past it (the
+    mesh's own deadlines, which the node's calls and streams carry, included)."""
+    try:
+        with anyio.fail_after(seconds):
+            return await work()
+    except TimeoutError as exc:  # mesh.errors.DeadlineExceeded is one too
+        raise overdue(what, seconds, exc) from exc
+
+
+async def mesh_bulk(node: Node, frames: int, seconds: float) -> float:
     start = time.perf_counter()
-    async with node.stream_to("server", Begin(frames), timeout=600) as sink:
+    async with node.stream_to("server", Begin(frames), timeout=seconds) as sink:
         for seq in range(frames):
             await sink.send(Chunk(seq, PAYLOAD))
     assert sink.result == Count(frames * len(PAYLOAD))
@@ -332,7 +403,7 @@ async def mesh_small(node: Node, n: int) -> float:
     start = time.perf_counter()
     for seq in range(n):
         await node.cast("server", small(seq))
-    assert await node.call("server", Count(0), timeout=600) == Count(n)
+    assert await node.call("server", Count(0)) == Count(n)
     return n / (time.perf_counter() - start)
 
 
@@ -356,50 +427,69 @@ async def echo_rtt(stream: anyio.abc.ByteStream, n: int) -> float:
         return (time.perf_counter() - start) / n
 
 
-def client_node(ports: list[int]) -> Node:
+def client_node(ports: list[int], seconds: float) -> Node:
+    """The client; its calls and casts carry a deadline of `seconds` (the round's)."""
     peers = {"server": Address(HOST, ports[0])}
-    return Node("client", Codec(MESSAGES), TcpTransport(), peers, NodeConfig(call_timeout=600))
+    config = NodeConfig(call_timeout=seconds)
+    return Node("client", Codec(MESSAGES), TcpTransport(), peers, config)
 
 
-async def mesh_bulk_round(ports: list[int], frames: int) -> dict[str, float]:
-    async with client_node(ports) as node:
-        await mesh_bulk(node, 8)
-        return {"bulk": await mesh_bulk(node, frames)}
+async def mesh_bulk_round(ports: list[int], frames: int, name: str) -> dict[str, float]:
+    seconds = ROUND_SECONDS["bulk"]
+    async with client_node(ports, seconds) as node:
+        await within(WARM_UP_SECONDS, f"the warm-up of {name}",
+                     lambda: mesh_bulk(node, 8, WARM_UP_SECONDS))
+        return {"bulk": await within(seconds, name, lambda: mesh_bulk(node, frames, seconds))}
 
 
-async def mesh_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
-    async with client_node(ports) as node:
-        await mesh_rtt(node, 200, server)
-        return {
-            "small": await mesh_small(node, sizes["small"]),
-            **await mesh_rtt(node, sizes["rtt"], server),
-            "anyio_rtt": await echo_rtt(await anyio.connect_tcp(HOST, ports[1]), sizes["rtt"]),
-            "fast_rtt": await echo_rtt(
-                await TcpTransport().connect(Address(HOST, ports[2])), sizes["rtt"]
-            ),
-        }
+async def mesh_round(server: int, ports: list[int], sizes: dict[str, int],
+                     name: str) -> dict[str, float]:
+    seconds = ROUND_SECONDS["rest"]
+    async with client_node(ports, seconds) as node:
+        await within(WARM_UP_SECONDS, f"the warm-up of {name}",
+                     lambda: mesh_rtt(node, 200, server))
+        return await within(seconds, name, lambda: mesh_rest(node, server, ports, sizes))
 
 
-def raw_bulk_round(ports: list[int], frames: int) -> dict[str, float]:
+async def mesh_rest(node: Node, server: int, ports: list[int],
+                    sizes: dict[str, int]) -> dict[str, float]:
+    return {
+        "small": await mesh_small(node, sizes["small"]),
+        **await mesh_rtt(node, sizes["rtt"], server),
+        "anyio_rtt": await echo_rtt(await anyio.connect_tcp(HOST, ports[1]), sizes["rtt"]),
+        "fast_rtt": await echo_rtt(
+            await TcpTransport().connect(Address(HOST, ports[2])), sizes["rtt"]
+        ),
+    }
+
+
+def raw_bulk_round(ports: list[int], frames: int, name: str) -> dict[str, float]:
+    with Watchdog(name, ROUND_SECONDS["bulk"]) as dog:
+        client = RawClient(ports[0])
+        dog.watch(client.sock)
+        try:
+            return {
+                "bulk": bytes_bulk(ports[1], frames, dog),
+                "bulk_read_1m": bytes_bulk(ports[1], frames, dog, read=1 << 20),
+                "bulk_msgspec": client.bulk(frames),
+            }
+        finally:
+            client.sock.close()
+
+
+def raw_round(server: int, ports: list[int], sizes: dict[str, int],
+              name: str) -> dict[str, float]:
     client = RawClient(ports[0])
     try:
-        return {
-            "bulk": bytes_bulk(ports[1], frames),
-            "bulk_read_1m": bytes_bulk(ports[1], frames, read=1 << 20),
-            "bulk_msgspec": client.bulk(frames),
-        }
-    finally:
-        client.sock.close()
-
-
-def raw_round(server: int, ports: list[int], sizes: dict[str, int]) -> dict[str, float]:
-    client = RawClient(ports[0])
-    try:
-        client.rtt(200, server)
-        return {
-            "small": client.small(sizes["small"]),
-            **client.rtt(sizes["rtt"], server),
-        }
+        with Watchdog(f"the warm-up of {name}", WARM_UP_SECONDS) as dog:
+            dog.watch(client.sock)
+            client.rtt(200, server)
+        with Watchdog(name, ROUND_SECONDS["rest"]) as dog:
+            dog.watch(client.sock)
+            return {
+                "small": client.small(sizes["small"]),
+                **client.rtt(sizes["rtt"], server),
+            }
     finally:
         client.sock.close()
 
@@ -431,7 +521,8 @@ def start_server(role: str) -> tuple[subprocess.Popen[str], list[int]]:
 Runs = dict[str, list[dict[str, float]]]
 
 
-Taker = Callable[[int, list[int]], dict[str, float]]
+# A round of one path: (server pid, server ports, the round's name) -> its figures.
+Taker = Callable[[int, list[int], str], dict[str, float]]
 
 
 def measure(rounds: dict[str, int], sizes: dict[str, int], placement: str) -> Runs:
@@ -440,25 +531,33 @@ def measure(rounds: dict[str, int], sizes: dict[str, int], placement: str) -> Ru
     procs = {role: start_server(role) for role in ("raw", "trio", "uvloop")}
     print(pin(placement, [proc.pid for proc, _ in procs.values()]))
     frames = sizes["bulk"]
-    phases: list[tuple[int, dict[str, Taker]]] = [
-        (rounds["bulk"], {
-            "raw": lambda pid, ports: raw_bulk_round(ports, frames),
-            "trio": lambda pid, ports: run(mesh_bulk_round, ports, frames, backend="trio"),
-            "uvloop": lambda pid, ports: run(mesh_bulk_round, ports, frames, backend="uvloop"),
+    phases: list[tuple[str, dict[str, Taker]]] = [
+        ("bulk", {
+            "raw": lambda pid, ports, name: raw_bulk_round(ports, frames, name),
+            "trio": lambda pid, ports, name: run(mesh_bulk_round, ports, frames, name,
+                                                 backend="trio"),
+            "uvloop": lambda pid, ports, name: run(mesh_bulk_round, ports, frames, name,
+                                                   backend="uvloop"),
         }),
-        (rounds["rest"], {
-            "raw": lambda pid, ports: raw_round(pid, ports, sizes),
-            "trio": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="trio"),
-            "uvloop": lambda pid, ports: run(mesh_round, pid, ports, sizes, backend="uvloop"),
+        ("rest", {
+            "raw": lambda pid, ports, name: raw_round(pid, ports, sizes, name),
+            "trio": lambda pid, ports, name: run(mesh_round, pid, ports, sizes, name,
+                                                 backend="trio"),
+            "uvloop": lambda pid, ports, name: run(mesh_round, pid, ports, sizes, name,
+                                                   backend="uvloop"),
         }),
     ]
     runs: Runs = {role: [] for role in procs}
     try:
-        for count, takers in phases:
+        for phase, takers in phases:
+            count = rounds[phase]
             # Take the paths in turns, so that a slow spell of the host hits all of them alike.
             for i in range(count):
                 for role, (proc, ports) in procs.items():
-                    figures = takers[role](proc.pid, ports)
+                    name = f"{label(role)}: {phase} round {i + 1} of {count}"
+                    start = time.perf_counter()
+                    figures = takers[role](proc.pid, ports, name)
+                    figures[f"{phase}_round_s"] = time.perf_counter() - start
                     if i < len(runs[role]):
                         runs[role][i].update(figures)
                     else:
@@ -499,6 +598,13 @@ def us(m: dict[str, float], key: str) -> str:
     return f"{m[key] * 1e6:.1f}" if key in m else "-"
 
 
+def slowest_rounds(runs: Runs) -> dict[str, float]:
+    """Each phase's longest round (its warm-up included), over every path: seconds."""
+    return {phase: round(max(r[key] for results in runs.values() for r in results
+                             if (key := f"{phase}_round_s") in r), 2)
+            for phase in ROUND_SECONDS}
+
+
 def report(runs: Runs, quick: bool) -> dict[str, Any]:
     typical = medians(runs)
     raw = typical["raw"]
@@ -519,8 +625,13 @@ def report(runs: Runs, quick: bool) -> dict[str, Any]:
         cpu = f"{rtt_cpu(m) * 1e6:.1f} ({us(m, 'rtt_cpu_client')}+{us(m, 'rtt_cpu_server')})"
         print(f"{label(role):<22}{m['rtt'] * 1e6:>8.1f}{m['rtt'] / raw['rtt']:>7.2f}{cpu:>20}"
               f"{rtt_cpu(m) / rtt_cpu(raw):>7.2f}{us(m, 'anyio_rtt'):>17}{us(m, 'fast_rtt'):>20}")
+    slowest = slowest_rounds(runs)
+    print("\nslowest round, of its deadline: " + ", ".join(
+        f"{phase} {slowest[phase]:.1f} s of {ROUND_SECONDS[phase]:g} s" for phase in slowest))
     # bulk ratios are against the byte-moving limit (raw recv_into, nothing decoded).
     result: dict[str, Any] = {"bench": "wire", "quick": quick, "bulk_baseline": "recv_into"}
+    result["slowest_round_s"] = slowest
+    result["round_deadline_s"] = ROUND_SECONDS
     result["raw_read_bytes"] = RAW_READ
     result["raw_read_1m_gbytes_per_s"] = round(raw["bulk_read_1m"] / 1e9, 3)
     result["bulk_ratio_raw_read_1m"] = round(raw["bulk_read_1m"] / raw["bulk"], 3)
@@ -566,7 +677,10 @@ def main() -> None:
     sizes = ({"bulk": 256, "small": 20_000, "rtt": 2_000} if args.quick
              else {"bulk": 512, "small": 100_000, "rtt": 10_000})
     rounds = {"bulk": 5, "rest": 3} if args.quick else {"bulk": 15, "rest": 5}
-    runs = measure(rounds, sizes, args.pin)
+    try:
+        runs = measure(rounds, sizes, args.pin)
+    except RoundOverdue as exc:
+        sys.exit(f"bench_wire: {exc}")
     print(json.dumps({**report(runs, args.quick), "pin": args.pin}))
 
 
