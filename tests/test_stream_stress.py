@@ -24,7 +24,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -112,7 +112,7 @@ def server_node() -> Node:
         return Tally(seq, size)
 
     @node.serves_stream(Download)
-    async def on_download(msg: Download, ctx: Context) -> AsyncIterator[Piece]:
+    async def on_download(msg: Download, ctx: Context) -> AsyncGenerator[msgspec.Struct, None]:
         for seq, size in enumerate(msg.sizes):
             yield piece(seq, size)
 
