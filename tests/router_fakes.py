@@ -28,6 +28,7 @@ from netem.params import LinkParams
 from netem.shaper import Direction, LinkShaper
 from netem.toxics import apply_link_update
 from services.cachedir.service import CacheDirService
+from services.contract.errors import DataPathError
 from services.contract.events import Event, RoutingDecision
 from services.contract.messages import (
     CODEC_MESSAGES,
@@ -124,6 +125,7 @@ class FakeWorker:
     draining: bool = False
     hung: bool = False  # answers nothing (a worker that is down)
     fail_prefill: bool = False
+    break_prefill: bool = False  # fails as a broken data path does (DataPathError)
     prefills: list[PrefillRequest] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -166,6 +168,8 @@ class FakeWorker:
         self.prefills.append(msg)
         if self.fail_prefill:
             raise RuntimeError(f"{self.name} is told to fail")
+        if self.break_prefill:
+            raise DataPathError(f"{self.name} is told to break")
         timing = self.mesh.timing
         match = self.mesh.cachedir.directory.longest_prefix(block_hashes(msg.prompt, BLOCK))
         own = next((w.blocks_resumable for w in match.workers if w.worker == self.name), 0)

@@ -22,6 +22,7 @@ from mesh.errors import RemoteError
 from mesh.topology import parse_topology
 from services.cli.launch import in_process
 from services.cli.send import drive_request
+from services.contract.errors import KVStalled
 from services.contract.messages import (
     DecodeRequest,
     KVChunk,
@@ -36,9 +37,11 @@ from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer
 from services.router.errors import UpstreamFailed
+from services.worker import decode as decode_module
 from services.worker import engine as engine_module
 from services.worker import member as member_module
 from services.worker.decode import DecodeWorker
+from services.worker.kv_inbox import KVAssembly
 from services.worker.kv_stream import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
 from tests.kv_exact import (
@@ -478,3 +481,61 @@ def test_checkpoint_choice() -> None:
     assert checkpoint_path("auto", "kimi-linear", "tiny") is None
     assert checkpoint_path("auto", "mimo", "default") is None
     assert checkpoint_path("/x/w.safetensors", "mimo", "tiny") == Path("/x/w.safetensors")
+
+
+# The stall bound of KV that crosses a link (DecodeRequest.kv_stall).
+
+
+def stall_opening(lane: int) -> KVOpen:
+    return KVOpen(request_id="r", family="f", config_hash="0", dtype="float32", start=0,
+                  end=8, pieces=4, lane=lane, lanes=2)
+
+
+async def arrival_after(assembly: KVAssembly, kv_stall: float) -> tuple[str, float]:
+    """How `_kv_arrival` ended ("whole", "stalled" or "still waiting" after 20 s) and when."""
+    request = DecodeRequest(request_id="r", prompt=[1] * 8, kv_stall=kv_stall)
+    with anyio.move_on_after(20.0):
+        try:
+            await decode_module._kv_arrival(request, assembly)
+        except KVStalled:
+            return "stalled", anyio.current_time()
+        return "whole", anyio.current_time()
+    return "still waiting", anyio.current_time()
+
+
+@pytest.mark.trio
+async def test_kv_that_stops_arriving_stalls_after_the_bound_from_its_last_piece(
+        autojump_clock: trio.testing.MockClock) -> None:
+    assembly = KVAssembly("r", anyio.current_time())
+
+    async def lanes() -> None:
+        await anyio.sleep(5.0)  # queued at the prefill worker: not a stall
+        assembly.open_lane(stall_opening(0))
+        for start in range(3):
+            await anyio.sleep(0.8)  # pieces closer than the bound
+            assembly.add(KVChunk(request_id="r", layer=0, start=start, data=b"kv"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lanes)
+        how, when = await arrival_after(assembly, 1.0)
+    assert (how, when) == ("stalled", pytest.approx(5.0 + 3 * 0.8 + 1.0))
+
+
+@pytest.mark.trio
+async def test_kv_that_keeps_arriving_or_never_starts_does_not_stall(
+        autojump_clock: trio.testing.MockClock) -> None:
+    assembly = KVAssembly("r", anyio.current_time())
+
+    async def lanes() -> None:
+        for lane in range(2):
+            await anyio.sleep(0.9)
+            assembly.open_lane(stall_opening(lane))
+            await anyio.sleep(0.9)
+            assembly.first_token = 3
+            assembly.close_lane(lane)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lanes)
+        assert (await arrival_after(assembly, 1.0))[0] == "whole"
+    never = KVAssembly("r", anyio.current_time())
+    assert (await arrival_after(never, 1.0))[0] == "still waiting"

@@ -3,8 +3,8 @@
 `prfaas serve` children (services/cli/launch.py) from a generated topology: router, cache
 directory, link, a PrfaaS prefill worker, a PD prefill and a PD decode worker, random-init
 default-size models (the router's BPE tokenizer cannot decode the tiny models' vocabulary).
-A decode worker killed mid-stream and a prefill worker killed mid-prefill fail the requests
-in flight with explicit errors, and requests after the worker is back succeed; a full router
+With request migration off (`migration_limit = 0`), a decode worker killed mid-stream and a
+prefill worker killed mid-prefill fail the requests in flight with explicit errors, and requests after the worker is back succeed; a full router
 answers 429; under `prfaas-dynamic` (short dwell and calm periods from the topology's router
 options), cutting the real link's rate raises t to the model's t for the cut link, taking the
 link down holds t still, and restoring it brings t back. tests/router_fakes.py keeps the fast
@@ -42,7 +42,9 @@ LINK_BPS = 400e6
 # A topology's options are flat: the router reads "policy.option" keys as that policy's.
 DYNAMIC = ", ".join(f'"prfaas-dynamic.{key}" = {value:g}' for key, value in (
     ("dwell_s", 0.5), ("calm_s", 0.5), ("smoothing_s", 0.0), ("link_nominal_bps", LINK_BPS)))
-ROUTER = f"scale = {SCALE}, max_inflight = 1, tick_s = 0.25, {DYNAMIC}"
+# Migration off: these tests follow a broken worker's requests to their explicit errors
+# (tests/test_migration.py follows them to their continuation).
+ROUTER = f"scale = {SCALE}, max_inflight = 1, tick_s = 0.25, migration_limit = 0, {DYNAMIC}"
 
 
 def topology_text(ports: list[int]) -> str:

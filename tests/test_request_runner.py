@@ -1,4 +1,6 @@
-"""One request's run on virtual time: cancelling, a failing prefill, stop strings.
+"""One request's run on virtual time: cancelling, a failing prefill, stop strings, and
+migration (a broken prefill continued in the other cluster, the limit, what breakage
+migrates where, a seeded request's stream).
 
 Over the fake-but-honest mesh of tests/router_fakes.py, through the scheduler that owns the
 runner.
@@ -9,12 +11,19 @@ from __future__ import annotations
 import anyio
 import msgspec
 import pytest
+import torch
 import trio
 import trio.testing
-from router_fakes import fake_mesh, fake_token, generation
+from router_fakes import BLOCK, fake_mesh, fake_token, generation, placed_handle
 
-from services.contract.events import RequestDone
-from services.router.errors import UpstreamFailed
+from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
+from services.contract.events import RequestDone, RequestMigrated
+from services.contract.sampling import Sampling
+from services.model.sampling import RequestSampler
+from services.router.config import SchedulerConfig
+from services.router.errors import DataPathBroken, UpstreamFailed
+from services.router.runner import breakage, continued
+from services.worker.compute import sampling_params
 
 
 @pytest.mark.trio
@@ -102,3 +111,96 @@ async def test_a_request_that_ends_at_its_workers_finish_reason_aborts_nothing(
         decode = mesh.workers["pd-decode-0"]
         assert decode.finished == [handle.placement.request_id] and decode.aborted == []
         assert decode.node.statistics().stray_frames == 0
+
+
+# Migration (services/router/runner.py); over real processes: tests/test_migration.py.
+
+
+@pytest.mark.trio
+async def test_a_broken_prefill_moves_to_the_other_cluster_and_the_request_completes(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        mesh.workers["pd-prefill-0"].break_prefill = True
+        handle = await mesh.scheduler.submit(generation(range(1, 30)))
+        _, result = await handle.collect()
+        assert (result.completion_tokens, result.prompt_tokens) == (4, 29)
+        assert handle.placement.prefill_worker == "prfaas-prefill-0"
+        assert handle.placement.attempt == 1
+        [moved] = [e for e in await mesh.take_events() if isinstance(e, RequestMigrated)]
+        assert (moved.reason, moved.failed_worker, moved.prefill_worker, moved.cluster,
+                moved.tokens_kept) == ("prefill_lost", "pd-prefill-0", "prfaas-prefill-0",
+                                       "prfaas", 0)
+        # The workers knew the attempts apart; the decode stream of the first was let go.
+        ids = [d.request_id for d in mesh.workers["pd-decode-0"].decodes]
+        assert ids == [handle.placement.request_id, f"{handle.placement.request_id}.m1"]
+        stats = mesh.scheduler.statistics()
+        assert stats.migrations == {"prefill_lost": 1} and stats.completed == 1
+        assert stats.migrations_resumed == 1
+        mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_a_request_broken_past_its_migration_limit_fails_explicitly(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, connections=2, migration_limit=1)
+    async with fake_mesh(config=config) as mesh:
+        for name in ("pd-prefill-0", "prfaas-prefill-0"):
+            mesh.workers[name].break_prefill = True
+        handle = await mesh.scheduler.submit(generation(range(1, 30)))
+        with pytest.raises(UpstreamFailed, match="migrated 1 times, migration_limit=1"):
+            await handle.collect()
+        stats = mesh.scheduler.statistics()
+        assert (stats.migrations, stats.migrations_gave_up, stats.failed) == (
+            {"prefill_lost": 1}, 1, 1)
+        mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_with_migration_off_a_broken_prefill_fails_its_request(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, connections=2, migration_limit=0)
+    async with fake_mesh(config=config) as mesh:
+        mesh.workers["pd-prefill-0"].break_prefill = True
+        with pytest.raises(UpstreamFailed, match="told to break"):
+            await (await mesh.scheduler.submit(generation(range(1, 30)))).collect()
+        assert mesh.scheduler.statistics().migrations == {}
+
+
+def broken(prefill: Exception | None, decode: Exception | None) -> DataPathBroken:
+    return DataPathBroken("broke", prefill=prefill, decode=decode)
+
+
+@pytest.mark.trio
+async def test_breakage_reads_what_each_side_met() -> None:
+    p = placed_handle().placement
+    gone, remote = PeerGone("connection reset"), RemoteError
+    cases = [
+        ((remote("p", "KVTransferError", "lanes cut"), gone), ("decode_lost", "d", True)),
+        ((None, remote("d", "KVStalled", "no progress")), ("kv_stalled", "p", False)),
+        ((gone, remote("d", "KVTransferError", "lane cut")), ("prefill_lost", "p", True)),
+        ((remote("p", "KVTransferError", "x"), remote("d", "KVTransferError", "x")),
+         ("kv_cut", "p", False)),
+        ((None, StreamAborted("aborted")), ("decode_lost", "d", False)),
+        ((remote("p", "WrongRole", "draining"), None), ("prefill_lost", "p", False)),
+        # Errors of the request itself, or of its deadline, end it.
+        ((remote("p", "RequestError", "prompt too long"), None), None),
+        ((None, DeadlineExceeded("deadline")), None),
+        ((gone, remote("d", "RuntimeError", "a bug")), None),
+    ]
+    for (prefill, decode), expected in cases:
+        assert breakage(broken(prefill, decode), p) == expected, (prefill, decode)
+
+
+def test_a_continued_seeded_request_keeps_its_place_in_the_seeds_stream() -> None:
+    sampling = Sampling(max_tokens=10, temperature=0.8, seed=1234, min_tokens=3)
+    after = continued(sampling, 4)
+    assert (after.max_tokens, after.min_tokens) == (6, 0)
+    params = sampling_params(sampling)
+    first = RequestSampler(params)
+    second = RequestSampler(msgspec.structs.replace(params, seed=after.seed))
+    for i in range(3):
+        a, b = first.generator_for(4 + i), second.generator_for(i)
+        assert a is not None and b is not None
+        assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    assert continued(sampling, 0) is sampling
+    assert continued(Sampling(max_tokens=5), 2).seed is None

@@ -308,6 +308,30 @@ def test_state_keeps_every_bound_and_tracks_flows_roles_and_requests() -> None:
     state.check_integrity()
 
 
+def test_a_migrated_request_is_one_timeline_with_its_break_marked() -> None:
+    state = DashboardState(DashboardConfig())
+    state.apply(decision(0.0, "r1"))
+    for ts, rid, phase, worker_name in ((0.1, "r1", "decode", "pd-decode-0"),
+                                        (0.6, "r1.m1", "prefill", "pd-prefill-0"),
+                                        (0.9, "r1.m1", "decode", "pd-decode-1")):
+        state.apply(t.RequestPhase(ts=ts, source=worker_name, request_id=rid, phase=phase,
+                                   worker=worker_name))
+    state.apply(t.RequestMigrated(
+        ts=0.5, source="router", request_id="r1", attempt=1, reason="decode_lost",
+        failed_worker="pd-decode-0", prefill_worker="pd-prefill-0",
+        decode_worker="pd-decode-1", cluster="pd", tokens_kept=7))
+    state.apply(flow(0.7, "r1.m1", "start"))
+    state.check_integrity()
+    view = state.request("r1")
+    assert view is not None and state.request("r1.m1") is None
+    assert [(p.ts, p.phase) for p in view.phases] == [(0.1, "decode"), (0.6, "prefill"),
+                                                       (0.9, "decode")]
+    assert [(m.reason, m.decode_worker, m.tokens_kept) for m in view.migrations] == [
+        ("decode_lost", "pd-decode-1", 7)]
+    assert view.flow is not None and view.flow.request_id == "r1.m1"
+    assert msgspec.json.decode(msgspec.json.encode(view), type=RequestView) == view
+
+
 def test_snapshot_and_request_view_round_trip_through_json() -> None:
     state = DashboardState(DashboardConfig())
     for event in sim_events(10.0):

@@ -18,11 +18,13 @@ from services.contract.events import (
     KVFlow,
     LinkStats,
     RequestDone,
+    RequestMigrated,
     RequestPhase,
     RoleChanged,
     RoutingDecision,
     ThresholdChanged,
     WorkerStatus,
+    base_request_id,
 )
 from ui.config import DashboardConfig
 from ui.series import SeriesAggregator, SeriesPoint
@@ -82,6 +84,7 @@ class RequestView(msgspec.Struct, frozen=True):
     phases: list[RequestPhase]
     flow: KVFlow | None  # the latest state of its KV transfer
     done: RequestDone | None
+    migrations: list[RequestMigrated] = []  # where its data path broke and it went on
 
 
 @dataclass
@@ -90,6 +93,7 @@ class _Request:
     phases: list[RequestPhase] = field(default_factory=list)
     flow: KVFlow | None = None
     done: RequestDone | None = None
+    migrations: list[RequestMigrated] = field(default_factory=list)
 
 
 def _bounded_put(table: OrderedDict[K, V], key: K, value: V, bound: int) -> None:
@@ -126,11 +130,16 @@ class DashboardState:
         elif isinstance(event, KVFlow):
             self._flow(event)
         elif isinstance(event, RequestPhase):
-            phases = self._request(event.request_id).phases
+            # A migrated request's attempts are one timeline (the workers see attempt ids).
+            phases = self._request(base_request_id(event.request_id)).phases
             if len(phases) < MAX_PHASES:
                 phases.append(event)
         elif isinstance(event, RequestDone):
             self._request(event.request_id).done = event
+        elif isinstance(event, RequestMigrated):
+            migrations = self._request(event.request_id).migrations
+            if len(migrations) < MAX_PHASES:
+                migrations.append(event)
         elif isinstance(event, ThresholdChanged):
             self.policy, self.threshold = event.policy, event.new
         elif isinstance(event, RoleChanged):
@@ -143,7 +152,7 @@ class DashboardState:
         self._request(event.request_id).decision = event
 
     def _flow(self, event: KVFlow) -> None:
-        self._request(event.request_id).flow = event
+        self._request(base_request_id(event.request_id)).flow = event
         if event.phase in ("done", "failed"):
             self.flows.pop(event.request_id, None)
         else:
@@ -167,7 +176,8 @@ class DashboardState:
         if record is None:
             return None
         phases = list(record.phases)
-        return RequestView(request_id, record.decision, phases, record.flow, record.done)
+        return RequestView(request_id, record.decision, phases, record.flow, record.done,
+                           list(record.migrations))
 
     def snapshot(self, seq: int, mode: PageMode) -> Snapshot:
         config = self.config
@@ -205,4 +215,4 @@ class DashboardState:
         assert all(flow.phase in ("start", "progress") for flow in self.flows.values())
         assert all(key == flow.request_id for key, flow in self.flows.items())
         for key, record in self.requests.items():
-            assert all(phase.request_id == key for phase in record.phases), key
+            assert all(base_request_id(phase.request_id) == key for phase in record.phases), key

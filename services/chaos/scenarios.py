@@ -2,13 +2,16 @@
 
 Every scenario reports requests sent, completed, explicit errors, hung and lost (load.py),
 the service deaths it caused and those it did not, each service's RSS (at the scenario's start,
-its peak during the scenario, and after it settled) and the time until the broken part was
-back and serving (a probe request answered, and a killed worker up in the router's table).
+its peak during the scenario, and after it settled), the time until the broken part was
+back and serving (a probe request answered, and a killed worker up in the router's table),
+and the requests the router migrated meanwhile (its /metrics, before and after): how many, why,
+and the mean time from a break to the continued request's first token.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -46,6 +49,44 @@ class ScenarioResult(msgspec.Struct, frozen=True, kw_only=True):
     recover_s: float | None  # None: not back within RECOVER_LIMIT_S
     max_after_admission_s: float | None = None  # overload: slowest answer after admission
     notes: tuple[str, ...] = ()
+    migrations: dict[str, int] = {}  # requests the router continued elsewhere, by reason
+    resume_s: float | None = None  # their mean time from the break to the next token
+
+
+class Migrations(msgspec.Struct, frozen=True):
+    """The router's migration counters (prfaas_router_migrations* on its /metrics)."""
+
+    by_reason: dict[str, int]
+    resumed: float
+    resume_s: float
+
+    def since(self, before: Migrations) -> tuple[dict[str, int], float | None]:
+        """The migrations between `before` and this, by reason, and their mean resume time."""
+        moved = {r: n - before.by_reason.get(r, 0) for r, n in self.by_reason.items()}
+        resumed = self.resumed - before.resumed
+        mean = (self.resume_s - before.resume_s) / resumed if resumed else None
+        return {r: n for r, n in moved.items() if n}, mean
+
+
+_SAMPLE = re.compile(r'^prfaas_router_(migrations_total\{reason="(\w+)"\}|'
+                     r'migrations_resumed_total|migration_resume_seconds_total) (\S+)$')
+
+
+def migrations_of(metrics: str) -> Migrations:
+    """The migration counters in the router's /metrics text."""
+    by_reason: dict[str, int] = {}
+    values: dict[str, float] = {}
+    for line in metrics.splitlines():
+        found = _SAMPLE.match(line)
+        if found is None:
+            continue
+        name, reason, value = found.groups()
+        if reason:
+            by_reason[reason] = int(float(value))
+        else:
+            values[name] = float(value)
+    return Migrations(by_reason, values.get("migrations_resumed_total", 0.0),
+                      values.get("migration_resume_seconds_total", 0.0))
 
 
 class Run:
@@ -66,6 +107,12 @@ class Run:
 
     async def rss(self) -> dict[str, int]:
         return {name: rss_bytes(p["pid"]) or 0 for name, p in (await self.processes()).items()}
+
+    async def migrations(self) -> Migrations:
+        assert self.mesh.urls is not None
+        response = await self.client.get(f"{self.mesh.urls.api}/metrics")
+        response.raise_for_status()
+        return migrations_of(response.text)
 
     async def probe(self) -> bool:
         body = {"model": "prfaas", "prompt": "ROMEO: ", "max_tokens": 2, "stream": True}
@@ -104,6 +151,7 @@ async def measure(run: Run, name: str, description: str, killed: tuple[str, ...]
                   ) -> ScenarioResult:
     """Runs `body` (the fault, under its own load) with the RSS sampler beside it."""
     deaths_before = {n: p["deaths"] for n, p in (await run.processes()).items()}
+    migrations_before = await run.migrations()
     peak: dict[str, int] = {}
     load = Load(run.client, run.load_config, seed=zlib.crc32(name.encode()))
     async with anyio.create_task_group() as tg:
@@ -113,6 +161,7 @@ async def measure(run: Run, name: str, description: str, killed: tuple[str, ...]
     await anyio.sleep(1.0 if run.quick else 3.0)
     after = await run.processes()
     deaths = {n: p["deaths"] - deaths_before.get(n, 0) for n, p in after.items()}
+    migrations, resume_s = (await run.migrations()).since(migrations_before)
     statuses: dict[str, int] = {}
     for result in load.results:
         key = str(result.status) if result.status is not None else "none"
@@ -122,7 +171,7 @@ async def measure(run: Run, name: str, description: str, killed: tuple[str, ...]
         statuses=statuses, killed=killed, deaths={n: d for n, d in deaths.items() if d},
         rss_start=dict(run.rss_start), rss_peak=peak, rss_after=await run.rss(),
         recover_s=recover_s, max_after_admission_s=_after_admission(load.results, name),
-        notes=tuple(notes))
+        notes=tuple(notes), migrations=migrations, resume_s=resume_s)
 
 
 def _after_admission(results: list[Result], name: str) -> float | None:
@@ -141,21 +190,25 @@ async def _sample_rss(run: Run, peak: dict[str, int]) -> None:
 
 # The scenarios.
 
-def kill_scenario(service: str, kind: str) -> Scenario:
+def kill_scenario(services: tuple[str, ...], kind: str) -> Scenario:
+    """kill -9 of `services` at once, mid-stream, and their return."""
     async def go(run: Run) -> ScenarioResult:
         async def body(load: Load) -> tuple[float | None, list[str]]:
             window = 6.0 if run.quick else 12.0
             async with anyio.create_task_group() as tg:
                 tg.start_soon(load.run, window)
                 await anyio.sleep(2.0)
-                old_pid = (await run.processes())[service]["pid"]
+                processes = await run.processes()
+                old_pids = {name: processes[name]["pid"] for name in services}
                 killed_at = time.monotonic()
-                await run.faults.kill(service)
-                recover = await run.recovered(killed_at, (service,), {service: old_pid})
+                for name in services:
+                    await run.faults.kill(name)
+                recover = await run.recovered(killed_at, services, old_pids)
             return recover, [f"kill -9 at 2 s of a {window:.0f} s load at "
                              f"{run.load_config.rate:.0f} req/s"]
-        return await measure(run, f"kill-{kind}", f"kill -9 of {service} ({kind}) mid-stream "
-                             "and its return", (service,), body)
+        return await measure(run, f"kill-{kind}", f"kill -9 of {' and '.join(services)} "
+                             f"({kind}) mid-stream and {'their' if len(services) > 1 else 'its'}"
+                             " return", services, body)
     return go
 
 
@@ -255,9 +308,11 @@ async def malformed_http(run: Run) -> ScenarioResult:
 
 Scenario = Callable[[Run], Awaitable[ScenarioResult]]
 SCENARIOS: dict[str, Scenario] = {
-    "kill-decode": kill_scenario("pd-decode-0", "decode"),
-    "kill-prefill-prfaas": kill_scenario("prfaas-prefill-0", "prefill-prfaas"),
-    "kill-prefill-pd": kill_scenario("pd-prefill-0", "prefill-pd"),
+    "kill-decode": kill_scenario(("pd-decode-0",), "decode"),
+    "kill-prefill-prfaas": kill_scenario(("prfaas-prefill-0",), "prefill-prfaas"),
+    "kill-prefill-pd": kill_scenario(("pd-prefill-0",), "prefill-pd"),
+    "kill-decode-and-prefill": kill_scenario(("pd-decode-0", "prfaas-prefill-0"),
+                                             "decode-and-prefill"),
     "cachedir-restart": cachedir_restart,
     "link-down": link_scenario("down"),
     "link-trickle": link_scenario("trickle"),

@@ -66,6 +66,10 @@ class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # A cached prefix this worker lacks, to fetch from another worker before computing
     # (the abundant prefix rule's cross-cluster cache transfer, paper section 3.3)
     pull: PrefixPull | None = None
+    # Seconds the decode worker may take to accept every lane once the compute is done
+    # before the job fails with KVStalled (0: no bound); the router sets it for KV that
+    # crosses a link. The decode side bounds the gaps between pieces (DecodeRequest.kv_stall).
+    kv_stall: float = 0.0
 
 
 class PrefixPull(msgspec.Struct, frozen=True, kw_only=True):

@@ -76,6 +76,8 @@ class SchedulerCollector(Collector):
         yield migrations
         yield CounterMetricFamily("prfaas_router_migrations_gave_up", "Requests that broke "
                                   "again past the migration limit", value=stats.migrations_gave_up)
+        yield CounterMetricFamily("prfaas_router_migrations_resumed", "Continued attempts "
+                                  "that streamed a token", value=stats.migrations_resumed)
         yield CounterMetricFamily("prfaas_router_migration_resume_seconds", "Summed time from "
                                   "a break to the continued attempt's first token",
                                   value=stats.migration_resume_s)

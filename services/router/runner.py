@@ -15,7 +15,9 @@ Migration (`RequestRunner.run`): when an attempt's data path breaks, the request
 elsewhere, at most `migration_limit` times, as NVIDIA Dynamo's request migration does:
 1. `breakage` reads what each side met and says what broke: the decode worker or its stream
    (decode_lost), the prefill worker before the first token (prefill_lost), the KV making no
-   progress across the link for `kv_stall_s` (kv_stalled, which the decode worker reports) or
+   progress across the link for `kv_stall_s` (kv_stalled: the decode worker saw no piece
+   for that long, or the prefill worker's lanes were not accepted that long after its
+   compute; a job queued at the prefill worker is not stalled) or
    the KV stream cut on its way (kv_cut); an error of the request itself (a bad value, its
    deadline) is not a breakage and fails it as before;
 2. the prompt and every output token already streamed to the client become the new
@@ -277,10 +279,12 @@ class RequestRunner:
                          sampling: Sampling) -> PrefillRequest:
         p = handle.placement
         lanes = min(self.config.connections, self.workers.lanes(p.prefill_worker))
+        across = p.cluster == "prfaas"
         return PrefillRequest(
             request_id=p.wire_id, prompt=prompt, decode_worker=p.decode_worker,
             decode_has_tokens=p.decode_has_tokens, sampling=sampling,
-            connections=lanes if p.cluster == "prfaas" else 1, pull=p.pull)
+            connections=lanes if across else 1, pull=p.pull,
+            kv_stall=self.config.kv_stall_s if across else 0.0)
 
     def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
               kept: list[int], broken_at: list[float]) -> str | None:
@@ -375,7 +379,7 @@ def breakage(broken: DataPathBroken, p: Placement) -> tuple[MigrationReason, str
         return None
     if isinstance(decode, PeerGone):
         return "decode_lost", p.decode_worker, True
-    if _remote(decode, "KVStalled"):
+    if _remote(decode, "KVStalled") or _remote(prefill, "KVStalled"):
         return "kv_stalled", p.prefill_worker, False
     if isinstance(prefill, PeerGone):
         return "prefill_lost", p.prefill_worker, True

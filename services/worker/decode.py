@@ -9,7 +9,8 @@ whoever asked (`decode`). Both meet at the request's `KVAssembly`. The decode si
 1. waits (at most `kv_timeout`) until every lane has closed and the first token is known; a
    lane cut off mid-stream (the prefill worker died) or a stream for another model fails the
    request at once with an explicit `KVTransferError`, and KV that makes no progress for
-   `kv_stall` seconds (a stalled link) with `KVStalled`; either way its pieces are let go;
+   `kv_stall` seconds once its first lane opened (a stalled link) with `KVStalled`; either
+   way its pieces are let go;
 2. imports the pieces in a worker thread (checksums and shapes checked per piece) on top of
    the KV it already holds for the prompt's first `start` tokens (its own prefix cache);
 3. joins the request to the `DecodeBatch`, which one loop task (`run`) steps in a worker
@@ -371,20 +372,23 @@ class DecodeWorker:
 
 
 async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
-    """Until the KV is whole or failed; KVStalled once it made no progress (no lane opened,
-    no piece arrived) for `request.kv_stall` seconds since the stream opened or its last
-    progress. The assembly is released by the caller, so the late lanes are refused."""
+    """Until the KV is whole or failed; KVStalled once, after its first lane opened, it made
+    no progress (no lane opened, no piece arrived) for `request.kv_stall` seconds. Before
+    the first lane the job may wait in the prefill worker's queue: that worker bounds the
+    KV's arrival after its compute (PrefillRequest.kv_stall). The caller releases the
+    assembly, so late lanes are refused."""
     if not request.kv_stall > 0:
         await assembly.wait()
         return
-    opened = anyio.current_time()
     while not assembly.finished:
-        since = max(opened, assembly.progress_at)
-        # Pieces do not wake the waiter (one Event per piece would): it looks again when
-        # the bound would pass, and goes on if a piece came meanwhile.
-        with anyio.move_on_at(since + request.kv_stall):
+        since = assembly.progress_at
+        # Pieces and lane openings do not wake the waiter (an Event per piece would cost):
+        # it looks again when the bound would pass, and goes on if one came meanwhile.
+        wake = since if assembly.opening is not None else anyio.current_time()
+        with anyio.move_on_at(wake + request.kv_stall):
             await assembly.wait()
-        if not assembly.finished and max(opened, assembly.progress_at) == since:
+        if assembly.opening is not None and not assembly.finished and (
+                assembly.progress_at == since):
             raise KVStalled(
                 f"the KV of {request.request_id!r} made no progress for kv_stall="
                 f"{request.kv_stall:g} s ({len(assembly.pieces)} pieces arrived)")

@@ -58,7 +58,7 @@ class KVAssembly:
         self.peer = "?"  # the sending node (services/worker/transfer_metrics.py: its link)
         self.first_piece_at: float | None = None
         self.received_bytes = 0  # pieces' payload, kept after `free` (the transfer's size)
-        self.progress_at = created  # when a lane last opened or a piece last arrived
+        self.progress_at = created  # when a lane last opened or closed or a piece arrived
         self._closed: set[int] = set()
         self._opened: set[int] = set()
         self._changed = anyio.Event()
@@ -100,6 +100,7 @@ class KVAssembly:
 
     def close_lane(self, lane: int) -> None:
         self._closed.add(lane)
+        self.progress_at = anyio.current_time()
         self._signal()
 
     def fail(self, error: KVTransferError) -> None:

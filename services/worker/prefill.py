@@ -9,7 +9,9 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
    finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
    compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
-   worker has accepted every lane ("KV fully received").
+   worker has accepted every lane ("KV fully received"); with `request.kv_stall`, at most
+   that long after the compute is done, else the job fails with `KVStalled` (KV stuck on
+   a stalled link: the router re-prefills it in the PD cluster).
 (0. With `request.pull`, first fetch that cached prefix from the worker holding it:
    services.worker.prefix_pull.)
 4. Keep the new cache (with snapshots at block boundaries) in the store and report the
@@ -31,7 +33,7 @@ import msgspec
 from mesh.events import EventBus
 from mesh.mailbox import Mailbox
 from mesh.node import Node
-from services.contract.errors import KVTransferError, RequestError
+from services.contract.errors import KVStalled, KVTransferError, RequestError
 from services.contract.events import Event, KVFlow, RequestPhase
 from services.contract.messages import (
     KVAccepted,
@@ -252,15 +254,21 @@ class PrefillWorker:
     async def _stream(self, job: PrefillJob) -> tuple[int, float]:
         """Computes while one task per lane sends; (first token, compute end)."""
         lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
+        watch = anyio.CancelScope()  # the stall bound, once the compute is done
         try:
-            async with anyio.create_task_group() as tg:
-                for lane, items in enumerate(lanes):
-                    tg.start_soon(self._send_lane, job, lane, items)
-                try:
-                    first_token, compute_end = await self._compute.compute_and_release(job, lanes)
-                finally:
-                    for items in lanes:
-                        items.end()
+            async with anyio.create_task_group() as outer:
+                async with anyio.create_task_group() as tg:
+                    for lane, items in enumerate(lanes):
+                        tg.start_soon(self._send_lane, job, lane, items)
+                    try:
+                        first_token, compute_end = await self._compute.compute_and_release(
+                            job, lanes)
+                    finally:
+                        for items in lanes:
+                            items.end()
+                    if job.request.kv_stall > 0:
+                        outer.start_soon(_stall_after, job.request, watch)
+                watch.cancel()
         except BaseExceptionGroup as group:
             cause = stream_failure(group, job.request.request_id, job.request.decode_worker)
             if cause is None:
@@ -322,6 +330,16 @@ class PrefillWorker:
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
+
+
+async def _stall_after(request: PrefillRequest, watch: anyio.CancelScope) -> None:
+    """Raises KVStalled `request.kv_stall` seconds from now (the compute's end), which
+    cancels the lanes; cancelling `watch` first (every lane accepted) ends it quietly."""
+    with watch:
+        await anyio.sleep(request.kv_stall)
+        raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
+                        f"{request.decode_worker} within kv_stall={request.kv_stall:g} s of "
+                        "the compute's end")
 
 
 def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: int) -> None:

@@ -1,5 +1,6 @@
 // Request timeline: one request's phases (queued, prefill, transfer, decode) as a waterfall,
-// with the TTFT marked; it keeps growing while the request is still running.
+// with the TTFT marked and each migration (the break, and where the request continued) as a
+// line across it; it keeps growing while the request is still running.
 
 import { fmtBytes, fmtSeconds, fmtTokens, svgEl } from "./util.js";
 
@@ -50,6 +51,7 @@ export class Waterfall {
       this.svg.append(svgEl("text", { x: 4, y: TOP + row * ROW + 14 }, phase));
     });
     for (const part of parts) this.bar(part, scale, record);
+    for (const moved of record.migrations || []) this.migration(moved, scale);
     this.axis(span, scale, start);
     if (record.done && record.done.ok) {
       const x = scale(start + record.done.ttft_s);
@@ -78,6 +80,15 @@ export class Waterfall {
     }, label));
   }
 
+  migration(moved, scale) {
+    const x = scale(moved.ts);
+    const where = `${moved.prefill_worker} → ${moved.decode_worker}`;
+    this.svg.append(svgEl("line", {
+      class: "migration", x1: x, x2: x, y1: TOP - 6, y2: TOP + 4 * ROW, "data-testid": "waterfall-migration",
+    }, svgEl("title", {}, `migrated (${moved.reason}) from ${moved.failed_worker} after ` +
+      `${moved.tokens_kept} tokens: continues on ${where}`)));
+  }
+
   axis(span, scale, start) {
     const y = TOP + 4 * ROW + 6;
     for (const [f, anchor] of [[0, "start"], [0.5, "middle"], [1, "end"]]) {
@@ -97,6 +108,10 @@ function describe(record) {
   const f = record.flow;
   if (f) parts.push(`KV ${fmtBytes(f.bytes_total)} ${f.incremental ? "incremental" : "full"}` +
     `${f.via_link ? ` over ${f.via_link}` : " (intra-cluster)"}`);
+  for (const moved of record.migrations || []) {
+    parts.push(`migrated (${moved.reason}) from ${moved.failed_worker} after ${moved.tokens_kept} tokens ` +
+      `→ ${moved.prefill_worker} / ${moved.decode_worker}`);
+  }
   const done = record.done;
   if (done) {
     parts.push(done.ok ? `TTFT ${fmtSeconds(done.ttft_s)}, e2e ${fmtSeconds(done.e2e_s)}, ` +
