@@ -98,7 +98,8 @@ def opening(lane: int, **change: object) -> KVOpen:
     return msgspec.structs.replace(base, **change)
 
 
-def test_assembly_is_ready_when_every_lane_closed_and_the_first_token_known() -> None:
+@pytest.mark.trio
+async def test_assembly_is_ready_when_every_lane_closed_and_the_first_token_known() -> None:
     assembly = KVAssembly("r", 0.0)
     assembly.open_lane(opening(0))
     assembly.add(KVChunk(request_id="r", layer=0, start=0, data=b"x"))
@@ -118,7 +119,8 @@ def test_assembly_is_ready_when_every_lane_closed_and_the_first_token_known() ->
     assert assembly.failure is not None
 
 
-def test_a_small_piece_does_not_keep_the_large_read_it_came_in_alive() -> None:
+@pytest.mark.trio
+async def test_a_small_piece_does_not_keep_the_large_read_it_came_in_alive() -> None:
     read = bytes(1 << 20)
     assembly = KVAssembly("r", 0.0)
     assembly.add(KVChunk(request_id="r", layer=0, data=memoryview(read)[:100]))
