@@ -85,10 +85,10 @@ class ValidationConfig(msgspec.Struct, frozen=True, kw_only=True):
     size: str = "default"
     checkpoint: str = "auto"
     requests: int = 150
-    loads: tuple[tuple[str, float], ...] = (("light", 0.25), ("60%", 0.6), ("85%", 0.85))
-    prompt_tokens: tuple[int, int] = (192, 640)  # uniform; 2 to 5 chunks of 128
+    loads: tuple[tuple[str, float], ...] = (("light", 0.3), ("60%", 0.6), ("85%", 0.85))
+    prompt_tokens: tuple[int, int] = (128, 384)  # uniform; 2 to 6 chunks of 64
     output_tokens: tuple[int, int] = (16, 48)
-    chunk_tokens: int = 128
+    chunk_tokens: int = 64
     snapshot_every: int = 1
     capacity_requests: int = 48
     capacity_rps: float = 0.0  # 0: measured with a burst of capacity_requests
