@@ -269,7 +269,8 @@ class FakeMesh:
         stats = self.shaper.statistics()
         return LinkSample(now=anyio.current_time(), utilisation=stats.egress.utilisation,
                           bandwidth_bps=stats.params.bandwidth_bps or 0.0,
-                          stalls=stats.egress.stalls, up=stats.params.up)
+                          stalls=stats.egress.stalls, up=stats.params.up,
+                          backlog_s=stats.egress.wire_backlog_s)
 
     async def take_events(self) -> list[Event]:
         """Every event the router published since the last call."""

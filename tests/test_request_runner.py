@@ -204,3 +204,40 @@ def test_a_continued_seeded_request_keeps_its_place_in_the_seeds_stream() -> Non
         assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     assert continued(sampling, 0) is sampling
     assert continued(Sampling(max_tokens=5), 2).seed is None
+
+
+@pytest.mark.trio
+async def test_a_request_prefills_in_the_other_cluster_while_its_own_has_no_worker(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        mesh.scheduler.workers.lost("pd-prefill-0")
+        handle = await mesh.scheduler.submit(generation(range(1, 30)))
+        _, result = await handle.collect()
+        assert result.completion_tokens == 4
+        assert (handle.placement.cluster, handle.placement.prefill_worker) == (
+            "prfaas", "prfaas-prefill-0")
+        assert "no pd prefill worker serves" in handle.placement.decision.reason
+        mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_a_link_that_stalls_moves_the_requests_waiting_for_kv_over_it_to_pd(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, connections=2, kv_stall_s=2.0)
+    async with fake_mesh("prfaas", {"threshold": 100.0}, config=config) as mesh:
+        mesh.set_link(bandwidth_bps=1000)  # the KV of a long prompt: minutes on the wire
+        started = anyio.current_time()
+        handle = await mesh.scheduler.submit(generation(range(1, 900)))
+        assert handle.placement.cluster == "prfaas"
+        await anyio.sleep(0.5)
+        await mesh.control.tick()  # a link sample: its backlog is past the bound
+        _, result = await handle.collect()
+        assert result.completion_tokens == 4 and anyio.current_time() - started < 10.0
+        assert (handle.placement.cluster, handle.placement.attempt) == ("pd", 1)
+        [moved] = [e for e in await mesh.take_events() if isinstance(e, RequestMigrated)]
+        assert (moved.reason, moved.prefill_worker) == ("kv_stalled", "pd-prefill-0")
+        # The link takes no new offload while it is held.
+        again = await mesh.scheduler.submit(generation(range(2, 900)))
+        assert again.placement.cluster == "pd"
+        await again.collect()
+        mesh.scheduler.check_integrity()

@@ -96,6 +96,9 @@ def scenario_section(result: ScenarioResult) -> str:
     lines += ["", f"HTTP statuses: {statuses or 'none'}."]
     if result.migrations:
         lines.append(f"Migrated: {_migrations(result)}.")
+    if result.error_samples and is_fault(result.name):
+        lines.append("Errors (first distinct): " + " | ".join(
+            f"`{sample[:160]}`" for sample in result.error_samples) + ".")
     if result.max_after_admission_s is not None:
         lines.append(f"Slowest answer after its admission decision: "
                      f"{result.max_after_admission_s:.2f} s.")

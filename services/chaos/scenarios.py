@@ -51,6 +51,7 @@ class ScenarioResult(msgspec.Struct, frozen=True, kw_only=True):
     notes: tuple[str, ...] = ()
     migrations: dict[str, int] = {}  # requests the router continued elsewhere, by reason
     resume_s: float | None = None  # their mean time from the break to the next token
+    error_samples: tuple[str, ...] = ()  # what the first few distinct explicit errors said
 
 
 class Migrations(msgspec.Struct, frozen=True):
@@ -171,7 +172,18 @@ async def measure(run: Run, name: str, description: str, killed: tuple[str, ...]
         statuses=statuses, killed=killed, deaths={n: d for n, d in deaths.items() if d},
         rss_start=dict(run.rss_start), rss_peak=peak, rss_after=await run.rss(),
         recover_s=recover_s, max_after_admission_s=_after_admission(load.results, name),
-        notes=tuple(notes), migrations=migrations, resume_s=resume_s)
+        notes=tuple(notes), migrations=migrations, resume_s=resume_s,
+        error_samples=_error_samples(load.results))
+
+
+def _error_samples(results: list[Result], count: int = 3) -> tuple[str, ...]:
+    """The first `count` distinct explicit errors, status and body, request ids masked."""
+    seen: dict[str, None] = {}
+    for result in results:
+        if result.outcome == "error" and len(seen) < count:
+            detail = re.sub(r"req-[0-9a-f]+-[0-9.m]+", "req-…", result.detail)
+            seen[f"{result.status}: {detail}"] = None
+    return tuple(seen)
 
 
 def _after_admission(results: list[Result], name: str) -> float | None:

@@ -32,7 +32,8 @@ def link_sample(view: Mapping[str, Any], now: float, link: str = "") -> LinkSamp
     egress = view["statistics"]["link"]["egress"]
     return LinkSample(now=now, link=link, utilisation=float(egress["utilisation"]),
                       bandwidth_bps=float(view.get("bandwidth_bps") or 0.0),
-                      stalls=int(egress["stalls"]), up=bool(view["up"]))
+                      stalls=int(egress["stalls"]), up=bool(view["up"]),
+                      backlog_s=float(egress.get("wire_backlog_s", 0.0)))
 
 
 def http_link_probe(client: httpx.AsyncClient, url: str, link: str = "") -> LinkProbe:
@@ -118,7 +119,9 @@ class LinkBook:
 
     def hold(self, a: str, b: str, until: float) -> None:
         """KV stalled on the link between a and b: it takes no new offload until `until`."""
-        name = self.between(a, b)
+        self.hold_link(self.between(a, b), until)
+
+    def hold_link(self, name: str, until: float) -> None:
         self._held[name] = max(until, self._held.get(name, until))
 
     def held(self, a: str, b: str, now: float) -> bool:

@@ -136,6 +136,7 @@ class LinkSample(msgspec.Struct, frozen=True, kw_only=True):
     bandwidth_bps: float  # the link's configured rate now; 0 = unshaped
     stalls: int  # cumulative stall count of the link
     up: bool = True
+    backlog_s: float = 0.0  # wire time of the bytes queued on it now (egress)
 
 
 Feedback = RequestFinished | LinkSample

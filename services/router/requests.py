@@ -139,12 +139,22 @@ class RequestHandle:
         self.error: RouterError | None = None
         self.result: Finished | None = None
         self.started = self.first_token_at = self.last_token_at = 0.0
+        # The running attempt (services/router/runner.py): its scope, and whether it still
+        # waits for its KV (no token yet), so that a stalled link can move it on.
+        self.attempt_scope: anyio.CancelScope | None = None
+        self.awaiting_kv = False
         # Its histograms (services/router/metrics.py), set by the scheduler that places it.
         self.series: RequestSeries | None = None
         self.outbox = Outbox()
 
     def cancel(self) -> None:
         self.scope.cancel()
+
+    def interrupt(self) -> None:
+        """Gives up the running attempt (its link stalled): the runner continues the request
+        elsewhere (the request itself is not cancelled)."""
+        if self.attempt_scope is not None:
+            self.attempt_scope.cancel()
 
     def release(self) -> None:
         """The client is done with the request: cancels it unless it has ended (cancelling a

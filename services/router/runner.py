@@ -49,6 +49,7 @@ import msgspec
 from mesh.errors import MeshError, PeerGone, RemoteError, StreamAborted
 from mesh.events import EventBus
 from mesh.node import Node
+from services.contract.errors import KVStalled
 from services.contract.events import Event, MigrationReason, RequestMigrated, RequestPhase
 from services.contract.messages import DecodeRequest, PrefillDone, PrefillRequest, TokenChunk
 from services.contract.sampling import Sampling
@@ -230,11 +231,21 @@ class RequestRunner:
                                kv_timeout=cfg.kv_timeout_s,
                                incremental=request.stream or bool(request.stop),
                                kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0)
-        return await drive(
-            self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
-            p.decode_worker, decode, timeout=cfg.request_timeout_s,
-            on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
-            on_prefilled=lambda: self.workers.prefilled(p.prefill_worker), grace_s=GRACE_S)
+        handle.awaiting_kv = True
+        with anyio.CancelScope() as handle.attempt_scope:
+            try:
+                return await drive(
+                    self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
+                    p.decode_worker, decode, timeout=cfg.request_timeout_s,
+                    on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
+                    on_prefilled=lambda: self.workers.prefilled(p.prefill_worker),
+                    grace_s=GRACE_S)
+            finally:
+                handle.attempt_scope, handle.awaiting_kv = None, False
+        # Interrupted (Scheduler.observe_link): the link its KV crosses has stalled.
+        stalled = KVStalled(f"the link from {p.prefill_worker} to {p.decode_worker} stalled "
+                            f"with the KV of {p.wire_id} on it")
+        raise DataPathBroken(str(stalled), prefill=None, decode=stalled)
 
     async def _migrate(self, handle: RequestHandle, broken: DataPathBroken, kept: list[int],
                        avoid: set[str]) -> None:
@@ -291,6 +302,7 @@ class RequestRunner:
         """Feeds one chunk to the outbox; the finish reason once the request is done."""
         if broken_at and chunk.tokens:
             self._resumed_after(handle, broken_at.pop())
+        handle.awaiting_kv = False
         if chunk.tokens:
             self._token_times(handle, len(chunk.tokens))
         sampling = handle.request.sampling
@@ -379,7 +391,8 @@ def breakage(broken: DataPathBroken, p: Placement) -> tuple[MigrationReason, str
         return None
     if isinstance(decode, PeerGone):
         return "decode_lost", p.decode_worker, True
-    if _remote(decode, "KVStalled") or _remote(prefill, "KVStalled"):
+    if isinstance(decode, KVStalled) or _remote(decode, "KVStalled") or _remote(
+            prefill, "KVStalled"):
         return "kv_stalled", p.prefill_worker, False
     if isinstance(prefill, PeerGone):
         return "prefill_lost", p.prefill_worker, True
@@ -396,7 +409,8 @@ def _breaks(error: Exception) -> bool:
     not that the request is wrong or out of time."""
     if isinstance(error, RemoteError):
         return error.error in BREAKAGES
-    return isinstance(error, PeerGone | StreamAborted) or type(error) is UpstreamFailed
+    return isinstance(error, PeerGone | StreamAborted | KVStalled) or (
+        type(error) is UpstreamFailed)
 
 
 def _remote(error: Exception | None, kind: str) -> bool:

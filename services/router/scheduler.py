@@ -22,7 +22,9 @@ the prompt and the tokens already streamed, or the runner names the kind of clus
 (services/router/runner.py), away from the workers that failed it. When no prefill worker of
 the chosen kind of cluster serves, a request (new or migrated) prefills in the other kind
 instead, if its link is up, rather than failing with 503. A link whose KV stalled is taken
-out of the policy's choices for `LINK_HOLD_STALLS` stall bounds.
+out of the policy's choices for `LINK_HOLD_STALLS` stall bounds; so is a link whose queued
+bytes would take longer than the stall bound to cross (its link samples' `backlog_s`), and
+the requests still waiting for KV over it are moved on at once (`_link_stalled`).
 
 The control loops (services/router/control.py) feed it link samples (`observe_link`) and
 keep its worker table (services/router/workers.py: roles, draining, liveness) current.
@@ -434,6 +436,28 @@ class Scheduler:
     def observe_link(self, sample: LinkSample) -> None:
         self.links.observe(sample)
         self.policy.observe(sample)
+        stall = self.config.kv_stall_s
+        if stall > 0 and sample.up and sample.backlog_s > stall:
+            self._link_stalled(sample.link, sample.backlog_s)
+
+    def _link_stalled(self, link: str, backlog_s: float) -> None:
+        """KV entering `link` now would wait longer than the stall bound: it takes no new
+        offload for a while, and requests still waiting for KV over it move on (migrated
+        by their runners as kv_stalled, re-prefilled in the PD cluster)."""
+        self.links.hold_link(link, self.clock() + LINK_HOLD_STALLS * self.config.kv_stall_s)
+        waiting = [h for h in self._active.values() if h.awaiting_kv and self._crosses(
+            h.placement, link)]
+        if waiting:
+            log.warning("link %s holds %.1f s of queued bytes, over kv_stall_s=%g: moving "
+                        "%d requests that wait for KV over it", link or "(unnamed)",
+                        backlog_s, self.config.kv_stall_s, len(waiting))
+        for handle in waiting:
+            handle.interrupt()
+
+    def _crosses(self, p: Placement, link: str) -> bool:
+        between = self.links.between(self.workers.cluster_of(p.prefill_worker),
+                                     self.workers.cluster_of(p.decode_worker))
+        return p.cluster == "prfaas" and between in (link, "")
 
     def active(self) -> list[Placement]:
         return [h.placement for h in self._active.values()]
