@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo sim-dashboard chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper validate-sim train browser clean prometheus
+.PHONY: demo sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -66,6 +66,11 @@ SPEED ?= 10
 sim-dashboard: $(STAMP)
 	$(VENV)/bin/prfaas sim-dashboard --speed $(SPEED) --port 8080
 
+# PrfaaS-PD and homogeneous PD side by side on the same arrivals, 2.5 req/s (between their
+# capacities): the compare page (docs/dashboard.md, "Comparing deployments").
+sim-compare: $(STAMP)
+	$(VENV)/bin/prfaas sim-dashboard --compare prfaas_pd,homogeneous --rate 2.5 --speed $(SPEED) --port 8080
+
 test: $(STAMP) $(BROWSER_STAMP) $(PROMETHEUS_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks
 	$(PY) -m mypy mesh services netem ui
@@ -98,9 +103,11 @@ bench-sim: $(STAMP)
 bench-router: $(STAMP)
 	$(PY) benchmarks/bench_router.py
 
-# The paper's Table 6, measured by the simulation (about 15 minutes on 2 cores).
+# The paper's Table 6, measured by the simulation: saturation and SLO capacity over 5 seeds,
+# then the bandwidth-bound check on 8 Gbps (docs/simulation.md; QUICK=1 for a smoke run).
 sim-paper: $(STAMP)
-	$(VENV)/bin/prfaas sim --scenario paper --out sim-results/paper
+	$(VENV)/bin/prfaas sim --scenario paper --out sim-results/paper $(if $(QUICK),--quick)
+	$(VENV)/bin/prfaas sim --scenario bandwidth-bound --out sim-results/bandwidth-bound $(if $(QUICK),--quick)
 
 # The simulation against the live mesh under load (docs/simulation.md, "Validation against the
 # live system"): profiles the engine first, then three loads of 150 requests on the live mesh and

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.paper.planner import Scenario, solve_scenario
 from services.sim.capacity import (
     CapacityConfig,
     SeedCapacity,
@@ -15,7 +16,10 @@ from services.sim.capacity import (
     mean_interval,
     measure_capacity,
     quantile,
+    saturation_of,
+    saturation_point,
 )
+from services.sim.scenarios import paper_deployments
 from services.sim.workload import Workload
 from services.sim.world import Deployment
 
@@ -94,3 +98,24 @@ def test_quantile_and_completion_rate() -> None:
     # Whole gaps only: 5 completions 2 s apart are 0.5 per second, wherever a window cuts.
     assert completion_rate([10.0, 12.0, 14.0, 16.0, 18.0]) == 0.5
     assert completion_rate([3.0]) == 0.0
+
+
+def test_on_a_narrow_link_the_prfaas_side_follows_the_bandwidth_bound() -> None:
+    """One PrfaaS instance on 2 Gbps: Eq. 3's bandwidth ceiling (0.18 req/s of long requests)
+    is below its compute ceiling (0.27), and the planner's Lambda_max (0.90 req/s at its t)
+    rests on it. Measured: the link's ceiling is the planner's B / S_kv(l_long) over p, and
+    the PrfaaS side is held to it, far below its compute ceiling. It lands lower still (by
+    about 15% with one instance, docs/simulation.md): the instance holds its compute slot
+    until the decode side has accepted the KV, so its next prefill waits for the link."""
+    scenario = Scenario(n_prfaas=1, n_pd=4, n_homogeneous=3, bandwidth_gbps=2.0)
+    solved = solve_scenario(scenario)
+    plan = solved.prfaas
+    compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
+    assert plan.prfaas_limit == "bandwidth" and bandwidth < 0.75 * compute
+    d = paper_deployments(solved, bandwidth_bps=2e9)["prfaas_pd"]
+    point = saturation_point(d, Workload(window_s=500.0), plan.lambda_max, seed=0,
+                             config=CapacityConfig())
+    assert point.stage_rps["link"] == pytest.approx(bandwidth / plan.p, rel=0.10)
+    prfaas_side = min(point.stage_rps["prfaas"], point.stage_rps["link"])
+    assert prfaas_side < 0.75 * compute / plan.p
+    assert 0.8 * plan.lambda_max < saturation_of(point) <= plan.lambda_max

@@ -17,7 +17,7 @@ import msgspec
 from matplotlib.figure import Figure
 
 from services.sim.exposition import write_metrics
-from services.sim.run import Record, SimResult
+from services.sim.run import STAGES, Record, SimResult
 
 
 def rounded(value: Any, digits: int = 4) -> Any:
@@ -107,31 +107,100 @@ def plot_time_series(out: Path, runs: Mapping[str, SimResult], name: str = "time
     return _save(fig, out / name)
 
 
+def interval(mean: float, ci: Sequence[float]) -> str:
+    """A mean and its 95% interval as one table cell."""
+    if not math.isfinite(mean):
+        return "-"
+    return f"{mean:.3g} [{ci[0]:.3g}, {ci[1]:.3g}]" if all(map(math.isfinite, ci)) \
+        else f"{mean:.3g}"
+
+
+def _rho_cell(rho: Mapping[str, float]) -> str:
+    return " / ".join(f"{rho[stage]:.2f}" if stage in rho else "-" for stage in STAGES)
+
+
 def paper_report(out: Path, outcome: Any, virtual_s: float, wall_s: float) -> dict[str, Any]:
     """summary.json, table.md, records and plots of the `paper` scenario."""
+    from services.sim.capacity import ratio_interval
     from services.sim.scenarios import PAPER_TABLE6
 
     deployments = {name: msgspec.structs.asdict(s) for name, s in outcome.summaries.items()}
+    homogeneous = outcome.capacities["homogeneous"]
+    ratios = {name: ratio_interval(cap, homogeneous)
+              for name, cap in outcome.capacities.items()}
+    saturation_ratios = {name: ratio_interval(cap, homogeneous, saturation=True)
+                         for name, cap in outcome.capacities.items()}
     summary = {"scenario": "paper", "deployments": deployments,
                "common_rate_rps": outcome.common_rate, "paper_table6": PAPER_TABLE6,
+               "ratio_over_homogeneous": {name: {"mean": mean, "ci": list(ci)}
+                                          for name, (mean, ci) in ratios.items()},
+               "saturation_ratio_over_homogeneous": {
+                   name: {"mean": mean, "ci": list(ci)}
+                   for name, (mean, ci) in saturation_ratios.items()},
+               "slo": msgspec.structs.asdict(homogeneous.slo),
+               "resolution_rps": homogeneous.resolution_rps,
                "virtual_s": virtual_s, "wall_s": wall_s}
-    homogeneous = outcome.summaries["homogeneous"].capacity_rps
-    rows = []
+    capacity_rows, latency_rows = [], []
     for name, s in outcome.summaries.items():
         paper = PAPER_TABLE6[name]
-        rows.append([name, s.instances, s.capacity_rps, paper["lambda_rps"],
-                     s.planner_lambda_rps, s.capacity_rps / homogeneous if homogeneous else
-                     math.nan, s.ttft_mean_s, paper["ttft_mean_s"], s.ttft_p90_s,
-                     paper["ttft_p90_s"], s.offload_share, s.planner_offload_share,
-                     s.egress_mean_gbps, s.egress_peak_gbps, s.tpot_mean_ms])
-    header = ["deployment", "P/P/D", "capacity (req/s)", "paper", "planner", "x homog.",
-              f"TTFT mean @{outcome.common_rate}", "paper", "TTFT P90", "paper", "offload",
-              "planner p", "egress mean (Gbps)", "peak", "TPOT (ms)"]
-    table = markdown_table(header, rows)
+        capacity_rows.append([
+            name, s.instances, interval(s.saturation_rps, s.saturation_rps_ci),
+            interval(s.capacity_rps, s.capacity_rps_ci), s.planner_lambda_rps,
+            paper["lambda_rps"], interval(*saturation_ratios[name]),
+            interval(*ratios[name]), paper["ratio_over_homogeneous"], _rho_cell(s.rho)])
+        latency_rows.append([
+            name, s.ttft_mean_s, paper["ttft_mean_s"], s.ttft_p90_s, paper["ttft_p90_s"],
+            s.ttst_mean_s, s.offload_share, s.planner_offload_share, s.egress_mean_gbps,
+            s.egress_peak_gbps, s.tpot_mean_ms])
+    seeds = len(outcome.capacities["homogeneous"].seeds)
+    table = markdown_table(
+        ["deployment", "P/P/D", "saturation (req/s) [95%]", "SLO capacity (req/s) [95%]",
+         "planner Lambda", "paper Lambda", "x homog., saturation [95%]",
+         "x homog., SLO capacity [95%]", "paper x",
+         "rho at capacity (" + " / ".join(STAGES) + ")"], capacity_rows)
+    table += (f"\nMeans over {seeds} seeds with 95% t intervals; SLO: P99 queueing before "
+              f"prefill <= {homogeneous.slo.queue_s:g} s and P99 TPOT <= "
+              f"{1e3 * homogeneous.slo.tpot_s:g} ms; resolution {homogeneous.resolution_rps:g}"
+              " req/s.\n\n")
+    table += markdown_table(
+        ["deployment", f"TTFT mean @{outcome.common_rate} (s)", "paper", "TTFT P90", "paper",
+         "2nd token mean", "offload", "planner p", "egress mean (Gbps)", "peak",
+         "TPOT (ms)"], latency_rows)
     (out / "table.md").write_text(table, encoding="utf-8")
     write_records(out, outcome.runs)
     plot_ttft_cdf(out, {n: r.records for n, r in outcome.runs.items()})
     plot_time_series(out, outcome.runs)
+    return summary
+
+
+def bandwidth_report(out: Path, outcome: Any, wall_s: float) -> dict[str, Any]:
+    """The bandwidth-bound check: measured capacity against the planner's Lambda_max."""
+    cap, plan = outcome.capacity, outcome.plan
+    d = outcome.deployment
+    error = cap.saturation_rps / plan.lambda_max - 1
+    summary = {"scenario": "bandwidth-bound", "bandwidth_gbps": d.bandwidth_bps / 1e9,
+               "instances": f"{d.n_prfaas}/{d.n_pd_prefill}/{d.n_decode}",
+               "planner_t": plan.t, "planner_lambda_rps": plan.lambda_max,
+               "planner_bound": plan.bound, "planner_prfaas_limit": plan.prfaas_limit,
+               "planner_p": plan.p, "theta_prfaas_compute_rps": outcome.compute_rps,
+               "theta_prfaas_bandwidth_rps": outcome.bandwidth_rps,
+               "capacity": msgspec.to_builtins(cap) | {"per_seed": [
+                   {"seed": seed.seed, "saturation_rps": seed.saturation_rps,
+                    "capacity_rps": seed.capacity_rps} for seed in cap.per_seed]},
+               "saturation_vs_planner": error, "within_10pct": abs(error) <= 0.10,
+               "capacity_vs_planner": cap.capacity_rps / plan.lambda_max - 1,
+               "virtual_s": sum(p.virtual_s for s in cap.per_seed for p in s.points),
+               "wall_s": wall_s}
+    rows = [[f"{d.bandwidth_bps / 1e9:g}", summary["instances"], plan.t, plan.lambda_max,
+             f"{outcome.compute_rps:.3g} / {outcome.bandwidth_rps:.3g}",
+             interval(cap.saturation_rps, cap.saturation_rps_ci),
+             interval(cap.capacity_rps, cap.capacity_rps_ci), f"{100 * error:+.1f}%",
+             _rho_cell(cap.rho)]]
+    table = markdown_table(
+        ["link (Gbps)", "P/P/D", "planner t", "planner Lambda",
+         "Theta_prfaas compute / bandwidth", "saturation [95%]", "SLO capacity [95%]",
+         "saturation vs planner", "rho at capacity (" + " / ".join(STAGES) + ")"], rows)
+    (out / "table.md").write_text(table, encoding="utf-8")
     return summary
 
 

@@ -10,10 +10,11 @@ them (the second waits for a decode batch slot). The sim measures what the live 
 live client would report.
 
 Busy fractions: every `busy_s` of virtual time (1 s) each stage's occupancy is read and
-integrated: a prefill instance is busy while it holds a job (computing, or held by its KV
-lanes), a decode instance holds running/BS_max of its slots, the link is busy for the wire
-time of the bytes it released. Each `Sample` carries the integrals so far (`busy`, and
-`units`, the instance-seconds of each stage), so any window's busy fraction is a difference.
+integrated: a prefill instance is busy while it holds a job (computing, or waiting until
+the decode side has accepted its KV), a decode instance holds running/BS_max of its slots,
+the link is busy for the wire time of the bytes it released. Each `Sample` carries the
+integrals so far (`busy`, and `units`, the instance-seconds of each stage), so any window's
+busy fraction is a difference.
 
 Run it under trio with a `JumpClock` (`run_virtual`): an hour of traffic takes seconds to
 minutes of wall time.
@@ -107,6 +108,9 @@ class SimResult(msgspec.Struct, frozen=True):
     role_changes: list[tuple[float, str]]  # (virtual s, "worker: old -> new")
     events: int  # telemetry events the services published (router and workers)
     metrics: str = ""  # its Prometheus exposition at the end (services/sim/exposition.py)
+    arrivals_end_s: float = 0.0  # the last arrival (virtual s): the end of the arrival window
+    # (virtual s, cluster) of every routing decision, finished or not: the shares of arrivals
+    routes: list[tuple[float, str]] = []
 
 
 class _Collector:
@@ -119,11 +123,13 @@ class _Collector:
         # as the client saw them
         self.client: dict[str, tuple[float, float, float]] = {}
         self.records: list[Record] = []
+        self.routes: list[tuple[float, str]] = []
         self.role_changes: list[tuple[float, str]] = []
 
     def take(self, event: Event) -> None:
         if isinstance(event, RoutingDecision):
             self.decisions[event.request_id] = event
+            self.routes.append((event.ts - self.offset, event.cluster))
         elif isinstance(event, RequestDone):
             self._done(event)
         elif isinstance(event, RoleChanged):
@@ -168,7 +174,9 @@ class _Busy:
         if link is not None:
             egress = link.shaper.statistics().egress.bytes_out
             bandwidth = link.shaper.params.bandwidth_bps or math.inf
-            self.busy["link"] += min(dt, 8.0 * (egress - self._egress) / bandwidth)
+            # Not capped at dt: a modeled KV piece is released whole, so a tick may count
+            # more than a second of wire time, and the next ones none.
+            self.busy["link"] += 8.0 * (egress - self._egress) / bandwidth
             self.units["link"] += dt
             self._egress = egress
 
@@ -230,7 +238,8 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
         metrics = world_metrics(world)
     records = sorted(collector.records, key=lambda r: r.arrival_s)
     return SimResult(deployment, records, samples, len(arrivals), in_flight[0], now,
-                     link_bytes, conversions, collector.role_changes, published, metrics)
+                     link_bytes, conversions, collector.role_changes, published, metrics,
+                     arrivals[-1].at if arrivals else 0.0, sorted(collector.routes))
 
 
 def _drain(events: Subscription[Event], collector: _Collector) -> None:

@@ -1,19 +1,23 @@
 """The simulation's scenarios: each one command, each a folder of results.
 
 - `paper`: the three deployments of the paper's Table 6 (PrfaaS-PD 4/3/5 at the planner's t,
-  homogeneous PD 9P/3D, naive heterogeneous 4/-/8) on 100 Gbps: each one's measured maximum
-  sustainable rate (a rate sweep), TTFT at a common rate below every capacity and at 90% of
-  its own, offload share and egress, beside the planner's Lambda_max and the paper's numbers.
+  homogeneous PD 9P/3D, naive heterogeneous 4/-/8) on 100 Gbps: each one's saturation and SLO
+  capacity over seeds (services/sim/capacity.py), TTFT at a common rate below every capacity
+  and at 90% of its own, offload share and egress, beside the planner's Lambda_max and the
+  paper's numbers.
+- `bandwidth-bound`: the planner's PrfaaS-PD deployment on a link narrow enough (8 Gbps) that
+  Theta_prfaas is set by bandwidth (Eq. 3's second term): its measured capacity against the
+  planner's bandwidth-bound Lambda_max.
 - `bandwidth-dip`: static `prfaas` against `prfaas-dynamic` while the link drops from 100 to
   5 Gbps for 10 minutes and comes back.
 - `trace`: the Mooncake conversation trace on PrfaaS-PD under every registered policy, with
   cache hits and the bytes that crossed the link against a run without prefix caching.
 - `burst`: gamma arrivals (CV 4) under `prfaas-dynamic`: the long-term loop converts roles.
 
-Sustainable rate (the criterion the reports state): over the second half of a run of
-`window_s` arrivals, the requests in flight grow by less than 5% of the requests that
-arrived meanwhile (queues do not grow), and the decode SLO (40 tokens/s per request) holds,
-which the decode workers' batch cap (BS_max of the profile) guarantees and TPOT shows.
+Capacity (what the reports state): the saturation, from overloaded runs, and the SLO
+capacity, the largest rate at which the P99 queueing delay before prefill (5 s) and the P99
+TPOT (40 tokens/s) both hold, by bisection below the saturation, per seed; both as a mean
+and a 95% interval over the seeds (services/sim/capacity.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 
@@ -30,27 +35,21 @@ from services.data import trace_path
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
 from services.paper.workload import TruncatedLogNormal
 from services.router.policies import REGISTERED
+from services.sim.capacity import Capacity, CapacityConfig, RunMap, measure_capacity
 from services.sim.run import LinkChange, Record, SimResult, run_virtual
-from services.sim.workload import Arrival, lognormal, trace
+from services.sim.workload import Arrival, Workload, lognormal, trace
 from services.sim.world import CHUNK_PAPER_TOKENS, COARSE_SCALE, DEFAULT_SCALE, Deployment
 
 # The paper's Table 6 (arXiv 2604.15039 v2): Lambda_max, mean and P90 TTFT, offload share.
 PAPER_TABLE6 = {
     "prfaas_pd": {"lambda_rps": 3.24, "ttft_mean_s": 2.22, "ttft_p90_s": 3.51,
-                  "offload_share": 0.496, "egress_gbps": 13.0},
-    "homogeneous": {"lambda_rps": 2.11, "ttft_mean_s": 4.44, "ttft_p90_s": 9.73},
-    "naive": {"lambda_rps": 2.45, "ttft_mean_s": 1.74, "ttft_p90_s": 3.51},
+                  "offload_share": 0.496, "egress_gbps": 13.0, "ratio_over_homogeneous": 1.54},
+    "homogeneous": {"lambda_rps": 2.11, "ttft_mean_s": 4.44, "ttft_p90_s": 9.73,
+                    "ratio_over_homogeneous": 1.00},
+    "naive": {"lambda_rps": 2.45, "ttft_mean_s": 1.74, "ttft_p90_s": 3.51,
+              "ratio_over_homogeneous": 1.16},
 }
-GROWTH_LIMIT = 0.05
 Progress = Callable[[str, float, float], None]  # (what, virtual s done, virtual s total)
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    rate: float
-    sustainable: bool
-    growth: float
-    result: SimResult
 
 
 def paper_deployments(plan: PlanResult, bandwidth_bps: float = 100e9,
@@ -77,26 +76,17 @@ def paper_deployments(plan: PlanResult, bandwidth_bps: float = 100e9,
     }
 
 
-def growth(result: SimResult, rate: float, window_s: float) -> float:
-    """In-flight growth over the window's second half, as a share of its arrivals."""
-    def mean_in_flight(low: float, high: float) -> float:
-        values = [s.in_flight for s in result.samples if low <= s.at < high]
-        return statistics.fmean(values) if values else 0.0
-
-    half = window_s / 2
-    early = mean_in_flight(half - window_s / 8, half + window_s / 8)
-    late = mean_in_flight(window_s - window_s / 4, window_s)
-    return (late - early) / (rate * (window_s / 2 - window_s / 8))
+def _simulate(progress: Progress | None, d: Deployment, workload: Workload, rate: float,
+              seed: int, drain_s: float) -> SimResult:
+    """`capacity.simulate_rate`, showing its progress."""
+    what = f"{d.name} @ {rate:.3f} req/s, seed {seed}"
+    return _run(d, workload.arrivals(rate, d.scale, seed), what, workload.window_s, progress,
+                drain_s=drain_s)
 
 
-def run_rate(d: Deployment, rate: float, window_s: float, seed: int,
-             progress: Progress | None = None) -> SweepPoint:
-    arrivals = lognormal(rate, window_s, d.scale, seed)
-    result = _run(d, arrivals, f"{d.name} @ {rate:.2f} req/s", window_s, progress)
-    g = growth(result, rate, window_s)
-    failed = sum(not r.ok for r in result.records)
-    return SweepPoint(rate, g < GROWTH_LIMIT and failed == 0 and result.unfinished == 0, g,
-                      result)
+def _at_rate(d: Deployment, rate: float, window_s: float, seed: int,
+             progress: Progress | None) -> SimResult:
+    return _simulate(progress, d, Workload(window_s=window_s), rate, seed, 300.0)
 
 
 def _run(d: Deployment, arrivals: Sequence[Arrival], what: str, total: float,
@@ -105,31 +95,9 @@ def _run(d: Deployment, arrivals: Sequence[Arrival], what: str, total: float,
         if progress is not None:
             progress(what, now, total)
 
-    result, _ = run_virtual(d, arrivals, progress=tick, drain_s=300.0, **options)
+    options.setdefault("drain_s", 300.0)
+    result, _ = run_virtual(d, arrivals, progress=tick, **options)
     return result
-
-
-def capacity(d: Deployment, guess: float, window_s: float, seed: int, steps: int,
-             progress: Progress | None = None) -> tuple[float, list[SweepPoint]]:
-    """The largest sustainable rate, by bisection between a sustainable and an unsustainable
-    rate found around `guess` (the planner's Lambda_max)."""
-    points: list[SweepPoint] = []
-    low, high = 0.0, math.inf
-    rate = guess
-    for _ in range(steps):
-        point = run_rate(d, rate, window_s, seed, progress)
-        points.append(point)
-        if point.sustainable:
-            low = rate
-        else:
-            high = rate
-        if not math.isfinite(high):
-            rate *= 1.15
-        elif low == 0.0:
-            rate = high * 0.85
-        else:
-            rate = (low + high) / 2
-    return low, points
 
 
 def ttft(records: Sequence[Record]) -> tuple[float, float]:
@@ -146,20 +114,40 @@ def offload_share(records: Sequence[Record]) -> float:
 
 
 def egress_gbps(result: SimResult) -> tuple[float, float]:
-    """(mean over the run, peak of the samples) of link-0's egress, in Gbit/s."""
+    """(mean over the arrival window, peak of the samples) of link-0's egress, in Gbit/s:
+    the drain after the last arrival is left out (the link idles while the last decode)."""
     rates = [s.egress_bps for s in result.samples]
-    mean = 8.0 * result.link_bytes / result.virtual_s / 1e9 if result.virtual_s else 0.0
+    inside = [s for s in result.samples if s.at <= result.arrivals_end_s]
+    mean = 8.0 * inside[-1].egress_bytes / inside[-1].at / 1e9 if inside and inside[-1].at \
+        else 0.0
     return mean, max(rates, default=0.0) / 1e9
+
+
+def ttst(records: Sequence[Record]) -> tuple[float, float]:
+    """(mean, P90) time to the second token of the requests that completed."""
+    values = sorted(r.ttst_s for r in records if r.ok and math.isfinite(r.ttst_s))
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), values[min(len(values) - 1, int(0.9 * len(values)))]
 
 
 class DeploymentSummary(msgspec.Struct, frozen=True):
     instances: str
     policy: str
-    capacity_rps: float
+    saturation_rps: float  # mean over seeds (capacity.py, 1)
+    saturation_rps_ci: tuple[float, float]
+    capacity_rps: float  # the SLO capacity, mean over seeds (capacity.py, 2)
+    capacity_rps_ci: tuple[float, float]
+    seeds: list[int]
+    saturation_per_seed: list[float]
+    capacity_per_seed: list[float]
+    rho: dict[str, float]  # stage -> busy fraction at each seed's SLO capacity, averaged
     planner_lambda_rps: float
     planner_t: float | None
     ttft_mean_s: float
     ttft_p90_s: float
+    ttst_mean_s: float
+    ttst_p90_s: float
     ttft_mean_at_90pct_s: float
     ttft_p90_at_90pct_s: float
     offload_share: float
@@ -167,49 +155,100 @@ class DeploymentSummary(msgspec.Struct, frozen=True):
     egress_mean_gbps: float
     egress_peak_gbps: float
     tpot_mean_ms: float
-    sweep: list[tuple[float, bool, float]]  # (rate, sustainable, growth)
+    # every run of the search: seed, rate, SLO held, P99 queue (s), P99 TPOT (ms), rho
+    sweep: list[tuple[int, float, bool, float, float, dict[str, float]]]
+    virtual_s: float  # all of this deployment's runs
 
 
 @dataclass
 class PaperOutcome:
     summaries: dict[str, DeploymentSummary]
+    capacities: dict[str, Capacity]
     common_rate: float
     runs: dict[str, SimResult]  # per deployment, the run at the common rate
 
 
-def paper(window_s: float = 900.0, steps: int = 5, seed: int = 0,
-          progress: Progress | None = None) -> PaperOutcome:
+def paper_capacity(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+                   ) -> tuple[Workload, CapacityConfig]:
+    """The `paper` scenario's workload and search: windows of `window_s` (a fifth of it warm-up),
+    resolution 0.05 req/s, the bisection from 80% of the saturation up."""
+    return Workload(window_s=window_s), CapacityConfig(seeds=tuple(seeds))
+
+
+def paper(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+          progress: Progress | None = None, run_map: RunMap = map) -> PaperOutcome:
     """Every number of the `paper` scenario (module docstring)."""
     plan = solve_scenario(Scenario())
     deployments = paper_deployments(plan)
     points = {"prfaas_pd": plan.prfaas, "homogeneous": plan.homogeneous,
               "naive": plan.naive_hetero}
-    caps = {name: capacity(d, points[name].lambda_max, window_s, seed, steps, progress)
+    workload, config = paper_capacity(window_s, seeds)
+    simulate = partial(_simulate, progress)
+    caps = {name: measure_capacity(d, workload, points[name].lambda_max, config,
+                                   simulate=simulate, run_map=run_map)
             for name, d in deployments.items()}
-    common = round(0.8 * min(cap for cap, _ in caps.values()), 2)
+    common = round(0.8 * min(cap.capacity_rps for cap in caps.values()), 2)
+    seed = seeds[0]
     runs, summaries = {}, {}
     for name, d in deployments.items():
-        runs[name] = run_rate(d, common, window_s, seed + 1, progress).result
-        at90 = run_rate(d, round(0.9 * caps[name][0], 2), window_s, seed + 2, progress).result
+        runs[name] = _at_rate(d, common, window_s, seed + 1, progress)
+        at90 = _at_rate(d, round(0.9 * caps[name].capacity_rps, 2), window_s, seed + 2,
+                        progress)
         summaries[name] = _summary(d, points[name], caps[name], runs[name], at90)
-    return PaperOutcome(summaries, common, runs)
+    return PaperOutcome(summaries, caps, common, runs)
 
 
-def _summary(d: Deployment, point: OperatingPoint, cap: tuple[float, list[SweepPoint]],
-             common: SimResult, at90: SimResult) -> DeploymentSummary:
+def _summary(d: Deployment, point: OperatingPoint, cap: Capacity, common: SimResult,
+             at90: SimResult) -> DeploymentSummary:
     mean, p90 = ttft(common.records)
+    second_mean, second_p90 = ttst(common.records)
     mean90, p9090 = ttft(at90.records)
     egress_mean, egress_peak = egress_gbps(common)
     tpots = [r.tpot_s for r in common.records if r.ok and r.output_tokens > 1]
+    searched = [p for seed in cap.per_seed for p in seed.points]
     return DeploymentSummary(
         instances=f"{d.n_prfaas or '-'}/{d.n_pd_prefill or '-'}/{d.n_decode}",
-        policy=d.policy, capacity_rps=cap[0], planner_lambda_rps=point.lambda_max,
-        planner_t=point.t, ttft_mean_s=mean, ttft_p90_s=p90, ttft_mean_at_90pct_s=mean90,
-        ttft_p90_at_90pct_s=p9090, offload_share=offload_share(common.records),
-        planner_offload_share=point.p, egress_mean_gbps=egress_mean,
-        egress_peak_gbps=egress_peak, tpot_mean_ms=1e3 * statistics.fmean(tpots) if tpots
-        else math.nan,
-        sweep=[(p.rate, p.sustainable, round(p.growth, 4)) for p in cap[1]])
+        policy=d.policy, saturation_rps=cap.saturation_rps,
+        saturation_rps_ci=cap.saturation_rps_ci, capacity_rps=cap.capacity_rps,
+        capacity_rps_ci=cap.capacity_rps_ci, seeds=cap.seeds,
+        saturation_per_seed=[seed.saturation_rps for seed in cap.per_seed],
+        capacity_per_seed=[seed.capacity_rps for seed in cap.per_seed], rho=cap.rho,
+        planner_lambda_rps=point.lambda_max, planner_t=point.t, ttft_mean_s=mean,
+        ttft_p90_s=p90, ttst_mean_s=second_mean, ttst_p90_s=second_p90,
+        ttft_mean_at_90pct_s=mean90, ttft_p90_at_90pct_s=p9090,
+        offload_share=offload_share(common.records), planner_offload_share=point.p,
+        egress_mean_gbps=egress_mean, egress_peak_gbps=egress_peak,
+        tpot_mean_ms=1e3 * statistics.fmean(tpots) if tpots else math.nan,
+        sweep=[(p.seed, p.rate, p.holds, p.queue_s, 1e3 * p.tpot_s, p.rho) for p in searched],
+        virtual_s=sum(p.virtual_s for p in searched) + common.virtual_s + at90.virtual_s)
+
+
+# Narrow enough that the planner's Theta_prfaas is bandwidth-bound (Eq. 3) at its best t.
+NARROW_BPS = 8e9
+
+
+@dataclass
+class BandwidthOutcome:
+    plan: OperatingPoint
+    compute_rps: float  # Eq. 3's compute ceiling at the planner's l_long
+    bandwidth_rps: float  # Eq. 3's bandwidth ceiling
+    capacity: Capacity
+    deployment: Deployment
+
+
+def bandwidth_bound(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+                    bandwidth_bps: float = NARROW_BPS, progress: Progress | None = None,
+                    run_map: RunMap = map) -> BandwidthOutcome:
+    """The planner's PrfaaS-PD deployment on a narrow link, measured (module docstring)."""
+    scenario = Scenario(bandwidth_gbps=bandwidth_bps / 1e9)
+    plan = solve_scenario(scenario).prfaas
+    d = msgspec.structs.replace(paper_deployments(solve_scenario(scenario), bandwidth_bps)[
+        "prfaas_pd"], name="prfaas_pd_narrow")
+    compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
+    workload, config = paper_capacity(window_s, seeds)
+    cap = measure_capacity(d, workload, plan.lambda_max, config,
+                           simulate=partial(_simulate, progress), run_map=run_map)
+    return BandwidthOutcome(plan, compute, bandwidth, cap, d)
 
 
 @dataclass
