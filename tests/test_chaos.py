@@ -11,8 +11,8 @@ from services.chaos.cli import chaos_main, exit_status
 from services.chaos.faults import envelope_frames, malformed_bodies, random_frames
 from services.chaos.load import OUTCOMES
 from services.chaos.mesh import MeshConfig, chaos_topology
-from services.chaos.report import verdict
-from services.chaos.scenarios import ScenarioResult
+from services.chaos.report import migration_cost, verdict
+from services.chaos.scenarios import ScenarioResult, migrations_of
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_quick_kill_decode_is_measured_and_the_worker_comes_back(tmp_path: Path)
     # Every request sorted into exactly one outcome; the decode worker died once, by our
     # hand, and was back and serving (a probe completed) within the limit.
     assert sent > 0 and sum(outcomes) == sent and len(outcomes) == len(OUTCOMES)
-    assert cells[7] != "never"
+    assert cells[8] != "never"  # the migrated count is cells[7]
     assert "| 1 / 0 |" in report
 
 
@@ -63,3 +63,25 @@ def test_the_exit_status_is_the_verdict() -> None:
     assert verdict(good).passed and not verdict(hung).passed
     assert exit_status([good, good]) == 0
     assert exit_status([good, hung]) == 1
+
+
+def test_fault_scenarios_may_not_answer_errors_and_migrations_are_read_and_costed() -> None:
+    def result(name: str, **outcomes: int) -> ScenarioResult:
+        rss = {"router": 100 << 20}
+        return ScenarioResult(name=name, description="x", sent=sum(outcomes.values()),
+                              outcomes=outcomes, statuses={}, killed=(), deaths={},
+                              rss_start=rss, rss_peak=rss, rss_after=rss, recover_s=1.0,
+                              migrations={"decode_lost": 2}, resume_s=0.5)
+
+    assert not verdict(result("link-trickle", completed=9, error=1)).passed
+    assert verdict(result("overload-3x", completed=4, error=8)).passed
+    before = migrations_of('prfaas_router_migrations_total{reason="decode_lost"} 1.0\n'
+                           "prfaas_router_migrations_resumed_total 1.0\n"
+                           "prfaas_router_migration_resume_seconds_total 0.25\n")
+    after = migrations_of('prfaas_router_migrations_total{reason="decode_lost"} 3.0\n'
+                          'prfaas_router_migrations_total{reason="kv_stalled"} 0.0\n'
+                          "prfaas_router_migrations_resumed_total 3.0\n"
+                          "prfaas_router_migration_resume_seconds_total 1.25\n")
+    assert after.since(before) == ({"decode_lost": 2}, 0.5)
+    cost = "\n".join(migration_cost([result("kill-decode", completed=10)]))
+    assert "migrated 2 requests" in cost and "averaged 0.5 s" in cost

@@ -8,7 +8,8 @@ steps gave). The router
 migrates at most once (`migration_limit = 1`) and bounds KV stalls on the link at 1 s.
 
 - a greedy streamed request whose decode worker is killed (kill -9) after k tokens returns
-  exactly the text of the same request unbroken, with its usage counting every token;
+  exactly the text of the same request unbroken, with its usage counting every token; so
+  does a sampled one with a seed (the continuation keeps its place in the seed's stream);
 - a request whose KV crosses a link trickling at 1000 bit/s is re-prefilled in the PD cluster
   within the stall bound (plus its compute), and the link takes no new offload for a while;
 - a request broken a second time, past the limit, ends with an explicit error naming it.
@@ -158,10 +159,12 @@ class Streamed(NamedTuple):
 
 
 def stream(mesh: Mesh, prompt: str, on_event: Callable[[int], None] = lambda n: None,
-           max_tokens: int = MAX_TOKENS) -> Streamed:
-    """A greedy streamed completion; `on_event(n)` runs after the n-th event with text."""
+           max_tokens: int = MAX_TOKENS, **sampling: object) -> Streamed:
+    """A streamed completion, greedy unless `sampling` says otherwise; `on_event(n)` runs
+    after the n-th event with text."""
     body = {"model": "prfaas", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+            "stream": True, "temperature": 0, "stream_options": {"include_usage": True},
+            **sampling}
     out = Streamed("", {}, [])
     with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body,
                       timeout=60) as response:
@@ -190,8 +193,12 @@ def errors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [event for event in events if "error" in event]
 
 
-def test_a_decode_worker_killed_after_k_tokens_gives_the_unbroken_text(mesh: Mesh) -> None:
-    unbroken = stream(mesh, SHORT_PROMPT)
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_a_decode_worker_killed_after_k_tokens_gives_the_unbroken_text(
+        mesh: Mesh, sampling: dict[str, object]) -> None:
+    # Seeded: the continuation draws token i as the unbroken run draws token k + i.
+    unbroken = stream(mesh, SHORT_PROMPT, **sampling)
     before = metric(mesh, "decode_lost")
     killed: list[str] = []
 
@@ -199,7 +206,7 @@ def test_a_decode_worker_killed_after_k_tokens_gives_the_unbroken_text(mesh: Mes
         if seen == KILL_AFTER:
             killed.append(mesh.kill_serving_decoder())
 
-    migrated = stream(mesh, SHORT_PROMPT, kill)
+    migrated = stream(mesh, SHORT_PROMPT, kill, **sampling)
     assert killed, "the stream ended before the kill"
     assert not errors(migrated.events), errors(migrated.events)
     assert len(set(unbroken.text.split())) > 3, unbroken.text  # a text that shows a slip

@@ -107,6 +107,29 @@ def scenario_section(result: ScenarioResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def migration_cost(results: Sequence[ScenarioResult]) -> list[str]:
+    """What migration cost over the run: the requests moved and the mean time from a break
+    (as the router saw it) to the continued request's next token."""
+    moved = {r.name: sum(r.migrations.values()) for r in results if r.migrations}
+    if not moved:
+        return []
+    timed = [(moved[r.name], r.resume_s) for r in results
+             if r.name in moved and r.resume_s is not None]
+    total = sum(n for n, _ in timed)
+    mean = sum(n * s for n, s in timed) / total if total else None
+    return ["## What migration costs", "",
+            f"The router migrated {sum(moved.values())} requests over the run "
+            f"({', '.join(f'{name} {n}' for name, n in moved.items())}). A migrated request "
+            "waits from the moment the router sees its break until the continued attempt "
+            "streams its next token: the re-placement, a queue, and the prefill of its prompt "
+            "plus the tokens it had streamed (from any cache still holding them). That wait "
+            f"averaged {_seconds(mean)} here (weighted by requests), which is what migration "
+            "adds to a request's latency, on top of noticing the break: at once for a killed "
+            "worker (its connection resets), up to the stall bound (kv_stall_s) for KV stuck "
+            "on a link, or one link sample when the link's backlog already exceeds the bound.",
+            ""]
+
+
 def _migrations(result: ScenarioResult) -> str:
     moved = ", ".join(f"{n} {reason}" for reason, n in sorted(result.migrations.items()))
     if result.resume_s is None:
@@ -131,6 +154,6 @@ def render(results: Sequence[ScenarioResult], header: str) -> str:
                        f"{o.get('lost', 0)} | {sum(r.migrations.values())} | "
                        f"{_seconds(r.recover_s)} |")
     parts = [header, f"{passed} of {len(results)} scenarios pass.", "",
-             "\n".join(summary), "", "## Scenarios", ""]
+             "\n".join(summary), "", *migration_cost(results), "## Scenarios", ""]
     parts += [scenario_section(r) for r in results]
     return "\n".join(parts)
