@@ -241,3 +241,19 @@ async def test_a_link_that_stalls_moves_the_requests_waiting_for_kv_over_it_to_p
         assert again.placement.cluster == "pd"
         await again.collect()
         mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_a_link_that_goes_down_moves_the_requests_waiting_for_kv_over_it_to_pd(
+        autojump_clock: trio.testing.MockClock) -> None:
+    config = SchedulerConfig(block_size=BLOCK, connections=2, kv_stall_s=2.0)
+    async with fake_mesh("prfaas", {"threshold": 100.0}, config=config) as mesh:
+        handle = await mesh.scheduler.submit(generation(range(1, 900)))
+        mesh.set_link(up=False)
+        await anyio.sleep(0.001)
+        await mesh.control.tick()
+        _, result = await handle.collect()
+        assert result.completion_tokens == 4
+        assert (handle.placement.cluster, handle.placement.attempt) == ("pd", 1)
+        assert mesh.scheduler.statistics().migrations == {"kv_stalled": 1}
+        mesh.scheduler.check_integrity()

@@ -23,8 +23,9 @@ the prompt and the tokens already streamed, or the runner names the kind of clus
 the chosen kind of cluster serves, a request (new or migrated) prefills in the other kind
 instead, if its link is up, rather than failing with 503. A link whose KV stalled is taken
 out of the policy's choices for `LINK_HOLD_STALLS` stall bounds; so is a link whose queued
-bytes would take longer than the stall bound to cross (its link samples' `backlog_s`), and
-the requests still waiting for KV over it are moved on at once (`_link_stalled`).
+bytes would take longer than the stall bound to cross (its link samples' `backlog_s`) or
+that is down, and the requests still waiting for KV over it are moved on at once
+(`_link_stalled`).
 
 The control loops (services/router/control.py) feed it link samples (`observe_link`) and
 keep its worker table (services/router/workers.py: roles, draining, liveness) current.
@@ -42,6 +43,7 @@ resumes from.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -437,20 +439,22 @@ class Scheduler:
         self.links.observe(sample)
         self.policy.observe(sample)
         stall = self.config.kv_stall_s
-        if stall > 0 and sample.up and sample.backlog_s > stall:
-            self._link_stalled(sample.link, sample.backlog_s)
+        if stall > 0 and (not sample.up or sample.backlog_s > stall):
+            self._link_stalled(sample.link, sample.backlog_s if sample.up else math.inf)
 
     def _link_stalled(self, link: str, backlog_s: float) -> None:
-        """KV entering `link` now would wait longer than the stall bound: it takes no new
-        offload for a while, and requests still waiting for KV over it move on (migrated
-        by their runners as kv_stalled, re-prefilled in the PD cluster)."""
+        """KV entering `link` now would wait longer than the stall bound (or the link is
+        down): it takes no new offload for a while, and requests still waiting for KV over
+        it move on (migrated by their runners as kv_stalled, re-prefilled in the PD
+        cluster)."""
         self.links.hold_link(link, self.clock() + LINK_HOLD_STALLS * self.config.kv_stall_s)
         waiting = [h for h in self._active.values() if h.awaiting_kv and self._crosses(
             h.placement, link)]
         if waiting:
-            log.warning("link %s holds %.1f s of queued bytes, over kv_stall_s=%g: moving "
-                        "%d requests that wait for KV over it", link or "(unnamed)",
-                        backlog_s, self.config.kv_stall_s, len(waiting))
+            why = "down" if math.isinf(backlog_s) else f"{backlog_s:.1f} s of queued bytes"
+            log.warning("link %s cannot carry KV within kv_stall_s=%g (%s): moving %d "
+                        "requests that wait for KV over it", link or "(unnamed)",
+                        self.config.kv_stall_s, why, len(waiting))
         for handle in waiting:
             handle.interrupt()
 
