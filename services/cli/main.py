@@ -43,6 +43,10 @@ COMMANDS: dict[str, Command] = {
     "sim": Command(
         "services.cli.sim", "sim_main", "the live services at paper scale on virtual time"
     ),
+    "search": Command(
+        "services.cli.search", "search_main",
+        "the best PrfaaS deployment per dollar: a search of capacity searches on Ray",
+    ),
     "profile": Command(
         "services.cli.profile", "profile_main",
         "time the real model on this machine; writes a measured hardware profile",

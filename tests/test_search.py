@@ -1,0 +1,174 @@
+"""`prfaas search` (services/sim/search/) on a tiny space whose answer is known by construction,
+run on one local Ray instance with 2 CPUs (shared by the module's tests: Ray takes seconds to
+start) and in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from mesh.errors import ConfigError
+from services.sim.capacity import CapacityConfig, SeedCapacity
+from services.sim.search.explorer import Summary, frontier, run_search
+from services.sim.search.pool import RayPool, SerialPool
+from services.sim.search.space import SearchSpace, configurations, load_space
+from services.sim.workload import Workload
+
+pytestmark = pytest.mark.slow
+
+
+def constant_profile(seconds: float) -> str:
+    """An instance whose prefill takes `seconds` whatever the length, with a decode so fast it
+    never matters: one prefill instance saturates at 1 / seconds requests per second."""
+    return f'''
+name = "constant-{seconds:g}"
+description = "a prefill of {seconds} s whatever the length, a decode step of 1 ms"
+gpus_per_instance = 1
+paced = true
+sources = ["tests/test_search.py: a closed-form deployment"]
+[prefill]
+fit = "quadratic"
+lengths = [1000, 2000, 3000]
+seconds = [{seconds}, {seconds}, {seconds}]
+source = {{ kind = "assumed", detail = "a test" }}
+[decode]
+bs_max = 64
+step_s = 0.001
+reference_context = 1000
+hbm_bytes_per_s = 1e18
+source = {{ kind = "assumed", detail = "a test" }}
+'''
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory: pytest.TempPathFactory) -> SearchSpace:
+    """Two homogeneous deployments of one prefill and one decode instance: `slow` (2 s a
+    prefill, $1 an instance-hour) serves 0.5 req/s for $2/h, `fast` (1 s, $3) 1.0 req/s for
+    $6/h. So `slow` is the best per dollar, `fast` the most capable, both are on the frontier,
+    and the best for $2/h is `slow`, for $6/h `fast`."""
+    folder = tmp_path_factory.mktemp("profiles")
+    chips = {}
+    for name, seconds, price in (("slow", 2.0, 1.0), ("fast", 1.0, 3.0)):
+        path = folder / f"{name}.toml"
+        path.write_text(constant_profile(seconds))
+        chips[name] = {"profile": str(path), "price_per_hour": price}
+    families = [{"name": name, "kind": "homogeneous", "pd_chip": name, "n_p": [1], "n_d": [1]}
+                for name in ("slow", "fast")]
+    data = {"name": "tiny", "chips": chips, "families": families,
+            "workload": msgspec.to_builtins(Workload(window_s=60.0, output_len=2,
+                                                     paper_len=1000)),
+            "capacity": msgspec.to_builtins(CapacityConfig(seeds=(0, 1), resolution_rps=0.1))}
+    return msgspec.convert(data, SearchSpace)
+
+
+@pytest.fixture(scope="module")
+def ray_pool() -> Iterator[RayPool]:
+    with RayPool(cpus=2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def serial(space: SearchSpace, tmp_path_factory: pytest.TempPathFactory) -> Summary:
+    return run_search(space, tmp_path_factory.mktemp("serial"), SerialPool())
+
+
+def results(summary: Summary) -> list[Any]:
+    """What a search found, without how long it took or where it ran."""
+    found: list[Any] = msgspec.to_builtins(msgspec.structs.replace(summary, wall_s=0.0, ray={},
+                                                                   computed=0))
+    return found
+
+
+class CountingPool:
+    """A pool that counts the jobs it is given and can stop after `stop_after` of them."""
+
+    def __init__(self, inner: RayPool, stop_after: int | None = None) -> None:
+        self.inner, self.stop_after = inner, stop_after
+        self.address, self.cpus = inner.address, inner.cpus
+        self.jobs = 0
+
+    def unordered(self, jobs: Sequence[Callable[[], SeedCapacity]],
+                  started: Callable[[int], None]) -> Iterator[tuple[int, SeedCapacity]]:
+        self.jobs += len(jobs)
+        for done, item in enumerate(self.inner.unordered(jobs, started), start=1):
+            yield item
+            if self.stop_after is not None and done >= self.stop_after:
+                raise KeyboardInterrupt
+
+
+def test_ray_finds_the_known_best_and_equals_the_serial_search(
+        space: SearchSpace, ray_pool: RayPool, serial: Summary, tmp_path: Path) -> None:
+    found = run_search(space, tmp_path, ray_pool)
+    assert found.ray == {"address": "local", "cpus": 2}
+    by_key = {e.key: e for e in found.configurations}
+    slow, fast = by_key["slow-0-1-1"], by_key["fast-0-1-1"]
+    assert 0.5 - 0.1 <= slow.capacity_rps <= 0.5 and 1.0 - 0.1 <= fast.capacity_rps <= 1.0
+    assert (slow.cost_per_hour, fast.cost_per_hour) == (2.0, 6.0)
+    assert slow.planner_lambda_rps == pytest.approx(0.5)
+    assert found.best_per_dollar == "slow-0-1-1"
+    assert found.frontier == ["slow-0-1-1", "fast-0-1-1"]
+    assert [(b.budget_per_hour, b.key) for b in found.best_per_budget] == [
+        (2.0, "slow-0-1-1"), (6.0, "fast-0-1-1")]
+    assert results(found) == results(serial)
+    assert msgspec.json.decode((tmp_path / "summary.json").read_bytes())["frontier"] == \
+        found.frontier
+
+
+def test_an_interrupted_search_resumes_without_recomputing(
+        space: SearchSpace, ray_pool: RayPool, serial: Summary, tmp_path: Path) -> None:
+    seeds = len(space.capacity.seeds)
+    # Stopped once the first configuration's seeds are in (both searches run at once on 2
+    # CPUs, so at most one more seed's result is lost with the stop).
+    first = CountingPool(ray_pool, stop_after=seeds)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(space, tmp_path, first)
+    assert len(list((tmp_path / "configurations").glob("*.msgpack"))) == 1
+    again = CountingPool(ray_pool)
+    resumed = run_search(space, tmp_path, again)
+    assert again.jobs == seeds and resumed.computed == 1
+    assert results(resumed) == results(serial)
+    last = CountingPool(ray_pool)
+    assert run_search(space, tmp_path, last).computed == 0 and last.jobs == 0
+
+
+def test_a_changed_space_recomputes_what_changed(space: SearchSpace, tmp_path: Path,
+                                                  serial: Summary) -> None:
+    """A stored result is reused only for the same deployment, workload and search."""
+    config = configurations(space)[0]
+    other = msgspec.structs.replace(space.capacity, resolution_rps=0.2)
+    assert config.fingerprint(space.workload, space.capacity) != config.fingerprint(
+        space.workload, other)
+
+
+def test_the_frontier_keeps_only_what_nothing_cheaper_beats(serial: Summary) -> None:
+    slow, fast = serial.configurations
+    worse = msgspec.structs.replace(fast, key="worse", capacity_rps=0.4, cost_per_hour=3.0)
+    tie = msgspec.structs.replace(fast, key="tie", capacity_rps=1.2, cost_per_hour=6.0)
+    assert frontier([fast, worse, slow, tie]) == ["slow-0-1-1", "tie"]
+
+
+def test_the_shipped_searches_load_and_price_the_paper_at_equal_cost() -> None:
+    root = Path(__file__).parent.parent / "services" / "sim" / "searches"
+    equal = load_space(root / "paper-equal-cost.toml")
+    configs = {c.family: c for c in configurations(equal)}
+    assert configs["prfaas_pd"].cost_per_hour == configs["homogeneous"].cost_per_hour
+    assert configs["prfaas_pd"].deployment.n_prfaas == 4
+    assert configs["homogeneous"].deployment.n_prfaas == 0
+    assert configs["homogeneous"].planner.lambda_rps == pytest.approx(
+        2.11 * 16 / 12, rel=0.05)
+    assert configs["prfaas_pd"].planner.lambda_rps == pytest.approx(3.24, rel=0.01)
+    bandwidth = configurations(load_space(root / "bandwidth.toml"))
+    assert {c.bandwidth_gbps for c in bandwidth} >= {100.0, 5.0}
+
+
+def test_a_bad_space_names_the_file_and_the_value(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "x"\n[chips.a]\nprofile = "h20"\nprice_per_hour = 1\n'
+                    '[[families]]\nname = "f"\nkind = "homogeneous"\npd_chip = "b"\n'
+                    'n_d = [1]\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml.*'b'"):
+        load_space(path)
