@@ -82,6 +82,14 @@ def host_line(threads: int) -> str:
             f"{threads} torch thread(s), torch {torch.__version__}")
 
 
+def load_average() -> str:
+    """The 1-minute load average: how busy the machine was while it was timed."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "unknown"
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -272,7 +280,8 @@ def profile_main(argv: list[str]) -> int:
     name = args.name or f"{socket.gethostname()}-cpu-{args.threads}t"
     out = args.out or PROFILE_DIR / f"{name}.toml"
     where = (f"{host_line(args.threads)}; {args.family}/{args.size} {dtype_name(model.dtype)}, "
-             f"{weights}; {datetime.date.today().isoformat()}; median of {config.repeats}")
+             f"{weights}; {datetime.date.today().isoformat()}; median of {config.repeats}; "
+             f"load average {load_average()} at the start")
     prefill, decode = measure(EngineProfiler(ModelEngine(model), config), not args.no_progress)
     text = profile_toml(name, where, prefill, decode, config.chunk_tokens[0])
     write_profile(out, text, ProfileSpec)

@@ -519,11 +519,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def machine_line() -> str:
     """The CPU and how busy the machine was (1-minute load average) as the run ended."""
-    from services.cli.profile import host_line
+    from services.cli.profile import host_line, load_average
 
-    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").is_file() \
-        else "?"
-    return f"{host_line(1)}; load average {load} at the end"
+    return f"{host_line(1)}; load average {load_average()} at the end"
 
 
 def validate_main(argv: list[str]) -> int:
