@@ -113,7 +113,9 @@ def test_the_same_arrivals_reach_every_deployment_and_only_homogeneous_queues() 
     assert summary["baseline"] == "homogeneous"
     assert summary["ratios"]["prfaas_pd"] > 1.05
     last = samples["prfaas_pd"][-1]
-    assert isinstance(last, CompareSample) and last.egress_gbps >= 0
+    # Half the requests cross the link: several Gbps of KV (13 Gbps at the paper's 3.24 req/s).
+    assert isinstance(last, CompareSample) and 2 < last.egress_gbps < 30, last
+    assert samples["homogeneous"][-1].egress_gbps == 0
     assert last.slo_attained is not None and samples["homogeneous"][-1].slo_attained is not None
     assert last.slo_attained > samples["homogeneous"][-1].slo_attained
 

@@ -21,6 +21,7 @@ from services.cli.main import COMMANDS
 from services.contract import events as t
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
+from services.sim.compare import COMPARE_DEFAULT_RATE, CompareSim, compare_deployments
 from services.sim.live import MEDIAN_PAPER_TOKENS, LiveConfig, LiveLoad, LiveSim
 from ui.errors import UiConfigError
 from ui.replay import read_log
@@ -204,3 +205,59 @@ async def csrf_token(client: httpx.AsyncClient) -> str:
     found = re.search(r'<meta name="csrf-token" content="([^"]+)">', page)
     assert found is not None
     return found.group(1)
+
+
+# The compare page's server (its browser test is tests/test_ui_compare.py).
+
+
+@pytest.mark.trio
+async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_controls(
+    paced_clock: PacedClock,
+) -> None:
+    deployments = compare_deployments(["prfaas_pd", "homogeneous"])
+    sim = CompareSim(deployments, config=LiveConfig(rate=2.5), clock=paced_clock)
+    async with anyio.create_task_group() as tasks:
+        host, port = await tasks.start(
+            lambda task_status: sim_dashboard.serve_compare_dashboard(
+                sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+            page = (await client.get("/")).text
+            assert 'data-testid="column-prfaas_pd"' in page
+            assert 'data-testid="column-homogeneous"' in page
+            assert "PrfaaS-PD vs homogeneous PD" in page
+            with anyio.fail_after(600):  # virtual seconds
+                while not all((await client.get("/api/compare?after=-1")).json()[
+                        "samples"].values()):
+                    await anyio.sleep(1.0)
+            polled = (await client.get("/api/compare?after=5")).json()
+            assert all(s["at"] > 5 for samples in polled["samples"].values() for s in samples)
+            assert polled["speed"] == 50 and polled["load"]["rate"] == 2.5
+            assert (await client.get("/api/compare?after=x")).status_code == 400
+            for name in deployments:
+                snapshot = (await client.get(f"/d/{name}/api/snapshot")).json()
+                assert snapshot["mode"] == "simulated" and len(snapshot["workers"]) == 12
+            stats = (await client.get("/api/stats")).json()
+            assert set(stats) == set(deployments)
+            client.headers["x-csrf-token"] = await csrf_token(client)
+            rerated = await client.post("/api/control/workload",
+                                        json={"action": "start", "rate": 3.0})
+            assert rerated.json()["workload"]["rate"] == 3.0 and sim.load is not None
+            assert sim.load.rate == 3.0
+            faster = await client.post("/api/control/speed", json={"speed": 100})
+            assert faster.json()["speed"] == 100 and paced_clock.rate == 100
+            refused = await client.post("/api/control/policy", json={"policy": "homogeneous"})
+            assert refused.status_code == 404  # the compare page offers no policy control
+        tasks.cancel_scope.cancel()
+
+
+def test_compare_cli_refuses_bad_names_and_recording(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert sim_dashboard.sim_dashboard_main(["--compare", "prfaas_pd"]) == 2
+    assert "two or three distinct names" in capsys.readouterr().err
+    argv = ["--compare", "prfaas_pd,homogeneous", "--record", str(tmp_path / "x.jsonl")]
+    assert sim_dashboard.sim_dashboard_main(argv) == 2
+    assert "--record and --compare" in capsys.readouterr().err
+    args = sim_dashboard._parser().parse_args(["--compare", "prfaas_pd,homogeneous,naive"])
+    sim = sim_dashboard.compare_sim(args)
+    assert [c.name for c in sim.columns] == ["prfaas_pd", "homogeneous", "naive"]
+    assert sim.config.rate == COMPARE_DEFAULT_RATE

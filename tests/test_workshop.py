@@ -207,7 +207,8 @@ class Session:
             time.sleep(0.25)
 
     def _answers(self, script: str, served: Served) -> bool:
-        """Ready and answering one request: the router's API, or a dashboard's snapshot."""
+        """Ready and answering one request: the router's API, or a dashboard's snapshot (the
+        compare page's samples)."""
         if "prfaas up" in script:
             if not any(line.startswith("ready: ") for line in served.lines):
                 return False
@@ -218,8 +219,10 @@ class Session:
             return True
         port = re.search(r"--port (\d+)", script)
         assert port is not None, f"a serve block needs `prfaas up` or a --port: {script}"
+        # The compare page has a hub per deployment, so no snapshot of its own: its samples.
+        path = "api/compare" if "--compare" in script else "api/snapshot"
         try:
-            response = httpx.get(f"http://127.0.0.1:{port[1]}/api/snapshot", timeout=5.0)
+            response = httpx.get(f"http://127.0.0.1:{port[1]}/{path}", timeout=5.0)
         except httpx.TransportError:
             return False
         return response.status_code == 200
@@ -276,11 +279,11 @@ def session(tmp_path: Path) -> Iterator[Session]:
             served.process.wait()
 
 
-def test_the_guide_has_six_exercises_with_commands_and_a_question() -> None:
+def test_the_guide_has_seven_exercises_with_commands_and_a_question() -> None:
     text = GUIDE.read_text(encoding="utf-8")
     sections = re.split(r"^## ", text, flags=re.M)[1:]
     exercises = [s for s in sections if s.startswith("Exercise ")]
-    assert [s.split(":")[0] for s in exercises] == [f"Exercise {n}" for n in range(1, 7)]
+    assert [s.split(":")[0] for s in exercises] == [f"Exercise {n}" for n in range(1, 8)]
     for exercise in exercises:
         assert "```sh" in exercise and "**Question.**" in exercise, exercise[:60]
     assert {b.info for b in guide_blocks(text)} <= INFOS

@@ -109,7 +109,7 @@ class CompareSample(msgspec.Struct, frozen=True):
     slo_attained: float | None  # share of the completed within `Slo` (queueing and TPOT)
     queued: int  # requests waiting for a prefill or for a decode slot
     in_flight: int  # arrived, not yet completed
-    egress_gbps: float  # PrfaaS -> PD link, 0 without one
+    egress_gbps: float  # PrfaaS -> PD link's mean over the window, 0 without one
 
 
 def p90(values: Sequence[float]) -> float | None:
@@ -124,6 +124,7 @@ class Tally:
         self.keep_s, self.slo = keep_s, slo
         self.arrivals: deque[float] = deque()
         self.done: deque[Served] = deque()
+        self.egress: deque[tuple[float, int]] = deque()  # (virtual s, link bytes out so far)
         self.in_flight = self.completed = self.failed = 0
 
     def arrive(self, now: float) -> None:
@@ -143,6 +144,8 @@ class Tally:
             self.arrivals.popleft()
         while self.done and self.done[0].done_at <= now - self.keep_s:
             self.done.popleft()
+        while self.egress and self.egress[0][0] <= now - self.keep_s:
+            self.egress.popleft()
 
     def completed_since(self, since: float) -> int:
         return sum(1 for s in self.done if s.done_at > since)
@@ -155,14 +158,22 @@ class Tally:
         span = max(min(window_s, now - start), 1e-9)
         done = [s for s in self.done if s.done_at > since]
         arrived = sum(1 for at in self.arrivals if at > since)
-        egress = 0.0
-        if "link-0" in world.links:
-            egress = world.links["link-0"].shaper.statistics().egress.throughput_bps / 1e9
         return CompareSample(
             at=now - start, offered_rps=arrived / span, completed_rps=len(done) / span,
             ttft_p90_s=p90([s.ttft_s for s in done]),
             slo_attained=(sum(map(self.within_slo, done)) / len(done)) if done else None,
-            queued=queued(world), in_flight=self.in_flight, egress_gbps=egress)
+            queued=queued(world), in_flight=self.in_flight,
+            egress_gbps=self._egress_gbps(now, since, world))
+
+    def _egress_gbps(self, now: float, since: float, world: SimWorld) -> float:
+        """The link's mean egress over the window (its bytes out, differenced)."""
+        link = world.links.get("link-0")
+        if link is None:
+            return 0.0
+        self.egress.append((now, link.shaper.statistics().egress.bytes_out))
+        first = next((entry for entry in self.egress if entry[0] >= since), self.egress[-1])
+        span = now - first[0]
+        return 8.0 * (self.egress[-1][1] - first[1]) / span / 1e9 if span > 0 else 0.0
 
 
 def queued(world: SimWorld) -> int:
