@@ -28,6 +28,12 @@ const bounded = new BoundedMap(3);
 for (const key of "abcdef") bounded.set(key, key);
 
 const phase = (ts, name) => ({ type: "phase", ts, request_id: "r", phase: name, worker: "w" });
+
+// A migrated request: its attempts' phases (ids "m", "m.m1") and the migration, one record.
+const migratedModel = new Model({ tableRows: 5 });
+for (const event of [{ ...phase(0, "decode"), request_id: "m" }, { ...phase(2, "prefill"), request_id: "m.m1" },
+  { type: "migrated", ts: 1, request_id: "m", reason: "decode_lost" }]) migratedModel.apply(event);
+const migratedRecord = migratedModel.requests.get("m");
 const phases = [phase(3, "decode"), phase(0, "queued"), phase(1, "prefill"), phase(2, "transfer")];
 console.log(JSON.stringify({
   events: model.events,
@@ -44,4 +50,5 @@ console.log(JSON.stringify({
   waterfall: segments([...phases, phase(5, "finished")], 9).map((p) => [p.phase, p.start, p.end]),
   waterfallOpen: segments(phases, 9).map((p) => p.end),
   slider: [sliderToBps(575), bpsToSlider(2e9), sliderToBps(0), sliderToBps(1000)],
+  migrated: [migratedModel.requests.size, migratedRecord.phases.length, migratedRecord.migrations.length],
 }));

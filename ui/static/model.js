@@ -61,7 +61,7 @@ export class Model {
   request(id) {
     let record = this.requests.get(id);
     if (!record) {
-      record = { request_id: id, decision: null, phases: [], flow: null, done: null };
+      record = { request_id: id, decision: null, phases: [], flow: null, done: null, migrations: [] };
       this.requests.set(id, record);
     }
     return record;
@@ -90,6 +90,12 @@ export class Model {
     for (const worker of this.workers.values()) total += worker.queue_depth;
     return total;
   }
+}
+
+/** The router's id of a request from one of its attempts' ids ("req-…-7.m1": services/contract/events.py). */
+export function baseRequestId(id) {
+  const match = /^(.*)\.m\d+$/.exec(id);
+  return match ? match[1] : id;
 }
 
 const HANDLERS = {
@@ -126,13 +132,21 @@ const HANDLERS = {
     if (entry || !finished) {
       model.flows.set(event.request_id, { flow: event, doneAt: finished ? performance.now() : null });
     }
-    model.request(event.request_id).flow = event;
-    model.touchRequest(event.request_id);
+    const id = baseRequestId(event.request_id);
+    model.request(id).flow = event;
+    model.touchRequest(id);
     model.dirty.topology = true;
   },
   phase(model, event) {
-    const record = model.request(event.request_id);
+    // A migrated request's attempts are one timeline.
+    const id = baseRequestId(event.request_id);
+    const record = model.request(id);
     if (record.phases.length < 32) record.phases.push(event);
+    model.touchRequest(id);
+  },
+  migrated(model, event) {
+    const record = model.request(event.request_id);
+    if (record.migrations.length < 32) record.migrations.push(event);
     model.touchRequest(event.request_id);
   },
   done(model, event) {
