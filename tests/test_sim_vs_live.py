@@ -124,3 +124,21 @@ def test_errors_are_signed_sim_over_live() -> None:
     assert line["bench"] == "validate-sim"
     assert set(line["rows"][0]) == {"load", "requests", "ttft_p50_err", "ttft_p90_err",
                                     "tpot_p50_err", "completed_rps_err"}
+
+
+def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:
+    from services.cli.validation import Validation, write_report
+
+    live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
+    sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
+    row = compare("light", 1.0, live, sim)
+    result = Validation(SMALL, 3.0, 3.1, [row], {"light": {k: 0.1 for k in (
+        "ttft", "queue", "compute", "profile", "rest")}}, {"light": {"live": live, "sim": sim}},
+        12.0, {"light": "0.50"})
+    text = write_report(tmp_path, result, "a test machine")
+    assert "| light | 1.00 | 10 | ttft_p50 |" in text and "light pass" in text
+    assert "light 0.50" in text and "a test machine" in text
+    assert (tmp_path / "cdf_light.png").stat().st_size > 0
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 20
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rows"][0]["errors"]["ttft_p50"] == pytest.approx(-0.05)

@@ -50,6 +50,7 @@ from mesh.transport import TcpTransport
 from services.bench.arrivals import poisson_arrivals
 from services.bench.stats import percentile
 from services.cli.launch import launch
+from services.cli.profile import host_line, load_average
 from services.contract.events import RequestDone
 from services.contract.sampling import Sampling
 from services.model.config import family_config
@@ -370,6 +371,8 @@ class LiveRun(msgspec.Struct, frozen=True):
     capacity_rps: float
     outcomes: dict[str, list[Outcome]]
     wall_s: float
+    # The machine's 1-minute load average as each phase began: what else was running.
+    load_averages: dict[str, str] = {}
 
 
 class Validation(msgspec.Struct, frozen=True):
@@ -382,6 +385,7 @@ class Validation(msgspec.Struct, frozen=True):
     parts: dict[str, dict[str, float]]
     records: dict[str, dict[str, list[Outcome]]]
     wall_s: float
+    load_averages: dict[str, str] = {}
 
 
 def _burst(config: ValidationConfig) -> list[Job]:
@@ -393,21 +397,27 @@ def _load(config: ValidationConfig, index: int, rate: float) -> list[Job]:
 
 
 async def _drive_live(config: ValidationConfig, topology: Topology,
-                      say: Callable[[str], None]) -> tuple[float, dict[str, list[Outcome]]]:
-    """Warm-up, the capacity burst (unless configured), then each load on one live mesh."""
+                      say: Callable[[str], None], loads: dict[str, str],
+                      ) -> tuple[float, dict[str, list[Outcome]]]:
+    """Warm-up, the capacity burst (unless configured), then each load on one live mesh;
+    the machine's load average as each phase begins goes into `loads`."""
     router = LiveRouter(topology, family_config(config.family, config.size).vocab_size)
     out: dict[str, list[Outcome]] = {}
     capacity = config.capacity_rps
+    loads["warm-up"] = load_average()
     async with router.scheduler.node:
         await router.scheduler.node.listen()
         await router.run(jobs(config, 1.0, config.warmup_requests, config.seed + 99,
                               burst_s=2.0 * config.warmup_requests), "warm-up")
         if not capacity:
+            loads["capacity"] = load_average()
             out["capacity"] = await router.run(_burst(config), "capacity burst")
             capacity = service_rate(out["capacity"])
             say(f"live capacity: {capacity:.2f} req/s (a burst of {config.capacity_requests})")
         for index, (name, fraction) in enumerate(config.loads):
-            say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} requests")
+            loads[name] = load_average()
+            say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} "
+                f"requests (load average {loads[name]})")
             out[name] = await router.run(_load(config, index, fraction * capacity),
                                          f"live {name}")
     return capacity, out
@@ -417,9 +427,11 @@ def run_live(config: ValidationConfig, log_dir: Path, say: Callable[[str], None]
              ) -> LiveRun:
     """The live side of the comparison (module docstring); service logs go to `log_dir`."""
     began = time.perf_counter()
+    loads: dict[str, str] = {}
     with live_mesh(config, log_dir) as topology:
-        capacity, outcomes = anyio.run(_drive_live, config, topology, say, backend="trio")
-    return LiveRun(capacity, outcomes, time.perf_counter() - began)
+        capacity, outcomes = anyio.run(_drive_live, config, topology, say, loads,
+                                       backend="trio")
+    return LiveRun(capacity, outcomes, time.perf_counter() - began, loads)
 
 
 def against_sim(config: ValidationConfig, live: LiveRun) -> Validation:
@@ -436,7 +448,7 @@ def against_sim(config: ValidationConfig, live: LiveRun) -> Validation:
         parts[name] = ttft_parts(config, live.outcomes[name])
         records[name] = {"live": live.outcomes[name], "sim": sim}
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
-                      live.wall_s)
+                      live.wall_s, live.load_averages)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -473,7 +485,9 @@ def write_report(out: Path, result: Validation, machine: str,
                     file.write(msgspec.json.encode(record) + b"\n")
     text = "\n".join([
         f"Live capacity {result.live_capacity_rps:.2f} req/s (simulated "
-        f"{result.sim_capacity_rps:.2f}); {machine}; {result.wall_s:.0f} s in all.", "",
+        f"{result.sim_capacity_rps:.2f}); {machine}; {result.wall_s:.0f} s in all; load "
+        f"average as each phase began: " + ", ".join(
+            f"{k} {v}" for k, v in result.load_averages.items()) + ".", "",
         table(result.rows), "What the live TTFT is made of (means):", "",
         parts_table(result.parts),
         "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load): " +
@@ -519,8 +533,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def machine_line() -> str:
     """The CPU and how busy the machine was (1-minute load average) as the run ended."""
-    from services.cli.profile import host_line, load_average
-
     return f"{host_line(1)}; load average {load_average()} at the end"
 
 
