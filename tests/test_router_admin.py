@@ -40,8 +40,10 @@ async def test_role_conversion_drains_then_switches(
         control.convert("pd-prefill-0", "decode", "by hand")
         roles = {w.name: w.role for w in mesh.scheduler.workers.statistics().workers}
         assert roles["pd-prefill-0"] == "draining"
-        with pytest.raises(NoWorkerAvailable, match="prefill"):
-            await mesh.scheduler.submit(generation(range(1, 20)))
+        # The PD cluster has no prefill worker serving: a short request prefills in PrfaaS.
+        moved = await mesh.scheduler.submit(generation(range(1, 20)))
+        assert moved.placement.prefill_worker == "prfaas-prefill-0"
+        await moved.collect()
         await anyio.sleep(1.0)
         assert mesh.workers["pd-prefill-0"].role == "decode"
         changes = [(e.worker, e.old, e.new) for e in await mesh.take_events()
