@@ -26,6 +26,7 @@ from mesh.membership import NONCE_SIZE, new_nonce, proof, verify
 from mesh.outbox import STREAM_ERRORS, Outbox
 from mesh.parser import FrameParser
 from mesh.tcp import AsyncioSocketStream, TrioSocketStream
+from mesh.transport import MemoryByteStream
 from mesh.wire import PROTOCOL_VERSION, Codec, Envelope, Fail, Hello, Proof
 
 RECEIVE_SIZE = 1024 * 1024
@@ -111,7 +112,8 @@ class Connection:
         self._bytes_out += sum(len(part) for part in parts)
         if len(parts) > 1:
             await self._outbox.put(parts, urgent=urgent, deadline=deadline)
-        elif not (urgent and self._outbox.put_nowait(parts[0])):
+        elif not ((urgent or self._outbox.inline_deferred)
+                  and self._outbox.put_nowait(parts[0])):
             await self._outbox.put(parts[0], urgent=urgent, deadline=deadline)
 
     async def run_writer(self) -> None:
@@ -124,9 +126,10 @@ class Connection:
         On asyncio TCP streams each chunk that arrives while nothing waits to be received
         is parsed in the event loop's callback and its frames handed to `route`, which must
         not block; a MeshError it raises comes out of the next `receive`. None turns this
-        off. False where the stream cannot (trio, memory): all frames come via `receive`.
+        off. The in-memory pipe does the same in the task that sends the chunk. False where
+        the stream cannot (trio TCP): all frames come via `receive`.
         """
-        if not isinstance(self._stream, AsyncioSocketStream):
+        if not isinstance(self._stream, AsyncioSocketStream | MemoryByteStream):
             return False
         self._route = route
         self._stream.deliver_to(None if route is None else self._consume)
@@ -159,7 +162,7 @@ class Connection:
                 return True
         return bool(self._ready)
 
-    def _consume(self, data: bytes) -> bool:
+    def _consume(self, data: bytes | bytearray) -> bool:
         route = self._route
         if route is None or self._ready or self._failure is not None:
             return False

@@ -62,6 +62,16 @@ class SendsParts(Protocol):
     def send_parts_nowait(self, parts: Parts) -> int: ...
 
 
+@runtime_checkable
+class InMemory(Protocol):
+    """A stream whose writes are hand-offs in memory, not system calls (mesh.transport's
+    in-memory pipe): joining small frames saves nothing there, so deferred frames too are
+    written by their senders while nothing is ahead of them, as urgent ones are, instead of
+    waking the writer task for each."""
+
+    in_memory: bool
+
+
 def _size(entry: Frame | Parts) -> int:
     return sum(len(part) for part in entry) if isinstance(entry, tuple) else len(entry)
 
@@ -127,6 +137,8 @@ class Outbox:
         self._checkpoint: Callable[[], Awaitable[None]] | None = None
         self._send_nowait = stream.send_nowait if isinstance(stream, SendsNowait) else None
         self._parts_stream = stream if isinstance(stream, SendsParts) else None
+        # Deferred frames written like urgent ones (`InMemory`); False keeps them batched.
+        self.inline_deferred = isinstance(stream, InMemory) and stream.in_memory
         # Bytes of frames in parts written by their senders since one of them last yielded.
         self._inline = 0
 

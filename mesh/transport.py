@@ -81,15 +81,48 @@ class MemoryByteStream(anyio.abc.ByteStream):
     does.
     """
 
+    # Writes are hand-offs in memory, not system calls: joining frames saves nothing
+    # (mesh.outbox.InMemory).
+    in_memory = True
+
     def __init__(self, outgoing: Mailbox[Chunk], incoming: Mailbox[Chunk]) -> None:
         self._outgoing = outgoing
         self._incoming = incoming
         self._leftover = b""
         self._closed = False
+        self._peer: MemoryByteStream | None = None  # the other end (memory_pipe)
+        self._consumer: Callable[[Chunk], bool] | None = None
+
+    def deliver_to(self, consumer: Callable[[Chunk], bool] | None) -> None:
+        """Offers each chunk the other end sends while none is queued here to `consumer`
+        first, in the sending task; it returns False to leave the chunk queued for
+        `receive`. The in-memory form of what mesh.tcp's asyncio stream does from the
+        loop's callback: the reader task is not woken for a chunk it would only route."""
+        self._consumer = consumer
+
+    def _offer(self, item: Chunk) -> bool:
+        """Whether the other end's consumer took `item` (see `deliver_to`)."""
+        peer = self._peer
+        if peer is None or peer._consumer is None or peer._closed or peer._leftover:
+            return False
+        return self._outgoing.empty and self._outgoing.open and peer._consumer(item)
+
+    def send_nowait(self, item: Chunk) -> int:
+        """Hands `item` over if the pipe has room now (or the other end's consumer takes
+        it); the bytes taken: all, or none when the pipe is full."""
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if self._offer(item) or self._outgoing.put_nowait(item):
+            return len(item)
+        if not self._outgoing.open:
+            raise anyio.BrokenResourceError("the other end of the memory pipe is closed")
+        return 0
 
     async def send(self, item: Chunk) -> None:
         if self._closed:
             raise anyio.ClosedResourceError
+        if self._offer(item):
+            return
         if not await self._outgoing.put(item):
             raise anyio.BrokenResourceError("the other end of the memory pipe is closed")
 
@@ -122,7 +155,9 @@ def memory_pipe(buffer_chunks: int) -> tuple[MemoryByteStream, MemoryByteStream]
     """Two connected ends; each direction holds at most `buffer_chunks` unread chunks."""
     a_to_b: Mailbox[Chunk] = Mailbox(buffer_chunks)
     b_to_a: Mailbox[Chunk] = Mailbox(buffer_chunks)
-    return MemoryByteStream(a_to_b, b_to_a), MemoryByteStream(b_to_a, a_to_b)
+    a, b = MemoryByteStream(a_to_b, b_to_a), MemoryByteStream(b_to_a, a_to_b)
+    a._peer, b._peer = b, a
+    return a, b
 
 
 class MemoryListener(anyio.abc.Listener[anyio.abc.ByteStream]):

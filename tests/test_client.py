@@ -110,15 +110,19 @@ async def test_deadline_fires_on_virtual_time(
     async with server(memory_hub, log) as srv, client(memory_hub) as cli:
         await srv.listen()
         start = trio.current_time()
-        with pytest.raises(DeadlineExceeded, match="call Nap to srv"):
+        with pytest.raises(DeadlineExceeded, match=r"call Nap to srv|srv: Nap handler") as err:
             await cli.call("srv", Nap(1000), timeout=5)
         assert trio.current_time() - start == pytest.approx(5)
         await trio.sleep(1)
         # The callee ran under the same deadline, so its handler was cancelled too.
         assert log == [f"nap ended at {start + 5:.1f}"]
         assert srv.statistics().deadlines_in == 1
-        assert cli.statistics().deadlines_out == 1
-        assert cli.statistics().stray_frames == 1  # the callee's late DeadlineExceeded
+        # Both deadlines fire at the same instant: the caller's own, and then the callee's
+        # DeadlineExceeded comes late (a stray frame), or the callee's answer, handed to the
+        # waiting call in the callee's task (the in-memory pipe's direct delivery), first.
+        own = "call Nap to srv" in str(err.value)
+        assert cli.statistics().deadlines_out == int(own)
+        assert cli.statistics().stray_frames == int(own)
     assert time.monotonic() - wall < 30  # virtual seconds, not real ones
 
 

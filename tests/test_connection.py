@@ -9,6 +9,7 @@ import anyio.abc
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from mesh.connection import Connection, client_handshake, server_handshake
 from mesh.errors import FrameDecodeError, HandshakeError, PeerGone
@@ -96,9 +97,42 @@ async def test_receive_after_peer_closed_is_peer_gone() -> None:
     assert client.closed
 
 
-def test_memory_streams_have_no_direct_delivery() -> None:
-    client, _ = connected()
-    assert not client.deliver_directly(lambda envelope: None)
+@pytest.mark.trio
+async def test_memory_streams_deliver_directly_in_the_senders_task() -> None:
+    """A frame sent while nothing is queued goes to the route at once, unread by `receive`;
+    one that finds the route failing is queued, and `receive` then raises the failure."""
+    client, server = connected()
+    routed: list[Envelope] = []
+    assert client.deliver_directly(routed.append)
+    await server.send(Reply(1, Ping(1)))
+    await server.send(Cast(Ping(2)), urgent=False)
+    assert routed == [Reply(1, Ping(1)), Cast(Ping(2))]
+    assert client.statistics().frames_in == 2
+
+    def refuse(envelope: Envelope) -> None:
+        raise FrameDecodeError(f"no waiter for {envelope}")
+
+    client.deliver_directly(refuse)
+    await server.send(Reply(2, Ping(3)))
+    with pytest.raises(FrameDecodeError, match="no waiter"):
+        await client.receive()
+
+
+@pytest.mark.trio
+async def test_memory_direct_delivery_keeps_order_behind_a_queued_chunk() -> None:
+    """Chunks already queued for `receive` keep their place: while one waits, later ones
+    queue behind it instead of reaching the route first."""
+    client, server = connected()
+    await server.send(Reply(1, Ping(1)))
+    routed: list[Envelope] = []
+    client.deliver_directly(routed.append)
+    await server.send(Reply(2, Ping(2)))
+    assert routed == []
+    assert await client.receive() == Reply(1, Ping(1))
+    assert await client.receive() == Reply(2, Ping(2))
+    client.deliver_directly(None)
+    await server.send(Reply(3, Ping(3)))
+    assert routed == [] and await client.receive() == Reply(3, Ping(3))
 
 
 @pytest.fixture
@@ -249,3 +283,24 @@ async def test_direct_delivery_takes_bulk_frames_read_in_place_in_order() -> Non
     finally:
         await client.aclose()
         await server.aclose()
+
+
+@pytest.mark.trio
+async def test_deferred_frames_on_an_in_memory_pipe_are_written_by_their_senders() -> None:
+    """On the in-memory pipe (no system call to save) a deferred frame goes out like an
+    urgent one, in order, with no wake-up of the writer task; a full pipe queues it for
+    the writer as before."""
+    left, right = memory_pipe(2)
+    conn = Connection(left, CODEC)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await conn.send(Item(1, Ping(1)), urgent=False)
+        await conn.send(Cast(Ping(2)), urgent=False)
+        assert right._incoming.statistics().depth == 2  # in the pipe, not the outbox
+        await conn.send(Item(1, Ping(3)), urgent=False)
+        assert conn.statistics().queued_bytes > 0  # the pipe is full: the writer's job
+        reader = Connection(right, CODEC)
+        got = [await reader.receive() for _ in range(3)]
+        assert got == [Item(1, Ping(1)), Cast(Ping(2)), Item(1, Ping(3))]
+        nursery.cancel_scope.cancel()

@@ -92,6 +92,42 @@ async def test_memory_pipe_passes_buffers_without_copy_and_splits_on_max_bytes()
 
 
 @pytest.mark.trio
+async def test_memory_pipe_send_nowait_takes_all_or_nothing() -> None:
+    left, right = memory_pipe(2)
+    assert [left.send_nowait(b"ab"), left.send_nowait(b"cd")] == [2, 2]
+    assert left.send_nowait(b"ef") == 0  # full: nothing taken
+    assert await right.receive() == b"ab"
+    assert left.send_nowait(b"ef") == 2
+    assert [await right.receive(), await right.receive()] == [b"cd", b"ef"]
+    await right.aclose()
+    with pytest.raises(anyio.BrokenResourceError):
+        left.send_nowait(b"x")
+
+
+@pytest.mark.trio
+async def test_memory_pipe_offers_chunks_to_the_receivers_consumer_while_none_is_queued(
+) -> None:
+    left, right = memory_pipe(4)
+    taken: list[bytes | bytearray] = []
+
+    def consumer(chunk: bytes | bytearray) -> bool:
+        taken.append(chunk)
+        return chunk != b"no"
+
+    right.deliver_to(consumer)
+    await left.send(b"a")
+    assert left.send_nowait(b"b") == 1
+    assert taken == [b"a", b"b"]
+    await left.send(b"no")  # refused: queued for receive, and what follows queues behind it
+    await left.send(b"c")
+    assert taken == [b"a", b"b", b"no"]
+    assert [await right.receive(), await right.receive()] == [b"no", b"c"]
+    right.deliver_to(None)
+    await left.send(b"d")
+    assert await right.receive() == b"d" and len(taken) == 3
+
+
+@pytest.mark.trio
 async def test_memory_pipe_close_breaks_the_other_side() -> None:
     left, right = memory_pipe(4)
     await right.aclose()
