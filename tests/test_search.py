@@ -12,11 +12,11 @@ import msgspec
 import pytest
 
 from mesh.errors import ConfigError
-from services.sim.capacity import CapacityConfig, SeedCapacity
+from services.cli.search import search_main
+from services.sim.capacity import SeedCapacity
 from services.sim.search.explorer import Summary, frontier, run_search
 from services.sim.search.pool import RayPool, SerialPool
 from services.sim.search.space import SearchSpace, configurations, load_space
-from services.sim.workload import Workload
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +45,30 @@ source = {{ kind = "assumed", detail = "a test" }}
 
 
 @pytest.fixture(scope="module")
-def space(tmp_path_factory: pytest.TempPathFactory) -> SearchSpace:
+def space_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two homogeneous deployments of one prefill and one decode instance: `slow` (2 s a
     prefill, $1 an instance-hour) serves 0.5 req/s for $2/h, `fast` (1 s, $3) 1.0 req/s for
     $6/h. So `slow` is the best per dollar, `fast` the most capable, both are on the frontier,
     and the best for $2/h is `slow`, for $6/h `fast`."""
-    folder = tmp_path_factory.mktemp("profiles")
-    chips = {}
+    folder = tmp_path_factory.mktemp("space")
+    text = ['name = "tiny"', 'description = "two chips, known answers"', ""]
     for name, seconds, price in (("slow", 2.0, 1.0), ("fast", 1.0, 3.0)):
         path = folder / f"{name}.toml"
         path.write_text(constant_profile(seconds))
-        chips[name] = {"profile": str(path), "price_per_hour": price}
-    families = [{"name": name, "kind": "homogeneous", "pd_chip": name, "n_p": [1], "n_d": [1]}
-                for name in ("slow", "fast")]
-    data = {"name": "tiny", "chips": chips, "families": families,
-            "workload": msgspec.to_builtins(Workload(window_s=60.0, output_len=2,
-                                                     paper_len=1000)),
-            "capacity": msgspec.to_builtins(CapacityConfig(seeds=(0, 1), resolution_rps=0.1))}
-    return msgspec.convert(data, SearchSpace)
+        text += [f"[chips.{name}]", f'profile = "{path}"', f"price_per_hour = {price}", ""]
+    for name in ("slow", "fast"):
+        text += ["[[families]]", f'name = "{name}"', 'kind = "homogeneous"',
+                 f'pd_chip = "{name}"', "n_p = [1]", "n_d = [1]", ""]
+    text += ["[workload]", "window_s = 60.0", "output_len = 2", "paper_len = 1000", "",
+             "[capacity]", "seeds = [0, 1]", "resolution_rps = 0.1", ""]
+    path = folder / "tiny.toml"
+    path.write_text("\n".join(text))
+    return path
+
+
+@pytest.fixture(scope="module")
+def space(space_file: Path) -> SearchSpace:
+    return load_space(space_file)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,13 @@ def ray_pool() -> Iterator[RayPool]:
 
 
 @pytest.fixture(scope="module")
-def serial(space: SearchSpace, tmp_path_factory: pytest.TempPathFactory) -> Summary:
-    return run_search(space, tmp_path_factory.mktemp("serial"), SerialPool())
+def serial_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serial")
+
+
+@pytest.fixture(scope="module")
+def serial(space: SearchSpace, serial_dir: Path) -> Summary:
+    return run_search(space, serial_dir, SerialPool())
 
 
 def results(summary: Summary) -> list[Any]:
@@ -172,3 +183,26 @@ def test_a_bad_space_names_the_file_and_the_value(tmp_path: Path) -> None:
                     'n_d = [1]\n')
     with pytest.raises(ConfigError, match=r"bad\.toml.*'b'"):
         load_space(path)
+
+
+def test_the_command_resumes_a_finished_search_and_writes_its_report(
+        space_file: Path, serial_dir: Path, serial: Summary,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert search_main(["--config", str(space_file), "--out", str(serial_dir), "--serial",
+                        "--no-progress"]) == 0
+    summary = msgspec.json.decode((serial_dir / "summary.json").read_bytes())
+    assert summary["computed"] == 0 and summary["ray"] == {"address": "serial", "cpus": 1}
+    assert [e["capacity_rps"] for e in summary["configurations"]] == [
+        e.capacity_rps for e in serial.configurations]
+    assert {"frontier.png", "capacity_vs_t.png", "planner_vs_sim.png"} <= {
+        p.name for p in serial_dir.glob("*.png")}
+    assert "Best capacity per dollar: `slow-0-1-1`" in capsys.readouterr().out
+
+
+def test_the_command_refuses_a_bad_space_with_its_name(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "x"\n')
+    assert search_main(["--config", str(path), "--out", str(tmp_path / "out"), "--serial"]) == 2
+    assert "bad.toml" in capsys.readouterr().err

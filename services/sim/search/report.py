@@ -101,7 +101,11 @@ def plot_capacity_vs_t(out: Path, summary: Summary) -> None:
                 "x:", label=f"planner {label}")
     ax.set(xlabel="threshold t (paper tokens)", ylabel="capacity (req/s)",
            title=f"{summary.search}: capacity against t")
-    ax.legend(fontsize=7)
+    if series:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no PrfaaS-PD configuration in this search", ha="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out / "capacity_vs_t.png", dpi=110)
     plt.close(fig)
