@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from router_fakes import INFO, TOPOLOGY
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, PeerGone
 from mesh.topology import parse_topology
 from services.contract.messages import PrefixMatch, WorkerMatch, WorkerState
 from services.router.errors import NotFound
@@ -149,3 +149,34 @@ def _with_vocab(entry: WorkerEntry, vocab_size: int) -> WorkerEntry:
     model = msgspec.structs.replace(entry.polled.model, vocab_size=vocab_size)
     entry.polled = msgspec.structs.replace(entry.polled, model=model)
     return entry
+
+
+@pytest.mark.trio
+async def test_a_status_reader_polls_in_process_as_the_status_call_would() -> None:
+    """`poll(read=...)`: each worker's state read in this process (the simulation's path):
+    one that cannot answer is down until it answers again, a worker's own role is taken
+    unless the router is converting it, and a wrong block size is refused as after a call."""
+    workers = table()
+    answers: dict[str, WorkerState] = {}
+    for name in workers.names:
+        entry = workers.get(name)
+        role = "prefill" if name == "pd-decode-0" else entry.role
+        answers[name] = WorkerState(name=name, cluster=entry.spec.cluster, role=role,
+                                    draining=False, queue_depth=2, running=1,
+                                    cached_blocks=0, model=INFO)
+
+    def read(name: str) -> WorkerState:
+        if name not in answers:
+            raise PeerGone(f"{name} is gone")
+        return answers[name]
+
+    gone = answers.pop("pd-prefill-0")
+    await workers.poll(None, 1.0, INFO.block_size, read=read)  # type: ignore[arg-type]
+    assert not workers.get("pd-prefill-0").up
+    assert workers.get("pd-decode-0").role == "prefill"
+    assert workers.get("prfaas-prefill-0").polled == answers["prfaas-prefill-0"]
+    answers["pd-prefill-0"] = gone
+    await workers.poll(None, 1.0, INFO.block_size, read=read)  # type: ignore[arg-type]
+    assert workers.get("pd-prefill-0").up and workers.get("pd-prefill-0").polled == gone
+    with pytest.raises(ModelMismatch, match="block_size"):
+        await workers.poll(None, 1.0, INFO.block_size * 2, read=read)  # type: ignore[arg-type]

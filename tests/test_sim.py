@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+import services.sim.world
 from services.cli.sim import sim_main
 from services.paper.hardware import CostModel
 from services.sim.run import SimResult, run_virtual, simulate
@@ -53,6 +54,20 @@ def test_the_jump_clock_runs_as_trios_mock_clock() -> None:
     assert len(ours.records) == len(arrivals) > 10
     assert msgspec.json.encode(ours.records) == msgspec.json.encode(mock.records)
     assert msgspec.json.encode(ours.samples) == msgspec.json.encode(mock.samples)
+
+
+def test_reading_worker_states_in_process_runs_as_polling_them_over_the_mesh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sim's router reads its workers' states in process each tick (the fast path);
+    polling them with status calls over the in-memory mesh, as the live router does, gives
+    the same records and samples, to the byte."""
+    arrivals = lognormal(0.5, 60, SMALL.scale, seed=6)
+    fast = _run(SMALL, arrivals)
+    monkeypatch.setattr(services.sim.world, "_status_reader", lambda world: None)
+    polled = _run(SMALL, arrivals)
+    assert len(fast.records) == len(arrivals) > 10
+    assert msgspec.json.encode(fast.records) == msgspec.json.encode(polled.records)
+    assert msgspec.json.encode(fast.samples) == msgspec.json.encode(polled.samples)
 
 
 def test_link_bytes_are_the_s_kv_of_the_offloaded_requests() -> None:

@@ -30,7 +30,7 @@ from services.router.errors import Conflict, InvalidRequest, RouterError
 from services.router.link import LinkProbe
 from services.router.policies import POLICIES, create_policy
 from services.router.policy import PolicyError, SetThreshold, action_event, json_threshold
-from services.router.workers import WorkerEntry
+from services.router.workers import StatusReader, WorkerEntry
 
 if TYPE_CHECKING:
     from services.router.scheduler import Scheduler
@@ -67,8 +67,13 @@ class RouterControl:
         link_probe: LinkProbe | None = None,
         link_probes: Sequence[LinkProbe] = (),
         policy_options: Mapping[str, Mapping[str, object]] | None = None,
+        status_reader: StatusReader | None = None,
     ) -> None:
+        """`status_reader`: the workers' states read in this process instead of polled over
+        the mesh (services/router/workers.py), as the simulation does, whose link probe
+        reads its link likewise."""
         self.scheduler = scheduler
+        self._status_reader = status_reader
         self.config = config or ControlConfig()
         self._counts = dict.fromkeys(("ticks", "link_samples", "link_misses", "conversions"), 0)
         self._link_probes = [*([link_probe] if link_probe else []), *link_probes]
@@ -88,7 +93,8 @@ class RouterControl:
         self._counts["ticks"] += 1
         await scheduler.workers.poll(scheduler.node, self.config.status_timeout_s,
                                      scheduler.config.block_size,
-                                     scheduler.tokenizer.vocab_size)
+                                     scheduler.tokenizer.vocab_size,
+                                     read=self._status_reader)
         await self._sample_link()
         policy = scheduler.policy
         for action in policy.tick(scheduler.clock(), scheduler.workers.state()):

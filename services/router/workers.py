@@ -14,11 +14,12 @@ router sends (`decode_has_tokens`) would point mid-block.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from mesh.errors import ConfigError, MeshError
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WORKER_KINDS = ("prefill", "decode")
+# A worker's state read in this process, not polled over the mesh: the simulation, whose
+# workers all run in the router's event loop, reads each one's `WorkerService.state()` (what
+# the status handler answers) at the same instant, without two messages and a task per
+# worker each tick. Raises MeshError where the worker could not have answered.
+StatusReader = Callable[[str], WorkerState]
 # A worker's `connections` option when the topology gives none (services/worker/service.py).
 DEFAULT_LANES = 4
 
@@ -254,16 +260,22 @@ class WorkerTable:
         worker.up = False
 
     async def poll(self, node: Node, timeout: float, block_size: int,
-                   vocab_size: int | None = None) -> None:
+                   vocab_size: int | None = None, *, read: StatusReader | None = None) -> None:
         """Asks every worker for its state at once; one that does not answer is down.
+        With `read`, each state is read in this process instead (`StatusReader`).
 
         Raises ModelMismatch if a worker's model has a KV block size other than `block_size`
         (the router's), or more tokens than the router's tokenizer (`vocab_size`) can turn
         back into text: it is refused before any request is placed by its report.
         """
-        async with anyio.create_task_group() as group:
+        if read is None:
+            async with anyio.create_task_group() as group:
+                for worker in self._workers.values():
+                    group.start_soon(self._poll_one, node, worker, timeout)
+        else:
+            await anyio.lowlevel.checkpoint()
             for worker in self._workers.values():
-                group.start_soon(self._poll_one, node, worker, timeout)
+                self._read_one(worker, read)
         check_block_size(self._workers.values(), block_size)
         if vocab_size is not None:
             check_vocab_size(self._workers.values(), vocab_size)
@@ -273,13 +285,29 @@ class WorkerTable:
             state = await node.call(worker.spec.name, StatusQuery(), WorkerState,
                                     timeout=timeout)
         except MeshError as exc:
-            # A worker that never answered is still starting (every worker, at `make demo`).
-            if worker.up and worker.polled is None:
-                log.info("worker %s is not up yet: %s", worker.spec.name, exc)
-            elif worker.up:
-                log.warning("worker %s is down: %s", worker.spec.name, exc)
-            worker.up = False
+            self._silent(worker, exc)
             return
+        self._answered(worker, state)
+
+    def _read_one(self, worker: WorkerEntry, read: StatusReader) -> None:
+        try:
+            state = read(worker.spec.name)
+        except MeshError as exc:
+            self._silent(worker, exc)
+            return
+        self._answered(worker, state)
+
+    @staticmethod
+    def _silent(worker: WorkerEntry, exc: MeshError) -> None:
+        # A worker that never answered is still starting (every worker, at `make demo`).
+        if worker.up and worker.polled is None:
+            log.info("worker %s is not up yet: %s", worker.spec.name, exc)
+        elif worker.up:
+            log.warning("worker %s is down: %s", worker.spec.name, exc)
+        worker.up = False
+
+    @staticmethod
+    def _answered(worker: WorkerEntry, state: WorkerState) -> None:
         if not worker.up:
             log.info("worker %s is %s", worker.spec.name, "back" if worker.polled else "up")
         worker.up, worker.polled = True, state

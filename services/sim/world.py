@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, PeerGone
 from mesh.topology import ClusterSpec, LinkSpec, ServiceSpec, Topology
 from mesh.transport import MemoryHub, MemoryTransport
 from mesh.wire import Codec
@@ -29,7 +29,7 @@ from netem.memory import MemoryLink, MemoryRoute
 from netem.params import LinkParams
 from netem.shaper import LinkShaper
 from services.cachedir.service import CacheDirService, run_cachedir
-from services.contract.messages import CODEC_MESSAGES
+from services.contract.messages import CODEC_MESSAGES, WorkerState
 from services.link.frames import payload_weight
 from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig
@@ -38,7 +38,7 @@ from services.router.link import link_ends
 from services.router.policies import create_policy
 from services.router.policy import LinkSample
 from services.router.scheduler import Scheduler
-from services.router.workers import WorkerTable
+from services.router.workers import StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
 from services.worker.compute import InlineRunner
@@ -235,7 +235,8 @@ async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
             # A live switch back to the deployment's policy (the dashboard's) keeps its options.
             world.control = RouterControl(scheduler, ControlConfig(tick_s=d.tick_s),
                                           link_probe=_probe(world),
-                                          policy_options={d.policy: policy_options(d)})
+                                          policy_options={d.policy: policy_options(d)},
+                                          status_reader=_status_reader(world))
             await tg.start(world.control.run)
             try:
                 yield world
@@ -248,3 +249,13 @@ def _probe(world: SimWorld) -> Any:
         await anyio.lowlevel.checkpoint()
         return world.link_sample()
     return probe
+
+
+def _status_reader(world: SimWorld) -> StatusReader:
+    """Each worker's state as its status handler answers it, read in this event loop."""
+    def read(name: str) -> WorkerState:
+        worker = world.workers.get(name)
+        if worker is None:
+            raise PeerGone(f"no worker {name!r} runs in this simulation")
+        return worker.state()
+    return read
