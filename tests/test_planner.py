@@ -51,6 +51,22 @@ def test_plan_acceptance_matches_table6(result: PlanResult) -> None:
     assert shapes == [(4, 3, 5), (0, 9, 3), (4, 0, 8)]
 
 
+def test_what_is_fitted_comes_back_exactly_and_what_is_not_comes_back_close(
+        result: PlanResult) -> None:
+    """The H20 profile is fitted to Table 6 (services/paper/profiles/h20.toml): its anchors
+    return to rounding; t*, p, Theta_prfaas and the naive row used no Table 6 number and
+    are the independent checks (docs/simulation.md, "Where the numbers come from")."""
+    # By construction: the anchors themselves.
+    assert result.homogeneous.theta_pd_p == pytest.approx(2.11, rel=1e-3)
+    assert result.homogeneous.lambda_max == pytest.approx(2.11, rel=1e-3)
+    assert result.prfaas.theta_pd_d == pytest.approx(3.90625, rel=1e-6)
+    # Independent: close, not exact.
+    assert result.prfaas.t == pytest.approx(19400, rel=0.01)
+    assert result.prfaas.p == pytest.approx(0.496, abs=0.002)
+    assert result.prfaas.theta_prfaas == pytest.approx(1.61, rel=0.01)
+    assert result.naive_hetero.lambda_max == pytest.approx(2.45, rel=0.01)
+
+
 def test_stage_throughputs_offload_share_and_egress(result: PlanResult) -> None:
     figures = {row.scenario: dict(row.figures) for row in PAPER_TABLE6}
     for name in ("prfaas", "homogeneous", "naive_hetero"):

@@ -17,6 +17,7 @@ import services.sim.world
 from services.cli.sim import sim_main
 from services.paper.hardware import CostModel
 from services.sim.run import SimResult, run_virtual, simulate
+from services.sim.scenarios import egress_gbps
 from services.sim.workload import Arrival, lognormal
 from services.sim.world import Deployment
 
@@ -115,3 +116,28 @@ def test_prfaas_sim_writes_its_report(tmp_path: Path) -> None:
     assert len(lines) == summary["requests"]
     assert (out / "ttft_cdf.png").stat().st_size > 1000
     assert (out / "timeline.png").stat().st_size > 1000
+
+
+def test_the_second_token_waits_for_a_batch_slot_and_the_first_does_not() -> None:
+    """One decode instance of BS_max 20 behind fast prefill: at 1.5 req/s of 1,024-token
+    answers (about 26 s each) the batch is full, so requests wait for a slot after their first
+    token. The client sees the first token once the KV is in; the second, after the wait."""
+    d = msgspec.structs.replace(SMALL, n_decode=1)
+    light = _run(d, lognormal(0.1, 120, d.scale, seed=6))
+    full = _run(d, lognormal(1.5, 120, d.scale, seed=6))
+    for result in (light, full):
+        assert all(r.ttft_s < r.ttst_s < r.e2e_s for r in result.records)
+        assert all(r.queue_s >= 0 for r in result.records)
+    # Light: the second token is one decode step after the first.
+    assert max(r.ttst_s - r.ttft_s for r in light.records) < 0.1
+    assert max(r.ttst_s - r.ttft_s for r in full.records) > 10.0
+
+
+def test_mean_egress_is_over_the_arrival_window_not_the_drain() -> None:
+    result = _run(SMALL, lognormal(0.5, 120, SMALL.scale, seed=1), drain_s=600.0)
+    assert result.virtual_s > result.arrivals_end_s + 20
+    mean, _ = egress_gbps(result)
+    inside = [s for s in result.samples if s.at <= result.arrivals_end_s][-1]
+    assert mean == pytest.approx(8 * inside.egress_bytes / inside.at / 1e9)
+    # Over the whole run (the drain included) it would read lower.
+    assert mean > 8 * result.link_bytes / result.virtual_s / 1e9

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -10,16 +12,20 @@ import pytest
 
 from services.paper.planner import Scenario, solve_scenario
 from services.sim.capacity import (
+    Capacity,
     CapacityConfig,
     SeedCapacity,
+    Slo,
     completion_rate,
     mean_interval,
     measure_capacity,
     quantile,
     saturation_of,
     saturation_point,
+    simulate_rate,
 )
-from services.sim.scenarios import paper_deployments
+from services.sim.report import paper_report, write_summary
+from services.sim.scenarios import PaperOutcome, deployment_summary, paper_deployments
 from services.sim.workload import Workload
 from services.sim.world import Deployment
 
@@ -62,7 +68,7 @@ def test_the_search_lands_within_its_resolution_below_a_known_saturation(
     1 / SERVICE_S, and up to it nothing ever queues, so the SLO capacity is the saturation
     itself; the bisection must find it from below, never above."""
     saturation = 1.0 / SERVICE_S
-    workload = Workload(window_s=400.0, output_len=2, paper_len=1000)
+    workload = Workload(window_s=240.0, output_len=2, paper_len=1000)
     config = CapacityConfig(seeds=(0, 1), resolution_rps=0.02)
     mapped: list[int] = []
 
@@ -113,9 +119,47 @@ def test_on_a_narrow_link_the_prfaas_side_follows_the_bandwidth_bound() -> None:
     compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
     assert plan.prfaas_limit == "bandwidth" and bandwidth < 0.75 * compute
     d = paper_deployments(solved, bandwidth_bps=2e9)["prfaas_pd"]
+    # The whole window overloaded: one PrfaaS instance completes a request every 6-7 s.
     point = saturation_point(d, Workload(window_s=500.0), plan.lambda_max, seed=0,
-                             config=CapacityConfig())
+                             config=CapacityConfig(saturation_window=1.0))
     assert point.stage_rps["link"] == pytest.approx(bandwidth / plan.p, rel=0.10)
     prfaas_side = min(point.stage_rps["prfaas"], point.stage_rps["link"])
     assert prfaas_side < 0.75 * compute / plan.p
     assert 0.8 * plan.lambda_max < saturation_of(point) <= plan.lambda_max
+
+
+def test_the_paper_report_keeps_its_keys_and_adds_the_capacities(tmp_path: Path) -> None:
+    """summary.json keeps the old keys and adds, per deployment, saturation_rps,
+    capacity_rps (the SLO capacity's mean), capacity_rps_ci, seeds and rho; table.md shows
+    both capacities with intervals and both ratios over homogeneous beside the paper's."""
+    solved = solve_scenario(Scenario())
+    deployments = paper_deployments(solved)
+    points = {"prfaas_pd": solved.prfaas, "homogeneous": solved.homogeneous,
+              "naive": solved.naive_hetero}
+    run = simulate_rate(deployments["naive"], Workload(window_s=30.0), 1.0, 0, 60.0)
+    caps, summaries = {}, {}
+    for factor, name in enumerate(deployments, start=1):
+        per_seed = [SeedCapacity(seed, 2.0 * factor + seed / 10, 1.5 * factor + seed / 10, [])
+                    for seed in (0, 1, 2)]
+        caps[name] = Capacity(saturation_rps=2.0 * factor + 0.1, saturation_rps_ci=(1.9, 2.3),
+                              capacity_rps=1.5 * factor + 0.1, capacity_rps_ci=(1.4, 1.8),
+                              seeds=[0, 1, 2], rho={"pd_d": 0.5}, resolution_rps=0.05,
+                              slo=Slo(), per_seed=per_seed)
+        summaries[name] = deployment_summary(deployments[name], points[name], caps[name], run, run)
+    outcome = PaperOutcome(summaries, caps, 1.0, dict.fromkeys(deployments, run))
+    write_summary(tmp_path, paper_report(tmp_path, outcome, 60.0, 1.0))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {"scenario", "deployments", "common_rate_rps", "paper_table6", "virtual_s",
+            "wall_s", "ratio_over_homogeneous"} <= set(summary)
+    for name, entry in summary["deployments"].items():
+        assert {"saturation_rps", "capacity_rps", "capacity_rps_ci", "seeds", "rho",
+                "planner_lambda_rps", "ttft_mean_s", "offload_share", "sweep"} <= set(entry)
+        assert entry["capacity_rps"] == caps[name].capacity_rps
+        assert entry["capacity_rps_ci"] == [1.4, 1.8] and entry["seeds"] == [0, 1, 2]
+    ratio = summary["ratio_over_homogeneous"]["naive"]
+    assert ratio["mean"] == pytest.approx(statistics.fmean([4.5 / 3.0, 4.6 / 3.1, 4.7 / 3.2]),
+                                          abs=1e-4)
+    assert ratio["ci"][0] < ratio["mean"] < ratio["ci"][1]
+    table = (tmp_path / "table.md").read_text()
+    assert "SLO capacity (req/s) [95%]" in table and "4.6 [1.4, 1.8]" in table
+    assert "| 1.54 |" in table

@@ -119,11 +119,11 @@ def _scenario(args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]
     seeds = tuple(range(args.seed, args.seed + (2 if quick else args.seeds)))
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "paper": lambda: report.paper_report(args.out, outcome := scenarios.paper(
-            window_s=300.0 if quick else 600.0, seeds=seeds, progress=progress),
+            window_s=300.0 if quick else 480.0, seeds=seeds, progress=progress),
             sum(s.virtual_s for s in outcome.summaries.values()),
             time.perf_counter() - began),
         "bandwidth-bound": lambda: report.bandwidth_report(args.out, scenarios.bandwidth_bound(
-            window_s=300.0 if quick else 600.0, seeds=seeds, progress=progress),
+            window_s=300.0 if quick else 480.0, seeds=seeds, progress=progress),
             time.perf_counter() - began),
         "bandwidth-dip": lambda: report.dip_report(args.out, dip := scenarios.bandwidth_dip(
             before_s=120.0 if quick else 600.0, dip_s=120.0 if quick else 600.0,

@@ -31,8 +31,9 @@ over the requests at or below t = 19.4K (mean 10,224 tokens), so T_H20(10,224) =
 model is T_H20(l) = alpha + beta T_H200(l), solved through the two anchors: beta = 3.081,
 alpha = -0.726 s, i.e. T_H20(l) = 0.473 s + 3.081 (c1 l + c2 l^2): a larger fixed cost and
 3.1x the length-dependent work of H200 (the dense BF16 spec ratio, 989 / 148 TFLOPS = 6.7x,
-is not what the paper's profile shows). This uses two of Table 6's numbers; t*, p,
-Theta_prfaas, Lambda_max and the naive row remain independent checks (tests/test_planner.py).
+is not what the paper's profile shows). This uses two of Table 6's numbers, so the
+homogeneous Lambda_max (2.11) and PrfaaS-PD's Theta_pd-p (1.64) come back by construction;
+t*, p, Theta_prfaas and the naive row remain independent checks (tests/test_planner.py).
 
 KV size (Table 5, a model property): 190.8, 308.9, 701.3, 2316.3 MiB. Least squares
 S(l) = fixed + per_token l gives 172.0 MiB + 17,555 B/token (errors -1.1 %, -1.0 %, +0.9 %,

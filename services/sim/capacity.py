@@ -58,20 +58,26 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     resolution_rps: float = 0.05
     overload: float = 1.3  # the saturation runs offer this times the guess
+    # The saturation runs' arrival window, as a share of the workload's: past saturation a
+    # run's queues grow and each request costs more, and with every stage busy the
+    # completions' spacing settles fast.
+    saturation_window: float = 0.5
     # The bisection's lower start, as a share of the saturation: at the paper's lengths the
     # 5 s P99 queueing SLO holds only to about 55-65% of it (heavy-tailed prefill times).
     low: float = 0.5
     warmup: float = 0.2  # the share of each run's arrival window left out as warm-up
-    drain_s: float = 300.0  # after the last arrival, what an SLO run waits for its requests
+    # After the last arrival, what an SLO run waits for its requests: a 128K prompt's prefill
+    # on H20 (22 s), a 5 s queue and 1,024 tokens at 40/s fit twice.
+    drain_s: float = 120.0
     slo: Slo = Slo()
 
     def __post_init__(self) -> None:
         if len(self.seeds) < 2 or not self.resolution_rps > 0 or not self.overload > 1:
             raise ValueError(f"need >= 2 seeds, resolution_rps > 0 and overload > 1, got "
                              f"{self.seeds}, {self.resolution_rps}, {self.overload}")
-        if not (0 < self.low < 1 and 0 <= self.warmup < 1):
-            raise ValueError(f"low must be in (0, 1) and warmup in [0, 1), got {self.low}, "
-                             f"{self.warmup}")
+        if not (0 < self.low < 1 and 0 <= self.warmup < 1 and 0 < self.saturation_window <= 1):
+            raise ValueError(f"low and saturation_window must be in (0, 1] and warmup in "
+                             f"[0, 1), got {self.low}, {self.saturation_window}, {self.warmup}")
 
 
 class RatePoint(msgspec.Struct, frozen=True):
@@ -216,6 +222,8 @@ def saturation_point(d: Deployment, workload: Workload, guess_rps: float, seed: 
                      config: CapacityConfig, simulate: Simulate = simulate_rate) -> RatePoint:
     """One overloaded run (`config.overload` times the guess, nothing drained)."""
     rate = round(config.overload * guess_rps, 4)
+    workload = msgspec.structs.replace(workload,
+                                       window_s=config.saturation_window * workload.window_s)
     result = simulate(d, workload, rate, seed, 0.0)
     return measure(result, workload, seed, rate, config.slo, config.warmup)
 

@@ -168,14 +168,14 @@ class PaperOutcome:
     runs: dict[str, SimResult]  # per deployment, the run at the common rate
 
 
-def paper_capacity(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def paper_capacity(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
                    ) -> tuple[Workload, CapacityConfig]:
     """The `paper` scenario's workload and search: windows of `window_s` (a fifth of it warm-up),
     resolution 0.05 req/s, the bisection from 80% of the saturation up."""
     return Workload(window_s=window_s), CapacityConfig(seeds=tuple(seeds))
 
 
-def paper(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def paper(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
           progress: Progress | None = None, run_map: RunMap = map) -> PaperOutcome:
     """Every number of the `paper` scenario (module docstring)."""
     plan = solve_scenario(Scenario())
@@ -194,12 +194,12 @@ def paper(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
         runs[name] = _at_rate(d, common, window_s, seed + 1, progress)
         at90 = _at_rate(d, round(0.9 * caps[name].capacity_rps, 2), window_s, seed + 2,
                         progress)
-        summaries[name] = _summary(d, points[name], caps[name], runs[name], at90)
+        summaries[name] = deployment_summary(d, points[name], caps[name], runs[name], at90)
     return PaperOutcome(summaries, caps, common, runs)
 
 
-def _summary(d: Deployment, point: OperatingPoint, cap: Capacity, common: SimResult,
-             at90: SimResult) -> DeploymentSummary:
+def deployment_summary(d: Deployment, point: OperatingPoint, cap: Capacity, common: SimResult,
+                       at90: SimResult) -> DeploymentSummary:
     mean, p90 = ttft(common.records)
     second_mean, second_p90 = ttst(common.records)
     mean90, p9090 = ttft(at90.records)
@@ -236,7 +236,7 @@ class BandwidthOutcome:
     deployment: Deployment
 
 
-def bandwidth_bound(window_s: float = 600.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def bandwidth_bound(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
                     bandwidth_bps: float = NARROW_BPS, progress: Progress | None = None,
                     run_map: RunMap = map) -> BandwidthOutcome:
     """The planner's PrfaaS-PD deployment on a narrow link, measured (module docstring)."""
