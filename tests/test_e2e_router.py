@@ -4,11 +4,11 @@
 directory, link, a PrfaaS prefill worker, a PD prefill and a PD decode worker, random-init
 default-size models (the router's BPE tokenizer cannot decode the tiny models' vocabulary).
 With request migration off (`migration_limit = 0`), a decode worker killed mid-stream and a
-prefill worker killed mid-prefill fail the requests in flight with explicit errors, and requests after the worker is back succeed; a full router
-answers 429; under `prfaas-dynamic` (short dwell and calm periods from the topology's router
-options), cutting the real link's rate raises t to the model's t for the cut link, taking the
-link down holds t still, and restoring it brings t back. tests/router_fakes.py keeps the fast
-in-process versions of these paths.
+prefill worker killed mid-prefill fail the requests in flight with explicit errors, and
+requests after the worker is back succeed; a full router answers 429; under `prfaas-dynamic`
+(short dwell and calm periods from the topology's router options), cutting the real link's rate
+raises t to the model's t for the cut link, taking the link down holds t still, and restoring
+it brings t back. tests/router_fakes.py keeps the fast in-process versions of these paths.
 """
 
 from __future__ import annotations
