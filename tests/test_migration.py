@@ -212,6 +212,7 @@ def test_a_decode_worker_killed_after_k_tokens_gives_the_unbroken_text(
     assert len(set(unbroken.text.split())) > 3, unbroken.text  # a text that shows a slip
     assert migrated.text == unbroken.text
     assert migrated.usage["completion_tokens"] == unbroken.usage["completion_tokens"] == MAX_TOKENS
+    assert migrated.usage["prompt_tokens"] == unbroken.usage["prompt_tokens"]
     assert metric(mesh, "decode_lost") == before + 1
     mesh.start(killed)
 
