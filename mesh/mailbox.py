@@ -117,6 +117,16 @@ class Mailbox(Generic[T]):
         return not self._items
 
     @property
+    def depth(self) -> int:
+        """Items queued right now."""
+        return len(self._items)
+
+    @property
+    def getters(self) -> int:
+        """Consumers waiting for an item right now."""
+        return len(self._getters)
+
+    @property
     def open(self) -> bool:
         """Neither ended, failed nor closed: someone may still be waiting on it."""
         return not (self._ended or self._closed)

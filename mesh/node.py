@@ -189,9 +189,10 @@ class Node:
         return self._pools.pool_for(message)
 
     def _start_workers(self, pool: Pool[Request]) -> None:
-        assert self._group is not None
-        for _ in range(pool.capacity):
-            self._group.start_soon(self._work, pool)
+        """Lets `pool` start its worker tasks in the node's group as requests arrive."""
+        group = self._group
+        assert group is not None
+        pool.run_workers(lambda: group.start_soon(self._work, pool))
 
     async def __aenter__(self) -> Node:
         if self._stack is not None:
@@ -218,6 +219,7 @@ class Node:
         finally:
             self._stack = self._group = None
             for pool in self._pools.all():
+                pool.run_workers(None)
                 pool.mailbox.close()
         raise exc
 
@@ -384,6 +386,7 @@ class Node:
         return await self._peers.session(peer, deadline, group)
 
     async def _work(self, pool: Pool[Request]) -> None:
+        pool.worker_ready()
         async for request in pool.mailbox:
             await pool.slots.take()
             try:

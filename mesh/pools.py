@@ -4,11 +4,14 @@ Every request goes to the node's shared pool unless its handler was registered w
 its own (`slots=N` on `Node.handles`, `serves_stream` or `accepts_stream`). A request that waits
 for another one to arrive (a stream that waits for an upload, say) must not hold the slot that
 other request needs: give the one waited on, or the waiting kind, a pool of its own, and
-neither can fill the other's slots. Each pool has its own worker tasks, one per slot.
+neither can fill the other's slots. Each pool has its own worker tasks, at most one per slot,
+started as requests arrive that no idle worker would take (`Pool.put`): a worker's pool of 512
+stream slots costs 512 tasks only once it has had 512 streams at once, not from its start.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import msgspec
@@ -36,6 +39,34 @@ class Pool(Generic[T]):
         self.capacity = capacity
         self.mailbox: Mailbox[T] = Mailbox(mailbox_size)
         self.slots = Slots(capacity)
+        self.workers = 0  # worker tasks started
+        self._starting = 0  # started, not yet waiting on the mailbox
+        self._start: Callable[[], object] | None = None
+
+    def run_workers(self, start: Callable[[], object] | None) -> None:
+        """`start()` starts one worker task (None: the node stopped). Workers start as
+        requests arrive (`put`), each calling `worker_ready` when it begins."""
+        self._start = start
+        self.workers = self._starting = 0
+        self._more_workers()
+
+    def worker_ready(self) -> None:
+        self._starting -= 1
+
+    async def put(self, item: T) -> bool:
+        """Queues `item` (waiting for room), and starts a worker if no idle or starting
+        one will take it; False (dropped) once the mailbox has ended or been closed."""
+        queued = await self.mailbox.put(item)
+        self._more_workers()
+        return queued
+
+    def _more_workers(self) -> None:
+        mailbox = self.mailbox
+        while (self._start is not None and self.workers < self.capacity
+               and mailbox.depth > mailbox.getters + self._starting):
+            self.workers += 1
+            self._starting += 1
+            self._start()
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(self.name, self.mailbox.statistics(), self.slots.statistics())

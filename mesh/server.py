@@ -195,9 +195,9 @@ class ServerSession:
             raise FrameDecodeError(f"{self.peer} sent {type(envelope).__name__} to a server")
 
     async def _admit(self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]) -> None:
-        mailbox = self._pools(type(envelope.body)).mailbox
+        pool = self._pools(type(envelope.body))
         if isinstance(envelope, Cast):
-            await mailbox.put(Request(self, envelope, math.inf))
+            await pool.put(Request(self, envelope, math.inf))
             return
         self._check_new_id(envelope.id)
         request = Request(self, envelope, self._deadline(envelope))
@@ -205,7 +205,7 @@ class ServerSession:
         if isinstance(envelope, Push):
             request.uploads = Mailbox(self._upload_buffer)
         self._active[envelope.id] = request
-        await mailbox.put(request)
+        await pool.put(request)
 
     def _check_new_id(self, id: int) -> None:
         if id in self._active:

@@ -149,3 +149,39 @@ async def test_a_cancelled_call_aborts_its_handler_at_the_callee(
         # The pool's slot is free again at once, not after the hour.
         assert server.statistics().pools[0].handlers.busy == 0
         assert server.statistics().deadlines_in == 0
+
+
+@pytest.mark.trio
+async def test_worker_tasks_start_as_requests_arrive_up_to_the_slots(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A pool starts no worker until requests queue, one per request no idle worker takes,
+    and never more than its slots; finished workers serve the next requests."""
+    hub = MemoryHub()
+    server = Node("server", CODEC, MemoryTransport(hub), PEERS, NodeConfig(max_concurrency=1))
+
+    @server.serves_stream(Slow, slots=3)
+    async def on_slow(msg: Slow, ctx: Context) -> AsyncGenerator[msgspec.Struct, None]:
+        await anyio.sleep(msg.seconds)
+        yield Done(0)
+
+    client = Node("client", CODEC, MemoryTransport(hub), PEERS)
+
+    async def slow(seconds: float) -> None:
+        async with client.open_stream("server", Slow(seconds), timeout=60) as items:
+            assert [item async for item in items] == [Done(0)]
+
+    async with server, client:
+        await server.listen()
+        pool = server.pool_for(Slow)
+        assert (pool.workers, server.pool_for(Done).workers) == (0, 0)
+        async with anyio.create_task_group() as group:
+            for _ in range(2):
+                group.start_soon(slow, 1.0)
+        assert pool.workers == 2  # two at once: two workers
+        async with anyio.create_task_group() as group:
+            for _ in range(5):
+                group.start_soon(slow, 1.0)
+            await anyio.sleep(0.5)
+            assert pool.slots.statistics().busy == 3 and pool.mailbox.depth == 2
+        assert pool.workers == 3
+        server.check_integrity()
