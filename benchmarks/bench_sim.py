@@ -4,7 +4,10 @@ planner, 100 Gbps) at 3.0 req/s, on trio's virtual clock; how much faster than r
 The simulation is the live services composed in one process (services/sim), so this measures
 the cost of the real router, workers, cache directory and link per simulated request. It
 runs the same seed twice when `--check-determinism` is given and reports whether the two
-summaries are equal byte for byte. The last line printed is one JSON object.
+summaries are equal byte for byte. The last line printed is one JSON object; it names the
+CPU it ran on (`cpu`, `cpus`) and the run's CPU time beside its wall time (`cpu_s`: on a busy
+host the wall time also counts other processes' turns), with the 1-minute load average
+when the run began.
 """
 
 from __future__ import annotations
@@ -12,7 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import platform
 import statistics
+import time
+from pathlib import Path
 
 import msgspec
 
@@ -35,6 +43,29 @@ def summary(result: SimResult) -> bytes:
     })
 
 
+# Vector extensions that tell CPU generations apart where a VM's model name does not
+# ("Intel(R) Xeon(R) Processor"): AMX on Sapphire Rapids and later.
+FEATURES = ("amx_tile", "avx512f", "avx2")
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the kernel reports it, with its widest vector extensions
+    (the platform's words where there is no /proc/cpuinfo)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info
+                 if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info
+                  if line.startswith("flags")), [])
+    return f"{name} [{' '.join(f for f in FEATURES if f in flags)}]"
+
+
+def load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=3.0)
@@ -45,7 +76,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     deployment = paper_deployments(solve_scenario(Scenario()))["prfaas_pd"]
     arrivals = lognormal(args.rate, args.duration, deployment.scale, args.seed)
+    load = load_average()
+    began = time.process_time()
     result, wall = run_virtual(deployment, arrivals)
+    cpu = time.process_time() - began
     first = summary(result)
     print(f"{len(arrivals)} arrivals over {args.duration:.0f} virtual s at {args.rate} req/s "
           f"(paper PrfaaS-PD 4/3/5): {result.virtual_s:.0f} virtual s in {wall:.1f} s wall")
@@ -53,7 +87,8 @@ def main() -> None:
     figures: dict[str, object] = {
         "bench": "sim", "virtual_s": round(result.virtual_s, 1), "wall_s": round(wall, 2),
         "speedup": round(result.virtual_s / wall, 1), "requests": len(result.records),
-        "events_per_s": round(result.events / wall, 1),
+        "events_per_s": round(result.events / wall, 1), "cpu_s": round(cpu, 2),
+        "cpu": cpu_name(), "cpus": os.cpu_count(), "load_avg": round(load, 2),
     }
     if args.check_determinism:
         again, _ = run_virtual(deployment, arrivals)
