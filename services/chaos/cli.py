@@ -121,7 +121,7 @@ async def _main(args: argparse.Namespace, workdir: Path, config: MeshConfig
 def chaos_main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     config = MeshConfig(max_inflight=args.max_inflight, cache_mib=args.cache_mib)
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="prfaas-chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,9 @@ def chaos_main(argv: list[str] | None = None) -> int:
     header = HEADER.format(max_inflight=args.max_inflight, cache_mib=args.cache_mib,
                            when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                            mode="--quick" if args.quick else "full", seconds=seconds,
-                           host=f"{platform.machine()}, {_cpus()} CPUs")
+                           host=f"{platform.machine()}, {_cpus()} CPUs, 1-minute load "
+                                f"average {load_before:.1f} at the start and "
+                                f"{os.getloadavg()[0]:.1f} at the end")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results, header))
     passed = sum(verdict(r).passed for r in results)
