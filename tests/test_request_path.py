@@ -1,0 +1,164 @@
+"""The files one streamed completion crosses, traced through the live code.
+
+One process runs the router (its real HTTP server on 127.0.0.1), the cache directory, a PrfaaS
+prefill worker and a PD prefill and decode worker over the in-memory network, each a random-init
+default-size kimi-linear (the router's BPE tokenizer needs its vocabulary). A profiler set on
+every thread records each project file as Python first calls into it while one streamed
+`/v1/completions` request, long enough for the `prfaas` policy to offload, runs from send to
+`[DONE]`. The list, `mesh/` and the test's own files left out, must equal the numbered list of
+docs/architecture.md section 10, so that list cannot rot. The model's files are listed but are
+not counted: the model is a library the workers call.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+import anyio
+import httpx
+
+from mesh.topology import Topology, parse_topology
+from services.cli.launch import in_process
+from tests.ports import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "architecture.md"
+HEADING = "## 10. Files one request crosses"
+SKIPPED = ("mesh/", "tests/", ".venv/")
+LIBRARY = "services/model/"
+WORKER = ('options = { family = "kimi-linear", size = "default", checkpoint = "none", '
+          'threads = 1 }')
+SERVICES = ["cachedir", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0", "router"]
+# About 80 BPE tokens, past t = 19,400 x 0.001 = 19.4: the policy sends it to PrfaaS.
+PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 4
+
+
+def topology_text(ports: list[int]) -> str:
+    workers = "".join(
+        f'[[services]]\nname = "{name}"\nkind = "{kind}"\ncluster = "{name.split("-")[0]}"\n'
+        f"port = {port}\n"
+        for name, kind, port in (("prfaas-prefill-0", "prefill", ports[3]),
+                                 ("pd-prefill-0", "prefill", ports[4]),
+                                 ("pd-decode-0", "decode", ports[5])))
+    # tick_s: no control tick runs while the request is traced.
+    return (f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{WORKER}\n'
+            f'[[clusters]]\nname = "pd"\nkind = "pd"\n{WORKER}\n'
+            f'[[services]]\nname = "router"\nkind = "router"\nport = {ports[0]}\n'
+            f'options = {{ http_port = {ports[1]}, policy = "prfaas", scale = 0.001, '
+            f"tick_s = 1000 }}\n"
+            f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {ports[2]}\n'
+            + workers)
+
+
+class FileTrace:
+    """Project files in the order of their first call, recorded only while `active`."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.files: list[str] = []
+        self._names: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    def profile(self, frame: FrameType, event: str, arg: object) -> None:
+        if not self.active or event != "call":
+            return
+        name = self._project_file(frame.f_code.co_filename)
+        if name is not None and name not in self.files:
+            # Threads (the workers' compute) record too: first one in wins.
+            with self._lock:
+                if name not in self.files:
+                    self.files.append(name)
+
+    def _project_file(self, filename: str) -> str | None:
+        if filename not in self._names:
+            self._names[filename] = _relative(filename)
+        return self._names[filename]
+
+
+def _relative(filename: str) -> str | None:
+    """The repository path of a project source file outside SKIPPED, else None."""
+    path = Path(filename)
+    if not path.is_absolute() or path.suffix != ".py":
+        return None
+    try:
+        name = path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return None
+    return None if name.startswith(SKIPPED) else name
+
+
+@contextmanager
+def profiling(trace: FileTrace) -> Iterator[None]:
+    """`trace` set on this thread and on every thread started inside the block."""
+    threading.setprofile(trace.profile)
+    sys.setprofile(trace.profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+async def wait_for_workers(client: httpx.AsyncClient, url: str, count: int) -> None:
+    for _ in range(600):
+        if (await client.get(f"{url}/health")).json().get("workers_up", 0) >= count:
+            return
+        await anyio.sleep(0.05)
+    raise AssertionError(f"{count} workers were not up within 30 s")
+
+
+async def traced_completion(topology: Topology, url: str, trace: FileTrace) -> str:
+    """Streams one completion with `trace` active; returns the prefill cluster it names."""
+    body = {"model": "prfaas", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    async with in_process(topology, SERVICES), httpx.AsyncClient(timeout=60) as client:
+        await wait_for_workers(client, url, 3)
+        trace.active = True
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        trace.active = False
+    assert response.status_code == 200, lines
+    assert lines[-1] == "data: [DONE]", lines
+    return response.headers["x-prfaas-cluster"]
+
+
+def traced_files() -> list[str]:
+    ports = free_ports(6)
+    trace = FileTrace()
+    with profiling(trace):
+        # A fresh asyncio loop: its worker threads start under the profiler.
+        cluster = anyio.run(traced_completion, parse_topology(topology_text(ports)),
+                            f"http://127.0.0.1:{ports[1]}", trace, backend="asyncio")
+    assert cluster == "prfaas"
+    return trace.files
+
+
+def documented_files() -> list[str]:
+    """The numbered list of the doc's section, one file path per item."""
+    text = DOC.read_text()
+    assert HEADING in text, f"{DOC} has no section {HEADING!r}"
+    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\d+\. `([^`]+)`", section, flags=re.MULTILINE)
+
+
+def counted(files: list[str]) -> list[str]:
+    return [name for name in files if not name.startswith(LIBRARY)]
+
+
+def test_the_documented_request_path_is_the_traced_one() -> None:
+    traced = traced_files()
+    print(f"{len(counted(traced))} files counted, {len(traced)} listed")
+    assert documented_files() == traced, "\n".join(
+        f"{i}. `{name}`" for i, name in enumerate(traced, 1))
+
+
+def test_the_doc_states_the_count_of_its_list() -> None:
+    files = documented_files()
+    section = DOC.read_text().split(HEADING, 1)[1]
+    stated = re.search(r"crosses (\d+) files outside\s+`services/model/`", section)
+    assert stated is not None and int(stated.group(1)) == len(counted(files))
