@@ -126,6 +126,11 @@ def test_compare_page_shows_prfaas_pd_serving_more_than_homogeneous_on_the_same_
         if os.environ.get("PRFAAS_DOCS_SCREENSHOTS") == "1":
             shutil.copyfile(shot, ROOT / "docs" / "dashboard-compare.png")
         final = page.evaluate("() => window.prfaasCompare.state.summary")
+        # The instructor pushes the load from the page: the one load of every deployment.
+        page.fill("#ctl-rate", "3")
+        page.click("#ctl-start")
+        wait_until(page, "document.getElementById('offered').textContent === '3.00 req/s'")
+        assert sim.load is not None and sim.load.rate == 3.0
         # Closed before the server stops: its polls would fail (and log) on the way out.
         page.close()
     print("\ncompare page:", json.dumps({"ratio": ratio, "summary": text, "nodes": nodes,
