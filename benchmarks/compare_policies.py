@@ -58,7 +58,6 @@ from services.cli.deployment import (
     Shape,
     cluster_kind,
     deploy,
-    deployment_for,
     effective_options,
     shape_of,
     topology_text,
@@ -67,6 +66,7 @@ from services.cli.deployment import (
 from services.cli.launch import launch
 from services.cli.serve import default_topology
 from services.contract.errors import DataPathError
+from services.paper.case_study import deployment_for
 from services.service import link_service_of
 
 POLICIES = ("homogeneous", "naive-hetero", "prfaas-dynamic")

@@ -13,16 +13,15 @@ from mesh.errors import ConfigError
 from mesh.topology import Topology, load_topology, parse_topology
 from services.bench.comparison import format_comparison
 from services.cli.deployment import (
-    DEPLOYMENTS,
     cluster_kind,
     deploy,
-    deployment_for,
     effective_options,
     shape_of,
     topology_text,
     workers,
 )
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, default_topology
+from services.paper.case_study import DEPLOYMENTS, deployment_for
 from services.service import link_routes
 
 TWO_PRFAAS = DEFAULT_TOPOLOGY_PATH.parent / "topologies" / "two-prfaas.toml"

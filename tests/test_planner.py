@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.cli.plan import PAPER_TABLE6, format_table, plan_main
+from services.cli.plan import format_table, plan_main
+from services.paper.case_study import DEPLOYMENTS, TABLE6
 from services.paper.planner import (
     ClusterShape,
     PlanResult,
@@ -68,12 +69,11 @@ def test_what_is_fitted_comes_back_exactly_and_what_is_not_comes_back_close(
 
 
 def test_stage_throughputs_offload_share_and_egress(result: PlanResult) -> None:
-    figures = {row.scenario: dict(row.figures) for row in PAPER_TABLE6}
-    for name in ("prfaas", "homogeneous", "naive_hetero"):
-        point = getattr(result, name)
+    for name in DEPLOYMENTS:
+        point, paper = result.point(name), TABLE6[name]
         for key in ("theta_prfaas", "theta_pd_p", "theta_pd_d"):
-            if key in figures[name]:
-                assert getattr(point, key) == pytest.approx(figures[name][key], rel=0.03)
+            if getattr(paper, key) is not None:
+                assert getattr(point, key) == pytest.approx(getattr(paper, key), rel=0.03)
     assert result.prfaas.p == pytest.approx(0.496, abs=0.005)
     assert result.prfaas.egress_bps / 1e9 == pytest.approx(13.0, rel=0.1)
     assert result.prfaas.prfaas_limit == "compute"

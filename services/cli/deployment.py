@@ -23,17 +23,9 @@ import msgspec
 
 from mesh.errors import ConfigError
 from mesh.topology import Options, ServiceSpec, Topology, topology_toml
+from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 
-DEPLOYMENTS = ("prfaas-pd", "homogeneous", "naive")
-# The policy each deployment runs with in the paper's comparison; any other policy (prfaas,
-# prfaas-dynamic, dynamo) routes on the PrfaaS-PD deployment.
-POLICY_DEPLOYMENTS = {"homogeneous": "homogeneous", "naive-hetero": "naive"}
 WORKER_KINDS = ("prefill", "decode")
-
-
-def deployment_for(policy: str) -> str:
-    """The deployment `policy` is compared on."""
-    return POLICY_DEPLOYMENTS.get(policy, "prfaas-pd")
 
 
 def cluster_kind(topology: Topology, service: ServiceSpec) -> str:
@@ -92,11 +84,11 @@ def shape_of(topology: Topology) -> Shape:
 
 def deploy(topology: Topology, deployment: str) -> Topology:
     """`topology` redrawn as `deployment` (module docstring); ConfigError if it is unknown."""
-    if deployment == "prfaas-pd":
+    if deployment == PRFAAS_PD:
         return topology
-    if deployment == "homogeneous":
+    if deployment == HOMOGENEOUS:
         return _homogeneous(topology)
-    if deployment == "naive":
+    if deployment == NAIVE:
         return _naive(topology)
     raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {deployment!r}")
 

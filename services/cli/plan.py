@@ -1,7 +1,8 @@
 """`prfaas plan`: the planner's command, printing our Table 6 beside the paper's.
 
-The paper's figures are from arXiv 2604.15039 v2, Table 6 and sections 4.2-4.3; each of
-ours is printed with its relative error (or, with --json, as the agreed JSON object).
+The paper's figures are Table 6 and sections 4.2-4.3 of arXiv 2604.15039 v2, as
+services/paper/case_study.py states them; each of ours is printed with its relative error
+(or, with --json, as the agreed JSON object).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 import msgspec
 
+from services.paper.case_study import DEPLOYMENTS, TABLE6, PaperShape
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
 from services.paper.workload import (
     EmpiricalLengths,
@@ -21,28 +23,6 @@ from services.paper.workload import (
     load_trace,
 )
 
-
-class PaperRow(msgspec.Struct, frozen=True):
-    """One column of the paper's Table 6: instance counts and the figures it reports."""
-
-    scenario: str
-    shape: str
-    figures: tuple[tuple[str, float], ...]
-
-
-# Table 6 and sections 4.2-4.3 of the paper (arXiv 2604.15039 v2); l_long is "about 44K".
-PAPER_TABLE6 = (
-    PaperRow("prfaas", "4 / 3 / 5", (
-        ("t", 19400.0), ("theta_prfaas", 1.61), ("theta_pd_p", 1.64), ("theta_pd_d", 3.91),
-        ("lambda_max", 3.24), ("ratio", 1.54), ("p", 0.496), ("l_long", 44000.0),
-        ("egress_gbps", 13.0))),
-    PaperRow("homogeneous", "- / 9 / 3", (
-        ("theta_pd_p", 2.11), ("theta_pd_d", 2.35), ("lambda_max", 2.11), ("ratio", 1.00),
-        ("p", 0.0))),
-    PaperRow("naive_hetero", "4 / - / 8", (
-        ("theta_prfaas", 2.45), ("theta_pd_d", 6.25), ("lambda_max", 2.45), ("ratio", 1.16),
-        ("p", 1.0))),
-)
 _ROWS = (
     ("t", "threshold t (tokens)", "{:.0f}"), ("theta_prfaas", "Theta_prfaas (req/s)", "{:.3f}"),
     ("theta_pd_p", "Theta_pd-p (req/s)", "{:.3f}"), ("theta_pd_d", "Theta_pd-d (req/s)", "{:.3f}"),
@@ -63,7 +43,7 @@ def _metrics(point: OperatingPoint, baseline: float) -> dict[str, float | None]:
 
 
 def _shape_text(point: OperatingPoint) -> str:
-    return " / ".join(str(n) if n else "-" for n in (point.n_prfaas, point.n_p, point.n_d))
+    return PaperShape(point.n_prfaas, point.n_p, point.n_d).text()
 
 
 def _fmt(fmt: str, value: float | None) -> str:
@@ -82,13 +62,13 @@ def format_table(result: PlanResult) -> str:
     """Each row of Table 6 with the paper's figure and our relative error beside it."""
     baseline = result.homogeneous.lambda_max
     lines = [f"{'metric':<24}{'ours':>12}{'paper':>12}{'rel. err':>12}"]
-    for row in PAPER_TABLE6:
-        point: OperatingPoint = getattr(result, row.scenario)
-        paper = dict(row.figures)
+    for name in DEPLOYMENTS:
+        point, row = result.point(name), TABLE6[name]
+        paper = msgspec.structs.asdict(row)
         ours = _metrics(point, baseline)
         limit = f"; PrfaaS {point.prfaas_limit}-bound" if point.prfaas_limit else ""
-        lines += ["", f"[{row.scenario}]  binding stage: {point.bound}{limit}",
-                  f"{'N_prfaas / N_p / N_d':<24}{_shape_text(point):>12}{row.shape:>12}"]
+        lines += ["", f"[{name}]  binding stage: {point.bound}{limit}",
+                  f"{'N_prfaas / N_p / N_d':<24}{_shape_text(point):>12}{row.shape.text():>12}"]
         for key, label, fmt in _ROWS:
             ref = paper.get(key)
             lines.append(f"{label:<24}{_fmt(fmt, ours[key]):>12}{_fmt(fmt, ref):>12}"

@@ -39,6 +39,7 @@ import trio
 
 from mesh.errors import ConfigError, MeshError
 from mesh.run import fewer_collections
+from services.paper.case_study import T_STAR_TOKENS
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
 from services.sim.compare import (
@@ -57,7 +58,6 @@ from services.sim.world import DEFAULT_SCALE, Deployment
 log = logging.getLogger(__name__)
 
 DASHBOARD_GROUP = "prfaas.dashboard"
-PAPER_THRESHOLD = 19400.0  # paper tokens (section 4.1)
 # The page's and the CLI's default load: the paper deployment at 1/8 scale holds it (near 1 req/s
 # decode KV waits time out).
 SIM_DEFAULT_RATE = 0.5
@@ -172,8 +172,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def scaled_options(policy: str, scale: float) -> dict[str, Any]:
     """The prfaas policy's t is in the router's tokens: the paper's case-study optimum
-    (19.4K paper tokens) at the simulation's scale."""
-    return {"threshold": PAPER_THRESHOLD * scale} if policy == "prfaas" else {}
+    (t*, in paper tokens) at the simulation's scale."""
+    return {"threshold": T_STAR_TOKENS * scale} if policy == "prfaas" else {}
 
 
 def compare_sim(args: argparse.Namespace, clock: PacedClock | None = None) -> CompareSim:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 from services.paper.hardware import CostModel
 from services.paper.workload import LengthDistribution, TruncatedLogNormal
 
@@ -287,9 +288,19 @@ class Scenario:
 
 
 class PlanResult(msgspec.Struct, frozen=True):
+    """Table 6's three operating points. The field names are the keys of `prfaas plan --json`;
+    `point` reads one by its deployment's name (services/paper/case_study.py)."""
+
     prfaas: OperatingPoint
     homogeneous: OperatingPoint
     naive_hetero: OperatingPoint
+
+    def point(self, deployment: str) -> OperatingPoint:
+        """The operating point of the deployment named `deployment`."""
+        points = {PRFAAS_PD: self.prfaas, HOMOGENEOUS: self.homogeneous, NAIVE: self.naive_hetero}
+        if deployment not in points:
+            raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")
+        return points[deployment]
 
 
 def solve_scenario(scenario: Scenario,

@@ -16,6 +16,7 @@ import msgspec
 
 from mesh.errors import ConfigError
 from services.contract.types import DEFAULT_TOKEN_SCALE
+from services.paper.case_study import T_STAR_TOKENS
 from services.router.link import LinkEnds
 from services.router.policies import POLICIES
 
@@ -65,7 +66,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     policy: str = "prfaas"
-    # Router tokens per paper token: scales t (19.4K in the paper), prfaas-dynamic's model
+    # Router tokens per paper token: scales t (the paper's t*), prfaas-dynamic's model
     # and the demo workload's lengths to the small model.
     scale: float = DEFAULT_TOKEN_SCALE
     # The prefix rule (paper section 3.3): "auto" counts the best cache anywhere while the
@@ -100,7 +101,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                                   f"{getattr(self, name)!r}")
 
     def policy_options(self) -> dict[str, dict[str, object]]:
-        t = 19400.0 * self.scale
+        t = T_STAR_TOKENS * self.scale
         derived: dict[str, dict[str, object]] = {
             "prfaas": {"threshold": t, "bandwidth": self.bandwidth},
             "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},

@@ -64,7 +64,7 @@ class DemoWorkload:
 
     Prompt lengths follow the paper's log-normal (mu 9.90, sigma 1.00, 128..128K tokens,
     section 4.1) times `scale`, so "mixed" straddles the default threshold the way the
-    paper's workload straddles t = 19.4K; "short" and "long" keep the halves below and above
+    paper's workload straddles t*; "short" and "long" keep the halves below and above
     its median. Prompts are spans of the tokenized corpus at random offsets.
     """
 

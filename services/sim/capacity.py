@@ -30,6 +30,7 @@ from functools import partial
 
 import msgspec
 
+from services.paper.case_study import DECODE_STEP_S
 from services.sim.run import STAGES, Sample, SimResult, run_virtual
 from services.sim.workload import Workload
 from services.sim.world import Deployment
@@ -48,7 +49,7 @@ class Slo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     SLO of 40 tokens/s (25 ms a token) with 5% slack."""
 
     queue_s: float = 5.0
-    tpot_s: float = 0.025 * 1.05
+    tpot_s: float = DECODE_STEP_S * 1.05
     quantile: float = 0.99
 
 

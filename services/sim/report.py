@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from matplotlib.figure import Figure
 
+from services.sim.capacity import Slo
 from services.sim.exposition import write_metrics
 from services.sim.run import STAGES, Record, SimResult
 
@@ -277,7 +278,7 @@ def burst_report(out: Path, result: SimResult, conversions: Sequence[tuple[float
 # The SLO a request must meet to count as attained (paper section 4.1: decode at 40 tokens/s;
 # a TTFT bound is ours: the paper gives none).
 SLO_TTFT_S = 10.0
-SLO_TPOT_S = 0.025 * 1.05
+SLO_TPOT_S = Slo().tpot_s
 
 
 def slo_attainment(records: Sequence[Record]) -> float:

@@ -18,6 +18,7 @@ import math
 import msgspec
 
 from services.contract.types import Cluster
+from services.paper.case_study import T_STAR_TOKENS
 from services.router.policy import (
     BandwidthMode,
     Decision,
@@ -36,7 +37,7 @@ def check_watermark(name: str, value: float) -> None:
 
 
 class PrfaasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    threshold: float = 19400.0  # t in the router's tokens; the paper's case-study optimum
+    threshold: float = T_STAR_TOKENS  # t in the router's tokens; the paper's case-study optimum
     abundant_below: float = 0.5  # link utilisation under which bandwidth counts as abundant
     bandwidth: BandwidthMode = "auto"  # or pin "scarce" / "abundant"
 

@@ -17,11 +17,18 @@ import itertools
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
 
 from mesh.errors import ConfigError
+from services.paper.case_study import (
+    DEPLOYMENTS,
+    HOMOGENEOUS,
+    NAIVE,
+    POLICY_DEPLOYMENTS,
+    PRFAAS_PD,
+)
 from services.paper.hardware import CostModel
 from services.paper.planner import ClusterShape, ThroughputModel, solve_threshold
 from services.paper.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
@@ -29,9 +36,9 @@ from services.sim.capacity import CapacityConfig
 from services.sim.workload import Workload
 from services.sim.world import CHUNK_PAPER_TOKENS, COARSE_SCALE, Deployment
 
-Kind = Literal["prfaas-pd", "homogeneous", "naive"]
 Threshold = float | str  # paper tokens, "planner" or "dynamic"
-_POLICY = {"homogeneous": "homogeneous", "naive": "naive-hetero"}
+# The policy a baseline family runs (its deployment's, in the paper's comparison).
+_POLICY = {deployment: policy for policy, deployment in POLICY_DEPLOYMENTS.items()}
 
 
 class Chip(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,7 +56,7 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One kind of deployment and the ranges its configurations take."""
 
     name: str
-    kind: Kind
+    kind: str  # a deployment of services/paper/case_study.py
     pd_chip: str
     n_d: list[int]
     prfaas_chip: str = ""
@@ -58,7 +65,10 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     t: list[Threshold] = msgspec.field(default_factory=lambda: ["planner"])
 
     def __post_init__(self) -> None:
-        if self.kind != "homogeneous" and not self.prfaas_chip:
+        if self.kind not in DEPLOYMENTS:
+            raise ConfigError(f"family {self.name!r}: kind must be one of {DEPLOYMENTS}, got "
+                              f"{self.kind!r}")
+        if self.kind != HOMOGENEOUS and not self.prfaas_chip:
             raise ConfigError(f"family {self.name!r}: a {self.kind} family needs prfaas_chip")
         for t in self.t:
             if isinstance(t, str) and t not in ("planner", "dynamic"):
@@ -163,11 +173,11 @@ def configurations(space: SearchSpace) -> list[Configuration]:
     """Every configuration of the space within its budget, in a stable order."""
     out = []
     for family in space.families:
-        prfaas = family.kind != "homogeneous"
+        prfaas = family.kind != HOMOGENEOUS
         for n_prfaas, n_p, n_d, bw in itertools.product(
-                family.n_prfaas if prfaas else [0], family.n_p if family.kind != "naive"
+                family.n_prfaas if prfaas else [0], family.n_p if family.kind != NAIVE
                 else [0], family.n_d, space.bandwidth_gbps if prfaas else [0.0]):
-            for t in family.t if family.kind == "prfaas-pd" else [None]:
+            for t in family.t if family.kind == PRFAAS_PD else [None]:
                 config = _configuration(space, family, ClusterShape(n_prfaas, n_p, n_d), bw, t)
                 if config.cost_per_hour <= space.budget_per_hour + 1e-9:
                     out.append(config)
@@ -180,7 +190,7 @@ def _configuration(space: SearchSpace, family: Family, shape: ClusterShape, bw: 
     policy, options = _policy(family, t, prediction.t, space.scale)
     key = f"{family.name}-{shape.n_prfaas}-{shape.n_p}-{shape.n_d}"
     key += f"-t{t if not isinstance(t, float) else round(t)}-{bw:g}g" if family.kind == \
-        "prfaas-pd" else (f"-{bw:g}g" if family.kind == "naive" else "")
+        PRFAAS_PD else (f"-{bw:g}g" if family.kind == NAIVE else "")
     d = Deployment(name=key, n_prfaas=shape.n_prfaas, n_pd_prefill=shape.n_p,
                    n_decode=shape.n_d, prfaas_profile=_profile(space, family.prfaas_chip),
                    pd_profile=space.chips[family.pd_chip].profile, model=space.model,
@@ -205,7 +215,7 @@ def _cost(space: SearchSpace, family: Family, shape: ClusterShape, bw: float) ->
 
 def _policy(family: Family, t: Threshold | None, planner_t: float | None,
             scale: float) -> tuple[str, dict[str, object]]:
-    if family.kind != "prfaas-pd":
+    if family.kind != PRFAAS_PD:
         return _POLICY[family.kind], {}
     if t == "dynamic":
         return "prfaas-dynamic", {}
@@ -222,9 +232,9 @@ def _predict(space: SearchSpace, family: Family, shape: ClusterShape, bw: float,
     remote = CostModel.load(space.chips[family.prfaas_chip].profile, space.model) if \
         family.prfaas_chip and shape.n_prfaas else None
     model = ThroughputModel(remote, pd, (bw or 100.0) * 1e9, space.workload.output_len)
-    if family.kind == "homogeneous":
+    if family.kind == HOMOGENEOUS:
         model, tokens = replace(model, prfaas=None), math.inf
-    elif family.kind == "naive":
+    elif family.kind == NAIVE:
         tokens = -math.inf
     elif isinstance(t, str):
         tokens = solve_threshold(model, lengths, shape)
