@@ -84,7 +84,8 @@ def serial_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def serial(space: SearchSpace, serial_dir: Path) -> Summary:
-    return run_search(space, serial_dir, SerialPool())
+    with SerialPool() as pool:
+        return run_search(space, serial_dir, pool)
 
 
 def results(summary: Summary) -> list[Any]:

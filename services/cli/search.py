@@ -96,7 +96,8 @@ def _against_serial(space: SearchSpace, args: argparse.Namespace) -> Summary:
     for folder in (serial_dir, args.out / "configurations"):
         shutil.rmtree(folder, ignore_errors=True)
     load = [os.getloadavg()[0]]
-    serial = _search(space, serial_dir, SerialPool(), not args.no_progress, "serial")
+    with SerialPool() as serial_pool:
+        serial = _search(space, serial_dir, serial_pool, not args.no_progress, "serial")
     load.append(os.getloadavg()[0])
     with RayPool(args.address, args.cpus) as pool:
         ray = _search(space, args.out, pool, not args.no_progress, f"ray x{pool.cpus}")

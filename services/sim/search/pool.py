@@ -12,12 +12,13 @@ and holds memory while it runs: open one pool per search and close it at the end
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
-
-import torch
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -26,17 +27,10 @@ Started = Callable[[int], None]
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 
 
-def one_thread(job: Callable[[], R]) -> R:
-    """`job` with torch on one thread, as Ray runs every task (OMP_NUM_THREADS=1): a run of
-    the simulation is not the same on one thread as on two (found by a search: PrfaaS-PD's
-    saturation 3.2258 against 3.2181 req/s, seed 0), and a search must not depend on where it
-    ran. The count before is restored: the rest of this process keeps its own."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return job()
-    finally:
-        torch.set_num_threads(before)
+def one_thread() -> None:
+    """Set up a fresh job process as Ray sets up its workers: one OpenMP thread (torch reads
+    it when first imported, which comes after this: this module imports no torch)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _ignore(index: int) -> None:
@@ -44,22 +38,31 @@ def _ignore(index: int) -> None:
 
 
 class SerialPool:
-    """Every job in this process, one after the other: the reference Ray is tested against."""
+    """Every job one after the other, each in a process of its own that runs nothing else (as
+    `RayPool` runs them): the reference Ray is tested against. A job's result must depend on
+    its arguments alone, and a simulation run is not the same after other runs in the same
+    process, nor on one torch thread and on two (PrfaaS-PD's saturation, seed 1 of
+    paper-equal-cost: 2.9507 req/s as a process's second run, 2.9580 as its first)."""
 
     address = "serial"
     cpus = 1
 
+    def __init__(self) -> None:
+        self._executor = ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=one_thread, max_tasks_per_child=1)
+
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        return [one_thread(partial(fn, item)) for item in items]
+        return [self._executor.submit(fn, item).result() for item in items]
 
     def unordered(self, jobs: Sequence[Callable[[], R]],
                   started: Started = _ignore) -> Iterator[tuple[int, R]]:
         for index, job in enumerate(jobs):
             started(index)
-            yield index, one_thread(job)
+            yield index, self._executor.submit(job).result()
 
     def close(self) -> None:
-        """Nothing holds resources."""
+        self._executor.shutdown(cancel_futures=True)
 
     def __enter__(self) -> SerialPool:
         return self
@@ -71,7 +74,7 @@ class SerialPool:
 
 def _call(job: Callable[[], Any]) -> Any:
     """A Ray task: one job (a simulation or a seed's capacity search)."""
-    return one_thread(job)
+    return job()
 
 
 class RayPool:
@@ -90,12 +93,16 @@ class RayPool:
             ray.init(address=address, logging_level=logging.WARNING,
                      runtime_env={"py_modules": [mesh, netem, services]})
         else:
+            # Ray starts its workers at nice 15; on a shared machine they would then get
+            # a fraction of the CPU a serial run in this process gets.
             ray.init(address="local", num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES,
-                     include_dashboard=False, logging_level=logging.WARNING)
+                     include_dashboard=False, logging_level=logging.WARNING,
+                     _system_config={"worker_niceness": 0})
         self.address = address or "local"
         resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
         self.cpus = max(1, int(resources.get("CPU", 1)))
-        self._task = ray.remote(num_cpus=1, max_retries=0)(_call)
+        # A worker process per task (Ray's workers run with OMP_NUM_THREADS=1): see SerialPool.
+        self._task = ray.remote(num_cpus=1, max_retries=0, max_calls=1)(_call)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         refs = [self._task.remote(partial(fn, item)) for item in items]
