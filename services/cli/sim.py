@@ -18,6 +18,7 @@ the same summary, byte for byte.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from mesh.errors import ConfigError
 from services.router.policies import POLICIES
 from services.sim import report, scenarios
 from services.sim.run import run_virtual
+from services.sim.search.pool import RayPool
 from services.sim.workload import lognormal
 from services.sim.world import Deployment
 
@@ -77,6 +79,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--instances", default="4/3/5",
                         help="one run: PrfaaS prefill / PD prefill / PD decode instances")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--ray", action="store_true",
+                        help="capacity scenarios: each seed's search a Ray task in a process of "
+                             "its own, on a local Ray instance with every core (or the cluster "
+                             "in RAY_ADDRESS); a run depends on the process's past runs, so the "
+                             "numbers can differ slightly from a run without --ray "
+                             "(docs/search.md)")
     parser.add_argument("--dashboard", action="store_true",
                         help="serve the dashboard on the simulation instead of a report "
                              "(prfaas sim-dashboard with --policy and --rate)")
@@ -117,13 +125,18 @@ def _scenario(args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]
     if args.seeds < 2:
         raise ConfigError(f"--seeds must be >= 2 (an interval needs two), got {args.seeds}")
     seeds = tuple(range(args.seed, args.seed + (2 if quick else args.seeds)))
+    pool = RayPool(os.environ.get("RAY_ADDRESS")) if args.ray and args.scenario in (
+        "paper", "bandwidth-bound") else None
+    # On Ray the runs report no progress: they run in Ray's processes.
+    sweep: dict[str, Any] = {"run_map": pool.map, "progress": None} if pool else {
+        "progress": progress}
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "paper": lambda: report.paper_report(args.out, outcome := scenarios.paper(
-            window_s=300.0 if quick else 480.0, seeds=seeds, progress=progress),
+            window_s=300.0 if quick else 360.0, seeds=seeds, **sweep),
             sum(s.virtual_s for s in outcome.summaries.values()),
             time.perf_counter() - began),
         "bandwidth-bound": lambda: report.bandwidth_report(args.out, scenarios.bandwidth_bound(
-            window_s=300.0 if quick else 480.0, seeds=seeds, progress=progress),
+            window_s=300.0 if quick else 360.0, seeds=seeds, **sweep),
             time.perf_counter() - began),
         "bandwidth-dip": lambda: report.dip_report(args.out, dip := scenarios.bandwidth_dip(
             before_s=120.0 if quick else 600.0, dip_s=120.0 if quick else 600.0,
@@ -136,7 +149,11 @@ def _scenario(args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]
             duration_s=600.0 if quick else 1800.0, seed=args.seed, progress=progress),
             burst.role_changes, burst.virtual_s, time.perf_counter() - began),
     }
-    return runners[args.scenario]()
+    try:
+        return runners[args.scenario]()
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def _virtual(runs: Any) -> float:
