@@ -96,6 +96,12 @@ def scenario_section(result: ScenarioResult) -> str:
     lines += ["", f"HTTP statuses: {statuses or 'none'}."]
     if result.migrations:
         lines.append(f"Migrated: {_migrations(result)}.")
+    refused = result.statuses.get("429", 0)
+    if is_fault(result.name) and refused and refused == result.outcomes.get("error", 0):
+        lines.append(f"Every explicit error here is an admission refusal (429: the "
+                     f"{'requests' if refused > 1 else 'request'} found the router's limit "
+                     "full, the mesh answering slower than the load arrived), none a "
+                     "request that broke.")
     if result.error_samples and is_fault(result.name):
         lines.append("Errors (first distinct): " + " | ".join(
             f"`{sample[:160]}`" for sample in result.error_samples) + ".")
