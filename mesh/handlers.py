@@ -15,19 +15,16 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import msgspec
 
+from mesh.connection import Connection
 from mesh.eager import Eager
 from mesh.errors import ConfigError, MeshError, PeerGone, RequestFailed, StreamAborted
 from mesh.mailbox import Mailbox
 from mesh.wire import Abort, Call, Cast, End, Envelope, Fail, Item, Open, Push, Reply
-
-if TYPE_CHECKING:
-    from mesh.node import Node
-    from mesh.server import ServerSession
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +34,6 @@ M = TypeVar("M", bound=msgspec.Struct)
 class Context(msgspec.Struct, frozen=True):
     """What a handler knows about the request it serves."""
 
-    node: Node
     peer: str
     id: int
     deadline: float
@@ -48,6 +44,15 @@ StreamHandler = Callable[[M, Context], AsyncGenerator[msgspec.Struct, None]]
 UploadHandler = Callable[[M, Mailbox[msgspec.Struct], Context], Awaitable[msgspec.Struct | None]]
 
 
+class Session(Protocol):
+    """What a request needs of the connection it came on (mesh.server.ServerSession)."""
+
+    peer: str
+    conn: Connection
+
+    def finish(self, request: Request) -> None: ...
+
+
 class Request:
     """One inbound request, from its arrival until its handler is done."""
 
@@ -55,7 +60,7 @@ class Request:
 
     def __init__(
         self,
-        session: ServerSession,
+        session: Session,
         envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any],
         deadline: float,
     ) -> None:
@@ -73,7 +78,7 @@ class Request:
 
     def context(self) -> Context:
         session = self.session
-        return Context(session.node, session.peer, self.id, self.deadline)
+        return Context(session.peer, self.id, self.deadline)
 
 
 @dataclass

@@ -400,4 +400,4 @@ class Node:
 
     def _session_for(self, conn: Connection) -> ServerSession:
         group = self._running("serving")
-        return ServerSession(self, conn, self.pool_for, self._handlers, group.start_soon)
+        return ServerSession(self.now, conn, self.pool_for, self._handlers, group.start_soon)

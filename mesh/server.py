@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -48,9 +48,6 @@ from mesh.handlers import (
 from mesh.mailbox import Mailbox
 from mesh.pools import Pool
 from mesh.wire import Abort, Call, Cast, End, Envelope, Item, Open, Push
-
-if TYPE_CHECKING:
-    from mesh.node import Node
 
 __all__ = [
     "Context",
@@ -86,13 +83,14 @@ class ServerSession:
 
     def __init__(
         self,
-        node: Node,
+        clock: Callable[[], float],
         conn: Connection,
         pools: PoolFor,
         handlers: Handlers,
         spawn: Spawn,
     ) -> None:
-        self.node = node
+        # The node's clock, for the deadlines of calls that arrive here.
+        self._now = clock
         self.conn = conn
         self.peer = conn.peer
         self._pools = pools
@@ -213,7 +211,7 @@ class ServerSession:
 
     def _deadline(self, envelope: Call[Any] | Cast[Any] | Open[Any] | Push[Any]) -> float:
         timeout = None if isinstance(envelope, Cast) else envelope.timeout
-        return math.inf if timeout is None else self.node.now() + timeout
+        return math.inf if timeout is None else self._now() + timeout
 
     async def _deliver(self, envelope: Item[Any] | End | Abort) -> None:
         request = self._active.get(envelope.id)

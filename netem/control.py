@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONTROL_PORT = 8474
 MAX_BODY_BYTES = 64 * 1024
 
-class ControlError(LinkError):
+class LinkControlError(LinkError):
     """A control request that cannot be served; carries its HTTP status."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -76,13 +76,13 @@ async def _read_body(request: Request) -> bytes:
     """The request body, refused past MAX_BODY_BYTES (no update needs more than a few)."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
+        raise LinkControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
     body = bytearray()
     async with contextlib.aclosing(request.stream()) as parts:
         async for part in parts:
             body += part
             if len(body) > MAX_BODY_BYTES:
-                raise ControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
+                raise LinkControlError(413, f"body is larger than {MAX_BODY_BYTES} bytes")
     return bytes(body)
 
 
@@ -127,7 +127,7 @@ class _ControlApi:
 
     def _check_proxy(self, request: Request) -> None:
         if request.path_params["proxy"] != self._name:
-            raise ControlError(404, f"proxy not found: {shown(request.path_params['proxy'])}")
+            raise LinkControlError(404, f"proxy not found: {shown(request.path_params['proxy'])}")
 
     def _toxics(self) -> list[dict[str, Any]]:
         toxics = []
@@ -143,7 +143,7 @@ class _ControlApi:
         for toxic in self._toxics():
             if toxic["name"] == wanted:
                 return toxic
-        raise ControlError(404, f"toxic not found: {shown(wanted)}")
+        raise LinkControlError(404, f"toxic not found: {shown(wanted)}")
 
     def _proxy_view(self) -> dict[str, Any]:
         addresses = self._proxy.listen_addresses or [
@@ -190,7 +190,7 @@ class _ControlApi:
         kind, stream, name = new_toxic(body)
         update = toxic_update(kind, body.get("attributes", {}), create=True)
         if kind in active_toxics(self._shaper.params):
-            raise ControlError(409, f"toxic already exists: a {kind} toxic is active")
+            raise LinkControlError(409, f"toxic already exists: a {kind} toxic is active")
         if kind not in active_toxics(apply_link_update(self._shaper.params, update)):
             # Toxics are views of the link's parameters: one that changes nothing is none.
             raise LinkParamError(f"a {kind} toxic needs a non-zero {' or '.join(TOXICS[kind])}")
@@ -232,7 +232,7 @@ class _ControlApi:
 
 
 async def _control_error(request: Request, exc: Exception) -> Response:
-    status = exc.status if isinstance(exc, ControlError) else 400
+    status = exc.status if isinstance(exc, LinkControlError) else 400
     return _json({"error": str(exc), "status": status}, status)
 
 
@@ -260,7 +260,7 @@ def create_control_app(
         HttpRoute("/reset", api.reset, methods=["POST"]),
         HttpRoute("/metrics", api.metrics, methods=["GET"]),
     ]
-    handlers = {LinkParamError: _control_error, ControlError: _control_error}
+    handlers = {LinkParamError: _control_error, LinkControlError: _control_error}
     guard = Middleware(WriteGuard, admin_token=admin_token, loopback_only=loopback_only)
     return Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
 

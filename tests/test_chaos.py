@@ -9,8 +9,8 @@ import pytest
 
 from services.chaos.cli import chaos_main, exit_status
 from services.chaos.faults import envelope_frames, malformed_bodies, random_frames
+from services.chaos.harness import MeshConfig, chaos_topology
 from services.chaos.load import OUTCOMES
-from services.chaos.mesh import MeshConfig, chaos_topology
 from services.chaos.report import migration_cost, verdict
 from services.chaos.scenarios import ScenarioResult, migrations_of
 

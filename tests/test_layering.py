@@ -5,7 +5,7 @@ netem and the service harness (services.service); the roles (router, worker, cac
 bench, ui); the simulation; the CLI. A module may import its own package and any lower layer,
 never a higher one, never a sibling role (roles talk over the mesh, through the contract).
 `services` never imports `ui`. And no two modules may import each other, directly or round a
-cycle.
+cycle, not even for annotations alone.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def import_graph(paths: list[Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in paths:
         targets = set()
-        for _, target in imports(path, runtime_only=True):
+        for _, target in imports(path):
             # `from a.b import c` may name module a.b.c or a name in a.b.
             while target and target not in known:
                 target = target.rpartition(".")[0]
@@ -160,8 +160,22 @@ def test_imports_only_go_downward() -> None:
 
 
 def test_no_import_cycles() -> None:
-    """At run time; imports for annotations alone (`if TYPE_CHECKING:`) may point back."""
+    """Imports for annotations alone (`if TYPE_CHECKING:`) count too: a reader follows them
+    as far as the run-time ones."""
     assert cycles(import_graph(sources())) == []
+
+
+def test_a_type_only_cycle_is_caught() -> None:
+    probes = [ROOT / "services" / "contract" / f"_cycle_probe_{name}.py" for name in "ab"]
+    probes[0].write_text("from services.contract._cycle_probe_b import B\n")
+    probes[1].write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                         "    from services.contract._cycle_probe_a import A\n")
+    try:
+        found = cycles(import_graph(probes))
+    finally:
+        for probe in probes:
+            probe.unlink()
+    assert found == [["services.contract._cycle_probe_a", "services.contract._cycle_probe_b"]]
 
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:

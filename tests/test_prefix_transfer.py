@@ -32,9 +32,8 @@ from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
 from services.model.config import ModelConfig, family_config
 from services.router.config import SchedulerConfig
-from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
-from services.router.requests import RequestHandle
+from services.router.requests import GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.worker import engine as engine_module

@@ -23,7 +23,7 @@ from services.model.sampling import RequestSampler
 from services.router.config import SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
 from services.router.runner import breakage, continued
-from services.worker.compute import sampling_params
+from services.worker.engine import sampling_params
 
 
 @pytest.mark.trio

@@ -10,9 +10,8 @@ from router_fakes import DONE, placed_handle
 
 from services.contract.sampling import Sampling
 from services.router.errors import UpstreamFailed
-from services.router.openai.schema import GenerationRequest
-from services.router.requests import RequestHandle
-from services.router.responses import Kind, Responder, stream_events
+from services.router.openai.responses import Kind, Responder, stream_events
+from services.router.requests import GenerationRequest, RequestHandle
 
 
 async def events(kind: Kind, request: RequestHandle, **generation: Any) -> list[Any]:

@@ -34,8 +34,8 @@ from services.contract.prefix import block_hashes
 from services.contract.sampling import Sampling
 from services.model.config import family_config, kv_bytes
 from services.router.config import SchedulerConfig
-from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
+from services.router.requests import GenerationRequest
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import serve_events

@@ -3,7 +3,7 @@
     prfaas chaos [--quick] [--only NAME ...] [--out docs/reliability.md]
                  [--max-inflight N] [--workdir DIR]
 
-Starts the default mesh under `prfaas up` on free ports of 127.0.0.1 (services.chaos.mesh),
+Starts the default mesh under `prfaas up` on free ports of 127.0.0.1 (services.chaos.harness),
 runs each scenario (services.chaos.scenarios) in order, writes the Markdown report
 (services.chaos.report) and prints one JSON line: scenarios run, passed, and seconds taken.
 Exit status 0 when every scenario passed, 1 when one failed (the report is written either way),
@@ -27,8 +27,8 @@ import httpx
 
 from mesh.http import CLIENT_KEEPALIVE_S
 from services.chaos.faults import Faults
+from services.chaos.harness import ChaosMeshError, MeshConfig, running_mesh
 from services.chaos.load import Load
-from services.chaos.mesh import ChaosMeshError, MeshConfig, running_mesh
 from services.chaos.report import render, verdict
 from services.chaos.scenarios import SCENARIOS, Run, ScenarioResult
 
@@ -62,7 +62,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/reliability.md"))
     # What the default mesh's workers hold on two cores while answering in seconds.
     parser.add_argument("--max-inflight", type=int, default=4)
-    # Small enough to fill during a scenario's warm-up (services/chaos/mesh.py MeshConfig).
+    # Small enough to fill during a scenario's warm-up (services/chaos/harness.py MeshConfig).
     parser.add_argument("--cache-mib", type=float, default=32.0,
                         help="each worker's prefix cache budget in MiB (default 32)")
     parser.add_argument("--workdir", type=Path, help="mesh log and files (default: temporary)")

@@ -29,8 +29,8 @@ from services.chaos.faults import (
     random_frames,
     send_raw,
 )
+from services.chaos.harness import ChaosMesh, rss_bytes
 from services.chaos.load import Load, LoadConfig, Result, counts, send_one
-from services.chaos.mesh import ChaosMesh, rss_bytes
 
 RECOVER_LIMIT_S = 60.0
 

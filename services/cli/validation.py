@@ -59,9 +59,8 @@ from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
 from services.router.link import link_ends
-from services.router.openai.schema import GenerationRequest
 from services.router.policies import create_policy
-from services.router.requests import RequestHandle
+from services.router.requests import GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import ServiceContext

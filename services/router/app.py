@@ -61,10 +61,10 @@ from services.router.errors import RouterError
 from services.router.link import http_link_probe, link_ends, link_urls
 from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
 from services.router.metrics import SchedulerCollector
+from services.router.openai.responses import Kind, Responder, stream_events
 from services.router.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerationRequest,
     Limits,
     chat_generation,
     completion_generation,
@@ -72,8 +72,7 @@ from services.router.openai.schema import (
     unknown_fields,
 )
 from services.router.policies import create_policy
-from services.router.requests import RequestHandle
-from services.router.responses import Kind, Responder, stream_events
+from services.router.requests import GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import ServiceContext, serve_events

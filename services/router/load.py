@@ -22,7 +22,7 @@ from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import TokenizerLike, default_corpus_path
 from services.paper.workload import TruncatedLogNormal
 from services.router.errors import InvalidRequest, RouterError
-from services.router.openai.schema import GenerationRequest
+from services.router.requests import GenerationRequest
 
 if TYPE_CHECKING:
     from services.router.scheduler import Scheduler

@@ -15,27 +15,61 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from mesh.histogram import Histogram, HistogramSeries
 from services.contract.events import MIGRATION_REASONS
+from services.contract.messages import PrefillDone
+from services.router.policy import Policy
+from services.router.workers import WorkerTable
 from services.service import SECONDS_BUCKETS, TOKENS_BUCKETS
 
-if TYPE_CHECKING:
-    from services.router.requests import RequestHandle
-    from services.router.scheduler import Scheduler
-
 REQUEST_LABELS = ("cluster", "policy")
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True):
+    admitted: int
+    rejected_full: int
+    rejected_no_worker: int
+    completed: int
+    failed: int
+    cancelled: int
+    inflight: int
+    to_prfaas: int
+    to_pd: int
+    lookup_failures: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # What admission allows now: max_inflight, or less if the decode workers hold fewer.
+    admission_limit: int = 0
+    migrations: dict[str, int] = {}  # requests continued elsewhere, by reason
+    migrations_gave_up: int = 0  # requests that broke past migration_limit
+    migrations_resumed: int = 0  # continued attempts that streamed a token
+    migration_resume_s: float = 0.0  # their summed time from the break to that token
+
+
+class Observed(Protocol):
+    """What the collector reads of the scheduler (services/router/scheduler.py)."""
+
+    def statistics(self) -> SchedulerStatistics: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def workers(self) -> WorkerTable: ...
 
 
 class SchedulerCollector(Collector):
     """/metrics: the scheduler's, the policy's and the workers' statistics, read at scrape."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Observed) -> None:
         self._scheduler = scheduler
 
     def collect(self) -> Iterator[Metric]:
@@ -144,6 +178,36 @@ class RequestSeries(NamedTuple):
     cache: PrefixCacheTokens  # the prefill cluster's, shared by its policies' series
 
 
+class Lengths(Protocol):
+    """A completed request's token counts (services/router/requests.py Finished)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+class EndedRequest(Protocol):
+    """What `RequestMetrics.finished` reads of a request that has ended
+    (services/router/requests.py RequestHandle)."""
+
+    @property
+    def series(self) -> RequestSeries | None: ...
+
+    @property
+    def result(self) -> Lengths | None: ...
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def first_token_at(self) -> float: ...
+
+    @property
+    def prefill(self) -> PrefillDone | None: ...
+
+
 class RequestMetrics(Collector):
     """The router's per-request histograms and prefix-cache counters (module docstring)."""
 
@@ -178,7 +242,7 @@ class RequestMetrics(Collector):
             self._series[key] = found
         return found
 
-    def finished(self, handle: RequestHandle, now: float) -> None:
+    def finished(self, handle: EndedRequest, now: float) -> None:
         """Observes a request that has ended: its first token and prefill whatever the
         outcome, its duration and lengths when it completed."""
         series, result = handle.series, handle.result

@@ -1,12 +1,18 @@
-"""One request as the scheduler runs it: where it runs, its outbox, its handle, its result.
+"""One request as the scheduler runs it: what it asks, where it runs, its outbox, its handle,
+its result.
+
+`GenerationRequest` is the router's own request: the OpenAI schema (services/router/openai/
+schema.py) validates a body into it, and the scheduler, the demo workload and the simulation
+take it, knowing nothing of HTTP.
 
 `RequestHandle` is what a submitter holds (services/router/app.py, the demo workload): iterate it
 for text deltas (or `next_delta` for the tokens and logprobs beside the text), then read
-`result`; `cancel` stops the request. The scheduler's task writes `Delta`s into its `Outbox`,
-which never blocks the writer: they accumulate until the client takes them, so a slow client
-cannot stall the mesh connection other requests share. Tokens that add no text yet (part of a
-multi-byte character) stay in the outbox and reach the client with the next text, so no
-streamed chunk is without text; what is left at the end is the handle's `tail`.
+`result`; `cancel` stops the request. The scheduler's task writes `Delta`s into its
+`PendingDeltas` (`handle.outbox`), which never blocks the writer: they accumulate until the
+client takes them, so a slow client cannot stall the mesh connection other requests share.
+Tokens that add no text yet (part of a multi-byte character) stay in the outbox and reach the
+client with the next text, so no streamed chunk is without text; what is left at the end is
+the handle's `tail`.
 """
 
 from __future__ import annotations
@@ -20,14 +26,45 @@ import msgspec
 
 from services.contract.events import MigrationReason, attempt_id
 from services.contract.messages import PrefillDone, PrefixPull
+from services.contract.sampling import Sampling
 from services.contract.types import Cluster
 from services.router.errors import RouterError
 from services.router.openai.logprobs import TokenRecord
-from services.router.openai.schema import GenerationRequest
 from services.router.policy import Decision
 
 if TYPE_CHECKING:
     from services.router.metrics import RequestSeries
+
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One validated request, as the scheduler takes it."""
+
+    prompt: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False  # usage on every streamed chunk
+    model: str = "prfaas"
+    echo_text: str = ""  # completions with echo=true: the prompt text, sent first
+    n: int = 1  # choices: `choices()` gives each its own request
+
+    def choices(self) -> list[GenerationRequest]:
+        """One request per choice, n = 1 each; choice i > 0 draws with a seed derived from
+        the request's (choice 0 keeps it), so a seeded request is reproducible as a whole."""
+        return [msgspec.structs.replace(self, n=1, sampling=msgspec.structs.replace(
+            self.sampling, seed=choice_seed(self.sampling.seed, i))) for i in range(self.n)]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: the request's for choice 0, a distinct one derived from
+    it for the others (None stays None: every choice draws a fresh seed)."""
+    if seed is None or index == 0:
+        return seed
+    # An odd multiplier (2^64 / golden ratio) spreads the choices over the int64 range.
+    mixed = (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,7 +129,7 @@ def merged(deltas: list[Delta]) -> Delta:
 
 
 @dataclass
-class Outbox:
+class PendingDeltas:
     """What a request has produced and its client has not taken yet (never blocks the writer)."""
 
     deltas: list[Delta] = field(default_factory=list)
@@ -145,7 +182,7 @@ class RequestHandle:
         self.awaiting_kv = False
         # Its histograms (services/router/metrics.py), set by the scheduler that places it.
         self.series: RequestSeries | None = None
-        self.outbox = Outbox()
+        self.outbox = PendingDeltas()
 
     def cancel(self) -> None:
         self.scope.cancel()

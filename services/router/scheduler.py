@@ -50,7 +50,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import msgspec
 
 from mesh.errors import MeshError
 from mesh.events import EventBus
@@ -63,8 +62,7 @@ from services.model.tokenizer import TokenizerLike
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
 from services.router.link import LinkBook
-from services.router.metrics import RequestMetrics
-from services.router.openai.schema import GenerationRequest
+from services.router.metrics import RequestMetrics, SchedulerStatistics
 from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
 from services.router.policy import (
     Decision,
@@ -75,7 +73,14 @@ from services.router.policy import (
     RouteInputs,
     decision_event,
 )
-from services.router.requests import Finished, Migration, Placement, RequestHandle, RequestIds
+from services.router.requests import (
+    Finished,
+    GenerationRequest,
+    Migration,
+    Placement,
+    RequestHandle,
+    RequestIds,
+)
 from services.router.runner import RequestRunner
 from services.router.workers import WorkerTable
 
@@ -84,28 +89,6 @@ log = logging.getLogger(__name__)
 # After KV stalled on a link, the link takes no new offload for this many stall bounds (a
 # stalled link costs each request sent over it a bound's wait).
 LINK_HOLD_STALLS = 3.0
-
-class SchedulerStatistics(msgspec.Struct, frozen=True):
-    admitted: int
-    rejected_full: int
-    rejected_no_worker: int
-    completed: int
-    failed: int
-    cancelled: int
-    inflight: int
-    to_prfaas: int
-    to_pd: int
-    lookup_failures: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # What admission allows now: max_inflight, or less if the decode workers hold fewer.
-    admission_limit: int = 0
-    migrations: dict[str, int] = {}  # requests continued elsewhere, by reason
-    migrations_gave_up: int = 0  # requests that broke past migration_limit
-    migrations_resumed: int = 0  # continued attempts that streamed a token
-    migration_resume_s: float = 0.0  # their summed time from the break to that token
-
 
 @dataclass
 class _Counts:

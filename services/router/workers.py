@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -31,9 +31,6 @@ from services.router.errors import NotFound
 from services.router.placement import WorkerLoad
 from services.router.policy import ClusterState
 from services.router.policy import WorkerState as PolicyWorker
-
-if TYPE_CHECKING:
-    from services.router.requests import Placement
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +98,17 @@ class WorkerEntry:
     @property
     def shown_role(self) -> str:
         return "draining" if self.draining or self.converting else self.role
+
+
+class Assignment(Protocol):
+    """A request's workers, as the integrity check counts them (services/router/requests.py
+    Placement)."""
+
+    @property
+    def prefill_worker(self) -> str: ...
+
+    @property
+    def decode_worker(self) -> str: ...
 
 
 class WorkerTable:
@@ -326,7 +334,7 @@ class WorkerTable:
     def statistics(self) -> WorkerTableStatistics:
         return WorkerTableStatistics(workers=tuple(_view(w) for w in self._workers.values()))
 
-    def check_integrity(self, active: Sequence[Placement]) -> None:
+    def check_integrity(self, active: Sequence[Assignment]) -> None:
         for worker in self._workers.values():
             name = worker.spec.name
             decodes = sum(p.decode_worker == name for p in active)

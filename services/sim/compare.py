@@ -32,7 +32,7 @@ from services.contract.events import AnyEvent
 from services.contract.sampling import Sampling
 from services.paper.planner import Scenario, solve_scenario
 from services.router.errors import RouterError
-from services.router.openai.schema import GenerationRequest
+from services.router.requests import GenerationRequest
 from services.sim.capacity import Slo
 from services.sim.clock import PacedClock
 from services.sim.feed import SimFeed

@@ -5,7 +5,7 @@ prefix store, continuous batching). Only these are modeled:
 - caches (`VirtualCache`) hold a length and block-aligned snapshots, no tensors; their size is
   the modeled model's S_kv at the modeled length (the 1T hybrid of the paper's Table 5);
 - prefill emits the live stream plan's pieces carrying their modeled sizes (`KVChunk.nbytes`)
-  and no bytes; its time is the live emulated-mode pacing (`services.worker.compute.Pacing`);
+  and no bytes; its time is the live emulated-mode pacing (`services.worker.engine.Pacing`);
 - decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
   for its size and context, several steps at once until a request finishes, a joining request
   cuts the run short, or `max_steps` is reached; a member's second token goes out on its own
@@ -39,8 +39,7 @@ from services.model.config import ModelError
 from services.model.generate import block_boundaries
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
-from services.worker.compute import PrefillJob
-from services.worker.engine import Emit
+from services.worker.engine import Emit, PrefillJob
 
 MODELED_TOKEN = 1  # every modeled output token; never the end-of-text id
 EOS_ID = 0

@@ -27,7 +27,7 @@ from services.contract.events import AnyEvent
 from services.contract.sampling import Sampling
 from services.paper.workload import TruncatedLogNormal
 from services.router.errors import RouterError
-from services.router.openai.schema import GenerationRequest
+from services.router.requests import GenerationRequest
 from services.sim.clock import PacedClock
 from services.sim.feed import SimFeed
 from services.sim.run import LinkChange

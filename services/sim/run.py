@@ -38,7 +38,7 @@ from netem.params import LinkParams
 from services.contract.events import Event, RequestDone, RoleChanged, RoutingDecision
 from services.contract.sampling import Sampling
 from services.router.errors import RouterError
-from services.router.openai.schema import GenerationRequest
+from services.router.requests import GenerationRequest
 from services.sim.clock import JumpClock
 from services.sim.exposition import world_metrics
 from services.sim.workload import Arrival

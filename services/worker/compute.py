@@ -17,21 +17,15 @@ virtual clock (`InlineRunner`) a run is exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 
 from mesh.mailbox import Mailbox
-from services.contract.messages import KVChunk, KVClose, PrefillRequest
-from services.contract.sampling import Sampling, TokenLogprob
-from services.model.sampling import SamplingParams
-from services.paper.hardware import CostModel, Pacer
-from services.worker.kv_stream import Computed, PieceSpec, release, step_ends
-
-if TYPE_CHECKING:
-    from services.worker.engine import Engine
+from services.contract.messages import KVChunk, KVClose
+from services.worker.engine import Engine, Pacing, PrefillJob
+from services.worker.kv_stream import Computed, release, step_ends
 
 LaneItem = KVChunk | KVClose
 T = TypeVar("T")
@@ -65,59 +59,6 @@ class InlineRunner:
 
     def to_loop(self, call: Callable[[], object]) -> None:
         call()
-
-
-@dataclass(frozen=True)
-class Pacing:
-    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale.
-
-    A served token stands for `tokens_per_served` modeled tokens (the topology's scale: the
-    demo serves the paper's lengths at 1/32), so a 32x longer request costs what the profile
-    says a 32x longer request costs, on either hardware, at any scale."""
-
-    cost: CostModel
-    pacer: Pacer
-    tokens_per_served: float = 1.0
-
-    def modeled(self, served_tokens: int) -> int:
-        return round(served_tokens * self.tokens_per_served)
-
-    def prefill_time(self, new: int, cached: int) -> float:
-        """Modeled seconds to prefill `new` served tokens after `cached` ones."""
-        return self.cost.prefill_time(self.modeled(new), self.modeled(cached))
-
-    def decode_step_time(self, batch: int, context: int) -> float:
-        """Modeled seconds of one decode step of `batch` requests holding `context` tokens."""
-        return self.cost.decode_step_time(batch, self.modeled(context))
-
-
-@dataclass
-class PrefillJob:
-    """One planned prefill: the request, its cache resumed from the store, and its stream plan."""
-
-    request: PrefillRequest
-    hashes: list[int]
-    cache: Any  # the engine's cache (RequestCache for the real model)
-    reused: int  # tokens resumed from the store
-    params: SamplingParams
-    lanes: int
-    chunks: list[tuple[int, int]]
-    plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
-    sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
-    # Set on the loop when the job is given up; the compute (in its thread) stops at the next
-    # chunk instead of finishing a prefill nobody waits for.
-    cancelled: bool = False
-    # The first token's logprob, set by the compute when the request asked for logprobs.
-    first_logprob: TokenLogprob | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.request.prompt)
-
-    @property
-    def pieces(self) -> int:
-        """Pieces the plan exports, over all chunks and lanes."""
-        return sum(map(len, self.plan))
 
 
 class PrefillCompute:
@@ -186,13 +127,3 @@ class PrefillCompute:
         scale = self._pacing.pacer.time_scale
         modeled = step_ends(job.chunks, self.engine.cfg.n_layers, self._pacing.prefill_time)
         return [start + scale * end for end in modeled]
-
-
-def sampling_params(sampling: Sampling) -> SamplingParams:
-    """The model's SamplingParams for a request's `Sampling`; SamplingError names a bad value."""
-    return SamplingParams(
-        max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
-        logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
-        stop_token_ids=tuple(sampling.stop_token_ids),
-    )

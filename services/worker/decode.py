@@ -41,8 +41,7 @@ from services.model.cache import RequestCache
 from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
-from services.worker.compute import Pacing, sampling_params
-from services.worker.engine import Engine, as_engine
+from services.worker.engine import Engine, Pacing, as_engine, sampling_params
 from services.worker.kv_inbox import KVAssembly, KVInbox
 from services.worker.kv_stream import out_of_range
 from services.worker.member import Member, token_chunk

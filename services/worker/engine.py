@@ -21,30 +21,97 @@ An engine answers:
   stretches each real step);
 - `release_memory()`: give the memory a finished computation freed back to the system (the
   prefill worker calls it, through its runner, when it goes idle).
+
+The seam also owns the types both sides hand an engine: `PrefillJob` (one planned prefill),
+`Pacing` (emulated mode's modeled times) and `sampling_params` (a request's sampling as the
+model takes it), so the prefill's compute and the decode side import them from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import anyio
 
 from mesh.allocator import release_free_memory
-from services.contract.messages import KVChunk, KVOpen
+from services.contract.messages import KVChunk, KVOpen, PrefillRequest
+from services.contract.sampling import Sampling, TokenLogprob
 from services.model.batch import DecodeBatch, StepResult
 from services.model.cache import RequestCache, dtype_name
 from services.model.config import kv_bytes, kv_layout
 from services.model.export import export_layer
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
-from services.model.sampling import RequestSampler
+from services.model.sampling import RequestSampler, SamplingParams
+from services.paper.hardware import CostModel, Pacer
 from services.worker.kv_stream import PieceSpec, import_pieces
 
-if TYPE_CHECKING:
-    from services.worker.compute import PrefillJob
-
 Emit = Callable[[int, KVChunk], None]
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Emulated mode: modeled times of one hardware profile, stretched by the pacer's scale.
+
+    A served token stands for `tokens_per_served` modeled tokens (the topology's scale: the
+    demo serves the paper's lengths at 1/32), so a 32x longer request costs what the profile
+    says a 32x longer request costs, on either hardware, at any scale."""
+
+    cost: CostModel
+    pacer: Pacer
+    tokens_per_served: float = 1.0
+
+    def modeled(self, served_tokens: int) -> int:
+        return round(served_tokens * self.tokens_per_served)
+
+    def prefill_time(self, new: int, cached: int) -> float:
+        """Modeled seconds to prefill `new` served tokens after `cached` ones."""
+        return self.cost.prefill_time(self.modeled(new), self.modeled(cached))
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        """Modeled seconds of one decode step of `batch` requests holding `context` tokens."""
+        return self.cost.decode_step_time(batch, self.modeled(context))
+
+
+@dataclass
+class PrefillJob:
+    """One planned prefill: the request, its cache resumed from the store, and its stream plan."""
+
+    request: PrefillRequest
+    hashes: list[int]
+    cache: Any  # the engine's cache (RequestCache for the real model)
+    reused: int  # tokens resumed from the store
+    params: SamplingParams
+    lanes: int
+    chunks: list[tuple[int, int]]
+    plan: list[list[PieceSpec]]  # per chunk, the pieces its layers export
+    sent: list[int] = field(default_factory=lambda: [0, 0])  # pieces, bytes
+    # Set on the loop when the job is given up; the compute (in its thread) stops at the next
+    # chunk instead of finishing a prefill nobody waits for.
+    cancelled: bool = False
+    # The first token's logprob, set by the compute when the request asked for logprobs.
+    first_logprob: TokenLogprob | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces the plan exports, over all chunks and lanes."""
+        return sum(map(len, self.plan))
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The model's SamplingParams for a request's `Sampling`; SamplingError names a bad value."""
+    return SamplingParams(
+        max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
+        logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+    )
 
 
 class Engine(Protocol):

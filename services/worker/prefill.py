@@ -44,16 +44,8 @@ from services.contract.messages import (
 )
 from services.contract.prefix import reusable_blocks
 from services.model.model import HybridLM
-from services.worker.compute import (
-    ComputeRunner,
-    LaneItem,
-    Pacing,
-    PrefillCompute,
-    PrefillJob,
-    ThreadRunner,
-    sampling_params,
-)
-from services.worker.engine import Engine, as_engine
+from services.worker.compute import ComputeRunner, LaneItem, PrefillCompute, ThreadRunner
+from services.worker.engine import Engine, Pacing, PrefillJob, as_engine, sampling_params
 from services.worker.kv_stream import chunk_bounds, out_of_range, stream_failure, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes

@@ -31,8 +31,7 @@ from services.contract.sampling import Sampling
 from services.model.batch import DecodeBatch
 from services.model.cache import RequestCache
 from services.model.sampling import SamplingParams
-from services.worker.compute import PrefillJob, sampling_params
-from services.worker.engine import ModelEngine
+from services.worker.engine import ModelEngine, PrefillJob, sampling_params
 from services.worker.kv_stream import chunk_bounds, stream_plan
 
 Clock = Callable[[], float]

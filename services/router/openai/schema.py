@@ -32,6 +32,7 @@ import msgspec
 from services.contract.sampling import Sampling
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
+from services.router.requests import GenerationRequest
 
 MAX_STOPS = 4  # the OpenAI API's own limit on `stop`
 MAX_CHOICES = 8  # `n`: each choice is a generation of its own
@@ -122,36 +123,6 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
     chat_max_tokens: int = 256  # chat without max_tokens: at most this, within the context
     models: tuple[str, ...] = ("prfaas",)
-
-
-class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One validated request, as the scheduler takes it."""
-
-    prompt: list[int]
-    sampling: Sampling
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False  # usage on every streamed chunk
-    model: str = "prfaas"
-    echo_text: str = ""  # completions with echo=true: the prompt text, sent first
-    n: int = 1  # choices: `choices()` gives each its own request
-
-    def choices(self) -> list[GenerationRequest]:
-        """One request per choice, n = 1 each; choice i > 0 draws with a seed derived from
-        the request's (choice 0 keeps it), so a seeded request is reproducible as a whole."""
-        return [msgspec.structs.replace(self, n=1, sampling=msgspec.structs.replace(
-            self.sampling, seed=choice_seed(self.sampling.seed, i))) for i in range(self.n)]
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index`: the request's for choice 0, a distinct one derived from
-    it for the others (None stays None: every choice draws a fresh seed)."""
-    if seed is None or index == 0:
-        return seed
-    # An odd multiplier (2^64 / golden ratio) spreads the choices over the int64 range.
-    mixed = (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
-    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
