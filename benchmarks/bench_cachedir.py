@@ -1,4 +1,4 @@
-"""Benchmark: CacheDirectory.longest_prefix over ~100k cached blocks (GitHub issue 4, item 3).
+"""Benchmark: CacheDirectory.longest_prefix over ~100k cached blocks.
 
 Setup: 32 workers in two clusters; 120 shared roots (system prompts, documents) of up to 400
 blocks; each worker holds ~10 conversations, each a prefix of a root plus its own turns, with a

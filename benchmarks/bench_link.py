@@ -7,14 +7,14 @@ the blocking source. Every proxied number has a direct (no proxy) baseline from 
 
     .venv/bin/python benchmarks/bench_link.py [--quick] [--backend uvloop|asyncio|trio]
 
-Last, the data path's overlap (issue 4): a PrfaaS prefill worker and a PD decode worker as
-`prfaas serve` processes with the link between them, set so that moving a prompt's KV takes
-about as long as computing it (compute paced to the H200 profile, emulated mode, so that the
-host's noise does not swing it). overlap_ratio = (prefill start to KV fully received, streamed
-while computing) / (compute alone + the same KV through the link alone: the run with every
-piece held until the compute is done), measured in the same run, median of the runs;
-layer-wise streaming alone (one chunk) is shown beside it, then the timeline of one more
-streamed run (`--overlap-only` runs this part alone).
+Last, the data path's overlap (KV streamed while the prefill computes): a PrfaaS prefill worker
+and a PD decode worker as `prfaas serve` processes with the link between them, set so that
+moving a prompt's KV takes about as long as computing it (compute paced to the H200 profile,
+emulated mode, so that the host's noise does not swing it). overlap_ratio = (prefill start to KV
+fully received, streamed while computing) / (compute alone + the same KV through the link alone:
+the run with every piece held until the compute is done), measured in the same run, median of
+the runs; layer-wise streaming alone (one chunk) is shown beside it, then the timeline of one
+more streamed run (`--overlap-only` runs this part alone).
 
 The last line is one JSON object.
 """

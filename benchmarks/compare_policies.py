@@ -56,9 +56,7 @@ from services.bench.report import BenchReport
 from services.bench.stats import RequestResult, SLOs, meets_slos
 from services.cli.deployment import (
     Shape,
-    cluster_kind,
     deploy,
-    effective_options,
     shape_of,
     topology_text,
     workers,
@@ -143,8 +141,8 @@ def mesh_topology(policy: str, scale: float) -> MeshPlan:
 
 def worker_roles(topology: Topology) -> dict[str, str]:
     """Per worker: its cluster kind, role and hardware profile, e.g. "pd prefill h200"."""
-    return {s.name: f"{cluster_kind(topology, s)} {s.kind} "
-                    f"{effective_options(topology, s).get('profile', '?')}"
+    return {s.name: f"{topology.cluster_kind(s)} {s.kind} "
+                    f"{topology.options_of(s).get('profile', '?')}"
             for s in workers(topology)}
 
 

@@ -142,6 +142,16 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 return cluster
         raise ConfigError(f"cluster {name!r} is not in the topology")
 
+    def options_of(self, service: ServiceSpec) -> Options:
+        """The service's options over its cluster's (a service's own win), as it reads them."""
+        cluster = self.cluster(service.cluster).options if service.cluster else {}
+        return {**cluster, **service.options}
+
+    def cluster_kind(self, service: ServiceSpec) -> str:
+        """The kind of the service's cluster; a cluster without a kind goes by its name."""
+        cluster = self.cluster(service.cluster)
+        return cluster.kind or cluster.name
+
     def find(self, *, kind: str | None = None, cluster: str | None = None) -> list[ServiceSpec]:
         """Services of a kind and/or in a cluster, in file order."""
         return [

@@ -133,10 +133,7 @@ class ServiceContext:
 
     def option(self, key: str, default: T) -> T:
         """Service option `key`, else its cluster's, else `default` (type-checked against it)."""
-        options = dict(self.topology.cluster(self.spec.cluster).options) if self.spec.cluster \
-            else {}
-        options.update(self.spec.options)
-        value = options.get(key, default)
+        value = self.topology.options_of(self.spec).get(key, default)
         if type(default) is float and type(value) is int:
             value = float(value)
         if type(value) is not type(default):

@@ -13,9 +13,7 @@ from mesh.errors import ConfigError
 from mesh.topology import Topology, load_topology, parse_topology
 from services.bench.comparison import format_comparison
 from services.cli.deployment import (
-    cluster_kind,
     deploy,
-    effective_options,
     shape_of,
     topology_text,
     workers,
@@ -33,7 +31,7 @@ def _load(path: Path) -> Topology:
 
 def _hardware(topology: Topology) -> Counter[str]:
     """Every worker's profile, whatever its role or cluster."""
-    return Counter(str(effective_options(topology, s)["profile"]) for s in workers(topology))
+    return Counter(str(topology.options_of(s)["profile"]) for s in workers(topology))
 
 
 @pytest.mark.parametrize("path", [DEFAULT_TOPOLOGY_PATH, TWO_PRFAAS])
@@ -62,15 +60,15 @@ def test_the_default_topology_shapes() -> None:
 def test_homogeneous_moves_each_prfaas_worker_into_pd_as_it_was(path: Path) -> None:
     base = _load(path)
     drawn = deploy(base, "homogeneous")
-    before = [s for s in workers(base) if cluster_kind(base, s) == "prfaas"]
+    before = [s for s in workers(base) if base.cluster_kind(s) == "prfaas"]
     after = {s.port: s for s in workers(drawn)}
-    assert before and not [s for s in workers(drawn) if cluster_kind(drawn, s) == "prfaas"]
+    assert before and not [s for s in workers(drawn) if drawn.cluster_kind(s) == "prfaas"]
     for old in before:
         new = after[old.port]
-        assert (new.kind, cluster_kind(drawn, new)) == ("prefill", "pd")
+        assert (new.kind, drawn.cluster_kind(new)) == ("prefill", "pd")
         # Same hardware profile and every other option: only the cluster changed.
-        assert effective_options(drawn, new) == effective_options(base, old)
-        assert effective_options(drawn, new)["profile"] == "h200"
+        assert drawn.options_of(new) == base.options_of(old)
+        assert drawn.options_of(new)["profile"] == "h200"
     n_p = shape_of(base).counts[1]
     assert shape_of(drawn).counts == (0, n_p + len(before), shape_of(base).counts[2])
     assert drawn.links == base.links

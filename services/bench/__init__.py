@@ -1,4 +1,4 @@
-"""`prfaas bench`: an OpenAI streaming benchmark client (issue 5, item 6).
+"""`prfaas bench`: an OpenAI streaming benchmark client.
 
 workloads (what to send), arrivals (when), client (send and time it), stats (vLLM's metric
 definitions), report (table, JSON, plots), cli (`bench_main`, the `prfaas bench` command).

@@ -22,24 +22,9 @@ from collections.abc import Iterable
 import msgspec
 
 from mesh.errors import ConfigError
-from mesh.topology import Options, ServiceSpec, Topology, topology_toml
+from mesh.topology import ServiceSpec, Topology, topology_toml
 from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
-
-WORKER_KINDS = ("prefill", "decode")
-
-
-def cluster_kind(topology: Topology, service: ServiceSpec) -> str:
-    """A worker's cluster kind ("prfaas" or "pd"); a cluster without a kind goes by its name,
-    as the router reads it (services/router/workers.py)."""
-    cluster = topology.cluster(service.cluster)
-    return cluster.kind or cluster.name
-
-
-def effective_options(topology: Topology, service: ServiceSpec) -> Options:
-    """The service's options over its cluster's, as the service itself reads them."""
-    options = dict(topology.cluster(service.cluster).options) if service.cluster else {}
-    options.update(service.options)
-    return options
+from services.service import WORKER_KINDS
 
 
 def workers(topology: Topology) -> list[ServiceSpec]:
@@ -76,8 +61,8 @@ def shape_of(topology: Topology) -> Shape:
     """The topology's workers per stage, each by its hardware profile ("?" if it names none)."""
     stages: dict[tuple[str, str], list[str]] = {}
     for service in workers(topology):
-        profile = str(effective_options(topology, service).get("profile", "?"))
-        stages.setdefault((cluster_kind(topology, service), service.kind), []).append(profile)
+        profile = str(topology.options_of(service).get("profile", "?"))
+        stages.setdefault((topology.cluster_kind(service), service.kind), []).append(profile)
     return Shape(*(tuple(stages.get(key, ())) for key in (
         ("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))))
 
@@ -108,8 +93,8 @@ def _homogeneous(topology: Topology) -> Topology:
     moved: dict[str, ServiceSpec] = {}
     names = NameSource(topology)
     for s in workers(topology):
-        if cluster_kind(topology, s) == "prfaas" and s.kind == "prefill":
-            own = {k: v for k, v in effective_options(topology, s).items()
+        if topology.cluster_kind(s) == "prfaas" and s.kind == "prefill":
+            own = {k: v for k, v in topology.options_of(s).items()
                    if k not in pd_options or pd_options[k] != v}
             moved[s.name] = msgspec.structs.replace(
                 s, name=names.next(f"{pd}-prefill"), cluster=pd, options=own)
@@ -122,7 +107,7 @@ def _naive(topology: Topology) -> Topology:
     turned = {s.name: msgspec.structs.replace(s, name=names.next(f"{s.cluster}-decode"),
                                               kind="decode")
               for s in workers(topology)
-              if cluster_kind(topology, s) == "pd" and s.kind == "prefill"}
+              if topology.cluster_kind(s) == "pd" and s.kind == "prefill"}
     return _with_services(topology, turned)
 
 

@@ -28,12 +28,13 @@ from typing import Any
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
 from mesh.errors import ConfigError
+from services.paper.case_study import T_STAR_TOKENS
 from services.router.policies import POLICIES
 from services.sim import report, scenarios
 from services.sim.run import run_virtual
 from services.sim.search.pool import RayPool
 from services.sim.workload import lognormal
-from services.sim.world import Deployment
+from services.sim.world import DEFAULT_SCALE, Deployment
 
 SCENARIOS = ("paper", "bandwidth-bound", "bandwidth-dip", "trace", "burst")
 
@@ -100,7 +101,7 @@ def _one_run(args: argparse.Namespace, progress: ProgressBar) -> dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"--instances must be three counts like 4/3/5, got "
                           f"{args.instances!r}") from exc
-    options = {"threshold": 19400 / 8} if args.policy == "prfaas" else {}
+    options = {"threshold": T_STAR_TOKENS * DEFAULT_SCALE} if args.policy == "prfaas" else {}
     d = Deployment(name=args.policy, n_prfaas=n_prfaas, n_pd_prefill=n_p, n_decode=n_d,
                    policy=args.policy, policy_options=options, seed=args.seed)
     arrivals = lognormal(args.rate, args.duration, d.scale, args.seed)

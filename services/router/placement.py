@@ -1,4 +1,4 @@
-"""Worker choice inside a cluster: cache-affine first, then least loaded (issue 5, item 3).
+"""Worker choice inside a cluster: cache-affine first, then least loaded.
 
 The paper leaves decode-node choice open (docs/paper-notes.md section 2.4, "Not specified") and
 picks

@@ -328,7 +328,7 @@ def json_threshold(t: float | None) -> float | None:
 def decision_event(inputs: RouteInputs, decision: Decision, *, policy: str,
                    prefill_worker: str, decode_worker: str, ts: float,
                    source: str = "router") -> RoutingDecision:
-    """The telemetry event of one decision, with every input (issue 5, item 4)."""
+    """The telemetry event of one decision, with every input (docs/architecture.md section 4)."""
     return RoutingDecision(
         ts=ts, source=source, request_id=inputs.request_id, policy=policy,
         total_len=inputs.total_len, cached_prfaas=inputs.cached_prfaas,

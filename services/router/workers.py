@@ -31,10 +31,10 @@ from services.router.errors import NotFound
 from services.router.placement import WorkerLoad
 from services.router.policy import ClusterState
 from services.router.policy import WorkerState as PolicyWorker
+from services.service import WORKER_KINDS
 
 log = logging.getLogger(__name__)
 
-WORKER_KINDS = ("prefill", "decode")
 # A worker's state read in this process, not polled over the mesh: the simulation, whose
 # workers all run in the router's event loop, reads each one's `WorkerService.state()` (what
 # the status handler answers) at the same instant, without two messages and a task per
@@ -130,12 +130,11 @@ class WorkerTable:
         specs = []
         for service in topology.services:
             if service.kind in WORKER_KINDS:
-                kind = topology.cluster(service.cluster).kind or service.cluster
+                kind = topology.cluster_kind(service)
                 if kind not in ("prfaas", "pd"):
                     raise ConfigError(f"worker {service.name!r}: cluster {service.cluster!r} "
                                      f"must be of kind prfaas or pd, got {kind!r}")
-                options = {**topology.cluster(service.cluster).options, **service.options}
-                lanes = options.get("connections", DEFAULT_LANES)
+                lanes = topology.options_of(service).get("connections", DEFAULT_LANES)
                 specs.append(WorkerSpec(name=service.name, cluster=service.cluster,
                                         kind=kind, role=service.kind,  # type: ignore[arg-type]
                                         lanes=int(lanes)))
