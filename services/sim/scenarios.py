@@ -168,14 +168,14 @@ class PaperOutcome:
     runs: dict[str, SimResult]  # per deployment, the run at the common rate
 
 
-def paper_capacity(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def paper_capacity(window_s: float = 360.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
                    ) -> tuple[Workload, CapacityConfig]:
     """The `paper` scenario's workload and search: windows of `window_s` (a fifth of it warm-up),
     resolution 0.05 req/s, the bisection from 80% of the saturation up."""
     return Workload(window_s=window_s), CapacityConfig(seeds=tuple(seeds))
 
 
-def paper(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def paper(window_s: float = 360.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
           progress: Progress | None = None, run_map: RunMap = map) -> PaperOutcome:
     """Every number of the `paper` scenario (module docstring)."""
     plan = solve_scenario(Scenario())
@@ -236,17 +236,18 @@ class BandwidthOutcome:
     deployment: Deployment
 
 
-def bandwidth_bound(window_s: float = 480.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+def bandwidth_bound(window_s: float = 360.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
                     bandwidth_bps: float = NARROW_BPS, progress: Progress | None = None,
-                    run_map: RunMap = map) -> BandwidthOutcome:
+                    run_map: RunMap = map, config: CapacityConfig | None = None,
+                    ) -> BandwidthOutcome:
     """The planner's PrfaaS-PD deployment on a narrow link, measured (module docstring)."""
     scenario = Scenario(bandwidth_gbps=bandwidth_bps / 1e9)
     plan = solve_scenario(scenario).prfaas
     d = msgspec.structs.replace(paper_deployments(solve_scenario(scenario), bandwidth_bps)[
         "prfaas_pd"], name="prfaas_pd_narrow")
     compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
-    workload, config = paper_capacity(window_s, seeds)
-    cap = measure_capacity(d, workload, plan.lambda_max, config,
+    workload, default = paper_capacity(window_s, seeds)
+    cap = measure_capacity(d, workload, plan.lambda_max, config or default,
                            simulate=partial(_simulate, progress), run_map=run_map)
     return BandwidthOutcome(plan, compute, bandwidth, cap, d)
 
