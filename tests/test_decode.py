@@ -39,7 +39,6 @@ from services.model.export import KVPiece, export_layer
 from services.router.errors import UpstreamFailed
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
-from services.worker import member as member_module
 from services.worker.decode import DecodeWorker
 from services.worker.kv_inbox import KVAssembly
 from services.worker.kv_stream import merge_pieces
@@ -341,7 +340,7 @@ async def test_a_whole_answer_comes_as_its_first_token_then_the_rest(
         with trio.fail_after(60):
             for kind in seen:
                 if kind == "held":
-                    monkeypatch.setattr(member_module, "HELD_TOKENS", 5)
+                    monkeypatch.setattr(decode_module, "HELD_TOKENS", 5)
                 result = await drive_request(
                     client, prompt, prefill_worker="p", decode_worker="d",
                     request_id=f"whole-{kind}", sampling=SAMPLING,

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.placement import (
+from services.router.policy import PolicyError
+from services.router.workers import (
     PlacementConfig,
     PlacementError,
     WorkerLoad,
@@ -15,7 +16,6 @@ from services.router.placement import (
     choose_worker,
     choose_worker_reference,
 )
-from services.router.policy import PolicyError
 
 
 def decode(name: str, cached: int = 0, running: int = 0, queue: int = 0,

@@ -1,5 +1,6 @@
-"""Tests for services.worker.compute: both runners return the compute's result and hand its
-pieces to the event loop in order (the compute loop itself: test_prefill, test_overlap)."""
+"""Tests for the prefill compute's runners (services.worker.prefill): both return the compute's
+result and hand its pieces to the event loop in order (the compute loop itself: test_prefill,
+test_overlap)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from functools import partial
 
 import pytest
 
-from services.worker.compute import ComputeRunner, InlineRunner, ThreadRunner
+from services.worker.prefill import ComputeRunner, InlineRunner, ThreadRunner
 
 
 @pytest.mark.trio

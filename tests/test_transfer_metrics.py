@@ -8,8 +8,7 @@ import trio
 import trio.testing
 
 from services.contract.messages import KVChunk, KVOpen
-from services.worker.kv_inbox import KVAssembly
-from services.worker.transfer_metrics import KVTransferMetrics
+from services.worker.kv_inbox import KVAssembly, KVTransferMetrics
 
 
 def opening(start: int, purpose: str = "decode") -> KVOpen:

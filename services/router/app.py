@@ -21,11 +21,11 @@ answers (the dashboard reads both). A client that disconnects cancels its reques
 closes the response generator, whose `finally` cancels the scheduler's task for it.
 
 The router's other parts, in services/router/: scheduler.py places and starts requests
-(runner.py drives one, requests.py is its handle), workers.py is the worker table,
-control.py the control loops and admin actions, link.py the link samples, load.py the demo
-load, responses.py the bodies and server-sent events, metrics.py /metrics, errors.py the
-errors, placement.py, policy.py and policies/ the routing; the OpenAI contract is openai/
-(schema.py the requests, responses.py the bodies, text.py the text, logprobs.py).
+(runner.py drives one, requests.py is its handle), workers.py is the worker table
+and placement, control.py the control loops and admin actions, link.py the link samples,
+load.py the demo load, metrics.py /metrics, errors.py the errors, policy.py and policies/ the
+routing; the OpenAI contract is openai/ (schema.py the requests, responses.py the bodies and
+server-sent events, text.py the text and logprobs).
 
 Quart is asyncio-only (docs/engineering-notes.md G6): `run_router` refuses the trio backend
 and serves with `hypercorn.asyncio.serve` and a shutdown trigger. Everything else (the

@@ -6,7 +6,7 @@ The router (services/router/app.py) owns the I/O; a policy is pure state on an i
     inputs = RouteInputs(request_id=..., total_len=..., cached_prfaas=..., cached_pd=...,
                          link_utilisation=..., queue_prfaas=..., queue_pd=..., now=...)
     decision = policy.decide(inputs)                    # which cluster prefills, and why
-    ...choose workers (services/router/placement.py), run the request...
+    ...choose workers (services/router/workers.py), run the request...
     event = decision_event(inputs, decision, policy=policy.name, prefill_worker=...,
                            decode_worker=..., ts=..., source="router")
     policy.observe(RequestFinished(...))                 # feedback when it completes

@@ -29,7 +29,7 @@ from services.contract.messages import PrefillDone, PrefixPull
 from services.contract.sampling import Sampling
 from services.contract.types import Cluster
 from services.router.errors import RouterError
-from services.router.openai.logprobs import TokenRecord
+from services.router.openai.text import TokenRecord
 from services.router.policy import Decision
 
 if TYPE_CHECKING:

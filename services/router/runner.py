@@ -4,7 +4,7 @@
 prefill worker, which streams the KV the decode worker lacks straight to it) beside the decode
 worker's token stream (`DecodeRequest`). `RequestRunner` runs a router's request on it: the
 tokens go through a `TextAssembler` into the request's outbox, with their logprobs when asked
-(named by services/router/openai/logprobs.py); a stop token (stop_token_ids) counts but, as in
+(named by services/router/openai/text.py); a stop token (stop_token_ids) counts but, as in
 vLLM, adds no text. The first error either side meets is the request's (`UpstreamFailed`)
 and cancels the other; cancelling the request's scope (the client left) aborts the decode
 stream at its worker and gives up the prefill call. `prfaas send` (services/cli/send.py)
@@ -57,8 +57,7 @@ from services.contract.types import Cluster, Phase
 from services.model.sampling import continued_seed
 from services.model.tokenizer import TokenizerLike
 from services.router.errors import DataPathBroken, NoWorkerAvailable, QueueFull, UpstreamFailed
-from services.router.openai.logprobs import TokenRecord, chat_entry, text_offsets
-from services.router.openai.text import TextAssembler
+from services.router.openai.text import TextAssembler, TokenRecord, chat_entry, text_offsets
 from services.router.requests import Delta, Finished, Migration, Placement, RequestHandle
 from services.router.workers import WorkerTable
 

@@ -7,7 +7,7 @@ One request, in `submit` (before any byte goes to the client, so errors keep the
    cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not answer
    in time the request goes on as if nothing were cached, and that is counted);
 3. the policy decides the cluster (services.router.policy), placement picks the prefill worker in it
-   and the decode worker in the PD cluster (services.router.placement), and the decision is
+   and the decode worker in the PD cluster (services.router.workers), and the decision is
    published as a `RoutingDecision` with every input and the reason.
 Then a task owned by the scheduler runs it (`_serve`, with services/router/runner.py): it
 opens the decode worker's token stream (`DecodeRequest`) and calls the prefill worker
@@ -63,7 +63,6 @@ from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
 from services.router.link import LinkBook
 from services.router.metrics import RequestMetrics, SchedulerStatistics
-from services.router.placement import PlacementError, choose_decode_worker, choose_prefill_worker
 from services.router.policy import (
     Decision,
     LinkSample,
@@ -82,7 +81,12 @@ from services.router.requests import (
     RequestIds,
 )
 from services.router.runner import RequestRunner
-from services.router.workers import WorkerTable
+from services.router.workers import (
+    PlacementError,
+    WorkerTable,
+    choose_decode_worker,
+    choose_prefill_worker,
+)
 
 log = logging.getLogger(__name__)
 

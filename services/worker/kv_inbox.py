@@ -8,21 +8,38 @@ Nothing is held for nobody:
 - KV no decode stream claimed within `orphan_timeout` is dropped by `sweep_every`, a timer
   task, not by the next arrival;
 - a lane that fails drops its request's pieces at once (the stream that waits learns why).
+
+`KVTransferMetrics`: the KV transfers a worker received, as Prometheus histograms:
+`prfaas_kv_transfer_seconds` and `prfaas_kv_transfer_bytes`, labelled by the receiving service,
+the link the KV crossed ("local" inside a cluster) and its kind: "full" (the decode worker held
+none of the prompt), "incremental" (it held a prefix, so only the rest came), "prefix" (a cached
+prefix pulled to a prefill worker, services/worker/prefix_pull.py).
+
+Seconds run from the first piece's arrival to the end of the import, both on the receiver's
+clock: the sender's clock is another host's on a mesh across hosts, so the first piece's
+one-way delay (the link's propagation delay, a few ms on the default link) is left out. Bytes
+are the pieces' payload (the modeled size in the simulation). The receiver observes: it alone
+knows when the KV was imported, and the decode worker and a pulling prefill worker receive
+through the same `KVAssembly`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import ClassVar
 
 import anyio
 import msgspec
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from mesh.errors import StreamAborted
+from mesh.histogram import Histogram
 from services.contract.errors import KVTransferError, RequestError
 from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
 from services.contract.sampling import TokenLogprob
+from services.service import BYTES_BUCKETS, SECONDS_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +72,7 @@ class KVAssembly:
         self.first_logprob: TokenLogprob | None = None
         self.failure: KVTransferError | None = None
         self.gone = False  # released or dropped: its lanes are refused
-        self.peer = "?"  # the sending node (services/worker/transfer_metrics.py: its link)
+        self.peer = "?"  # the sending node (`KVTransferMetrics`: its link)
         self.first_piece_at: float | None = None
         self.received_bytes = 0  # pieces' payload, kept after `free` (the transfer's size)
         self.progress_at = created  # when a lane last opened or closed or a piece arrived
@@ -273,3 +290,37 @@ def lane_error(exc: BaseException, opening: KVOpen, peer: str, count: int) -> KV
         f"{count} of {opening.pieces + (opening.lane == 0)} items: "
         f"{type(exc).__name__}: {exc or 'cancelled'}"
     )
+
+
+LABELS = ("service", "link", "kind")
+LOCAL = "local"
+
+
+class KVTransferMetrics(Collector):
+    """One worker's KV-transfer histograms (module docstring); `imported` after each import."""
+
+    def __init__(self, service: str,
+                 link_of: Callable[[str], str | None] = lambda peer: None) -> None:
+        self.service = service
+        self._link_of = link_of
+        self.seconds = Histogram("prfaas_kv_transfer_seconds", "KV transfer time, first piece "
+                                 "received to the last imported", LABELS, SECONDS_BUCKETS)
+        self.bytes = Histogram("prfaas_kv_transfer_bytes", "KV bytes of one transfer",
+                               LABELS, BYTES_BUCKETS)
+
+    def imported(self, assembly: KVAssembly) -> None:
+        """Observes the transfer `assembly` held, imported just now."""
+        opening = assembly.opening
+        if opening is None:
+            return
+        kind = "prefix" if opening.purpose == "prefix" else (
+            "incremental" if opening.start > 0 else "full")
+        labels = (self.service, self._link_of(assembly.peer) or LOCAL, kind)
+        started = assembly.first_piece_at if assembly.first_piece_at is not None \
+            else assembly.created
+        self.seconds.labels(*labels).observe(anyio.current_time() - started)
+        self.bytes.labels(*labels).observe(assembly.received_bytes)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.seconds.collect()
+        yield from self.bytes.collect()

@@ -48,10 +48,9 @@ from services.contract.messages import (
 from services.model.cache import RequestCache, dtype_name
 from services.model.export import export_layer
 from services.model.model import HybridLM
-from services.worker.kv_inbox import KVInbox
+from services.worker.kv_inbox import KVInbox, KVTransferMetrics
 from services.worker.kv_stream import PieceSpec, import_pieces, stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
-from services.worker.transfer_metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
 

@@ -57,13 +57,12 @@ from services.service import (
     serve_events,
     serve_metrics,
 )
-from services.worker.compute import ComputeRunner
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import Engine, ModelEngine, Pacing
-from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.kv_inbox import KVTransferMetrics
+from services.worker.prefill import ComputeRunner, PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
-from services.worker.transfer_metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import anyio
 import msgspec
 
 from services.router.errors import RouterError
-from services.router.openai.logprobs import (
+from services.router.openai.text import (
     ChatLogprobs,
     CompletionLogprobs,
     chat_logprobs,
