@@ -242,3 +242,37 @@ def test_a_measured_decode_profile_times_steps_by_its_fit(tmp_path: Path) -> Non
     bad.write_text(MEASURED.replace("batches = [1, 8, 1, 8]", "batches = [1, 8, 1]"))
     with pytest.raises(ProfileError, match="pair up"):
         load_profile(bad)
+
+
+def test_a_noisy_quadratic_prefill_fit_never_bends_below_zero() -> None:
+    # Short prompts measured slow (noise, a warm-up): the plain fit's linear term goes
+    # negative, so a chunk after a cached prefix would take negative time.
+    lengths = [64.0, 128.0, 256.0, 512.0, 1024.0]
+    seconds = [0.30, 0.12, 0.13, 0.25, 0.80]
+    plain = polyfit(lengths, seconds, 2)
+    assert min(plain) < 0.0
+    fitted = QuadraticPrefill.fit(lengths, seconds)
+    assert min(fitted.c0, fitted.c1, fitted.c2) >= 0.0
+    for cached in (0, 64, 128, 512):
+        for new in (1, 64, 128):
+            assert fitted(cached + new) - fitted(cached) + fitted.c0 >= 0.0
+    # Among non-negative quadratics it is the least-squares one: no small non-negative step
+    # of any coefficient lowers the residual.
+    def residual(c: tuple[float, float, float]) -> float:
+        return sum((c[0] + c[1] * x + c[2] * x * x - y) ** 2
+                   for x, y in zip(lengths, seconds, strict=True))
+    best = (fitted.c0, fitted.c1, fitted.c2)
+    for k, step in ((0, 1e-3), (1, 1e-6), (2, 1e-9)):
+        for sign in (1.0, -1.0):
+            moved = list(best)
+            moved[k] = max(0.0, moved[k] + sign * step)
+            assert residual(tuple(moved)) >= residual(best) - 1e-12  # type: ignore[arg-type]
+
+
+def test_a_plain_fit_that_is_already_non_negative_is_kept_to_the_bit() -> None:
+    lengths = [1024.0, 8192.0, 32768.0, 131072.0]
+    seconds = [0.44, 0.72, 1.84, 7.40]
+    c = polyfit(lengths, seconds, 2)
+    assert min(c) >= 0.0
+    fitted = QuadraticPrefill.fit(lengths, seconds)
+    assert (fitted.c0, fitted.c1, fitted.c2) == c

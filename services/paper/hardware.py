@@ -163,6 +163,42 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return x
 
 
+def _least_squares(cols: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Unconstrained least squares over the given columns (normal equations)."""
+    normal = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+    rhs = [sum(a * y for a, y in zip(ci, ys, strict=True)) for ci in cols]
+    return _solve(normal, rhs)
+
+
+def nonnegative_least_squares(cols: Sequence[Sequence[float]], ys: Sequence[float],
+                              ) -> list[float]:
+    """Least squares with every coefficient >= 0, exactly, for the few columns a cost fit has:
+    the optimum is the unconstrained fit on some subset of the columns with no negative
+    coefficient, so every subset is tried and the feasible one with the smallest residual
+    wins. Where the plain fit is already non-negative it is the answer, unchanged. A measured
+    profile needs this: a noisy quadratic can bend down at short lengths (a chunk's modeled
+    time T(c + l) - T(c) + c0 then comes out negative), which no real engine does."""
+    plain = _least_squares(cols, ys)
+    if min(plain) >= 0.0:
+        return plain
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 2 ** len(cols) - 1):
+        chosen = [k for k in range(len(cols)) if mask >> k & 1]
+        coef = _least_squares([cols[k] for k in chosen], ys)
+        if min(coef) < 0.0:
+            continue
+        full = [0.0] * len(cols)
+        for k, c in zip(chosen, coef, strict=True):
+            full[k] = c
+        fitted = [sum(full[k] * cols[k][i] for k in range(len(cols))) for i in range(len(ys))]
+        residual = sum((f - y) ** 2 for f, y in zip(fitted, ys, strict=True))
+        if best is None or residual < best[0]:
+            best = (residual, full)
+    if best is None:
+        raise ProfileError("no non-negative fit: every measured time is negative")
+    return best[1]
+
+
 def polyfit(xs: Sequence[float], ys: Sequence[float], degree: int) -> tuple[float, ...]:
     """Least-squares polynomial coefficients (c0, c1, ...), fitted on x scaled to [0, 1]."""
     if len(xs) != len(ys) or len(xs) <= degree:
@@ -187,7 +223,16 @@ class QuadraticPrefill:
 
     @classmethod
     def fit(cls, lengths: Sequence[float], seconds: Sequence[float]) -> QuadraticPrefill:
-        c0, c1, c2 = polyfit(lengths, seconds, 2)
+        """Least squares with non-negative coefficients: a prefill never takes less time for
+        more tokens, nor less than nothing."""
+        if len(lengths) != len(seconds) or len(lengths) < 3:
+            raise ProfileError(f"a quadratic prefill fit needs >= 3 paired points, got "
+                               f"{len(lengths)} lengths and {len(seconds)} times")
+        # Columns scaled to [0, 1] so the normal equations stay well conditioned.
+        scale = max(abs(x) for x in lengths) or 1.0
+        cols = [[(x / scale) ** k for x in lengths] for k in range(3)]
+        c0, c1, c2 = (c / scale**k
+                      for k, c in enumerate(nonnegative_least_squares(cols, seconds)))
         return cls(c0, c1, c2)
 
     def affine(self, alpha: float, beta: float) -> QuadraticPrefill:
@@ -219,11 +264,9 @@ class LinearDecode:
         # Columns scaled to [0, 1] so the normal equations stay well conditioned.
         scale = [max(abs(r[k]) for r in rows) or 1.0 for k in range(3)]
         cols = [[r[k] / scale[k] for r in rows] for k in range(3)]
-        normal = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols]
-                  for ci in cols]
-        rhs = [sum(a * y for a, y in zip(ci, seconds, strict=True)) for ci in cols]
-        fixed, per_seq, per_token = (c / s for c, s in zip(_solve(normal, rhs), scale,
-                                                           strict=True))
+        # Non-negative, as the prefill fit: no step gets cheaper with a larger batch.
+        fixed, per_seq, per_token = (
+            c / s for c, s in zip(nonnegative_least_squares(cols, seconds), scale, strict=True))
         return cls(fixed, per_seq, per_token)
 
 
