@@ -69,7 +69,7 @@ sim-dashboard: $(STAMP)
 # PrfaaS-PD and homogeneous PD side by side on the same arrivals, 2.5 req/s (between their
 # capacities): the compare page (docs/dashboard.md, "Comparing deployments").
 sim-compare: $(STAMP)
-	$(VENV)/bin/prfaas sim-dashboard --compare prfaas_pd,homogeneous --rate 2.5 --speed $(SPEED) --port 8080
+	$(VENV)/bin/prfaas sim-dashboard --compare prfaas-pd,homogeneous --rate 2.5 --speed $(SPEED) --port 8080
 
 test: $(STAMP) $(BROWSER_STAMP) $(PROMETHEUS_STAMP)
 	$(PY) -m ruff check mesh services netem ui tests benchmarks

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from services.paper.case_study import PRFAAS_PD
 from services.paper.planner import Scenario, solve_scenario
 from services.sim.run import SimResult, run_virtual
 from services.sim.scenarios import egress_gbps, offload_share, paper_deployments, ttft
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--check-determinism", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    deployment = paper_deployments(solve_scenario(Scenario()))["prfaas_pd"]
+    deployment = paper_deployments(solve_scenario(Scenario()))[PRFAAS_PD]
     arrivals = lognormal(args.rate, args.duration, deployment.scale, args.seed)
     load = load_average()
     began = time.process_time()

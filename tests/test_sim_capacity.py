@@ -68,7 +68,7 @@ def test_the_search_lands_within_its_resolution_below_a_known_saturation(
     1 / SERVICE_S, and up to it nothing ever queues, so the SLO capacity is the saturation
     itself; the bisection must find it from below, never above."""
     saturation = 1.0 / SERVICE_S
-    workload = Workload(window_s=240.0, output_len=2, paper_len=1000)
+    workload = Workload(window_s=160.0, output_len=2, paper_len=1000)
     config = CapacityConfig(seeds=(0, 1), resolution_rps=0.02)
     mapped: list[int] = []
 
@@ -118,7 +118,7 @@ def test_on_a_narrow_link_the_prfaas_side_follows_the_bandwidth_bound() -> None:
     plan = solved.prfaas
     compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
     assert plan.prfaas_limit == "bandwidth" and bandwidth < 0.75 * compute
-    d = paper_deployments(solved, bandwidth_bps=2e9)["prfaas_pd"]
+    d = paper_deployments(solved, bandwidth_bps=2e9)["prfaas-pd"]
     # The whole window overloaded: one PrfaaS instance completes a request every 6-7 s.
     point = saturation_point(d, Workload(window_s=500.0), plan.lambda_max, seed=0,
                              config=CapacityConfig(saturation_window=1.0))
@@ -134,7 +134,7 @@ def test_the_paper_report_keeps_its_keys_and_adds_the_capacities(tmp_path: Path)
     both capacities with intervals and both ratios over homogeneous beside the paper's."""
     solved = solve_scenario(Scenario())
     deployments = paper_deployments(solved)
-    points = {"prfaas_pd": solved.prfaas, "homogeneous": solved.homogeneous,
+    points = {"prfaas-pd": solved.prfaas, "homogeneous": solved.homogeneous,
               "naive": solved.naive_hetero}
     run = simulate_rate(deployments["naive"], Workload(window_s=30.0), 1.0, 0, 60.0)
     caps, summaries = {}, {}

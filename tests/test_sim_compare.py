@@ -32,16 +32,16 @@ VIRTUAL_S = 300.0
 
 
 def test_compare_deployments_are_the_paper_scenarios() -> None:
-    both = compare_deployments(["prfaas_pd", "homogeneous"], seed=3)
-    assert list(both) == ["prfaas_pd", "homogeneous"]
-    pd, homogeneous = both["prfaas_pd"], both["homogeneous"]
+    both = compare_deployments(["prfaas-pd", "homogeneous"], seed=3)
+    assert list(both) == ["prfaas-pd", "homogeneous"]
+    pd, homogeneous = both["prfaas-pd"], both["homogeneous"]
     assert (pd.n_prfaas, pd.n_pd_prefill, pd.n_decode) == (4, 3, 5)
     assert (homogeneous.n_prfaas, homogeneous.n_pd_prefill, homogeneous.n_decode) == (0, 9, 3)
     assert pd.scale == homogeneous.scale and pd.seed == homogeneous.seed == 3
-    assert set(compare_deployments(["naive", "prfaas_pd", "homogeneous"])) == {
-        "naive", "prfaas_pd", "homogeneous"}
-    for names in (["prfaas_pd"], ["prfaas_pd", "prfaas_pd"], ["prfaas_pd", "bogus"],
-                  ["prfaas_pd", "homogeneous", "naive", "homogeneous"]):
+    assert set(compare_deployments(["naive", "prfaas-pd", "homogeneous"])) == {
+        "naive", "prfaas-pd", "homogeneous"}
+    for names in (["prfaas-pd"], ["prfaas-pd", "prfaas-pd"], ["prfaas-pd", "bogus"],
+                  ["prfaas-pd", "homogeneous", "naive", "homogeneous"]):
         with pytest.raises(ConfigError, match="--compare"):
             compare_deployments(names)
 
@@ -63,7 +63,7 @@ def test_tally_windows_and_slo() -> None:
 def run_compare(rate: float) -> tuple[CompareSim, dict[str, list[tuple[float, int]]], dict]:
     """Both deployments for VIRTUAL_S at `rate`; what each router decided (virtual time and
     prompt length of every request) and the summary at the end."""
-    sim = CompareSim(compare_deployments(["prfaas_pd", "homogeneous"]),
+    sim = CompareSim(compare_deployments(["prfaas-pd", "homogeneous"]),
                      config=LiveConfig(rate=rate, wall_clock=False, output_len=1024))
     seen: dict[str, list[tuple[float, int]]] = {c.name: [] for c in sim.columns}
 
@@ -89,7 +89,7 @@ def run_compare(rate: float) -> tuple[CompareSim, dict[str, list[tuple[float, in
 
 def test_the_same_arrivals_reach_every_deployment_and_only_homogeneous_queues() -> None:
     sim, seen, summary = run_compare(COMPARE_DEFAULT_RATE)
-    pd, homogeneous = seen["prfaas_pd"], seen["homogeneous"]
+    pd, homogeneous = seen["prfaas-pd"], seen["homogeneous"]
     # Identical arrival lists, as each router saw them: the same instants, the same lengths.
     assert len(pd) > 0.8 * COMPARE_DEFAULT_RATE * VIRTUAL_S
     assert [length for _, length in pd] == [length for _, length in homogeneous]
@@ -97,7 +97,7 @@ def test_the_same_arrivals_reach_every_deployment_and_only_homogeneous_queues() 
                                                                              strict=True))
     samples = {c.name: list(c.samples) for c in sim.columns}
     assert all(len(s) >= VIRTUAL_S - 2 for s in samples.values())
-    offered = [s.offered_rps for s in samples["prfaas_pd"]]
+    offered = [s.offered_rps for s in samples["prfaas-pd"]]
     assert offered == [s.offered_rps for s in samples["homogeneous"]]
 
     def queued(name: str, low: float, high: float) -> list[int]:
@@ -108,11 +108,11 @@ def test_the_same_arrivals_reach_every_deployment_and_only_homogeneous_queues() 
     # other comes and goes with the bursts (each minute's mean a few requests).
     early, late = queued("homogeneous", 60, 120), queued("homogeneous", 240, 300)
     assert min(late) > max(early) + 20, (early, late)
-    means = [statistics.fmean(queued("prfaas_pd", low, low + 60)) for low in (60, 120, 180, 240)]
+    means = [statistics.fmean(queued("prfaas-pd", low, low + 60)) for low in (60, 120, 180, 240)]
     assert max(means) < 25, means
     assert summary["baseline"] == "homogeneous"
-    assert summary["ratios"]["prfaas_pd"] > 1.05
-    last = samples["prfaas_pd"][-1]
+    assert summary["ratios"]["prfaas-pd"] > 1.05
+    last = samples["prfaas-pd"][-1]
     # Half the requests cross the link: several Gbps of KV (13 Gbps at the paper's 3.24 req/s).
     assert isinstance(last, CompareSample) and 2 < last.egress_gbps < 30, last
     assert samples["homogeneous"][-1].egress_gbps == 0
@@ -121,7 +121,7 @@ def test_the_same_arrivals_reach_every_deployment_and_only_homogeneous_queues() 
 
 
 def test_compare_controls_refuse_what_belongs_to_one_deployment() -> None:
-    sim = CompareSim(compare_deployments(["prfaas_pd", "homogeneous"]),
+    sim = CompareSim(compare_deployments(["prfaas-pd", "homogeneous"]),
                      config=LiveConfig(rate=0.0, wall_clock=False))
     controls = CompareControls(sim)
 

@@ -214,7 +214,7 @@ async def csrf_token(client: httpx.AsyncClient) -> str:
 async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_controls(
     paced_clock: PacedClock,
 ) -> None:
-    deployments = compare_deployments(["prfaas_pd", "homogeneous"])
+    deployments = compare_deployments(["prfaas-pd", "homogeneous"])
     sim = CompareSim(deployments, config=LiveConfig(rate=2.5), clock=paced_clock)
     async with anyio.create_task_group() as tasks:
         host, port = await tasks.start(
@@ -222,7 +222,7 @@ async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_cont
                 sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
             page = (await client.get("/")).text
-            assert 'data-testid="column-prfaas_pd"' in page
+            assert 'data-testid="column-prfaas-pd"' in page
             assert 'data-testid="column-homogeneous"' in page
             assert "PrfaaS-PD vs homogeneous PD" in page
             with anyio.fail_after(600):  # virtual seconds
@@ -252,12 +252,12 @@ async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_cont
 
 def test_compare_cli_refuses_bad_names_and_recording(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim_dashboard.sim_dashboard_main(["--compare", "prfaas_pd"]) == 2
+    assert sim_dashboard.sim_dashboard_main(["--compare", "prfaas-pd"]) == 2
     assert "two or three distinct names" in capsys.readouterr().err
-    argv = ["--compare", "prfaas_pd,homogeneous", "--record", str(tmp_path / "x.jsonl")]
+    argv = ["--compare", "prfaas-pd,homogeneous", "--record", str(tmp_path / "x.jsonl")]
     assert sim_dashboard.sim_dashboard_main(argv) == 2
     assert "--record and --compare" in capsys.readouterr().err
-    args = sim_dashboard._parser().parse_args(["--compare", "prfaas_pd,homogeneous,naive"])
+    args = sim_dashboard._parser().parse_args(["--compare", "prfaas-pd,homogeneous,naive"])
     sim = sim_dashboard.compare_sim(args)
-    assert [c.name for c in sim.columns] == ["prfaas_pd", "homogeneous", "naive"]
+    assert [c.name for c in sim.columns] == ["prfaas-pd", "homogeneous", "naive"]
     assert sim.config.rate == COMPARE_DEFAULT_RATE

@@ -1,5 +1,5 @@
 """The compare page in Debian's chromium (Playwright): PrfaaS-PD and homogeneous on the same
-arrivals, as `prfaas sim-dashboard --compare prfaas_pd,homogeneous` serves them.
+arrivals, as `prfaas sim-dashboard --compare prfaas-pd,homogeneous` serves them.
 
 The simulation runs in a background trio loop on its paced clock, far faster than real time;
 the page must draw every deployment, advance its charts, drop no event at 60x, keep its DOM
@@ -44,7 +44,7 @@ RATIO_AT_S = 605.0
 # Ten virtual minutes of both deployments take about 30 s of CPU (23x real time on one core of
 # this session's Xeon); on the two shared cores, loaded by other jobs, up to three times that.
 RATIO_WAIT_MS = 240_000
-NAMES = ("prfaas_pd", "homogeneous")
+NAMES = ("prfaas-pd", "homogeneous")
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 
     prfaas sim-dashboard [--speed 10] [--port 8080] [--rate 1] [--policy prfaas]
     prfaas sim-dashboard --record ui/replays/sample.jsonl --seconds 120
-    prfaas sim-dashboard --compare prfaas_pd,homogeneous[,naive] [--rate 2.5] [--speed 60]
+    prfaas sim-dashboard --compare prfaas-pd,homogeneous[,naive] [--rate 2.5] [--speed 60]
 
 The simulated deployment (services/sim/world.py: the live router, workers, cache directory
 and netem link over an in-memory network) runs in this process on a `PacedClock`: virtual time

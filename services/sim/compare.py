@@ -30,6 +30,7 @@ import msgspec
 from mesh.errors import ConfigError
 from services.contract.events import AnyEvent
 from services.contract.sampling import Sampling
+from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 from services.paper.planner import Scenario, solve_scenario
 from services.router.errors import RouterError
 from services.router.requests import GenerationRequest
@@ -45,10 +46,9 @@ Publish = Callable[[AnyEvent], None]
 JsonObject = dict[str, Any]
 # Table 6's deployments, in the order the page shows them; the first named is the one whose
 # completed rate the summary divides by homogeneous's (or by the last column's without it).
-COMPARABLE = ("prfaas_pd", "homogeneous", "naive")
-TITLES = {"prfaas_pd": "PrfaaS-PD", "homogeneous": "homogeneous PD",
-          "naive": "naive heterogeneous"}
-BASELINE = "homogeneous"
+COMPARABLE = DEPLOYMENTS
+TITLES = {PRFAAS_PD: "PrfaaS-PD", HOMOGENEOUS: "homogeneous PD", NAIVE: "naive heterogeneous"}
+BASELINE = HOMOGENEOUS
 # Between homogeneous's capacity and PrfaaS-PD's (docs/simulation.md, `paper`): the rate at
 # which the page shows one queue grow and the other hold.
 COMPARE_DEFAULT_RATE = 2.5

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from matplotlib.figure import Figure
 
+from services.paper.case_study import TABLE6
 from services.sim.capacity import Slo
 from services.sim.exposition import write_metrics
 from services.sim.run import STAGES, Record, SimResult
@@ -123,7 +124,6 @@ def _rho_cell(rho: Mapping[str, float]) -> str:
 def paper_report(out: Path, outcome: Any, virtual_s: float, wall_s: float) -> dict[str, Any]:
     """summary.json, table.md, records and plots of the `paper` scenario."""
     from services.sim.capacity import ratio_interval
-    from services.sim.scenarios import PAPER_TABLE6
 
     deployments = {name: msgspec.structs.asdict(s) for name, s in outcome.summaries.items()}
     homogeneous = outcome.capacities["homogeneous"]
@@ -132,7 +132,7 @@ def paper_report(out: Path, outcome: Any, virtual_s: float, wall_s: float) -> di
     saturation_ratios = {name: ratio_interval(cap, homogeneous, saturation=True)
                          for name, cap in outcome.capacities.items()}
     summary = {"scenario": "paper", "deployments": deployments,
-               "common_rate_rps": outcome.common_rate, "paper_table6": PAPER_TABLE6,
+               "common_rate_rps": outcome.common_rate, "paper_table6": msgspec.to_builtins(TABLE6),
                "ratio_over_homogeneous": {name: {"mean": mean, "ci": list(ci)}
                                           for name, (mean, ci) in ratios.items()},
                "saturation_ratio_over_homogeneous": {
@@ -143,14 +143,14 @@ def paper_report(out: Path, outcome: Any, virtual_s: float, wall_s: float) -> di
                "virtual_s": virtual_s, "wall_s": wall_s}
     capacity_rows, latency_rows = [], []
     for name, s in outcome.summaries.items():
-        paper = PAPER_TABLE6[name]
+        paper = TABLE6[name]
         capacity_rows.append([
             name, s.instances, interval(s.saturation_rps, s.saturation_rps_ci),
             interval(s.capacity_rps, s.capacity_rps_ci), s.planner_lambda_rps,
-            paper["lambda_rps"], interval(*saturation_ratios[name]),
-            interval(*ratios[name]), paper["ratio_over_homogeneous"], _rho_cell(s.rho)])
+            paper.lambda_max, interval(*saturation_ratios[name]),
+            interval(*ratios[name]), paper.ratio, _rho_cell(s.rho)])
         latency_rows.append([
-            name, s.ttft_mean_s, paper["ttft_mean_s"], s.ttft_p90_s, paper["ttft_p90_s"],
+            name, s.ttft_mean_s, paper.ttft_mean_s, s.ttft_p90_s, paper.ttft_p90_s,
             s.ttst_mean_s, s.offload_share, s.planner_offload_share, s.egress_mean_gbps,
             s.egress_peak_gbps, s.tpot_mean_ms])
     seeds = len(outcome.capacities["homogeneous"].seeds)

@@ -32,6 +32,7 @@ import msgspec
 
 from netem.params import LinkParams
 from services.data import trace_path
+from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
 from services.paper.workload import TruncatedLogNormal
 from services.router.policies import REGISTERED
@@ -40,15 +41,6 @@ from services.sim.run import LinkChange, Record, SimResult, run_virtual
 from services.sim.workload import Arrival, Workload, lognormal, trace
 from services.sim.world import CHUNK_PAPER_TOKENS, COARSE_SCALE, DEFAULT_SCALE, Deployment
 
-# The paper's Table 6 (arXiv 2604.15039 v2): Lambda_max, mean and P90 TTFT, offload share.
-PAPER_TABLE6 = {
-    "prfaas_pd": {"lambda_rps": 3.24, "ttft_mean_s": 2.22, "ttft_p90_s": 3.51,
-                  "offload_share": 0.496, "egress_gbps": 13.0, "ratio_over_homogeneous": 1.54},
-    "homogeneous": {"lambda_rps": 2.11, "ttft_mean_s": 4.44, "ttft_p90_s": 9.73,
-                    "ratio_over_homogeneous": 1.00},
-    "naive": {"lambda_rps": 2.45, "ttft_mean_s": 1.74, "ttft_p90_s": 3.51,
-              "ratio_over_homogeneous": 1.16},
-}
 Progress = Callable[[str, float, float], None]  # (what, virtual s done, virtual s total)
 
 
@@ -60,16 +52,16 @@ def paper_deployments(plan: PlanResult, bandwidth_bps: float = 100e9,
     assert p.t is not None
     chunk = round(CHUNK_PAPER_TOKENS * scale)
     return {
-        "prfaas_pd": Deployment(name="prfaas_pd", n_prfaas=p.n_prfaas, n_pd_prefill=p.n_p,
+        PRFAAS_PD: Deployment(name=PRFAAS_PD, n_prfaas=p.n_prfaas, n_pd_prefill=p.n_p,
                                 n_decode=p.n_d, policy="prfaas", bandwidth_bps=bandwidth_bps,
                                 policy_options={"threshold": p.t * scale,
                                                 "bandwidth": "scarce"},
                                 scale=scale, chunk_tokens=chunk),
-        "homogeneous": Deployment(name="homogeneous", n_prfaas=0,
+        HOMOGENEOUS: Deployment(name=HOMOGENEOUS, n_prfaas=0,
                                   n_pd_prefill=plan.homogeneous.n_p,
                                   n_decode=plan.homogeneous.n_d, policy="homogeneous",
                                   scale=scale, chunk_tokens=chunk),
-        "naive": Deployment(name="naive", n_prfaas=plan.naive_hetero.n_prfaas, n_pd_prefill=0,
+        NAIVE: Deployment(name=NAIVE, n_prfaas=plan.naive_hetero.n_prfaas, n_pd_prefill=0,
                             n_decode=plan.naive_hetero.n_d, policy="naive-hetero",
                             bandwidth_bps=bandwidth_bps, scale=scale,
                             chunk_tokens=chunk),
@@ -180,8 +172,7 @@ def paper(window_s: float = 360.0, seeds: Sequence[int] = (0, 1, 2, 3, 4),
     """Every number of the `paper` scenario (module docstring)."""
     plan = solve_scenario(Scenario())
     deployments = paper_deployments(plan)
-    points = {"prfaas_pd": plan.prfaas, "homogeneous": plan.homogeneous,
-              "naive": plan.naive_hetero}
+    points = {name: plan.point(name) for name in DEPLOYMENTS}
     workload, config = paper_capacity(window_s, seeds)
     simulate = partial(_simulate, progress)
     caps = {name: measure_capacity(d, workload, points[name].lambda_max, config,
@@ -244,7 +235,7 @@ def bandwidth_bound(window_s: float = 360.0, seeds: Sequence[int] = (0, 1, 2, 3,
     scenario = Scenario(bandwidth_gbps=bandwidth_bps / 1e9)
     plan = solve_scenario(scenario).prfaas
     d = msgspec.structs.replace(paper_deployments(solve_scenario(scenario), bandwidth_bps)[
-        "prfaas_pd"], name="prfaas_pd_narrow")
+        PRFAAS_PD], name=f"{PRFAAS_PD}-narrow")
     compute, bandwidth = scenario.throughput_model().prfaas_limits(plan.l_long, plan.n_prfaas)
     workload, default = paper_capacity(window_s, seeds)
     cap = measure_capacity(d, workload, plan.lambda_max, config or default,
@@ -263,7 +254,7 @@ def bandwidth_dip(rate: float = 1.6, before_s: float = 600.0, dip_s: float = 600
                   progress: Progress | None = None) -> DipOutcome:
     """Static prfaas against prfaas-dynamic through a 10-minute dip of the link."""
     plan = solve_scenario(Scenario())
-    base = paper_deployments(plan)["prfaas_pd"]
+    base = paper_deployments(plan)[PRFAAS_PD]
     total = before_s + dip_s + after_s
     changes = [LinkChange(before_s, LinkParams(bandwidth_bps=low_bps, delay_s=base.delay_s)),
                LinkChange(before_s + dip_s, LinkParams(bandwidth_bps=base.bandwidth_bps,
@@ -281,7 +272,7 @@ def trace_policies(speedup: float = 1.0, limit: int | None = None, seed: int = 0
                    progress: Progress | None = None) -> dict[str, SimResult]:
     """The conversation trace under every registered policy, and prfaas without a cache."""
     plan = solve_scenario(Scenario())
-    base = paper_deployments(plan, scale=DEFAULT_SCALE)["prfaas_pd"]
+    base = paper_deployments(plan, scale=DEFAULT_SCALE)[PRFAAS_PD]
     arrivals = trace(trace_path(), base.scale, speedup=speedup, limit=limit)
     total = arrivals[-1].at if arrivals else 0.0
     runs = {}
@@ -309,7 +300,7 @@ def burst(rate: float = 2.2, duration_s: float = 1800.0, cv: float = 4.0, seed: 
     bursts are short chats (mean about 2.7K tokens), which load decode far more than prefill:
     the long-term loop should move PD prefill instances to decode, and back after."""
     plan = solve_scenario(Scenario())
-    base = paper_deployments(plan)["prfaas_pd"]
+    base = paper_deployments(plan)[PRFAAS_PD]
     d = msgspec.structs.replace(base, name="burst", policy="prfaas-dynamic", policy_options={})
     third = duration_s / 3
     shape = 1.0 / cv ** 2

@@ -31,6 +31,7 @@ from netem.shaper import LinkShaper
 from services.cachedir.service import CacheDirService, run_cachedir
 from services.contract.messages import CODEC_MESSAGES, WorkerState
 from services.link.frames import payload_weight
+from services.paper.case_study import PRFAAS_PD
 from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
@@ -61,7 +62,7 @@ PATIENCE_S = 86_400.0
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What runs: instances per stage, their hardware, the link, the policy."""
 
-    name: str = "prfaas_pd"
+    name: str = PRFAAS_PD
     n_prfaas: int = 4
     n_pd_prefill: int = 3
     n_decode: int = 5
