@@ -6,7 +6,8 @@ at most one per CPU in flight, so "running" means running). `RayPool` starts one
 instance for its lifetime: a local one on this machine by default (every core, a small object
 store: the jobs return kilobytes), or joins a cluster at `address` (`ray://HOST:PORT`, or any
 address `ray.init` takes) and ships the project's packages to it. Ray takes seconds to start
-and holds memory while it runs: open one pool per search and close it at the end.
+and holds memory while it runs: open one pool per search and close it at the end. Both run
+their jobs in processes started with JOB_ENV, so a job's result is the same in either.
 """
 
 from __future__ import annotations
@@ -27,10 +28,26 @@ Started = Callable[[int], None]
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 
 
-def one_thread() -> None:
-    """Set up a fresh job process as Ray sets up its workers: one OpenMP thread (torch reads
-    it when first imported, which comes after this: this module imports no torch)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
+# Every job process hashes strings alike: a simulation run of PrfaaS-PD is not the same under
+# every PYTHONHASHSEED (paper-equal-cost, seed 0: saturation 3.2181 req/s under seed 0, 3.2258
+# under 1, 2 and 3), so each process's random one made serial and Ray searches disagree.
+JOB_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+
+
+class _JobEnv:
+    """JOB_ENV in this process's environment while a pool lives, for the processes it starts
+    (a spawned process and Ray's workers take the environment they start with)."""
+
+    def __init__(self) -> None:
+        self._before = {key: os.environ.get(key) for key in JOB_ENV}
+        os.environ.update(JOB_ENV)
+
+    def restore(self) -> None:
+        for key, value in self._before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _ignore(index: int) -> None:
@@ -38,19 +55,16 @@ def _ignore(index: int) -> None:
 
 
 class SerialPool:
-    """Every job one after the other, each in a process of its own that runs nothing else (as
-    `RayPool` runs them): the reference Ray is tested against. A job's result must depend on
-    its arguments alone, and a simulation run is not the same after other runs in the same
-    process, nor on one torch thread and on two (PrfaaS-PD's saturation, seed 1 of
-    paper-equal-cost: 2.9507 req/s as a process's second run, 2.9580 as its first)."""
+    """Every job one after the other in one process started for them, with JOB_ENV as Ray's
+    workers have it: the reference Ray is tested against."""
 
     address = "serial"
     cpus = 1
 
     def __init__(self) -> None:
-        self._executor = ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-            initializer=one_thread, max_tasks_per_child=1)
+        self._env = _JobEnv()
+        self._executor = ProcessPoolExecutor(max_workers=1,
+                                             mp_context=multiprocessing.get_context("spawn"))
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return [self._executor.submit(fn, item).result() for item in items]
@@ -63,6 +77,7 @@ class SerialPool:
 
     def close(self) -> None:
         self._executor.shutdown(cancel_futures=True)
+        self._env.restore()
 
     def __enter__(self) -> SerialPool:
         return self
@@ -88,10 +103,11 @@ class RayPool:
         import services
 
         self._ray = ray
+        self._env = _JobEnv()
         if address:
             # The cluster's workers import the project from what the driver ships.
             ray.init(address=address, logging_level=logging.WARNING,
-                     runtime_env={"py_modules": [mesh, netem, services]})
+                     runtime_env={"py_modules": [mesh, netem, services], "env_vars": JOB_ENV})
         else:
             # Ray starts its workers at nice 15; on a shared machine they would then get
             # a fraction of the CPU a serial run in this process gets.
@@ -101,8 +117,7 @@ class RayPool:
         self.address = address or "local"
         resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
         self.cpus = max(1, int(resources.get("CPU", 1)))
-        # A worker process per task (Ray's workers run with OMP_NUM_THREADS=1): see SerialPool.
-        self._task = ray.remote(num_cpus=1, max_retries=0, max_calls=1)(_call)
+        self._task = ray.remote(num_cpus=1, max_retries=0)(_call)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         refs = [self._task.remote(partial(fn, item)) for item in items]
@@ -125,6 +140,7 @@ class RayPool:
 
     def close(self) -> None:
         self._ray.shutdown()
+        self._env.restore()
 
     def __enter__(self) -> RayPool:
         return self
