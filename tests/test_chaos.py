@@ -10,7 +10,7 @@ import pytest
 from services.chaos.cli import chaos_main, exit_status
 from services.chaos.faults import envelope_frames, malformed_bodies, random_frames
 from services.chaos.harness import MeshConfig, chaos_topology
-from services.chaos.load import OUTCOMES
+from services.chaos.load import LOAD_OCCUPANCY, OUTCOMES, Result, sized_rate
 from services.chaos.report import migration_cost, verdict
 from services.chaos.scenarios import ScenarioResult, migrations_of
 
@@ -85,3 +85,17 @@ def test_fault_scenarios_may_not_answer_errors_and_migrations_are_read_and_coste
     assert after.since(before) == ({"decode_lost": 2}, 0.5)
     cost = "\n".join(migration_cost([result("kill-decode", completed=10)]))
     assert "migrated 2 requests" in cost and "averaged 0.5 s" in cost
+
+
+def test_the_background_load_is_sized_to_the_hosts_measured_latency() -> None:
+    def done(latency: float, outcome: str = "completed") -> Result:
+        return Result(outcome=outcome, status=200, sent=10.0, admitted=10.1,  # type: ignore[arg-type]
+                      done=10.0 + latency)
+    # 2 s answers at an admission limit of 4: 0.3 x 4 / 2 = 0.6 req/s keeps 1.2 in flight.
+    slow = [done(1.5), done(2.5), done(30.0, "hung")]
+    assert sized_rate(slow, 4, ceiling=4.0) == pytest.approx(LOAD_OCCUPANCY * 4 / 2.0)
+    # A fast host is held at the configured rate, a hopeless one at the floor.
+    assert sized_rate([done(0.05)], 4, ceiling=4.0) == 4.0
+    assert sized_rate([done(100.0)], 4, ceiling=4.0) == 0.25
+    with pytest.raises(ValueError, match="no completed request"):
+        sized_rate([done(1.0, "error")], 4, ceiling=4.0)

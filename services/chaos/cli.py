@@ -24,11 +24,12 @@ from pathlib import Path
 
 import anyio
 import httpx
+import msgspec
 
 from mesh.http import CLIENT_KEEPALIVE_S
 from services.chaos.faults import Faults
 from services.chaos.harness import ChaosMeshError, MeshConfig, running_mesh
-from services.chaos.load import Load
+from services.chaos.load import LOAD_OCCUPANCY, Load, Result, sized_rate
 from services.chaos.report import render, verdict
 from services.chaos.scenarios import SCENARIOS, Run, ScenarioResult
 
@@ -72,21 +73,33 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 WARM_UP_S = 20.0
 
 
-async def warm_up(run: Run, seconds: float, seed: int) -> None:
+async def warm_up(run: Run, seconds: float, seed: int) -> list[Result]:
     """Load the mesh so that RSS compares a warm service with itself: prefix caches fill to
     their budget and the allocators reach their working size. Half the time every prompt is
     prefilled in the PD cluster (t pinned past every length), half in the PrfaaS cluster
     (t = 0), so each prefill worker has seen long prompts before a scenario sends them its
     way (a killed PrfaaS worker or a cut link moves the long ones to PD prefill)."""
+    results: list[Result] = []
     for t in (1e12, 0.0):
         await run.faults.pin_threshold(t)
-        await Load(run.client, run.load_config, seed=seed).run(seconds / 2)
+        load = Load(run.client, run.load_config, seed=seed)
+        await load.run(seconds / 2)
+        results += load.results
     await run.faults.pin_threshold(None)
+    return results
 
 
 async def run_scenarios(run: Run, names: list[str]) -> list[ScenarioResult]:
     print("chaos: warming up ...", file=sys.stderr, flush=True)
-    await warm_up(run, 5.0 if run.quick else WARM_UP_S, seed=1)
+    warm = await warm_up(run, 5.0 if run.quick else WARM_UP_S, seed=1)
+    # The background load is sized to this host's speed, measured by the warm-up: a fixed
+    # rate that one machine serves is overload on a slower one, and a fault scenario would
+    # then count admission refusals, not what the fault did.
+    rate = sized_rate(warm, run.max_inflight, ceiling=run.load_config.rate)
+    run.load_config = msgspec.structs.replace(run.load_config, rate=rate)
+    print(f"chaos: background load {rate:.2f} req/s (warm-up latency sized to "
+          f"{LOAD_OCCUPANCY:.0%} of the admission limit {run.max_inflight})",
+          file=sys.stderr, flush=True)
     results = []
     for name in names:
         # Each scenario is judged against the RSS its services had when it began, warm (a

@@ -119,5 +119,22 @@ class Load:
                 tg.start_soon(self._one)
 
 
+# The share of the admission limit the background load keeps busy in steady state (Little's
+# law: rate x latency requests in flight). A fault slows the requests it moves (migration
+# re-prefills them), so the rest of the limit is the room a failover needs before it would
+# be refused; the overload scenarios, not the faults, are what fill the limit.
+LOAD_OCCUPANCY = 0.3
+
+
+def sized_rate(results: Sequence[Result], max_inflight: int, ceiling: float) -> float:
+    """Requests per second that keep `LOAD_OCCUPANCY` of the admission limit in flight, at the
+    mean latency of the completed `results` (a warm-up's): at most `ceiling`, at least 0.25."""
+    latencies = [r.done - r.sent for r in results if r.outcome == "completed"]
+    if not latencies:
+        raise ValueError("no completed request to size the load from")
+    mean = sum(latencies) / len(latencies)
+    return max(0.25, min(ceiling, LOAD_OCCUPANCY * max_inflight / mean))
+
+
 def counts(results: Sequence[Result]) -> dict[str, int]:
     return {outcome: sum(r.outcome == outcome for r in results) for outcome in OUTCOMES}

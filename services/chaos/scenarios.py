@@ -217,7 +217,7 @@ def kill_scenario(services: tuple[str, ...], kind: str) -> Scenario:
                     await run.faults.kill(name)
                 recover = await run.recovered(killed_at, services, old_pids)
             return recover, [f"kill -9 at 2 s of a {window:.0f} s load at "
-                             f"{run.load_config.rate:.0f} req/s"]
+                             f"{run.load_config.rate:.2f} req/s"]
         return await measure(run, f"kill-{kind}", f"kill -9 of {' and '.join(services)} "
                              f"({kind}) mid-stream and {'their' if len(services) > 1 else 'its'}"
                              " return", services, body)
