@@ -276,3 +276,37 @@ def test_a_plain_fit_that_is_already_non_negative_is_kept_to_the_bit() -> None:
     assert min(c) >= 0.0
     fitted = QuadraticPrefill.fit(lengths, seconds)
     assert (fitted.c0, fitted.c1, fitted.c2) == c
+
+
+def test_a_chunked_profile_is_fitted_with_its_per_chunk_cost() -> None:
+    # A chunked engine pays each forward pass whole: 141 and 179 tokens (three chunks of 64)
+    # cost about the same, 102 (two) a third less. The per-chunk term recovers it exactly.
+    truth = QuadraticPrefill(0.01, 1e-5, 1e-8, 0.05, 64)
+    lengths = [64.0, 102.0, 141.0, 179.0, 218.0, 256.0]
+    fitted = QuadraticPrefill.fit(lengths, [truth(x) for x in lengths], 64)
+    assert fitted.chunk == 64
+    for got, want in ((fitted.c0, 0.01), (fitted.c1, 1e-5), (fitted.c2, 1e-8),
+                      (fitted.per_chunk, 0.05)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    # Without the chunk the same points fit worse: the quadratic cannot step.
+    plain = QuadraticPrefill.fit(lengths, [truth(x) for x in lengths])
+    assert plain.per_chunk == 0.0
+    assert max(abs(plain(x) / truth(x) - 1) for x in lengths) > 0.05
+
+
+def test_the_chunk_term_stays_out_where_the_points_cannot_tell_it_apart() -> None:
+    # Whole chunks only: the chunk count is a line in the length, so no chunk term.
+    lengths = [64.0, 128.0, 192.0, 256.0, 320.0]
+    fitted = QuadraticPrefill.fit(lengths, [0.02 + 0.001 * x for x in lengths], 64)
+    assert fitted.per_chunk == 0.0 and fitted.chunk == 0
+
+
+def test_a_suffix_after_a_cached_prefix_pays_its_own_chunks() -> None:
+    t = QuadraticPrefill(0.01, 1e-5, 1e-8, 0.05, 64)
+    # 70 new tokens after 1,000 cached: two chunks, the attention over the longer context.
+    want = 0.01 + 1e-5 * 70 + 1e-8 * (1070**2 - 1000**2) + 2 * 0.05
+    assert t.extend(70, 1000) == pytest.approx(want)
+    assert t.extend(0, 1000) == pytest.approx(0.01)
+    assert t.extend(64, 0) == pytest.approx(t(64))
+    doubled = t.affine(0.0, 2.0)
+    assert doubled(130) == pytest.approx(2 * t(130))

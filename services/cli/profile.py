@@ -4,13 +4,14 @@
     prfaas profile --name xeon-spr-1t --threads 1   named profile, written to the profiles dir
     prfaas profile --quick --out /tmp/p.toml        a short grid (a smoke check)
 
-The engine the workers run (services/worker/profiler.py) is timed on prefill over prompt lengths
-at each chunk size, and on decode steps over batch sizes and tokens per sequence. Prefill is
-fitted as c0 + c1 l + c2 l^2 at the first chunk size (the one a deployment should run with),
-decode as fixed + per sequence * batch + per token * context; the TOML (the format the
-simulation and emulated mode read, services/paper/hardware.py) carries the points, the chunk
-size, each fit's largest relative error and `source.kind = "measured"`. Beside it goes the
-model's KV-size profile (`<family>-<size>` in the same folder), from the model's cache layout.
+The engine the workers run (services/worker/profiler.py) is timed on prefill over prompt lengths at
+each chunk size, and on decode steps over batch sizes and tokens per sequence. Prefill is fitted as
+c0 + c1 l + c2 l^2 + per_chunk ceil(l / chunk) at the first chunk size (the one a deployment should
+run with; the last term is each forward pass's fixed cost), decode as fixed + per sequence * batch
++ per token * context; the TOML (the format the simulation and emulated mode read,
+services/paper/hardware.py) carries the points, the chunk size, each fit's largest relative error
+and `source.kind = "measured"`. Beside it goes the model's KV-size profile (`<family>-<size>` in
+the same folder), from the model's cache layout.
 Prints a table of every point with the fit's error.
 """
 
@@ -66,7 +67,8 @@ class Fits:
 def fit(prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint], chunk: int) -> Fits:
     """Prefill fitted at chunk size `chunk`, decode over every point."""
     chosen = [p for p in prefill if p.chunk_tokens == chunk]
-    pre = QuadraticPrefill.fit([p.length for p in chosen], [p.seconds for p in chosen])
+    pre = QuadraticPrefill.fit([p.length for p in chosen], [p.seconds for p in chosen],
+                               chunk)
     dec = LinearDecode.fit([p.batch for p in decode], [p.context for p in decode],
                            [p.seconds for p in decode])
     return Fits(pre, relative_errors([pre(p.length) for p in chosen],
@@ -123,7 +125,7 @@ def _header(points: Sequence[PrefillPoint], decode: Sequence[DecodePoint], fits:
     pre, dec = fits.prefill, fits.decode
     lines = ["# Measured by `prfaas profile` (services/cli/profile.py); medians of repeated runs.",
              f"# Prefill at chunk {chunk}: T(l) = {pre.c0:.6g} + {pre.c1:.6g} l + {pre.c2:.6g} "
-             "l^2 s",
+             f"l^2{f' + {pre.per_chunk:.6g} ceil(l / {pre.chunk})' if pre.chunk else ''} s",
              f"# Decode step: {dec.fixed_s:.6g} + {dec.per_sequence_s:.6g} batch + "
              f"{dec.per_token_s:.6g} context s (context: tokens the batch holds)",
              "# Prefill points (length, chunk, seconds, repeat spread, fit error):"]

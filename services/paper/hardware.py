@@ -210,34 +210,73 @@ def polyfit(xs: Sequence[float], ys: Sequence[float], degree: int) -> tuple[floa
     return tuple(c / scale**k for k, c in enumerate(_solve(normal, rhs)))
 
 
+def _independent(column: Sequence[float], basis: Sequence[Sequence[float]]) -> bool:
+    """Whether `column` is not (numerically) a linear combination of the `basis` columns."""
+    coef = _least_squares(basis, column)
+    fitted = [sum(c * b[i] for c, b in zip(coef, basis, strict=True)) for i in range(len(column))]
+    size = max(map(abs, column)) or 1.0
+    return max(abs(f - y) for f, y in zip(fitted, column, strict=True)) > 1e-6 * size
+
+
 @dataclass(frozen=True)
 class QuadraticPrefill:
-    """T_prefill(l) = c0 + c1 l + c2 l^2 seconds for one instance, l in tokens."""
+    """T_prefill(l) = c0 + c1 l + c2 l^2 + per_chunk * ceil(l / chunk) seconds for one
+    instance, l in tokens.
+
+    The last term is a chunked engine's cost per forward pass (weights read, kernels launched,
+    Python dispatched), paid once per chunk whatever its length: a measured profile at chunk
+    64 shows 141 and 179 tokens (three chunks each) within 4% of each other while 102 tokens
+    (two chunks) take a third less. A profile without a chunk (`chunk` 0: the whole prompt
+    in one pass, as the paper's GPU profiles) has none."""
 
     c0: float
     c1: float
     c2: float
+    per_chunk: float = 0.0
+    chunk: int = 0
+
+    def chunks(self, length: float) -> int:
+        """Forward passes of a prompt of `length` new tokens (0 without a chunk)."""
+        return math.ceil(length / self.chunk) if self.chunk and length > 0 else 0
 
     def __call__(self, length: float) -> float:
-        return self.c0 + self.c1 * length + self.c2 * length * length
+        return (self.c0 + self.c1 * length + self.c2 * length * length
+                + self.per_chunk * self.chunks(length))
+
+    def extend(self, new: float, cached: float) -> float:
+        """Seconds to prefill `new` tokens after `cached` ones, chunked from the cached
+        boundary: c0 once, the tokens' linear and attention terms, one charge per chunk."""
+        top = cached + new
+        return (self.c0 + self.c1 * new + self.c2 * (top * top - cached * cached)
+                + self.per_chunk * self.chunks(new))
 
     @classmethod
-    def fit(cls, lengths: Sequence[float], seconds: Sequence[float]) -> QuadraticPrefill:
+    def fit(cls, lengths: Sequence[float], seconds: Sequence[float],
+            chunk: int = 0) -> QuadraticPrefill:
         """Least squares with non-negative coefficients: a prefill never takes less time for
-        more tokens, nor less than nothing."""
+        more tokens, nor less than nothing. With a chunk the per-chunk term joins the fit when
+        the points can tell it apart (five or more, not all a whole number of chunks, the
+        chunk counts not a line in the lengths)."""
         if len(lengths) != len(seconds) or len(lengths) < 3:
             raise ProfileError(f"a quadratic prefill fit needs >= 3 paired points, got "
                                f"{len(lengths)} lengths and {len(seconds)} times")
         # Columns scaled to [0, 1] so the normal equations stay well conditioned.
         scale = max(abs(x) for x in lengths) or 1.0
         cols = [[(x / scale) ** k for x in lengths] for k in range(3)]
+        probe = cls(0.0, 0.0, 0.0, 1.0, chunk)
+        counts = [float(probe.chunks(x)) for x in lengths]
+        if chunk and len(lengths) >= 5 and _independent(counts, cols[:2]):
+            *quad, per_chunk = nonnegative_least_squares([*cols, counts], seconds)
+            c0, c1, c2 = (c / scale**k for k, c in enumerate(quad))
+            return cls(c0, c1, c2, per_chunk, chunk)
         c0, c1, c2 = (c / scale**k
                       for k, c in enumerate(nonnegative_least_squares(cols, seconds)))
         return cls(c0, c1, c2)
 
     def affine(self, alpha: float, beta: float) -> QuadraticPrefill:
-        """alpha + beta * T(l), itself a quadratic."""
-        return QuadraticPrefill(alpha + beta * self.c0, beta * self.c1, beta * self.c2)
+        """alpha + beta * T(l), of the same form."""
+        return QuadraticPrefill(alpha + beta * self.c0, beta * self.c1, beta * self.c2,
+                                beta * self.per_chunk, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -336,6 +375,11 @@ def _read_spec(name_or_path: str | Path, kind: type[_Spec]) -> _Spec:
         raise ProfileError(f"profile {str(name_or_path)!r} ({path}): {exc}") from exc
 
 
+def read_profile_spec(name_or_path: str | Path) -> ProfileSpec:
+    """A hardware profile's TOML as written: its measured points, before any fit."""
+    return _read_spec(name_or_path, ProfileSpec)
+
+
 def _check_points(where: str, lengths: Sequence[float], values: Sequence[float]) -> None:
     if len(lengths) != len(values) or not lengths:
         raise ProfileError(f"{where}: lengths and values must pair up, got "
@@ -351,7 +395,7 @@ def _prefill_model(spec: ProfileSpec, origin: Path, depth: int) -> QuadraticPref
     where = f"profile {spec.name!r} [prefill]"
     _check_points(where, pre.lengths, pre.seconds)
     if pre.fit == "quadratic":
-        return QuadraticPrefill.fit(pre.lengths, pre.seconds)
+        return QuadraticPrefill.fit(pre.lengths, pre.seconds, pre.chunk_tokens)
     if len(pre.lengths) != 2 or not pre.base:
         raise ProfileError(f"{where}: fit 'affine_of' needs base and exactly 2 anchors, got "
                            f"base={pre.base!r}, {len(pre.lengths)} anchors")
@@ -437,13 +481,13 @@ class CostModel:
         return self._prefill()(length) if self.profile.paced else 0.0
 
     def prefill_time(self, l_new: int, l_cached: int = 0) -> float:
-        """Seconds to prefill `l_new` tokens after `l_cached` cached ones: T(c+l) - T(c) + c0."""
+        """Seconds to prefill `l_new` tokens after `l_cached` cached ones: T(c+l) - T(c) + c0
+        (QuadraticPrefill.extend: chunked from the cached boundary)."""
         _check_count("l_new", l_new)
         _check_count("l_cached", l_cached)
         if not self.profile.paced:
             return 0.0
-        t = self._prefill()
-        return t(l_cached + l_new) - t(l_cached) + t.c0
+        return self._prefill().extend(l_new, l_cached)
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """Seconds for one decode step of `batch` sequences holding `context` tokens in all."""
