@@ -75,8 +75,8 @@ def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, Live
 def test_a_wrong_profile_is_caught(measured: tuple[ValidationConfig, LiveRun],
                                    tmp_path: Path) -> None:
     config, live = measured
-    wrong = slower(Path(config.profile), SLOWER, tmp_path / "slower.toml")
-    row = against_sim(msgspec.structs.replace(config, profile=str(wrong)), live).rows[0]
+    wrong = slower(Path(live.profile), SLOWER, tmp_path / "slower.toml")
+    row = against_sim(config, msgspec.structs.replace(live, profile=str(wrong))).rows[0]
     assert row.errors["ttft_p50"] > BOUND and row.errors["tpot_p50"] > BOUND, row.errors
 
 
@@ -92,8 +92,10 @@ def test_both_sides_get_the_same_requests() -> None:
         assert len(job.prompt) == job.arrival.length == len(job.arrival.prompt())
         assert SMALL.prompt_tokens[0] <= job.arrival.length <= SMALL.prompt_tokens[1]
         assert min(job.prompt) > 0 and max(job.prompt) < 4096
-    # Nothing shared: every request's blocks are its own.
-    blocks = [b for job in load for b in job.arrival.blocks]
+    # Nothing shared: every request's blocks are its own, within a load and across loads
+    # (seed 0 is the first load's; a scheme of seed times index once made neighbours overlap).
+    blocks = [b for s in (0, 1, 3) for job in jobs(SMALL, 2.0, 30, seed=s)
+              for b in job.arrival.blocks]
     assert len(blocks) == len(set(blocks))
 
 
@@ -142,3 +144,34 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 20
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rows"][0]["errors"]["ttft_p50"] == pytest.approx(-0.05)
+
+
+def test_the_in_situ_profile_takes_the_workers_compute_and_moves_the_decode_steps(
+        tmp_path: Path) -> None:
+    from services.cli.validation import in_situ_profile, probe_jobs
+    from services.paper.hardware import CostModel, read_profile_spec
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
+    engine = read_profile_spec(config.profile)
+    assert engine.prefill is not None and engine.decode is not None
+    probes = probe_jobs(config)
+    lengths = [round(x) for x in engine.prefill.lengths]
+    assert [j.arrival.length for j in probes] == lengths * 2
+    cost = CostModel.load(config.profile, config.model)
+    # The worker reports 1.2x and 1.4x the engine's own time; each live step is 2 ms slower.
+    live = [Outcome(0.0, j.arrival.length, j.arrival.output_len, 0.5,
+                    cost.decode_step_time(1, j.arrival.length + j.arrival.output_len // 2)
+                    + 0.002, 1.0, True,
+                    compute_s=cost.prefill_time(j.arrival.length) * (1.2 + 0.2 * (i // 7)))
+            for i, j in enumerate(probes)]
+    written = read_profile_spec(in_situ_profile(config, live, tmp_path / "situ.toml"))
+    assert written.prefill is not None and written.decode is not None
+    assert written.prefill.chunk_tokens == engine.prefill.chunk_tokens
+    for length, seconds in zip(written.prefill.lengths, written.prefill.seconds, strict=True):
+        assert seconds == pytest.approx(1.3 * cost.prefill_time(round(length)), rel=1e-4)
+    for before, after in zip(engine.decode.seconds, written.decode.seconds, strict=True):
+        assert after == pytest.approx(before + 0.002, abs=2e-6)
+    # Too few completed probes to fit: a clear error, not a profile.
+    with pytest.raises(ValueError, match="probes completed"):
+        in_situ_profile(config, [msgspec.structs.replace(o, ok=False) for o in live],
+                        tmp_path / "none.toml")
