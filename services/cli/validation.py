@@ -10,16 +10,20 @@ router's scheduler in this process. Every request goes remote (threshold 0), so 
 the link. The simulation runs the same deployment on virtual time with the measured profile
 (`prfaas profile`) for both workers and the model's KV sizes.
 
-Steps: warm the workers up; measure the live mesh's capacity (a burst well above it, completions
-per second over the middle half of the finishes); then for each load (a fraction of that
-capacity) send the same seeded Poisson arrival list, prompt lengths and output lengths to both
-sides, and compare TTFT p50 / p90, TPOT p50 / p90 and completed requests per second. Errors are
-signed, sim over live minus 1. Beside them, what the live TTFT is made of, measured from the
-prefill worker's own report: queueing, compute, and the rest (the router's dispatch, the KV's
+Steps: warm the workers up; probe the prefill worker in situ (each prompt length the engine's
+profile measured, a few times, one request at a time: the worker's own compute report becomes the
+profile's prefill points, and the live decode step at batch 1 moves its decode steps; see
+`in_situ_profile` for why the engine alone is not enough); measure the live mesh's capacity (a
+burst well above it, completions per second over the middle half of the finishes); then for each
+load (a fraction of that capacity) send the same seeded Poisson arrival list, prompt lengths and
+output lengths to both sides, and compare TTFT p50 / p90, TPOT p50 / p90 and completed requests per
+second. Errors are signed, sim over live minus 1. The same live run is also simulated with the
+engine-alone profile and reported beside. Beside them, what the live TTFT is made of, measured from
+the prefill worker's own report: queueing, compute, and the rest (the router's dispatch, the KV's
 trip through the link, its import on the decode side and the first token's way back).
 
-Writes DIR/summary.json, DIR/table.md, DIR/records.jsonl and a CDF plot per load
-(DIR/cdf_<load>.png), and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
+Writes DIR/summary.json, DIR/table.md, DIR/records.jsonl, DIR/profile-in-situ.toml and a CDF plot
+per load (DIR/cdf_<load>.png), and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
 """
 
 from __future__ import annotations
@@ -534,7 +538,12 @@ def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> Val
     batches and contexts the loads reach, written to `out`; `config` reading it."""
     low, high = config.prompt_tokens
     top = high + config.output_tokens[1]
-    lengths = sorted({max(BLOCK, round(low / 2 + i * (high - low / 2) / 5)) for i in range(6)})
+    # Whole chunks and half chunks: a prompt pays for its last chunk whole (the per-chunk term
+    # of the prefill fit), which lengths that are all whole chunks cannot show.
+    chunk = config.chunk_tokens or high
+    ends = range(chunk, high + chunk, chunk)
+    lengths = sorted({n for end in ends for n in (end - chunk // 2, end)
+                      if BLOCK <= n <= high and n >= low // 2})
     batches = "1,2,4" if quick else "1,2,4,8,16"
     args = [sys.executable, "-m", "services.cli.main", "profile", "--out", str(out),
             "--name", out.stem, "--no-progress", "--lengths", ",".join(map(str, lengths)),
