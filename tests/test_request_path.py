@@ -12,6 +12,7 @@ not counted: the model is a library the workers call.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import threading
@@ -57,11 +58,13 @@ def topology_text(ports: list[int]) -> str:
 
 
 class FileTrace:
-    """Project files in the order of their first call, recorded only while `active`."""
+    """Project files in the order of their first call, recorded only while `active`, and
+    every call chain that goes back into a file it has left (`returns`)."""
 
     def __init__(self) -> None:
         self.active = False
         self.files: list[str] = []
+        self.returns: set[tuple[str, ...]] = set()
         self._names: dict[str, str | None] = {}
         self._lock = threading.Lock()
 
@@ -69,11 +72,30 @@ class FileTrace:
         if not self.active or event != "call":
             return
         name = self._project_file(frame.f_code.co_filename)
-        if name is not None and name not in self.files:
+        if name is None:
+            return
+        if name not in self.files:
             # Threads (the workers' compute) record too: first one in wins.
             with self._lock:
                 if name not in self.files:
                     self.files.append(name)
+        if not name.startswith(LIBRARY):
+            chain = self._chain(frame)
+            if len(set(chain)) < len(chain):
+                self.returns.add(chain)
+
+    def _chain(self, frame: FrameType | None) -> tuple[str, ...]:
+        """The counted files of the call chain that ends in `frame`, outermost first, each run
+        of calls within one file as one step (mesh/ and the model's frames in between are
+        passed over: the runtime and the library calling back are not the project's path)."""
+        chain: list[str] = []
+        while frame is not None:
+            name = self._project_file(frame.f_code.co_filename)
+            if name is not None and not name.startswith(LIBRARY) and (
+                    not chain or chain[-1] != name):
+                chain.append(name)
+            frame = frame.f_back
+        return tuple(reversed(chain))
 
     def _project_file(self, filename: str) -> str | None:
         if filename not in self._names:
@@ -127,7 +149,9 @@ async def traced_completion(topology: Topology, url: str, trace: FileTrace) -> s
     return response.headers["x-prfaas-cluster"]
 
 
-def traced_files() -> list[str]:
+@functools.cache
+def traced() -> FileTrace:
+    """One traced completion, shared by the tests of this module."""
     ports = free_ports(6)
     trace = FileTrace()
     with profiling(trace):
@@ -135,7 +159,11 @@ def traced_files() -> list[str]:
         cluster = anyio.run(traced_completion, parse_topology(topology_text(ports)),
                             f"http://127.0.0.1:{ports[1]}", trace, backend="asyncio")
     assert cluster == "prfaas"
-    return trace.files
+    return trace
+
+
+def traced_files() -> list[str]:
+    return traced().files
 
 
 def documented_files() -> list[str]:
@@ -155,6 +183,14 @@ def test_the_documented_request_path_is_the_traced_one() -> None:
     print(f"{len(counted(traced))} files counted, {len(traced)} listed")
     assert documented_files() == traced, "\n".join(
         f"{i}. `{name}`" for i, name in enumerate(traced, 1))
+
+
+def test_no_call_chain_goes_back_into_a_file_it_left() -> None:
+    # One way through: a file calls the next and gets its answer back by return or await, never
+    # by a call from further down into a file the chain already passed (a callback, a helper
+    # living on the caller's side). Each chain printed is a place a reader goes back and forth.
+    trace = traced()
+    assert not trace.returns, "\n".join(" -> ".join(c) for c in sorted(trace.returns))
 
 
 def test_the_doc_states_the_count_of_its_list() -> None:
