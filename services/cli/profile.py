@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import socket
 import sys
 from collections.abc import Sequence
@@ -33,6 +31,7 @@ import torch
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
 from mesh.errors import ConfigError
+from services.bench.host import load_average, machine_line
 from services.model.cache import dtype_name
 from services.model.config import ModelConfig, family_config, kv_bytes
 from services.model.model import HybridLM, build_model
@@ -75,31 +74,6 @@ def fit(prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint], chunk: i
                                      [p.seconds for p in chosen]),
                 dec, relative_errors([dec(p.batch, p.batch * p.context) for p in decode],
                                      [p.seconds for p in decode]))
-
-
-def host_line(threads: int) -> str:
-    """The machine the profile speaks for, in words."""
-    cpu = _cpu_model() or platform.processor() or platform.machine()
-    return (f"host {socket.gethostname()}: {cpu}, {os.cpu_count()} logical CPUs, "
-            f"{threads} torch thread(s), torch {torch.__version__}")
-
-
-def load_average() -> str:
-    """The 1-minute load average: how busy the machine was while it was timed."""
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return ""
-    return ""
 
 
 def _toml(value: object) -> str:
@@ -281,9 +255,9 @@ def profile_main(argv: list[str]) -> int:
     model, weights = _load(args.family, args.size, args.checkpoint)
     name = args.name or f"{socket.gethostname()}-cpu-{args.threads}t"
     out = args.out or PROFILE_DIR / f"{name}.toml"
-    where = (f"{host_line(args.threads)}; {args.family}/{args.size} {dtype_name(model.dtype)}, "
+    where = (f"{machine_line(args.threads)}; {args.family}/{args.size} {dtype_name(model.dtype)}, "
              f"{weights}; {datetime.date.today().isoformat()}; median of {config.repeats}; "
-             f"load average {load_average()} at the start")
+             f"load average {load_average():.2f} at the start")
     prefill, decode = measure(EngineProfiler(ModelEngine(model), config), not args.no_progress)
     text = profile_toml(name, where, prefill, decode, config.chunk_tokens[0])
     write_profile(out, text, ProfileSpec)

@@ -53,9 +53,10 @@ from mesh.ports import free_ports
 from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
 from services.bench.arrivals import poisson_arrivals
+from services.bench.host import load_average, machine_line
 from services.bench.stats import percentile
 from services.cli.launch import launch
-from services.cli.profile import host_line, load_average, profile_toml, write_profile
+from services.cli.profile import profile_toml, write_profile
 from services.contract.events import RequestDone
 from services.contract.sampling import Sampling
 from services.model.config import family_config
@@ -419,12 +420,12 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
     router = LiveRouter(topology, family_config(config.family, config.size).vocab_size)
     out: dict[str, list[Outcome]] = {}
     capacity = config.capacity_rps
-    loads["warm-up"] = load_average()
+    loads["warm-up"] = f"{load_average():.2f}"
     async with router.scheduler.node:
         await router.scheduler.node.listen()
         await router.run(jobs(config, 1.0, config.warmup_requests, config.seed + 99,
                               burst_s=2.0 * config.warmup_requests), "warm-up")
-        loads["in-situ"] = load_average()
+        loads["in-situ"] = f"{load_average():.2f}"
         probes = probe_jobs(config)
         out["in-situ"] = []
         # One at a time: nothing queues, and the decode batch is the probe alone.
@@ -432,12 +433,12 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
                         leave=False):
             out["in-situ"] += await router.run([job])
         if not capacity:
-            loads["capacity"] = load_average()
+            loads["capacity"] = f"{load_average():.2f}"
             out["capacity"] = await router.run(_burst(config), "capacity burst")
             capacity = service_rate(out["capacity"])
             say(f"live capacity: {capacity:.2f} req/s (a burst of {config.capacity_requests})")
         for index, (name, fraction) in enumerate(config.loads):
-            loads[name] = load_average()
+            loads[name] = f"{load_average():.2f}"
             say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} "
                 f"requests (load average {loads[name]})")
             out[name] = await router.run(_load(config, index, fraction * capacity),
@@ -506,7 +507,7 @@ def in_situ_profile(config: ValidationConfig, probes: Sequence[Outcome], out: Pa
               for b, c, s in zip(dec.batches, dec.contexts, dec.seconds, strict=True)]
     where = (f"in situ, the live prefill worker's compute over {len(ok)} probes one at a time; "
              f"decode: the steps of {Path(config.profile).stem} {shift * 1e3:+.2f} ms (the live "
-             f"step at batch 1); {host_line(1)}; load average {load_average()}")
+             f"step at batch 1); {machine_line(1)}; load average {load_average():.2f}")
     write_profile(out, profile_toml(out.stem, where, points, decode, chunk), ProfileSpec)
     return out
 
@@ -618,9 +619,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def machine_line() -> str:
-    """The CPU and how busy the machine was (1-minute load average) as the run ended."""
-    return f"{host_line(1)}; load average {load_average()} at the end"
+def end_line() -> str:
+    """The machine and how busy it was (1-minute load average) as the run ended."""
+    return f"{machine_line(1)}; load average {load_average():.2f} at the end"
 
 
 def validate_main(argv: list[str]) -> int:
@@ -637,7 +638,7 @@ def validate_main(argv: list[str]) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         live = run_live(config, log_dir, say, args.out / "profile-in-situ.toml")
     result = against_sim(config, live)
-    print(write_report(args.out, result, machine_line(), against_sim(config, live, True)))
+    print(write_report(args.out, result, end_line(), against_sim(config, live, True)))
     print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
     print(bench_line(result.rows))
     return 0
