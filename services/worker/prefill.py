@@ -1,6 +1,6 @@
 """The prefill worker: computes a prompt's uncached suffix and streams its KV as it goes.
 
-One job at a time, in arrival order (prefill saturates the compute). For each job:
+One job computes at a time, in arrival order (prefill saturates the compute). For each job:
 
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
    at a state snapshot, so only the suffix is computed.
@@ -8,7 +8,10 @@ One job at a time, in arrival order (prefill saturates the compute). For each jo
    chunks of tokens through `PrefillCompute` (below), which hands each
    finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
    compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
-3. Sample the first token; lane 0 ends with `KVClose` carrying it. Wait until the decode
+3. Sample the first token; lane 0 ends with `KVClose` carrying it. The compute slot passes
+   to the next job as soon as there is room to stream (`PrefillConfig.max_streaming`), while
+   this job's KV keeps crossing: an instance computes its next prompt while the last one's
+   KV drains, as Eq. 3's min(compute, bandwidth) assumes. Wait until the decode
    worker has accepted every lane ("KV fully received"); with `request.kv_stall`, at most
    that long after the compute is done, else the job fails with `KVStalled` (KV stuck on
    a stalled link: the router re-prefills it in the PD cluster).
@@ -38,10 +41,10 @@ virtual clock (`InlineRunner`) a run is exact.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -83,6 +86,14 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     snapshot_every: int = 1  # keep a state snapshot every this many blocks
     chunk_tokens: int = 512  # chunked prefill: tokens per chunk (a block multiple; 0: one)
     transfer_timeout: float = 120.0  # one upload lane, open to accepted
+    # Jobs whose compute is done and whose KV is still crossing, at most. One is enough for
+    # the link never to idle between prompts: the finished job's KV drains while the next
+    # computes, and the next job's own pieces start leaving within its first chunk. More would
+    # only queue KV on a link that is already the bottleneck. It is also the backpressure: a
+    # job whose compute ends with no room keeps the slot until an earlier job's KV is
+    # accepted, so the next one waits in the queue and a worker holds at most
+    # 1 + max_streaming jobs' KV. 0: the slot is held until the KV is accepted.
+    max_streaming: int = 1
 
     def __post_init__(self) -> None:
         if self.snapshot_every < 1:
@@ -91,6 +102,8 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise RequestError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if not self.transfer_timeout > 0:
             raise RequestError(f"transfer_timeout must be > 0, got {self.transfer_timeout}")
+        if self.max_streaming < 0:
+            raise RequestError(f"max_streaming must be >= 0, got {self.max_streaming}")
 
 
 class PrefillStatistics(msgspec.Struct, frozen=True):
@@ -100,7 +113,7 @@ class PrefillStatistics(msgspec.Struct, frozen=True):
     )
 
     queue_depth: int
-    running: int
+    running: int  # holding the compute slot: computing, or done with no room to stream yet
     jobs: int
     failures: int
     computed_tokens: int
@@ -109,6 +122,18 @@ class PrefillStatistics(msgspec.Struct, frozen=True):
     pieces_sent: int
     # Jobs given up by their caller (an Abort, a cut connection), queued or running.
     cancelled: int = 0
+    streaming: int = 0  # compute done, slot given back, KV not yet accepted
+
+
+Stage = Literal["queued", "running", "streaming"]
+
+
+@dataclass
+class _Place:
+    """Where one job is: queued, running (it holds the compute slot) or streaming (compute
+    done, it holds a room to stream and its KV is still crossing)."""
+
+    stage: Stage = "queued"
 
 
 @dataclass
@@ -149,9 +174,9 @@ class PrefillWorker:
         self._transfer = transfer
         self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
-        self._slot = anyio.Lock()
-        self._queued = 0
-        self._running = 0
+        self._slot = anyio.Semaphore(1)  # the compute; FIFO, released at the compute's end
+        self._room = anyio.Semaphore(config.max_streaming) if config.max_streaming else None
+        self._in: dict[Stage, int] = {"queued": 0, "running": 0, "streaming": 0}
         self._idle = anyio.Event()
         self._idle.set()
         self._counts = _Counts()
@@ -159,8 +184,8 @@ class PrefillWorker:
 
     @property
     def busy(self) -> int:
-        """Jobs queued or running."""
-        return self._queued + self._running
+        """Jobs queued, running or streaming."""
+        return sum(self._in.values())
 
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
@@ -168,22 +193,24 @@ class PrefillWorker:
         if self._transfer is not None and request.pull is not None:
             await self._transfer.pull(request)  # a cached prefix from another worker first
         job = self._plan(request)
+        place = _Place()
         self._enter()
         self._phase(request.request_id, "queued")
-        running = False
         try:
-            async with self._slot:
-                self._queued, self._running, running = self._queued - 1, self._running + 1, True
-                done = await self._run(job, anyio.current_time() - queued_at)
+            await self._slot.acquire()
+            self._move(place, "running")
+            done = await self._run(job, anyio.current_time() - queued_at,
+                                   partial(self._hand_over, place))
         except anyio.get_cancelled_exc_class():
-            # Queued: it leaves the queue; running: its compute stops at the next chunk.
+            # Queued: it leaves the queue; running: its compute stops at the next chunk;
+            # streaming: its lanes close.
             self._counts.cancelled += 1
             raise
         except BaseException:
             self._counts.failures += 1
             raise
         finally:
-            self._leave(running)
+            self._leave(place)
         if self.busy == 0:
             # Idle: a long prompt's activations go back to the system, not kept at their peak
             # (mesh/allocator.py). The first token has left with the KV; only this answer waits.
@@ -196,29 +223,49 @@ class PrefillWorker:
 
     def statistics(self) -> PrefillStatistics:
         return PrefillStatistics(
-            queue_depth=self._queued, running=self._running, jobs=self._counts.jobs,
+            queue_depth=self._in["queued"], running=self._in["running"],
+            streaming=self._in["streaming"], jobs=self._counts.jobs,
             failures=self._counts.failures, computed_tokens=self._counts.computed_tokens,
             reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sent[1],
             pieces_sent=self._sent[0], cancelled=self._counts.cancelled,
         )
 
     def check_integrity(self) -> None:
-        if min(self._queued, self._running) < 0 or self._running > 1:
-            raise RequestError(f"queued={self._queued}, running={self._running}: one job at "
-                               f"a time, never fewer than none")
+        most = {"queued": None, "running": 1, "streaming": self.config.max_streaming}
+        for stage, count in self._in.items():
+            bound = most[stage]
+            if count < 0 or (bound is not None and count > bound):
+                raise RequestError(f"{count} jobs {stage} (at most {bound}): one computes at "
+                                   f"a time, max_streaming stream, never fewer than none")
         if self._idle.is_set() != (self.busy == 0):
             raise RequestError(f"idle flag {self._idle.is_set()} with {self.busy} jobs")
         self.store.check_integrity()
 
     def _enter(self) -> None:
-        self._queued += 1
+        self._in["queued"] += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
 
-    def _leave(self, running: bool) -> None:
-        if running:
-            self._running -= 1
-        else:
-            self._queued -= 1
+    def _move(self, place: _Place, stage: Stage) -> None:
+        self._in[place.stage] -= 1
+        self._in[stage] += 1
+        place.stage = stage
+
+    async def _hand_over(self, place: _Place) -> None:
+        """At the compute's end: once there is room to stream, the slot goes to the next job
+        while this one's KV keeps crossing. Until then the slot stays held: a congested link
+        pushes back on the compute (PrefillConfig.max_streaming)."""
+        if self._room is None:
+            return
+        await self._room.acquire()
+        self._move(place, "streaming")
+        self._slot.release()
+
+    def _leave(self, place: _Place) -> None:
+        if place.stage == "running":
+            self._slot.release()
+        elif place.stage == "streaming" and self._room is not None:
+            self._room.release()
+        self._in[place.stage] -= 1
         if self.busy == 0:
             self._idle.set()
 
@@ -239,14 +286,16 @@ class PrefillWorker:
                           request.connections, chunks,
                           stream_plan(cfg, chunks, request.decode_has_tokens))
 
-    async def _run(self, job: PrefillJob, queue_s: float) -> PrefillDone:
-        """Steps 2-4 of the module docstring, for a job that holds the compute slot."""
+    async def _run(self, job: PrefillJob, queue_s: float,
+                   computed: Callable[[], Awaitable[None]]) -> PrefillDone:
+        """Steps 2-4 of the module docstring, for a job that holds the compute slot;
+        `computed` is awaited at the compute's end (it may give the slot away)."""
         request = job.request
         self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
         self._flow(job, "start", 0)
         start = anyio.current_time()
         try:
-            first_token, compute_end = await self._stream(job)
+            first_token, compute_end = await self._stream(job, computed)
         except BaseException as exc:
             self._flow(job, "failed", 0)
             self._phase(request.request_id, "failed", str(exc))
@@ -267,8 +316,11 @@ class PrefillWorker:
             total_s=done - start,
         )
 
-    async def _stream(self, job: PrefillJob) -> tuple[int, float]:
-        """Computes while one task per lane sends; (first token, compute end)."""
+    async def _stream(self, job: PrefillJob,
+                      computed: Callable[[], Awaitable[None]]) -> tuple[int, float]:
+        """Computes while one task per lane sends, awaits `computed` once the compute is done
+        (the lanes still sending, the stall bound already counting); (first token, compute
+        end)."""
         lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
         watch = anyio.CancelScope()  # the stall bound, once the compute is done
         try:
@@ -284,6 +336,7 @@ class PrefillWorker:
                             items.end()
                     if job.request.kv_stall > 0:
                         outer.start_soon(_stall_after, job.request, watch)
+                    await computed()
                 watch.cancel()
         except BaseExceptionGroup as group:
             cause = stream_failure(group, job.request.request_id, job.request.decode_worker)
