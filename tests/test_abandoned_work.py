@@ -27,8 +27,8 @@ from services.model.config import family_config
 from services.model.model import build_model
 from services.paper.hardware import CostModel, Pacer
 from services.worker.decode import DecodeConfig, DecodeWorker
-from services.worker.engine import Pacing
-from services.worker.prefill import InlineRunner, PrefillConfig, PrefillWorker
+from services.worker.engine import InlineRunner, Pacing
+from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 from services.worker.service import WorkerService, serve_decode, serve_prefill
 

@@ -39,9 +39,8 @@ from services.model.export import KVPiece, export_layer
 from services.router.errors import UpstreamFailed
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
-from services.worker.decode import DecodeWorker
-from services.worker.kv_inbox import KVAssembly
-from services.worker.kv_stream import merge_pieces
+from services.worker.decode import DecodeWorker, KVAssembly
+from services.worker.engine import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
 from tests.kv_exact import (
     ALL_FAMILIES,

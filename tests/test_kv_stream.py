@@ -13,8 +13,8 @@ from services.model.config import family_config
 from services.model.export import KVImportError, KVPiece, export_cache, export_layer
 from services.model.generate import prefill
 from services.model.model import build_model
-from services.worker.kv_inbox import KVAssembly
-from services.worker.kv_stream import (
+from services.worker.decode import KVAssembly
+from services.worker.engine import (
     PieceSpec,
     chunk_bounds,
     import_pieces,

@@ -50,10 +50,9 @@ from services.model.config import family_config, kv_layout
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
-from services.worker.engine import Pacing
-from services.worker.kv_inbox import KVInbox
-from services.worker.kv_stream import chunk_bounds, import_pieces, step_ends
-from services.worker.prefill import InlineRunner, PrefillConfig, PrefillWorker
+from services.worker.decode import KVInbox
+from services.worker.engine import InlineRunner, Pacing, chunk_bounds, import_pieces, step_ends
+from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 
 LENGTH = 4096

@@ -30,8 +30,7 @@ from services.model.config import family_config
 from services.model.export import KVPiece, import_cache
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
-from services.worker.engine import Emit, PrefillJob
-from services.worker.kv_stream import expected_kv_bytes
+from services.worker.engine import Emit, PrefillJob, expected_kv_bytes
 from services.worker.service import WorkerService
 
 TOPOLOGY = parse_topology("""

@@ -1,4 +1,4 @@
-"""Tests for the prefill compute's runners (services.worker.prefill): both return the compute's
+"""Tests for the prefill compute's runners (services.worker.engine): both return the compute's
 result and hand its pieces to the event loop in order (the compute loop itself: test_prefill,
 test_overlap)."""
 
@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 
-from services.worker.prefill import ComputeRunner, InlineRunner, ThreadRunner
+from services.worker.engine import ComputeRunner, InlineRunner, ThreadRunner
 
 
 @pytest.mark.trio

@@ -38,7 +38,7 @@ from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.worker import engine as engine_module
 from services.worker import prefix_pull as prefix_pull_module
-from services.worker.kv_stream import expected_kv_bytes
+from services.worker.engine import expected_kv_bytes
 from services.worker.service import WorkerService
 from tests.kv_exact import (
     MUTATIONS,

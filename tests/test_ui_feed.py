@@ -39,7 +39,7 @@ from services.router.requests import GenerationRequest
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.service import serve_events
-from services.worker.kv_stream import expected_kv_bytes
+from services.worker.engine import expected_kv_bytes
 from tests.ports import free_ports
 from tests.test_prefix_transfer import IdTokenizer
 from ui.feed import (

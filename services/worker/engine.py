@@ -1,4 +1,5 @@
-"""The engine: what a worker's prefill and decode sides ask of the model, and nothing more.
+"""The engine: what a worker's prefill and decode sides ask of the model, and the KV stream
+between them.
 
 The prefill and decode workers (queueing, the KV stream protocol, the prefix store, continuous
 batching) are the same in every mode; only the engine under them changes. `ModelEngine` runs
@@ -6,49 +7,87 @@ the real hybrid model (live and emulated modes). The simulation swaps in a model
 (services/sim/engine.py) whose caches and KV pieces carry sizes instead of tensors and whose
 compute takes the hardware profile's time on the loop's clock.
 
+One prefill meets this module in the order it is written:
+
+1. The job. The prefill worker plans a `PrefillJob`: the computed suffix cut into chunks of
+   tokens (`chunk_bounds`: chunked prefill) and, per chunk, the pieces its layers export as
+   they finish (`stream_plan`): the full-attention KV of the chunk's new tokens that the
+   decode side lacks and, in the last chunk only, each linear or window layer's fixed-size
+   state at the prompt's end (services.model.export).
+2. The compute. `PrefillCompute` runs the engine's `compute_prefill` through a
+   `ComputeRunner` (a worker thread live, so the loop keeps sending; the loop itself on a
+   virtual clock). Each finished layer's piece goes to the loop, where `release` deals it to
+   the next upload lane, in emulated mode once the modeled hardware has finished its
+   (chunk, layer) step (`step_ends`), never earlier. The first token comes back as the return
+   value, with the compute's end; the prefill worker's lane tasks send what they are dealt.
+   Chunks keep the last piece small, so little is left to send once the compute is done:
+   with transfer as long as compute, the time to "KV fully received" is about (1 + tail) / 2
+   of compute-then-transfer, tail being the states' and the last chunk's share of the bytes
+   (layer-wise streaming alone leaves a whole full-attention layer, often the largest, for
+   the end).
+3. The receiving side. The decode worker collects a request's pieces from all its lanes
+   (services/worker/decode.py, `KVInbox`), then the engine's `import_kv` rebuilds the cache
+   (`import_pieces`: each layer's consecutive full-attention pieces joined, checksums
+   checked first, on top of the KV the decode side already holds).
+
 An engine answers:
 - `cfg`: the model's shape as the workers read it (block_size, n_layers, layer_kinds,
   vocab_size, eos_id, family, config_hash());
 - `dtype_name`; `empty_cache()`; `kv_bytes(length, start, dtype)`: the payload an export of
   tokens [start, length) carries;
 - `compute_prefill(job, emit, snapshot_every)`: prefill a job's chunks, emitting each finished
-  layer's piece, returning the first token (called through the prefill's `ComputeRunner`) and
-  setting `job.first_logprob` when the request asked for logprobs;
+  layer's piece, returning the first token and setting `job.first_logprob` when the request
+  asked for logprobs;
 - `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
   batch may take several steps at once, cut short when `interrupt` is set: a request joined);
 - `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
 - `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
   stretches each real step);
 - `release_memory()`: give the memory a finished computation freed back to the system (the
-  prefill worker calls it, through its runner, when it goes idle).
+  prefill worker calls it, through its compute, when it goes idle).
 
-The seam also owns the types both sides hand an engine: `PrefillJob` (one planned prefill),
-`Pacing` (emulated mode's modeled times) and `sampling_params` (a request's sampling as the
-model takes it), so the prefill's compute and the decode side import them from here.
+The types both sides hand an engine live here too: `PrefillJob`, `Pacing` (emulated mode's
+modeled times) and `sampling_params` (a request's sampling as the model takes it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from itertools import pairwise
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
+import msgspec
+import torch
 
 from mesh.allocator import release_free_memory
-from services.contract.messages import KVChunk, KVOpen, PrefillRequest
+from mesh.mailbox import Mailbox
+from services.contract.errors import DataPathError, KVTransferError
+from services.contract.messages import KVChunk, KVClose, KVOpen, PrefillRequest
 from services.contract.sampling import Sampling, TokenLogprob
 from services.model.batch import DecodeBatch, StepResult
-from services.model.cache import RequestCache, dtype_name
-from services.model.config import kv_bytes, kv_layout
-from services.model.export import export_layer
+from services.model.cache import RequestCache, dtype_name, torch_dtype
+from services.model.config import (
+    FULL_ATTENTION_KINDS,
+    ModelConfig,
+    ModelError,
+    kv_bytes,
+    kv_layout,
+)
+from services.model.export import KVImporter, KVImportError, KVPiece, TensorSpec, export_layer
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
 from services.model.sampling import RequestSampler, SamplingParams
 from services.paper.hardware import CostModel, Pacer
-from services.worker.kv_stream import PieceSpec, import_pieces
 
 Emit = Callable[[int, KVChunk], None]
+LaneItem = KVChunk | KVClose
+Computed = tuple[int, KVChunk]  # (step, piece): step = chunk * n_layers + layer
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,6 +112,14 @@ class Pacing:
     def decode_step_time(self, batch: int, context: int) -> float:
         """Modeled seconds of one decode step of `batch` requests holding `context` tokens."""
         return self.cost.decode_step_time(batch, self.modeled(context))
+
+
+class PieceSpec(NamedTuple):
+    """One piece: a layer's full-attention tokens [start, end), or its state (start == end)."""
+
+    layer: int
+    start: int
+    end: int
 
 
 @dataclass
@@ -112,6 +159,191 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
         logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
         stop_token_ids=tuple(sampling.stop_token_ids),
     )
+
+
+def chunk_bounds(reused: int, length: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges of the computed suffix [reused, length), cut at multiples of
+    chunk_tokens (0: one chunk)."""
+    if chunk_tokens <= 0:
+        return [(reused, length)]
+    cuts = list(range((reused // chunk_tokens + 1) * chunk_tokens, length, chunk_tokens))
+    edges = [reused, *cuts, length]
+    return list(pairwise(edges))
+
+
+def stream_plan(cfg: ModelConfig, chunks: list[tuple[int, int]],
+                sent_from: int) -> list[list[PieceSpec]]:
+    """Per chunk, the pieces exported as its layers finish, in order.
+
+    The first chunk's full-attention pieces start at `sent_from` (the decode side holds the
+    tokens before it; the prefill side may hold more than it computes), later chunks at
+    their own start; states go once, in the last chunk."""
+    length = chunks[-1][1]
+    plan: list[list[PieceSpec]] = []
+    for index, (start, end) in enumerate(chunks):
+        low = sent_from if index == 0 else max(sent_from, start)
+        pieces = []
+        for layer, kind in enumerate(cfg.layer_kinds):
+            if kind in FULL_ATTENTION_KINDS:
+                if end > low:
+                    pieces.append(PieceSpec(layer, low, end))
+            elif end == length:
+                pieces.append(PieceSpec(layer, length, length))
+        plan.append(pieces)
+    return plan
+
+
+class PrefillCompute:
+    """Computes one job at a time on `engine` through `runner`, paced when `pacing` is given
+    (module docstring, step 2)."""
+
+    def __init__(self, engine: Engine, snapshot_every: int, runner: ComputeRunner,
+                 pacing: Pacing | None = None) -> None:
+        self.engine = engine
+        self._snapshot_every = snapshot_every
+        self._runner = runner
+        self._pacing = pacing
+
+    async def compute_and_release(
+        self, job: PrefillJob, lanes: Sequence[Mailbox[LaneItem]]
+    ) -> tuple[int, float]:
+        """Runs the compute beside the release of its pieces, then puts the stream's KVClose
+        (the first token) on lane 0 and ends the lanes at once, so that the close and the
+        streams' ends leave with the last pieces; (first token, compute end)."""
+        start = anyio.current_time()
+        computed = Mailbox[Computed](job.pieces + 1)
+        first: list[int] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._compute_task, job, computed, first)
+            ends = self._step_ends(job, start)
+            try:
+                compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
+            except BaseException:
+                job.cancelled = True
+                raise
+            if first:  # else the compute failed, and the task group raises its error
+                lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
+                                            first_token=first[0],
+                                            first_logprob=job.first_logprob))
+                for lane in lanes:
+                    lane.end()
+        return first[0], compute_end
+
+    async def release_memory(self) -> None:
+        """The engine gives back what its computations freed, on the compute's side."""
+        await self._runner.run(self.engine.release_memory)
+
+    async def _compute_task(self, job: PrefillJob, computed: Mailbox[Computed],
+                            first: list[int]) -> None:
+        def emit(step: int, chunk: KVChunk) -> None:
+            if not job.cancelled:
+                self._runner.to_loop(partial(computed.put_nowait, (step, chunk)))
+
+        try:
+            began = anyio.current_time()
+            first.append(await self._runner.run(partial(self._compute, job, emit)))
+            if self._pacing is not None:
+                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
+                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
+        finally:
+            computed.end()
+
+    def _compute(self, job: PrefillJob, emit: Emit) -> int:
+        """Through the runner: the engine prefills the suffix chunk by chunk, emitting each
+        piece as its layer finishes; returns the first token."""
+        return self.engine.compute_prefill(job, emit, self._snapshot_every)
+
+    def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
+        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
+        if self._pacing is None:
+            return []
+        scale = self._pacing.pacer.time_scale
+        modeled = step_ends(job.chunks, self.engine.cfg.n_layers, self._pacing.prefill_time)
+        return [start + scale * end for end in modeled]
+
+
+class ComputeRunner(Protocol):
+    """Where the model compute runs, and how it hands a piece back to the event loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T: ...
+
+    def to_loop(self, call: Callable[[], object]) -> None: ...
+
+
+class ThreadRunner:
+    """The live default: compute in a worker thread, pieces handed over to the loop."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(compute)
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        anyio.from_thread.run_sync(call)
+
+
+class InlineRunner:
+    """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
+    the compute then takes no time and only the pacing does, so runs are deterministic.
+    Tests and simulation only."""
+
+    async def run(self, compute: Callable[[], T]) -> T:
+        return compute()
+
+    def to_loop(self, call: Callable[[], object]) -> None:
+        call()
+
+
+def step_ends(chunks: list[tuple[int, int]], n_layers: int,
+              prefill_time: Callable[[int, int], float]) -> list[float]:
+    """When each (chunk, layer) step of a paced prefill ends, in modeled seconds from its
+    start: step k = chunk * n_layers + layer; a piece may leave once its step has ended.
+
+    `prefill_time(new, cached)` is the modeled time of the whole suffix (CostModel): its
+    length-dependent part is charged per chunk (a later chunk attends to a longer prefix),
+    the fixed part spread evenly over the new tokens, each chunk's time evenly over layers."""
+    reused, length = chunks[0][0], chunks[-1][1]
+    fixed = prefill_time(0, reused)
+    new = max(1, length - reused)
+
+    def until(token: int) -> float:
+        done = token - reused
+        return prefill_time(done, reused) - fixed + fixed * done / new
+
+    ends: list[float] = []
+    for start, end in chunks:
+        low, high = until(start), until(end)
+        ends.extend(low + (high - low) * (layer + 1) / n_layers for layer in range(n_layers))
+    return ends
+
+
+def lane_of(sequence: int, lanes: int) -> int:
+    """Pieces are dealt to lanes in turn, in the order they are produced."""
+    return sequence % lanes
+
+
+async def release(pieces: Mailbox[Computed], lanes: Sequence[Mailbox[LaneItem]],
+                  ends: Sequence[float], *, hold: bool = False) -> float:
+    """Deals each computed piece to the next lane once its step has ended (`ends`, on the
+    loop's clock; none: at once), or holds them all until the compute is done (`hold`: the
+    one-after-the-other baseline). Returns when the compute is done: the last piece in, and
+    the last step ended. Pieces that are in together are passed on together: mailboxes hand
+    over a backlog without a trip through the scheduler, so the lane sends them in one write
+    (an anyio memory stream took a loop turn per piece, and the lane a write per piece)."""
+    held: list[tuple[int, KVChunk]] = []
+    sequence = itertools.count()
+    async for step, chunk in pieces:
+        if ends:
+            await anyio.sleep_until(ends[step])
+        lane = lane_of(next(sequence), len(lanes))
+        if hold:
+            held.append((lane, chunk))
+        else:
+            lanes[lane].put_nowait(chunk)
+    if ends:
+        await anyio.sleep_until(ends[-1])
+    compute_end = anyio.current_time()
+    for lane, chunk in held:
+        lanes[lane].put_nowait(chunk)
+    return compute_end
 
 
 class Engine(Protocol):
@@ -160,9 +392,7 @@ class ModelEngine:
         return RequestCache.empty(self.model.cfg, self.model.dtype)
 
     def kv_bytes(self, length: int, start: int, dtype: str) -> int:
-        """Full-attention KV of tokens [start, length) plus every fixed-size state."""
-        cfg = self.model.cfg
-        return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
+        return expected_kv_bytes(self.model.cfg, length, start, dtype)
 
     def compute_prefill(self, job: PrefillJob, emit: Emit, snapshot_every: int) -> int:
         """Prefill the suffix chunk by chunk, emitting each piece as its layer finishes; a
@@ -223,3 +453,89 @@ class ModelEngine:
 def as_engine(model: HybridLM | Engine) -> Engine:
     """Workers take a model (the live case) or an engine."""
     return ModelEngine(model) if isinstance(model, HybridLM) else model
+
+
+def expected_kv_bytes(cfg: ModelConfig, length: int, start: int, dtype: str) -> int:
+    """Payload bytes of an export of tokens [start, length): full-attention KV of the new
+    tokens plus every fixed-size state (the pieces' headers come on top)."""
+    return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
+
+
+def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,
+                  pieces: Mapping[tuple[int, int], bytes | memoryview]) -> RequestCache:
+    """The cache rebuilt from a stream's pieces (in a worker thread: it copies tensors);
+    KVTransferError says which piece did not fit."""
+    by_layer: dict[int, list[KVPiece]] = {}
+    try:
+        for layer, start in sorted(pieces):
+            by_layer.setdefault(layer, []).append(KVPiece.from_bytes(pieces[layer, start]))
+        importer = KVImporter(cfg, dtype, base)
+        for group in by_layer.values():
+            importer.add(group[0] if len(group) == 1 else merge_pieces(group))
+        return importer.finish()
+    except ModelError as exc:
+        raise KVTransferError(f"KV rejected: {exc}") from exc
+
+
+def merge_pieces(pieces: list[KVPiece]) -> KVPiece:
+    """One full-attention piece from several of one layer over consecutive token ranges
+    (each piece's checksum is checked before its bytes are trusted)."""
+    for piece in pieces:
+        if zlib.crc32(piece.payload) != piece.header.checksum:
+            raise KVImportError("checksum", piece.header.checksum, zlib.crc32(piece.payload),
+                                piece.header.layer)
+    for a, b in pairwise(p.header for p in pieces):
+        if (b.start, b.layer, b.kind) != (a.end, a.layer, "full_attn") or b.kind != a.kind:
+            raise KVImportError("start", a.end, b.start, b.layer)
+    parts = [_tensors(p) for p in pieces]
+    joined = [torch.cat(group, dim=1) for group in zip(*parts, strict=True)]  # [A, n, X] each
+    payload = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                       for t in joined)
+    first, last = pieces[0].header, pieces[-1].header
+    specs = tuple(TensorSpec(s.name, s.dtype, tuple(t.shape))
+                  for s, t in zip(first.tensors, joined, strict=True))
+    header = msgspec.structs.replace(first, end=last.end, tensors=specs,
+                                     payload_bytes=len(payload), checksum=zlib.crc32(payload))
+    return KVPiece(header, payload)
+
+
+def _tensors(piece: KVPiece) -> list[torch.Tensor]:
+    raw = torch.frombuffer(bytearray(piece.payload), dtype=torch.uint8)
+    out, offset = [], 0
+    for spec in piece.header.tensors:
+        size = spec.nbytes()
+        out.append(raw[offset : offset + size].view(torch_dtype(spec.dtype)).reshape(spec.shape))
+        offset += size
+    return out
+
+
+def stream_failure(
+    group: BaseExceptionGroup[BaseException], request_id: str, peer: str
+) -> Exception | None:
+    """The error that started a failed stream (lane errors over the broken-channel echoes);
+    None when only cancellation is in the group (it must propagate as it is)."""
+    errors = [e for e in leaves(group) if isinstance(e, Exception)]
+    if not errors:
+        return None
+    primary = next((e for e in errors if not isinstance(e, anyio.BrokenResourceError)),
+                   errors[0])
+    if isinstance(primary, DataPathError):
+        return primary
+    return KVTransferError(f"KV stream of {request_id!r} to {peer!r} failed: "
+                           f"{type(primary).__name__}: {primary}")
+
+
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions inside a (nested) exception group, in order."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:
+    """The first token id outside [0, vocab), or None (min and max run in C: prompts of the
+    paper's lengths are tens of thousands of ids)."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
+        return None
+    return next(t for t in tokens if not 0 <= t < vocab)

@@ -5,7 +5,7 @@ One job computes at a time, in arrival order (prefill saturates the compute). Fo
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
    at a state snapshot, so only the suffix is computed.
 2. Open one upload stream per lane (connection) to the decode worker; compute the suffix in
-   chunks of tokens through `PrefillCompute` (below), which hands each
+   chunks of tokens through `PrefillCompute` (services/worker/engine.py), which hands each
    finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
    compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
 3. Sample the first token; lane 0 ends with `KVClose` carrying it. The compute slot passes
@@ -21,21 +21,6 @@ One job computes at a time, in arrival order (prefill saturates the compute). Fo
    stored and evicted blocks to the cache directory.
 
 Lanes are separate mesh nodes (one TCP connection each, the same peer), given by the caller.
-
-Its compute side (`PrefillCompute`): where the model runs, and the loop that computes a job's
-uncached suffix chunk by chunk while releasing each finished layer's piece to the upload lanes.
-
-The compute runs through a `ComputeRunner` (a worker thread live, so the loop keeps sending).
-As each layer of a chunk finishes, its piece - the full-attention KV the decode worker lacks
-(tokens from `decode_has_tokens` on), or in the last chunk the fixed-size state at the new end
-(services.worker.kv_stream) - goes to the loop, which deals it to the next lane: transfer overlaps
-compute (paper section 3.3).
-
-Emulated mode (CostModel, Pacer): the real compute runs ahead, and each piece is released
-when the modeled hardware finishes its (chunk, layer) step (`kv_stream.step_ends`, stretched
-by the time scale), never earlier; the compute ends at the last step's modeled end. These
-waits are sleeps on the loop's clock: they hold neither the compute nor the senders, and on a
-virtual clock (`InlineRunner`) a run is exact.
 """
 
 from __future__ import annotations
@@ -44,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Literal, Protocol, TypeVar
+from typing import ClassVar, Literal
 
 import anyio
 import msgspec
@@ -57,20 +42,24 @@ from services.contract.events import Event, KVFlow, RequestPhase
 from services.contract.messages import (
     KVAccepted,
     KVChunk,
-    KVClose,
     KVOpen,
     PrefillDone,
     PrefillRequest,
 )
 from services.contract.prefix import reusable_blocks
 from services.model.model import HybridLM
-from services.worker.engine import Engine, Pacing, PrefillJob, as_engine, sampling_params
-from services.worker.kv_stream import (
-    Computed,
+from services.worker.engine import (
+    ComputeRunner,
+    Engine,
+    LaneItem,
+    Pacing,
+    PrefillCompute,
+    PrefillJob,
+    ThreadRunner,
+    as_engine,
     chunk_bounds,
     out_of_range,
-    release,
-    step_ends,
+    sampling_params,
     stream_failure,
     stream_plan,
 )
@@ -425,105 +414,3 @@ def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: i
     if not 1 <= request.connections <= max_lanes:
         raise RequestError(f"connections must be in [1, {max_lanes}], got "
                            f"{request.connections}")
-
-
-LaneItem = KVChunk | KVClose
-T = TypeVar("T")
-
-
-class ComputeRunner(Protocol):
-    """Where the model compute runs, and how it hands a piece back to the event loop."""
-
-    async def run(self, compute: Callable[[], T]) -> T: ...
-
-    def to_loop(self, call: Callable[[], object]) -> None: ...
-
-
-class ThreadRunner:
-    """The live default: compute in a worker thread, pieces handed over to the loop."""
-
-    async def run(self, compute: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(compute)
-
-    def to_loop(self, call: Callable[[], object]) -> None:
-        anyio.from_thread.run_sync(call)
-
-
-class InlineRunner:
-    """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
-    the compute then takes no time and only the pacing does, so runs are deterministic.
-    Tests and simulation only."""
-
-    async def run(self, compute: Callable[[], T]) -> T:
-        return compute()
-
-    def to_loop(self, call: Callable[[], object]) -> None:
-        call()
-
-
-class PrefillCompute:
-    """Computes one job at a time on `model` through `runner`, paced when `pacing` is given."""
-
-    def __init__(self, engine: Engine, snapshot_every: int, runner: ComputeRunner,
-                 pacing: Pacing | None = None) -> None:
-        self.engine = engine
-        self._snapshot_every = snapshot_every
-        self._runner = runner
-        self._pacing = pacing
-
-    async def compute_and_release(
-        self, job: PrefillJob, lanes: Sequence[Mailbox[LaneItem]]
-    ) -> tuple[int, float]:
-        """Runs the compute beside the release of its pieces, then puts the stream's KVClose
-        (the first token) on lane 0 and ends the lanes at once, so that the close and the
-        streams' ends leave with the last pieces; (first token, compute end)."""
-        start = anyio.current_time()
-        computed = Mailbox[Computed](job.pieces + 1)
-        first: list[int] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._compute_task, job, computed, first)
-            ends = self._step_ends(job, start)
-            try:
-                compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
-            except BaseException:
-                job.cancelled = True
-                raise
-            if first:  # else the compute failed, and the task group raises its error
-                lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
-                                            first_token=first[0],
-                                            first_logprob=job.first_logprob))
-                for lane in lanes:
-                    lane.end()
-        return first[0], compute_end
-
-    async def _compute_task(self, job: PrefillJob, computed: Mailbox[Computed],
-                            first: list[int]) -> None:
-        def emit(step: int, chunk: KVChunk) -> None:
-            if not job.cancelled:
-                self._runner.to_loop(partial(computed.put_nowait, (step, chunk)))
-
-        try:
-            began = anyio.current_time()
-            first.append(await self._runner.run(partial(self._compute, job, emit)))
-            if self._pacing is not None:
-                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
-                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
-        finally:
-            computed.end()
-
-    def _compute(self, job: PrefillJob, emit: Callable[[int, KVChunk], None]) -> int:
-        """Through the runner: the engine prefills the suffix chunk by chunk, emitting each
-        piece as its layer finishes; returns the first token."""
-        return self.engine.compute_prefill(job, emit, self._snapshot_every)
-
-    async def release_memory(self) -> None:
-        """The engine gives back what its computations freed, on the compute's side."""
-        await self._runner.run(self.engine.release_memory)
-
-    def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
-        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
-        if self._pacing is None:
-            return []
-        scale = self._pacing.pacer.time_scale
-        modeled = step_ends(job.chunks, self.engine.cfg.n_layers, self._pacing.prefill_time)
-        return [start + scale * end for end in modeled]

@@ -3,7 +3,7 @@
 Paper section 3.3: when bandwidth is abundant the best cache anywhere counts, and "when the
 cluster with the longer cache differs from the compute cluster, a cross-cluster cache transfer
 is performed". Here that is one KV upload over the existing stream protocol
-(services.worker.kv_stream), from the worker that holds the prefix to the prefill worker that
+(services/worker/engine.py), from the worker that holds the prefix to the prefill worker that
 will compute the rest:
 
 1. the router names the holder and the prefix length in `PrefillRequest.pull`;
@@ -48,8 +48,8 @@ from services.contract.messages import (
 from services.model.cache import RequestCache, dtype_name
 from services.model.export import export_layer
 from services.model.model import HybridLM
-from services.worker.kv_inbox import KVInbox, KVTransferMetrics
-from services.worker.kv_stream import PieceSpec, import_pieces, stream_plan
+from services.worker.decode import KVInbox, KVTransferMetrics
+from services.worker.engine import PieceSpec, import_pieces, stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,13 @@ from services.contract.sampling import Sampling
 from services.model.batch import DecodeBatch
 from services.model.cache import RequestCache
 from services.model.sampling import SamplingParams
-from services.worker.engine import ModelEngine, PrefillJob, sampling_params
-from services.worker.kv_stream import chunk_bounds, stream_plan
+from services.worker.engine import (
+    ModelEngine,
+    PrefillJob,
+    chunk_bounds,
+    sampling_params,
+    stream_plan,
+)
 
 Clock = Callable[[], float]
 
