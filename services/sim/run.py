@@ -39,7 +39,7 @@ from services.contract.events import Event, RequestDone, RoleChanged, RoutingDec
 from services.contract.sampling import Sampling
 from services.router.errors import RouterError
 from services.router.requests import GenerationRequest
-from services.sim.clock import JumpClock
+from services.sim.clock import JumpClock, settle
 from services.sim.exposition import world_metrics
 from services.sim.workload import Arrival
 from services.sim.world import Deployment, SimWorld, open_world
@@ -225,7 +225,8 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
                 with anyio.move_on_after(max(0.0, start + end - anyio.current_time())):
                     while in_flight[0]:
                         await anyio.sleep(1.0)
-                await anyio.sleep(0)
+                # Whatever is due at the stop runs before it, in any order trio picks.
+                await settle()
                 now = anyio.current_time() - start
                 samples.append(_sample(world, now, in_flight[0], busy))
                 tg.cancel_scope.cancel()

@@ -28,9 +28,10 @@ Started = Callable[[int], None]
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 
 
-# Every job process hashes strings alike: a simulation run of PrfaaS-PD is not the same under
-# every PYTHONHASHSEED (paper-equal-cost, seed 0: saturation 3.2181 req/s under seed 0, 3.2258
-# under 1, 2 and 3), so each process's random one made serial and Ray searches disagree.
+# Every job process alike: one OpenMP thread (jobs share the CPUs) and one string-hash seed.
+# A run's result depends on neither (tests/test_sim.py runs one under two hash seeds); the
+# PrfaaS-PD saturation once blamed on the hash seed (3.2181 against 3.2258 req/s) was trio's
+# scheduling order at the run's stop (services/sim/clock.py, `settle`).
 JOB_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 
 
