@@ -13,6 +13,7 @@ import pytest
 
 from mesh.errors import ConfigError
 from services.cli.search import search_main
+from services.paper.case_study import DECODE_STEP_S
 from services.sim.capacity import SeedCapacity
 from services.sim.search.explorer import Summary, frontier, run_search
 from services.sim.search.pool import RayPool, SerialPool
@@ -175,6 +176,10 @@ def test_the_shipped_searches_load_and_price_the_paper_at_equal_cost() -> None:
     assert configs["prfaas_pd"].planner.lambda_rps == pytest.approx(3.24, rel=0.01)
     bandwidth = configurations(load_space(root / "bandwidth.toml"))
     assert {c.bandwidth_gbps for c in bandwidth} >= {100.0, 5.0}
+    # Both state issue 30's SLO: a P90 TTFT bound beside the paper's decode SLO.
+    for name in ("paper-equal-cost", "bandwidth"):
+        slo = load_space(root / f"{name}.toml").capacity.slo
+        assert slo.ttft_p90_s == 10.0 and slo.tpot_s == pytest.approx(DECODE_STEP_S * 1.05)
 
 
 def test_a_bad_space_names_the_file_and_the_value(tmp_path: Path) -> None:
@@ -198,6 +203,8 @@ def test_the_command_resumes_a_finished_search_and_writes_its_report(
     assert {"frontier.png", "capacity_vs_t.png", "planner_vs_sim.png"} <= {
         p.name for p in serial_dir.glob("*.png")}
     assert "Best capacity per dollar: `slow-0-1-1`" in capsys.readouterr().out
+    table = (serial_dir / "table.md").read_text()
+    assert "SLO: P99 queueing before prefill <= 5 s" in table and "P90 TTFT there" in table
 
 
 def test_the_command_refuses_a_bad_space_with_its_name(tmp_path: Path,

@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from services.paper.planner import Scenario, solve_scenario
@@ -88,6 +89,31 @@ def test_the_search_lands_within_its_resolution_below_a_known_saturation(
         assert overloaded.rate == pytest.approx(1.3 * saturation)
         assert not overloaded.holds and overloaded.rho["pd_p"] == pytest.approx(1.0)
     assert found.rho["pd_p"] == pytest.approx(found.capacity_rps * SERVICE_S, rel=0.03)
+
+
+def test_a_ttft_bound_that_binds_first_lowers_the_capacity(one_stage: Deployment) -> None:
+    """The same deployment, workload and seeds, searched twice: with the queueing and TPOT
+    bounds only, then with a P90 TTFT bound under the P90 TTFT it had at that capacity (the
+    paper's lengths at Poisson arrivals on the 2 s-per-chunk stage: TTFT grows with the rate
+    while the P99 queueing delay still holds). The TTFT bound binds first: a lower capacity,
+    every accepted run within it, and a run refused by it alone."""
+    workload = Workload(window_s=200.0, output_len=2)
+    queue_only = CapacityConfig(seeds=(0, 1), resolution_rps=0.02)
+    free = measure_capacity(one_stage, workload, 0.5, queue_only)
+    bound = 3.5
+    assert free.capacity_rps > 0 and free.ttft_p90_s > bound
+    assert free.slo.ttft_p90_s is None and free.slo.holds(0.0, 0.0, math.inf)
+    slo = Slo(ttft_p90_s=bound)
+    capped = measure_capacity(one_stage, workload, 0.5,
+                              msgspec.structs.replace(queue_only, slo=slo))
+    assert capped.capacity_rps < free.capacity_rps
+    runs = [p for s in capped.per_seed for p in s.points[1:]]
+    assert all(p.ttft_p90_s <= bound for p in runs if p.holds)
+    assert any(not p.holds and p.queue_s <= slo.queue_s and p.tpot_s <= slo.tpot_s
+               for p in runs)
+    assert capped.ttft_p90_s <= bound and "P90 TTFT <= 3.5 s" in slo.text()
+    with pytest.raises(ValueError, match="ttft_p90_s"):
+        Slo(ttft_p90_s=0.0)
 
 
 def test_mean_interval_is_students_t() -> None:

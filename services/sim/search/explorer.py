@@ -76,6 +76,7 @@ class Entry(msgspec.Struct, frozen=True):
     planner_t: float | None
     planner_bound: str
     deployment: Any  # services.sim.world.Deployment, as JSON
+    ttft_p90_s: float = math.nan  # the P90 TTFT at each seed's capacity, averaged
 
 
 class Budget(msgspec.Struct, frozen=True):
@@ -205,7 +206,8 @@ def _entry(stored: Stored) -> Entry:
                  saturation_rps=cap.saturation_rps, cost_per_hour=c.cost_per_hour,
                  capacity_per_dollar=cap.capacity_rps / c.cost_per_hour,
                  planner_lambda_rps=c.planner.lambda_rps, planner_t=c.planner.t,
-                 planner_bound=c.planner.bound, deployment=msgspec.to_builtins(d))
+                 planner_bound=c.planner.bound, deployment=msgspec.to_builtins(d),
+                 ttft_p90_s=cap.ttft_p90_s)
 
 
 def frontier(entries: Sequence[Entry]) -> list[str]:

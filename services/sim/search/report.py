@@ -1,8 +1,8 @@
 """A search's report beside its summary.json: a Markdown table and three plots.
 
-- `table.md`: every configuration (capacity with its interval, cost, capacity per dollar,
-  the planner's Lambda_max and t, frontier membership), the best per budget, the equal-cost
-  gain beside the paper's.
+- `table.md`: the SLO the capacities hold; every configuration (capacity with its interval,
+  the P90 TTFT at it, cost, capacity per dollar, the planner's Lambda_max and t, frontier
+  membership), the best per budget, the equal-cost gain beside the paper's.
 - `frontier.png`: capacity against cost per hour, every configuration with its interval, the
   Pareto frontier joined.
 - `capacity_vs_t.png`: capacity against the threshold t each PrfaaS-PD configuration ran at
@@ -18,10 +18,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+import msgspec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from services.sim.capacity import Slo
 from services.sim.search.explorer import Entry, Summary
 
 
@@ -33,15 +35,18 @@ def _ci(entry: Entry) -> str:
 def table(summary: Summary) -> str:
     on = set(summary.frontier)
     lines = [f"# Search `{summary.search}`", "", summary.description, "",
+             "SLO: " + msgspec.convert(summary.slo, Slo).text() + ".", "",
              "| configuration | instances | policy | t (paper tokens) | Gbps | capacity req/s "
-             "[95% CI] | planner req/s | sim / planner | $/h | req/s per $/h | frontier |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "[95% CI] | P90 TTFT there (s) | planner req/s | sim / planner | $/h | "
+             "req/s per $/h | frontier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary.configurations:
         t = e.planner_t if e.planner_t is not None else "-"
         t_text = f"{t:.0f}" if isinstance(t, float) else str(t)
         ratio = e.capacity_rps / e.planner_lambda_rps if e.planner_lambda_rps else math.nan
         lines.append(f"| {e.key} | {e.instances} | {e.policy} | {t_text} | "
-                     f"{e.bandwidth_gbps:g} | {_ci(e)} | {e.planner_lambda_rps:.2f} | "
+                     f"{e.bandwidth_gbps:g} | {_ci(e)} | {e.ttft_p90_s:.2f} | "
+                     f"{e.planner_lambda_rps:.2f} | "
                      f"{ratio:.2f} | {e.cost_per_hour:g} | {e.capacity_per_dollar:.3f} | "
                      f"{'yes' if e.key in on else ''} |")
     lines += ["", "| budget $/h | best configuration | capacity req/s | its cost $/h |",
