@@ -53,12 +53,9 @@ from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
-from services.router.policies import create_policy
-from services.router.policies.prfaas import threshold_rule
-from services.router.policy import LinkSample, RouteInputs
+from services.router.policies import LinkSample, RouteInputs, create_policy, threshold_rule
 from services.router.requests import Finished, GenerationRequest, Placement, RequestHandle
-from services.router.scheduler import Scheduler
-from services.router.workers import WorkerTable
+from services.router.scheduler import Scheduler, WorkerTable
 
 BLOCK = 16
 TOPOLOGY = """

@@ -25,7 +25,7 @@ import pytest
 
 from services.cli.launch import launch
 from services.paper.planner import ClusterShape, solve_threshold
-from services.router.policies.prfaas_dynamic import DynamicConfig
+from services.router.policies import DynamicConfig
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow

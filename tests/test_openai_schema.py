@@ -8,9 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
-from services.router.app import ignored_warning
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
-from services.router.openai.schema import (
+from services.router.openai import (
     MAX_CHOICES,
     ChatCompletionRequest,
     ChatMessage,
@@ -19,6 +18,7 @@ from services.router.openai.schema import (
     chat_generation,
     completion_generation,
     decode_request,
+    ignored_warning,
     render_chat,
     unknown_fields,
 )

@@ -6,11 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.policy import PolicyError
-from services.router.workers import (
+from services.router.policies import PolicyError, WorkerSnapshot
+from services.router.scheduler import (
     PlacementConfig,
     PlacementError,
-    WorkerLoad,
     choose_decode_worker,
     choose_prefill_worker,
     choose_worker,
@@ -19,9 +18,9 @@ from services.router.workers import (
 
 
 def decode(name: str, cached: int = 0, running: int = 0, queue: int = 0,
-           capacity: int | None = None) -> WorkerLoad:
-    return WorkerLoad(name=name, role="decode", cached_prefix_tokens=cached, running=running,
-                      queue=queue, capacity=capacity)
+           capacity: int | None = None) -> WorkerSnapshot:
+    return WorkerSnapshot(name=name, kind="pd", role="decode", cached_prefix_tokens=cached,
+                          running=running, queue=queue, capacity=capacity)
 
 
 def test_longest_cached_prefix_wins() -> None:
@@ -52,8 +51,8 @@ def test_full_workers_are_skipped_unless_all_are_full() -> None:
 
 def test_roles_are_respected_and_draining_workers_take_nothing() -> None:
     workers = [
-        WorkerLoad(name="p0", role="prefill", cached_prefix_tokens=8192),
-        WorkerLoad(name="drain", role="draining", cached_prefix_tokens=9999),
+        WorkerSnapshot(name="p0", kind="pd", role="prefill", cached_prefix_tokens=8192),
+        WorkerSnapshot(name="drain", kind="pd", role="draining", cached_prefix_tokens=9999),
         decode("d0"),
     ]
     assert choose_decode_worker(workers) == "d0"
@@ -68,7 +67,8 @@ def test_roles_are_respected_and_draining_workers_take_nothing() -> None:
 
 worker_lists = st.lists(
     st.builds(
-        WorkerLoad,
+        WorkerSnapshot,
+        kind=st.just("pd"),
         name=st.sampled_from(["a", "b", "c", "d", "e"]),
         role=st.sampled_from(["prefill", "decode", "draining"]),
         cached_prefix_tokens=st.sampled_from([0, 512, 1024, 4096]),
@@ -81,7 +81,7 @@ worker_lists = st.lists(
 
 
 @given(worker_lists, st.sampled_from(["prefill", "decode"]), st.integers(0, 6))
-def test_one_pass_choice_equals_the_reference(workers: list[WorkerLoad], role: str,
+def test_one_pass_choice_equals_the_reference(workers: list[WorkerSnapshot], role: str,
                                               excess: int) -> None:
     config = PlacementConfig(max_affinity_excess=excess)
     if not any(w.role == role for w in workers):

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.policies import create_policy
-from services.router.policies.dynamo import DynamoConfig, DynamoPolicy
-from services.router.policies.homogeneous import HomogeneousPolicy
-from services.router.policies.naive_hetero import NaiveHeteroPolicy
-from services.router.policies.prfaas import PrfaasConfig, PrfaasPolicy, threshold_rule
-from services.router.policy import RouteInputs
+from services.router.policies import (
+    DynamoConfig,
+    DynamoPolicy,
+    HomogeneousPolicy,
+    NaiveHeteroPolicy,
+    PrfaasConfig,
+    PrfaasPolicy,
+    RouteInputs,
+    create_policy,
+    threshold_rule,
+)
 
 SCARCE = 0.9  # link utilisation above the default abundant_below (0.5)
 ABUNDANT = 0.1

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from services.contract.events import RoleChanged, ThresholdChanged, decode_json, encode_json
-from services.router.policies import POLICIES, create_policy
-from services.router.policy import (
+from services.router.policies import (
+    POLICIES,
     ClusterState,
     ConvertWorker,
     Decision,
@@ -19,8 +19,9 @@ from services.router.policy import (
     RequestFinished,
     RouteInputs,
     SetThreshold,
-    WorkerState,
+    WorkerSnapshot,
     action_event,
+    create_policy,
     decision_event,
     format_tokens,
     is_bandwidth_scarce,
@@ -150,9 +151,9 @@ def test_action_events() -> None:
 
 def test_cluster_state_select_and_load() -> None:
     state = ClusterState(workers=(
-        WorkerState(name="a", cluster="pd", role="prefill", queue=2, running=1),
-        WorkerState(name="b", cluster="pd", role="draining"),
-        WorkerState(name="c", cluster="prfaas", role="prefill"),
+        WorkerSnapshot(name="a", kind="pd", role="prefill", queue=2, running=1),
+        WorkerSnapshot(name="b", kind="pd", role="draining"),
+        WorkerSnapshot(name="c", kind="prfaas", role="prefill"),
     ))
     assert [w.name for w in state.select("pd", "prefill")] == ["a"]
     assert state.select("pd", "prefill")[0].load == 3

@@ -34,8 +34,7 @@ from services.model.config import ModelConfig, family_config
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest, RequestHandle
-from services.router.scheduler import Scheduler
-from services.router.workers import WorkerTable
+from services.router.scheduler import Scheduler, WorkerTable
 from services.worker import engine as engine_module
 from services.worker import prefix_pull as prefix_pull_module
 from services.worker.engine import expected_kv_bytes

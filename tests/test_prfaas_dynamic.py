@@ -14,16 +14,18 @@ import pytest
 
 from services.paper.hardware import CostModel
 from services.paper.workload import TruncatedLogNormal
-from services.router.policies.prfaas_dynamic import DynamicConfig, PrfaasDynamicPolicy, _toward
-from services.router.policies.roles import RoleConfig
-from services.router.policy import (
+from services.router.policies import (
     ClusterState,
     ConvertWorker,
+    DynamicConfig,
     LinkSample,
     PolicyError,
+    PrfaasDynamicPolicy,
+    RoleConfig,
     RouteInputs,
     SetThreshold,
-    WorkerState,
+    WorkerSnapshot,
+    _toward,
 )
 
 NOMINAL = 100e9
@@ -145,14 +147,14 @@ def test_stalls_raise_t_and_derate_the_bandwidth() -> None:
 
 def pd_state(prfaas_queue: int = 0, pd_queue: int = 0, decode_queue: int = 0,
              draining: bool = False, n_p: int = 3, n_d: int = 5) -> ClusterState:
-    workers = [WorkerState(name=f"x{i}", cluster="prfaas", role="prefill",
+    workers = [WorkerSnapshot(name=f"x{i}", kind="prfaas", role="prefill",
                            queue=prfaas_queue if i == 0 else 0) for i in range(4)]
-    workers += [WorkerState(name=f"p{i}", cluster="pd", role="prefill", queue=pd_queue,
+    workers += [WorkerSnapshot(name=f"p{i}", kind="pd", role="prefill", queue=pd_queue,
                             running=i) for i in range(n_p)]
-    workers += [WorkerState(name=f"d{i}", cluster="pd", role="decode", queue=decode_queue,
+    workers += [WorkerSnapshot(name=f"d{i}", kind="pd", role="decode", queue=decode_queue,
                             running=5 - i) for i in range(n_d)]
     if draining:
-        workers.append(WorkerState(name="busy", cluster="pd", role="draining"))
+        workers.append(WorkerSnapshot(name="busy", kind="pd", role="draining"))
     return ClusterState(workers=tuple(workers))
 
 
@@ -288,7 +290,7 @@ def test_t_is_solved_for_the_shape_a_pending_conversion_leaves() -> None:
     sustain(policy, pd_state(decode_queue=6), 60)  # converts p0 to decode
     def with_p0(role: Literal["prefill", "decode", "draining"]) -> ClusterState:
         return ClusterState(workers=tuple(
-            w if w.name != "p0" else WorkerState(name="p0", cluster="pd", role=role)
+            w if w.name != "p0" else WorkerSnapshot(name="p0", kind="pd", role=role)
             for w in pd_state(decode_queue=6).workers))
 
     policy.tick(61.0, with_p0("draining"))

@@ -22,7 +22,7 @@ from services.contract.sampling import Sampling
 from services.model.sampling import RequestSampler
 from services.router.config import SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
-from services.router.runner import breakage, continued
+from services.router.requests import breakage, continued
 from services.worker.engine import sampling_params
 
 

@@ -21,9 +21,8 @@ from services.contract.events import Event, RoleChanged, ThresholdChanged
 from services.paper.workload import TruncatedLogNormal
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
-from services.router.policies.prfaas import PrfaasPolicy
-from services.router.policy import Action, ClusterState, ConvertWorker, SetThreshold
-from services.router.workers import ModelMismatch
+from services.router.policies import Action, ClusterState, ConvertWorker, PrfaasPolicy, SetThreshold
+from services.router.scheduler import ModelMismatch
 
 
 @pytest.mark.trio

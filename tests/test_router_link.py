@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from mesh.topology import parse_topology
-from services.router.link import http_link_probe, link_sample, link_url
+from services.router.control import http_link_probe, link_sample, link_url
 
 
 def test_link_samples_read_the_egress_statistics() -> None:

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import DONE, fake_mesh, generation, placed_handle
 
 from mesh.events import EventBus
-from services.router.metrics import RequestMetrics, SchedulerCollector
-from services.router.runner import RequestRunner
+from services.router.requests import RequestMetrics, RequestRunner
+from services.router.scheduler import SchedulerCollector
 
 
 @pytest.mark.trio

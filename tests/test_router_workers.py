@@ -10,13 +10,11 @@ from mesh.errors import ConfigError, PeerGone
 from mesh.topology import parse_topology
 from services.contract.messages import PrefixMatch, WorkerMatch, WorkerState
 from services.router.errors import NotFound
-from services.router.policies.prfaas import threshold_rule
-from services.router.policy import RouteInputs
+from services.router.policies import RouteInputs, WorkerSnapshot, threshold_rule
 from services.router.requests import Placement
-from services.router.workers import (
+from services.router.scheduler import (
     ModelMismatch,
     WorkerEntry,
-    WorkerSpec,
     WorkerTable,
     check_block_size,
     check_vocab_size,
@@ -44,11 +42,11 @@ def test_from_topology_reads_kinds_roles_and_lanes() -> None:
 
 
 def test_bad_tables_name_the_worker() -> None:
-    spec = WorkerSpec(name="w", cluster="pd", kind="pd", role="prefill")
+    spec = WorkerSnapshot(name="w", cluster="pd", kind="pd", role="prefill")
     with pytest.raises(ConfigError, match="'w' is listed twice"):
         WorkerTable([spec, spec])
     with pytest.raises(ConfigError, match="decode worker 'x' must be in a PD cluster"):
-        WorkerTable([WorkerSpec(name="x", cluster="p", kind="prfaas", role="decode")])
+        WorkerTable([WorkerSnapshot(name="x", cluster="p", kind="prfaas", role="decode")])
 
 
 def test_candidates_carry_cached_prefixes_and_counted_loads() -> None:
@@ -118,8 +116,8 @@ def test_ready_needs_a_decode_worker_and_a_prefill_worker_of_each_cluster_kind()
 
 
 def polled(block_size: int) -> WorkerEntry:
-    entry = WorkerEntry(WorkerSpec(name="pd-decode-0", cluster="pd", kind="pd", role="decode"),
-                        "decode")
+    entry = WorkerEntry(WorkerSnapshot(name="pd-decode-0", cluster="pd", kind="pd",
+                                       role="decode"), "decode")
     entry.polled = WorkerState(name="pd-decode-0", cluster="pd", role="decode", draining=False,
                                queue_depth=0, running=0, cached_blocks=0,
                                model=msgspec.structs.replace(INFO, block_size=block_size))

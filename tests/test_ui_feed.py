@@ -36,8 +36,7 @@ from services.model.config import family_config, kv_bytes
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest
-from services.router.scheduler import Scheduler
-from services.router.workers import WorkerTable
+from services.router.scheduler import Scheduler, WorkerTable
 from services.service import serve_events
 from services.worker.engine import expected_kv_bytes
 from tests.ports import free_ports

@@ -45,7 +45,7 @@ _ANY = frozenset({"0.0.0.0", "::", ""})
 
 def _endpoints(spec: ServiceSpec) -> list[str]:
     """host:port of each /metrics the service serves (services/service.py serve_metrics,
-    services/router/app.py, netem/control.py, ui/app.py)."""
+    services/router/openai.py, netem/control.py, ui/app.py)."""
     options = spec.options
 
     def at(bound: str, port: object) -> str:

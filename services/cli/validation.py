@@ -61,14 +61,12 @@ from services.contract.events import RequestDone
 from services.contract.sampling import Sampling
 from services.model.config import family_config
 from services.paper.hardware import CostModel, ProfileError, ProfileSpec, read_profile_spec
-from services.router.config import SchedulerConfig
+from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
-from services.router.link import link_ends
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest, RequestHandle
-from services.router.scheduler import Scheduler
-from services.router.workers import WorkerTable
+from services.router.scheduler import Scheduler, WorkerTable
 from services.service import ServiceContext
 from services.sim.engine import ModeledConfig, ModeledTokenizer
 from services.sim.report import markdown_table

@@ -15,17 +15,29 @@ from typing import Any, Literal
 import msgspec
 
 from mesh.errors import ConfigError
+from mesh.topology import Topology
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.paper.case_study import T_STAR_TOKENS
-from services.router.link import LinkEnds
 from services.router.policies import POLICIES
 
-# Request migration (services/router/runner.py): how many times one request may be continued
+# Request migration (services/router/requests.py): how many times one request may be continued
 # elsewhere after its data path broke, and how long KV crossing a link may make no progress
 # before it is abandoned and the request re-prefilled in the PD cluster. The topology's
 # router options `migration_limit` and `kv_stall_s` set them.
 MIGRATION_LIMIT = 3
 KV_STALL_S = 3.0
+
+
+class LinkEnds(msgspec.Struct, frozen=True):
+    """A link of the topology: its name and the clusters it joins (a: PrfaaS side)."""
+
+    name: str
+    a: str
+    b: str
+
+
+def link_ends(topology: Topology) -> tuple[LinkEnds, ...]:
+    return tuple(LinkEnds(link.name, link.a, link.b) for link in topology.links)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

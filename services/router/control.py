@@ -1,10 +1,11 @@
 """The router's control plane: the control loops and the admin actions over one scheduler.
 
-- `tick` (every `tick_s`): poll each worker's `WorkerState` (services/router/workers.py),
-  sample every link, feed both to the policy, apply what the policy's `tick` returns (a
+- `tick` (every `tick_s`): poll each worker's `WorkerState` (the worker table of
+  services/router/scheduler.py), sample every link (its control API's GET /link, netem/control.py:
+  `http_link_probe`), feed both to the policy, apply what the policy's `tick` returns (a
   threshold move is announced as `ThresholdChanged`; a role conversion drains the worker,
   then switches it: `RoleChanged` old -> "draining" -> new);
-- the admin API (services/router/app.py maps it to HTTP): switch policy, pin or clear t, drain
+- the admin API (services/router/openai.py maps it to HTTP): switch policy, pin or clear t, drain
   a worker, convert a PD worker, and the state the dashboard shows.
 
 `run` ticks once before it reports itself started, so a router refuses to start when a
@@ -15,27 +16,85 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import anyio
 import anyio.abc
+import httpx
 import msgspec
 
 from mesh.errors import ConfigError, MeshError
+from mesh.topology import Topology
 from services.contract.events import RoleChanged, ThresholdChanged
 from services.contract.messages import SetRole
 from services.contract.types import Role
 from services.router.errors import Conflict, InvalidRequest, RouterError
-from services.router.link import LinkProbe
-from services.router.policies import POLICIES, create_policy
-from services.router.policy import PolicyError, SetThreshold, action_event, json_threshold
-from services.router.workers import StatusReader, WorkerEntry
-
-if TYPE_CHECKING:
-    from services.router.scheduler import Scheduler
+from services.router.policies import (
+    POLICIES,
+    LinkSample,
+    PolicyError,
+    SetThreshold,
+    action_event,
+    create_policy,
+    json_threshold,
+)
+from services.router.scheduler import Scheduler, StatusReader, WorkerEntry
+from services.service import link_service_of
 
 log = logging.getLogger(__name__)
+
+LinkProbe = Callable[[], Awaitable[LinkSample | None]]
+
+
+def link_sample(view: Mapping[str, Any], now: float, link: str = "") -> LinkSample:
+    """The policy's link sample from the link's GET /link answer (netem/control.py)."""
+    egress = view["statistics"]["link"]["egress"]
+    return LinkSample(now=now, link=link, utilisation=float(egress["utilisation"]),
+                      bandwidth_bps=float(view.get("bandwidth_bps") or 0.0),
+                      stalls=int(egress["stalls"]), up=bool(view["up"]),
+                      backlog_s=float(egress.get("wire_backlog_s", 0.0)))
+
+
+def http_link_probe(client: httpx.AsyncClient, url: str, link: str = "") -> LinkProbe:
+    """Samples the link's control API; a link that does not answer gives no sample (logged
+    when it stops answering and when it is back, not at every tick)."""
+    answering = [True]
+
+    async def probe() -> LinkSample | None:
+        try:
+            response = await client.get(url)
+            response.raise_for_status()
+            sample = link_sample(response.json(), anyio.current_time(), link)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            if answering[0]:
+                log.warning("no link samples from %s: %s", url, exc)
+            answering[0] = False
+            return None
+        if not answering[0]:
+            log.info("link samples from %s are back", url)
+        answering[0] = True
+        return sample
+
+    return probe
+
+
+def link_url(topology: Topology) -> str | None:
+    """GET /link of the first link service, if any."""
+    for service in topology.find(kind="link"):
+        port = service.options.get("control_port", 8474)
+        return f"http://{service.host}:{port}/link"
+    return None
+
+
+def link_urls(topology: Topology) -> dict[str, str]:
+    """GET /link of every link of the topology, by link name."""
+    out = {}
+    for link in topology.links:
+        service = link_service_of(topology, link)
+        port = service.options.get("control_port", 8474)
+        out[link.name] = f"http://{service.host}:{port}/link"
+    return out
 
 
 class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +129,7 @@ class RouterControl:
         status_reader: StatusReader | None = None,
     ) -> None:
         """`status_reader`: the workers' states read in this process instead of polled over
-        the mesh (services/router/workers.py), as the simulation does, whose link probe
+        the mesh (`StatusReader`), as the simulation does, whose link probe
         reads its link likewise."""
         self.scheduler = scheduler
         self._status_reader = status_reader

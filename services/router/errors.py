@@ -2,7 +2,7 @@
 
 A bad request fails that request only, never the router; messages name the parameter and the
 bad value. The OpenAI API answers `{"error": {"message", "type", "param", "code"}}`; the admin
-API (services/router/app.py) answers `{"error": message, "status": code}` from the same errors.
+API (services/router/openai.py) answers `{"error": message, "status": code}` from the same errors.
 """
 
 from __future__ import annotations

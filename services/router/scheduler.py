@@ -1,34 +1,30 @@
-"""The router's scheduler: places each request and runs it over the mesh to its last token.
+"""The router's scheduler: one scheduling step per request (lookup, policy decision,
+placement), the worker table and the link state that step reads, and the task that runs the
+request over the mesh to its last token.
 
 One request, in `submit` (before any byte goes to the client, so errors keep their status):
 1. admission: at most `max_inflight` requests at once, and no more than the decode workers
    can hold (the sum of their reported `max_streams`), else `QueueFull` (429, Retry-After);
-2. prefix block hashes of the prompt (services.contract.prefix), then the cache directory's longest
-   cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not answer
-   in time the request goes on as if nothing were cached, and that is counted);
-3. the policy decides the cluster (services.router.policy), placement picks the prefill worker in it
-   and the decode worker in the PD cluster (services.router.workers), and the decision is
-   published as a `RoutingDecision` with every input and the reason.
-Then a task owned by the scheduler runs it (`_serve`, with services/router/runner.py): it
-opens the decode worker's token stream (`DecodeRequest`) and calls the prefill worker
-(`PrefillRequest`, which names the decode worker and the prefix it already holds, so only the
-KV it lacks is sent), and feeds the tokens through a `TextAssembler` into the request's outbox
-(services/router/requests.py). Cancelling the handle (the client left) cancels the task: the
-decode stream is aborted at its worker (an Abort frame), and the prefill call is given up.
+2. prefix block hashes of the prompt (services.contract.prefix), then the cache directory's
+   longest cached prefix per worker (a `PrefixQuery` to the `cachedir` service; if it does not
+   answer in time the request goes on as if nothing were cached, and that is counted);
+3. the policy decides the cluster (services/router/policies.py), placement picks the prefill
+   worker in it and the decode worker in the PD cluster (`choose_worker`, below), and the
+   decision is published as a `RoutingDecision` with every input and the reason.
+Then a task owned by the scheduler runs it (`_serve`, with the `RequestRunner` of
+services/router/requests.py): the decode worker's token stream beside the prefill call, the
+tokens into the request's outbox. Cancelling the handle (the client left) cancels the task:
+the decode stream is aborted at its worker (an Abort frame), and the prefill call is given up.
 
 A request whose data path breaks is continued by the runner (migration, at most
 `migration_limit` times); `_replace` places its next attempt: the policy decides again for
-the prompt and the tokens already streamed, or the runner names the kind of cluster
-(services/router/runner.py), away from the workers that failed it. When no prefill worker of
-the chosen kind of cluster serves, a request (new or migrated) prefills in the other kind
-instead, if its link is up, rather than failing with 503. A link whose KV stalled is taken
-out of the policy's choices for `LINK_HOLD_STALLS` stall bounds; so is a link whose queued
-bytes would take longer than the stall bound to cross (its link samples' `backlog_s`) or
-that is down, and the requests still waiting for KV over it are moved on at once
-(`_link_stalled`).
-
-The control loops (services/router/control.py) feed it link samples (`observe_link`) and
-keep its worker table (services/router/workers.py: roles, draining, liveness) current.
+the prompt and the tokens already streamed, or the runner names the kind of cluster, away
+from the workers that failed it. When no prefill worker of the chosen kind of cluster serves,
+a request (new or migrated) prefills in the other kind instead, if its link is up, rather
+than failing with 503. A link whose KV stalled is taken out of the policy's choices for
+`LINK_HOLD_STALLS` stall bounds; so is a link whose queued bytes would take longer than the
+stall bound to cross (its link samples' `backlog_s`) or that is down, and the requests still
+waiting for KV over it are moved on at once (`_link_stalled`).
 
 Several PrfaaS and PD clusters: the decode worker is chosen first (its cluster is the
 request's PD cluster); the inputs hold each PrfaaS cluster's cache, queue and own link
@@ -38,38 +34,92 @@ another cluster, or placement chose a worker without it), the prefill request na
 worker that holds it (`PrefixPull`) and the prefill worker fetches it first
 (services/worker/prefix_pull.py), so the prefix a decision counts is the one the worker
 resumes from.
+
+The worker table (`WorkerTable`): per worker its cluster, its current role, whether it is
+draining or converting, whether it answers, and the loads the router itself counts (it sees
+every request): a prefill worker's queue is its requests not yet prefilled; a decode worker's
+running count is its open token streams. Every reader (placement, the policy's control loops,
+GET /admin/state) gets the same record of a worker, a `WorkerSnapshot`. The control loops
+(services/router/control.py) keep the table current with `poll` and act on its entries. A
+worker whose model has another KV block size than the router's is refused at its first
+status poll (`ModelMismatch`): prefix hashes would never match and the cached lengths the
+router sends (`decode_has_tokens`) would point mid-block.
+
+Placement, the choice of a worker inside a cluster: cache-affine first, then least loaded.
+The paper leaves decode-node choice open (docs/paper-notes.md section 2.4, "Not specified")
+and picks "the cache-affine node" for prefill (section 3.2). Rule, for either role:
+1. candidates are the workers of that role (a draining worker takes nothing new); a worker at
+   its `capacity` is skipped unless every one is;
+2. affinity is allowed only among workers whose load (queue + running) is at most the least
+   load plus `max_affinity_excess`: the load cap, so a hot prefix cannot pile every request
+   onto one worker (SGLang's cache-aware router has the same guard: above a load imbalance it
+   goes least loaded; docs/prior-work.md section 7);
+3. among those, the longest cached prefix wins; ties go to the least loaded, then by name.
+For decode the cached prefix is what the worker *holds* (any held KV block saves a transfer);
+for prefill it is what it can *resume from* (services/cachedir/directory.py,
+blocks_resumable). `choose_worker_reference` is the same rule as a plain sort, for the tests.
+
+The links (`LinkBook`): the control loop samples each link's control API once per tick
+(services/router/control.py) and the scheduler keeps the latest sample per link, so that each
+PrfaaS cluster is judged by its own link to the request's PD cluster. A link that does not
+answer gives no sample, and the policy holds still.
+
+`SchedulerCollector` is the router's /metrics view of the scheduler's, the policy's and the
+workers' statistics, read at scrape time.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-from mesh.errors import MeshError
+from mesh.errors import ConfigError, MeshError
 from mesh.events import EventBus
 from mesh.node import Node
-from services.contract.events import Event, RequestDone, attempt_id
-from services.contract.messages import PrefixMatch, PrefixPull, PrefixQuery, PrefixReply
+from mesh.topology import Topology
+from services.contract.events import MIGRATION_REASONS, Event, RequestDone, attempt_id
+from services.contract.messages import (
+    PrefixMatch,
+    PrefixPull,
+    PrefixQuery,
+    PrefixReply,
+    StatusQuery,
+    WorkerState,
+)
 from services.contract.prefix import block_hashes, reusable_blocks
-from services.contract.types import Cluster
+from services.contract.types import Cluster, Role, WorkerRole
 from services.model.tokenizer import TokenizerLike
-from services.router.config import SchedulerConfig
-from services.router.errors import NoWorkerAvailable, QueueFull, RouterError, UpstreamFailed
-from services.router.link import LinkBook
-from services.router.metrics import RequestMetrics, SchedulerStatistics
-from services.router.policy import (
+from services.router.config import LinkEnds, SchedulerConfig
+from services.router.errors import (
+    NotFound,
+    NoWorkerAvailable,
+    QueueFull,
+    RouterError,
+    UpstreamFailed,
+)
+from services.router.policies import (
+    DEFAULT_LANES,
+    ClusterState,
     Decision,
     LinkSample,
     Policy,
+    PolicyError,
     PrfaasSite,
     RequestFinished,
     RouteInputs,
+    WorkerSnapshot,
     decision_event,
 )
 from services.router.requests import (
@@ -79,20 +129,17 @@ from services.router.requests import (
     Placement,
     RequestHandle,
     RequestIds,
+    RequestMetrics,
+    RequestRunner,
 )
-from services.router.runner import RequestRunner
-from services.router.workers import (
-    PlacementError,
-    WorkerTable,
-    choose_decode_worker,
-    choose_prefill_worker,
-)
+from services.service import WORKER_KINDS
 
 log = logging.getLogger(__name__)
 
 # After KV stalled on a link, the link takes no new offload for this many stall bounds (a
 # stalled link costs each request sent over it a bound's wait).
 LINK_HOLD_STALLS = 3.0
+
 
 @dataclass
 class _Counts:
@@ -207,7 +254,7 @@ class Scheduler:
         return placement
 
     async def _replace(self, handle: RequestHandle, migration: Migration) -> Placement:
-        """Places a migrated request's next attempt (services/router/runner.py) and moves the
+        """Places a migrated request's next attempt (`RequestRunner`) and moves the
         request's share of the worker table there; NoWorkerAvailable when nothing can take
         it (the request's placement is then unchanged)."""
         old = handle.placement
@@ -486,3 +533,528 @@ def _placed_in(inputs: RouteInputs, kind: Cluster, why: str) -> Decision:
     return Decision(cluster=kind, counted_prefix=cached, incremental_len=inputs.total_len - cached,
                     resume_prefix=cached, threshold=None, bandwidth_scarce=True,
                     cross_cluster_cache_transfer=False, reason=f"{why}: prefill in {kind}")
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True):
+    admitted: int
+    rejected_full: int
+    rejected_no_worker: int
+    completed: int
+    failed: int
+    cancelled: int
+    inflight: int
+    to_prfaas: int
+    to_pd: int
+    lookup_failures: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # What admission allows now: max_inflight, or less if the decode workers hold fewer.
+    admission_limit: int = 0
+    migrations: dict[str, int] = {}  # requests continued elsewhere, by reason
+    migrations_gave_up: int = 0  # requests that broke past migration_limit
+    migrations_resumed: int = 0  # continued attempts that streamed a token
+    migration_resume_s: float = 0.0  # their summed time from the break to that token
+
+
+class SchedulerCollector(Collector):
+    """/metrics: the scheduler's, the policy's and the workers' statistics, read at scrape."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._requests()
+        yield from self._migrations()
+        yield from self._policy()
+        yield from self._workers()
+
+    def _requests(self) -> Iterator[Metric]:
+        stats = self._scheduler.statistics()
+        requests = CounterMetricFamily("prfaas_router_requests", "Requests by outcome",
+                                       labels=["outcome"])
+        for outcome in ("admitted", "completed", "failed", "cancelled", "rejected_full",
+                        "rejected_no_worker"):
+            requests.add_metric([outcome], getattr(stats, outcome))
+        decisions = CounterMetricFamily("prfaas_router_decisions", "Prefills placed per "
+                                        "cluster", labels=["cluster"])
+        decisions.add_metric(["prfaas"], stats.to_prfaas)
+        decisions.add_metric(["pd"], stats.to_pd)
+        tokens = CounterMetricFamily("prfaas_router_tokens", "Tokens of finished requests",
+                                     labels=["kind"])
+        for kind in ("prompt", "completion", "cached"):
+            tokens.add_metric([kind], getattr(stats, f"{kind}_tokens"))
+        yield from (requests, decisions, tokens)
+        yield CounterMetricFamily("prfaas_router_lookup_failures", "Cache directory lookups "
+                                  "that failed", value=stats.lookup_failures)
+        yield GaugeMetricFamily("prfaas_router_inflight", "Requests in flight",
+                                value=stats.inflight)
+
+    def _migrations(self) -> Iterator[Metric]:
+        """Requests continued elsewhere after their data path broke (RequestRunner)."""
+        stats = self._scheduler.statistics()
+        migrations = CounterMetricFamily("prfaas_router_migrations", "Requests continued on "
+                                         "other workers after their data path broke, by "
+                                         "reason", labels=["reason"])
+        for reason in MIGRATION_REASONS:
+            migrations.add_metric([reason], stats.migrations.get(reason, 0))
+        yield migrations
+        yield CounterMetricFamily("prfaas_router_migrations_gave_up", "Requests that broke "
+                                  "again past the migration limit", value=stats.migrations_gave_up)
+        yield CounterMetricFamily("prfaas_router_migrations_resumed", "Continued attempts "
+                                  "that streamed a token", value=stats.migrations_resumed)
+        yield CounterMetricFamily("prfaas_router_migration_resume_seconds", "Summed time from "
+                                  "a break to the continued attempt's first token",
+                                  value=stats.migration_resume_s)
+
+    def _policy(self) -> Iterator[Metric]:
+        policy = self._scheduler.policy.statistics()
+        yield GaugeMetricFamily("prfaas_router_offload_fraction", "Share of decisions sent "
+                                "to PrfaaS by the current policy", value=policy.offload_fraction)
+        if policy.threshold is not None:
+            yield GaugeMetricFamily("prfaas_router_threshold_tokens", "The policy's t",
+                                    value=policy.threshold)
+
+    def _workers(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("prfaas_router_worker_up", "Worker answers status polls",
+                               labels=["worker", "role"])
+        queue = GaugeMetricFamily("prfaas_router_worker_queue", "Prefills sent and not done "
+                                  "(prefill) or reported queue (decode)", labels=["worker"])
+        for view in self._scheduler.workers.statistics().workers:
+            up.add_metric([view.name, view.role], float(view.up))
+            queue.add_metric([view.name], view.queue)
+        yield from (up, queue)
+
+
+
+# A worker's state read in this process, not polled over the mesh: the simulation, whose
+# workers all run in the router's event loop, reads each one's `WorkerService.state()` (what
+# the status handler answers) at the same instant, without two messages and a task per
+# worker each tick. Raises MeshError where the worker could not have answered.
+StatusReader = Callable[[str], WorkerState]
+class ModelMismatch(ConfigError):
+    """A worker runs a model whose KV block size differs from the router's `block_size`."""
+
+
+class WorkerTableStatistics(msgspec.Struct, frozen=True):
+    workers: tuple[WorkerSnapshot, ...]
+
+    @property
+    def up(self) -> int:
+        return sum(w.up for w in self.workers)
+
+
+@dataclass
+class WorkerEntry:
+    """The table's bookkeeping of one worker: its snapshot as the topology gave it (`spec`),
+    the role it serves, the flags the control loops set, the router's counts of its requests
+    and its last status report; `snapshot` is what every reader gets."""
+
+    spec: WorkerSnapshot
+    role: Role
+    draining: bool = False  # the router sends it nothing new
+    converting: bool = False
+    up: bool = True  # optimistic until a status poll fails
+    prefills: int = 0
+    decodes: int = 0
+    polled: WorkerState | None = None
+
+    @property
+    def serving(self) -> bool:
+        remote_draining = self.polled is not None and self.polled.draining
+        return self.up and not (self.draining or self.converting or remote_draining)
+
+    @property
+    def shown_role(self) -> WorkerRole:
+        return "draining" if self.draining or self.converting else self.role
+
+    def snapshot(self, cached_prefix_tokens: int = 0) -> WorkerSnapshot:
+        """The worker now; `cached_prefix_tokens`: its prefix of a request being placed."""
+        s = self.spec
+        return WorkerSnapshot(
+            name=s.name, kind=s.kind, role=self.shown_role, cluster=s.cluster, up=self.up,
+            queue=self.prefills if self.role == "prefill" else _polled_queue(self),
+            running=self.decodes if self.role == "decode" else 0, converting=self.converting,
+            lanes=s.lanes, cached_prefix_tokens=cached_prefix_tokens)
+
+
+class WorkerTable:
+    """Every prefill and decode worker the router may use (module docstring)."""
+
+    def __init__(self, specs: Sequence[WorkerSnapshot]) -> None:
+        """`specs`: each worker as the topology gives it (name, cluster, kind, first role,
+        lanes)."""
+        self._workers: dict[str, WorkerEntry] = {}
+        for spec in specs:
+            if spec.name in self._workers:
+                raise ConfigError(f"worker {spec.name!r} is listed twice")
+            if spec.role == "decode" and spec.kind != "pd":
+                raise ConfigError(f"decode worker {spec.name!r} must be in a PD cluster, "
+                                 f"got kind {spec.kind!r}")
+            if spec.role == "draining":
+                raise ConfigError(f"worker {spec.name!r} must start as prefill or decode, "
+                                  "got draining")
+            self._workers[spec.name] = WorkerEntry(spec, spec.role)
+
+    @classmethod
+    def from_topology(cls, topology: Topology) -> WorkerTable:
+        """Services of kind prefill/decode; a cluster's kind ("prfaas" or "pd") tells which."""
+        specs = []
+        for service in topology.services:
+            if service.kind in WORKER_KINDS:
+                kind = topology.cluster_kind(service)
+                if kind not in ("prfaas", "pd"):
+                    raise ConfigError(f"worker {service.name!r}: cluster {service.cluster!r} "
+                                     f"must be of kind prfaas or pd, got {kind!r}")
+                lanes = topology.options_of(service).get("connections", DEFAULT_LANES)
+                specs.append(WorkerSnapshot(
+                    name=service.name, cluster=service.cluster, kind=kind,  # type: ignore[arg-type]
+                    role=service.kind, lanes=int(lanes)))  # type: ignore[arg-type]
+        return cls(specs)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._workers)
+
+    def get(self, name: str) -> WorkerEntry:
+        worker = self._workers.get(name)
+        if worker is None:
+            raise NotFound(f"no worker named {name!r}; known: {', '.join(self._workers)}",
+                           param="name")
+        return worker
+
+    def _serving(self, kind: Cluster, role: Role, cluster: str | None = None
+                 ) -> list[WorkerEntry]:
+        return [w for w in self._workers.values()
+                if w.spec.kind == kind and w.role == role and w.serving
+                and cluster in (None, w.spec.cluster)]
+
+    def clusters(self, kind: Cluster) -> list[str]:
+        """The names of the clusters of `kind` that hold workers, in topology order."""
+        return list(dict.fromkeys(w.spec.cluster for w in self._workers.values()
+                                  if w.spec.kind == kind))
+
+    def cluster_of(self, name: str) -> str:
+        return self.get(name).spec.cluster
+
+    @staticmethod
+    def _blocks(match: PrefixMatch | None) -> dict[str, tuple[int, int]]:
+        if match is None:
+            return {}
+        return {w.worker: (w.blocks_held, w.blocks_resumable) for w in match.workers}
+
+    def prefill_candidates(self, kind: Cluster, match: PrefixMatch | None,
+                           block_size: int, cluster: str | None = None
+                           ) -> list[WorkerSnapshot]:
+        """Serving prefill workers of `kind` (in `cluster`, if named); their cached prefix is
+        what they can resume."""
+        blocks = self._blocks(match)
+        return [w.snapshot(blocks.get(w.spec.name, (0, 0))[1] * block_size)
+                for w in self._serving(kind, "prefill", cluster)]
+
+    def decode_candidates(self, match: PrefixMatch | None,
+                          block_size: int) -> list[WorkerSnapshot]:
+        """Serving decode workers with room for one more stream; their cached prefix is the
+        KV they hold."""
+        blocks = self._blocks(match)
+        return [w.snapshot(blocks.get(w.spec.name, (0, 0))[0] * block_size)
+                for w in self._serving("pd", "decode") if not _full(w)]
+
+    def decode_full(self) -> bool:
+        """Whether decode workers serve, and every one holds as many streams as it said it
+        can (`WorkerState.max_streams`)."""
+        serving = self._serving("pd", "decode")
+        return bool(serving) and all(_full(w) for w in serving)
+
+    def decode_capacity(self) -> int | None:
+        """Streams the serving decode workers can hold together; None until one has said."""
+        said = [w.polled.max_streams for w in self._serving("pd", "decode")
+                if w.polled is not None and w.polled.max_streams > 0]
+        return sum(said) if said else None
+
+    def resumable_blocks(self, kind: Cluster, match: PrefixMatch | None,
+                         cluster: str | None = None) -> int:
+        """The longest prefix a serving prefill worker of `kind` (in `cluster`, if named) can
+        resume from (blocks)."""
+        blocks = self._blocks(match)
+        return max((blocks.get(w.spec.name, (0, 0))[1]
+                    for w in self._serving(kind, "prefill", cluster)), default=0)
+
+    def resumable_of(self, name: str, match: PrefixMatch | None) -> int:
+        """The prefix (blocks) worker `name` can resume from."""
+        return self._blocks(match).get(name, (0, 0))[1]
+
+    def holder(self, match: PrefixMatch | None, blocks: int, exclude: str) -> str | None:
+        """A live worker other than `exclude` that can resume `blocks` blocks (to push them
+        to another worker): prefill workers first, then the least busy."""
+        have = self._blocks(match)
+        holders = [w for w in self._workers.values() if w.up and w.spec.name != exclude
+                   and have.get(w.spec.name, (0, 0))[1] >= blocks]
+        best = min(holders, key=lambda w: (w.role != "prefill", w.prefills + w.decodes,
+                                           w.spec.name), default=None)
+        return best.spec.name if best else None
+
+    def lanes(self, name: str) -> int:
+        return self.get(name).spec.lanes
+
+    def held_blocks(self, name: str, match: PrefixMatch | None) -> int:
+        return self._blocks(match).get(name, (0, 0))[0]
+
+    def prefill_queue(self, kind: Cluster, cluster: str | None = None) -> int:
+        return sum(w.prefills for w in self._workers.values()
+                   if w.spec.kind == kind and w.role == "prefill"
+                   and cluster in (None, w.spec.cluster))
+
+    def ready(self) -> bool:
+        """Whether any request can be served: a decode worker and, in each kind of cluster
+        that has prefill workers, a prefill worker serve, each having answered a status poll
+        (until the first poll, `up` is only a guess). A short prompt needs the PD cluster's
+        prefill and a long one the PrfaaS cluster's: one of them alone is not ready."""
+        answering = [w for w in self._workers.values() if w.serving and w.polled is not None]
+        kinds = {w.spec.kind for w in self._workers.values() if w.spec.role == "prefill"}
+        return any(w.role == "decode" for w in answering) and all(
+            any(w.role == "prefill" and w.spec.kind == kind for w in answering)
+            for kind in kinds)
+
+    def has_prefill(self, kind: Cluster, cluster: str | None = None) -> bool:
+        return bool(self._serving(kind, "prefill", cluster))
+
+    def dispatched(self, prefill: str, decode: str) -> None:
+        self._workers[prefill].prefills += 1
+        self._workers[decode].decodes += 1
+
+    def prefilled(self, prefill: str) -> None:
+        self._workers[prefill].prefills -= 1
+
+    def released(self, decode: str) -> None:
+        self._workers[decode].decodes -= 1
+
+    def lost(self, name: str) -> None:
+        """A request's connection to `name` broke: it is down (placed nothing new) until it
+        answers a status poll again."""
+        worker = self._workers[name]
+        if worker.up:
+            log.warning("worker %s is down: a request's connection to it broke", name)
+        worker.up = False
+
+    async def poll(self, node: Node, timeout: float, block_size: int,
+                   vocab_size: int | None = None, *, read: StatusReader | None = None) -> None:
+        """Asks every worker for its state at once; one that does not answer is down.
+        With `read`, each state is read in this process instead (`StatusReader`).
+
+        Raises ModelMismatch if a worker's model has a KV block size other than `block_size`
+        (the router's), or more tokens than the router's tokenizer (`vocab_size`) can turn
+        back into text: it is refused before any request is placed by its report.
+        """
+        if read is None:
+            async with anyio.create_task_group() as group:
+                for worker in self._workers.values():
+                    group.start_soon(self._poll_one, node, worker, timeout)
+        else:
+            await anyio.lowlevel.checkpoint()
+            for worker in self._workers.values():
+                self._read_one(worker, read)
+        check_block_size(self._workers.values(), block_size)
+        if vocab_size is not None:
+            check_vocab_size(self._workers.values(), vocab_size)
+
+    async def _poll_one(self, node: Node, worker: WorkerEntry, timeout: float) -> None:
+        try:
+            state = await node.call(worker.spec.name, StatusQuery(), WorkerState,
+                                    timeout=timeout)
+        except MeshError as exc:
+            self._silent(worker, exc)
+            return
+        self._answered(worker, state)
+
+    def _read_one(self, worker: WorkerEntry, read: StatusReader) -> None:
+        try:
+            state = read(worker.spec.name)
+        except MeshError as exc:
+            self._silent(worker, exc)
+            return
+        self._answered(worker, state)
+
+    @staticmethod
+    def _silent(worker: WorkerEntry, exc: MeshError) -> None:
+        # A worker that never answered is still starting (every worker, at `make demo`).
+        if worker.up and worker.polled is None:
+            log.info("worker %s is not up yet: %s", worker.spec.name, exc)
+        elif worker.up:
+            log.warning("worker %s is down: %s", worker.spec.name, exc)
+        worker.up = False
+
+    @staticmethod
+    def _answered(worker: WorkerEntry, state: WorkerState) -> None:
+        if not worker.up:
+            log.info("worker %s is %s", worker.spec.name, "back" if worker.polled else "up")
+        worker.up, worker.polled = True, state
+        if not worker.converting:
+            worker.role = state.role
+
+    def state(self) -> ClusterState:
+        """The workers as the policy's control loops see them."""
+        return ClusterState(workers=self.snapshots())
+
+    def snapshots(self) -> tuple[WorkerSnapshot, ...]:
+        return tuple(w.snapshot() for w in self._workers.values())
+
+    def statistics(self) -> WorkerTableStatistics:
+        return WorkerTableStatistics(workers=self.snapshots())
+
+    def check_integrity(self, active: Sequence[Placement]) -> None:
+        for worker in self._workers.values():
+            name = worker.spec.name
+            decodes = sum(p.decode_worker == name for p in active)
+            if worker.prefills < 0 or worker.decodes != decodes:
+                raise AssertionError(f"worker {name}: prefills {worker.prefills}, decodes "
+                                     f"{worker.decodes} != {decodes} open streams")
+            if worker.prefills > sum(p.prefill_worker == name for p in active):
+                raise AssertionError(f"worker {name}: {worker.prefills} prefills in flight "
+                                     "exceed its active requests")
+
+
+def _full(worker: WorkerEntry) -> bool:
+    limit = worker.polled.max_streams if worker.polled is not None else 0
+    return 0 < limit <= worker.decodes
+
+
+def _polled_queue(worker: WorkerEntry) -> int:
+    return worker.polled.queue_depth if worker.polled else 0
+
+
+def check_block_size(workers: Iterable[WorkerEntry], block_size: int) -> None:
+    """ModelMismatch naming every polled worker whose model block size is not `block_size`."""
+    wrong = [f"{w.spec.name} runs {w.polled.model.family}/{w.polled.model.size} with block_size "
+             f"{w.polled.model.block_size}" for w in workers
+             if w.polled is not None and w.polled.model.block_size != block_size]
+    if wrong:
+        raise ModelMismatch(f"the router's block_size is {block_size}, but worker "
+                            f"{'; '.join(wrong)}: prefix hashes and cached lengths would not "
+                            "match; set the router option block_size to the workers' model "
+                            "block size")
+
+
+def check_vocab_size(workers: Iterable[WorkerEntry], vocab_size: int) -> None:
+    """ModelMismatch naming every polled worker whose model can emit token ids the router's
+    tokenizer (of `vocab_size` tokens) cannot decode."""
+    wrong = [f"{w.spec.name} runs {w.polled.model.family}/{w.polled.model.size} with vocab_size "
+             f"{w.polled.model.vocab_size}" for w in workers
+             if w.polled is not None and w.polled.model.vocab_size > vocab_size]
+    if wrong:
+        raise ModelMismatch(f"the router's tokenizer has {vocab_size} tokens, but worker "
+                            f"{'; '.join(wrong)}: its output could not be decoded; set the "
+                            "router option tokenizer to match the workers' model")
+
+
+class PlacementError(PolicyError):
+    """No worker of the required role to choose from."""
+
+
+class PlacementConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # How much busier than the least loaded worker a cache-affine worker may be. 4 requests:
+    # a decode batch of BS_max = 20 (paper-derived, services/paper/hardware.py) absorbs that much
+    # skew, while a hot prefix spreads once one worker runs 4 ahead.
+    max_affinity_excess: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_affinity_excess < 0:
+            raise PolicyError(f"max_affinity_excess must be >= 0, got "
+                              f"{self.max_affinity_excess!r}")
+
+
+DEFAULT_PLACEMENT = PlacementConfig()
+
+
+def _eligible(candidates: Sequence[WorkerSnapshot], role: WorkerRole) -> list[WorkerSnapshot]:
+    workers = [w for w in candidates if w.role == role]
+    if not workers:
+        names = ", ".join(f"{w.name} ({w.role})" for w in candidates) or "none"
+        raise PlacementError(f"no {role} worker among candidates: {names}")
+    open_workers = [w for w in workers if not w.full]
+    return open_workers or workers
+
+
+def choose_worker(candidates: Sequence[WorkerSnapshot], role: WorkerRole,
+                  config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
+    """The chosen worker's name (rule in the module docstring), in one pass."""
+    workers = _eligible(candidates, role)
+    cap = min(w.load for w in workers) + config.max_affinity_excess
+    best: WorkerSnapshot | None = None
+    for w in workers:
+        if w.load <= cap and (best is None or (-w.cached_prefix_tokens, w.load, w.name)
+                              < (-best.cached_prefix_tokens, best.load, best.name)):
+            best = w
+    assert best is not None
+    return best.name
+
+
+def choose_worker_reference(candidates: Sequence[WorkerSnapshot], role: WorkerRole,
+                            config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
+    """Slow, obvious reference: filter step by step, then sort by the whole key."""
+    of_role = [w for w in candidates if w.role == role]
+    if not of_role:
+        raise PlacementError(f"no {role} worker among candidates")
+    not_full = [w for w in of_role if not w.full] or of_role
+    least = sorted(w.load for w in not_full)[0]
+    allowed = [w for w in not_full if w.load - least <= config.max_affinity_excess]
+    ranked = sorted(allowed, key=lambda w: w.name)
+    ranked = sorted(ranked, key=lambda w: w.load)
+    ranked = sorted(ranked, key=lambda w: w.cached_prefix_tokens, reverse=True)
+    return ranked[0].name
+
+
+def choose_decode_worker(candidates: Sequence[WorkerSnapshot],
+                         config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
+    """The decode worker for a request (candidates: the PD cluster's workers)."""
+    return choose_worker(candidates, "decode", config)
+
+
+def choose_prefill_worker(candidates: Sequence[WorkerSnapshot],
+                          config: PlacementConfig = DEFAULT_PLACEMENT) -> str:
+    """The prefill worker in the chosen cluster (candidates: that cluster's workers)."""
+    return choose_worker(candidates, "prefill", config)
+
+
+class LinkBook:
+    """The latest sample of each link, its recent stalls (over `stall_window_s`), and the
+    links held back from new offload after KV stalled on them (`hold`)."""
+
+    def __init__(self, links: Sequence[LinkEnds], stall_window_s: float) -> None:
+        self._ends = {(e.a, e.b): e.name for e in links}
+        self._ends.update({(e.b, e.a): e.name for e in links})
+        self.stall_window_s = stall_window_s
+        self._samples: dict[str, LinkSample] = {}
+        self._stalls: dict[str, deque[tuple[float, int]]] = {}
+        self._held: dict[str, float] = {}  # link -> until when it takes no new offload
+
+    def observe(self, sample: LinkSample) -> None:
+        self._samples[sample.link] = sample
+        history = self._stalls.setdefault(sample.link, deque())
+        history.append((sample.now, sample.stalls))
+        while history and history[0][0] < sample.now - self.stall_window_s:
+            history.popleft()
+
+    def between(self, a: str, b: str) -> str:
+        """The name of the link joining clusters a and b ("" when none is known)."""
+        return self._ends.get((a, b), "")
+
+    def sample(self, a: str, b: str) -> LinkSample | None:
+        """The latest sample of the link between a and b; an unnamed sample stands for any."""
+        name = self.between(a, b)
+        return self._samples.get(name) or self._samples.get("")
+
+    def hold(self, a: str, b: str, until: float) -> None:
+        """KV stalled on the link between a and b: it takes no new offload until `until`."""
+        self.hold_link(self.between(a, b), until)
+
+    def hold_link(self, name: str, until: float) -> None:
+        self._held[name] = max(until, self._held.get(name, until))
+
+    def held(self, a: str, b: str, now: float) -> bool:
+        return self._held.get(self.between(a, b), now) > now
+
+    def recent_stalls(self, a: str, b: str) -> int:
+        name = self.between(a, b)
+        history = self._stalls.get(name) or self._stalls.get("")
+        return history[-1][1] - history[0][1] if history else 0

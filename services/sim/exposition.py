@@ -1,12 +1,12 @@
 """A simulated run's metrics as Prometheus text, written beside its report.
 
 The world composes the live services, so the same collectors observe it as on a live mesh:
-the router's statistics and request histograms (services/router/metrics.py), each worker's
-KV-transfer histograms (services/worker/kv_inbox.py) and statistics, under the same
-names, types and labels. `world_metrics` reads them at the end of a run into one exposition
-(each worker's samples told apart by their `service` label, as on the live mesh); the report
-keeps it as `metrics-<run>.prom`, what one scrape of the whole mesh would have returned after
-the simulated hour (docs/observability.md).
+the router's statistics and request histograms (services/router/scheduler.py and
+requests.py), each worker's KV-transfer histograms (services/worker/decode.py) and
+statistics, under the same names, types and labels. `world_metrics` reads them at the end of
+a run into one exposition (each worker's samples told apart by their `service` label, as on
+the live mesh); the report keeps it as `metrics-<run>.prom`, what one scrape of the whole mesh
+would have returned after the simulated hour (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from mesh.metrics import MergedCollector, StatisticsCollector, render
-from services.router.metrics import SchedulerCollector
+from services.router.scheduler import SchedulerCollector
 
 if TYPE_CHECKING:
     from services.sim.world import SimWorld

@@ -33,13 +33,10 @@ from services.contract.messages import CODEC_MESSAGES, WorkerState
 from services.link.frames import payload_weight
 from services.paper.case_study import PRFAAS_PD
 from services.paper.hardware import CostModel
-from services.router.config import SchedulerConfig
+from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
-from services.router.link import link_ends
-from services.router.policies import create_policy
-from services.router.policy import LinkSample
-from services.router.scheduler import Scheduler
-from services.router.workers import StatusReader, WorkerTable
+from services.router.policies import LinkSample, create_policy
+from services.router.scheduler import Scheduler, StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
 from services.worker.engine import InlineRunner
