@@ -1,10 +1,10 @@
-"""Tests for services.cachedir.tree: the PrefixTree of held chains."""
+"""Tests for services.cachedir.service: the PrefixTree of held chains."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.cachedir.tree import ChainError, IntegrityError, PrefixTree
+from services.cachedir.service import ChainError, IntegrityError, PrefixTree
 from services.contract.messages import BlockRun
 from services.contract.prefix import chain_from_ids
 

@@ -1,4 +1,5 @@
-"""The cache directory service: `services.cachedir.directory.CacheDirectory` on the mesh.
+"""The global KV cache directory: which worker holds which prefix blocks and state snapshots,
+served on the mesh.
 
 Workers cast `BlocksStored` / `BlocksEvicted` as their prefix caches change and a full
 `WorkerReport` when they start or after a lost report; the router (or `prfaas send`) calls
@@ -6,33 +7,66 @@ Workers cast `BlocksStored` / `BlocksEvicted` as their prefix caches change and 
 worker lacks). The directory keeps no state on disk: after a restart it asks every worker of
 the topology for its `ReportCache` and rebuilds itself from the answers (a worker that is not
 up yet reports itself when it starts). Every change is published as a `CacheActivity` event.
+
+A lookup meets three things, in the order they are written here:
+
+- `CacheDirService`: the handlers on the mesh around one directory (and `run_cachedir`, the
+  `cachedir` runner of `prfaas serve`).
+- `CacheDirectory`: pure state, no I/O. Workers' stored/evicted reports go in, prefix matches
+  and transfer plans come out, and typed `CacheEvent`s collect in an outbox the service drains
+  (the dashboard's feed). Two lengths per worker, because hybrid models cache two kinds of
+  things (docs/architecture.md section 5): `blocks_held`, leading blocks whose full-attention
+  KV the worker holds (any held prefix is usable as KV, so the router uses it for the
+  *transfer plan* to a decode worker: send only the blocks it lacks, plus the
+  linear-attention states at the new end), and `blocks_resumable`, the longest held prefix
+  that also ends at a state snapshot (linear and SWA state is reusable only at exactly the
+  length it was taken, so this is what a prefill worker can *resume computing* from: the
+  router's l_prfaas and l_pd, paper section 3.3). Queries must be hash chains from block 0
+  (`services.contract.prefix.block_hashes` or `chain_from_ids`).
+- `PrefixTree`: the held blocks as the tree their hash chains (services.contract.prefix) form
+  (each block knows its parent and depth) and, per holder (a small int the directory maps
+  workers onto), which blocks close an unbroken chain from block 0. Along a query chain the
+  set of holders with an unbroken chain only shrinks, so the longest held prefix of every
+  holder is found by binary search: O(distinct lengths * log(query blocks)) dict probes,
+  however many blocks are cached.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Literal
 
 import anyio
 import anyio.abc
+import msgspec
 
 from mesh.errors import MeshError
 from mesh.events import EventBus
 from mesh.node import Node
 from mesh.server import Context
 from mesh.transport import Address
-from services.cachedir.directory import CacheDirectory, CacheDirectoryStatistics, CacheEvent
+from services.contract.errors import PrefixCacheError, UnknownWorkerError
 from services.contract.events import CacheActivity, Event
 from services.contract.messages import (
+    BlockRun,
     BlocksEvicted,
     BlocksStored,
+    ClusterMatch,
     PlanQuery,
     PlanReply,
+    PrefixMatch,
     PrefixQuery,
     PrefixReply,
     ReportCache,
+    TransferPlan,
+    WorkerMatch,
     WorkerReport,
 )
+from services.contract.prefix import check_hash
 from services.contract.types import Role
 from services.service import WORKER_KINDS, ServiceContext, serve_events, serve_metrics
 
@@ -152,3 +186,652 @@ async def run_cachedir(
                  len(service.workers))
         await anyio.sleep_forever()
 
+
+EventKind = Literal["stored", "evicted", "forgotten", "replaced", "rebuilt"]
+
+
+class CacheEvent(msgspec.Struct, frozen=True, tag=True):
+    kind: EventKind
+    worker: str
+    cluster: str
+    n_blocks: int
+    n_snapshots: int
+    seq: int
+    ts: float
+
+
+class CacheDirectoryStatistics(msgspec.Struct, frozen=True):
+    workers: int
+    clusters: int
+    blocks: int  # distinct blocks held by anyone
+    block_entries: int  # (worker, block) pairs
+    snapshots: int
+    nodes: int  # held blocks plus unheld ancestors kept to reconnect gaps
+    lookups: int
+    plans: int
+    stored_reports: int
+    evicted_reports: int
+    blocks_stored: int
+    blocks_evicted: int
+    stale_evictions: int  # evicted blocks the directory did not know the worker held
+    rebuilds: int
+    events_dropped: int  # outbox overflow: the caller did not drain in time
+
+
+class _Worker(msgspec.Struct):
+    name: str
+    cluster: str
+    role: Role
+    holder: int
+
+
+class CacheDirectory:
+    """Per worker, which prefix blocks and state snapshots it holds; prefix lookups over them."""
+
+    def __init__(
+        self,
+        workers: Mapping[str, str] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_events: int = 4096,
+    ) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        self._clock = clock
+        self._tree = PrefixTree()
+        self._workers: dict[str, _Worker] = {}
+        self._by_holder: dict[int, _Worker] = {}
+        # Kept with the workers (see _reindex) so that lookups need not scan them.
+        self._clusters: list[str] = []
+        self._role_masks: dict[str, int] = {}
+        self._outbox: deque[CacheEvent] = deque(maxlen=max_events)
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._seq = 0
+        for name, cluster in (workers or {}).items():
+            self.register_worker(name, cluster)
+
+    def register_worker(self, name: str, cluster: str, role: Role = "prefill") -> None:
+        if name in self._workers:
+            raise ValueError(f"worker {name!r} is already registered")
+        worker = _Worker(name, cluster, role, self._tree.add_holder())
+        self._workers[name] = self._by_holder[worker.holder] = worker
+        self._reindex()
+
+    def set_role(self, name: str, role: Role) -> None:
+        """A PD worker switched between prefill and decode; its cache stays."""
+        self._worker(name).role = role
+        self._reindex()
+
+    def forget_worker(self, name: str) -> None:
+        worker = self._worker(name)
+        self._emit("forgotten", worker, *self._remove(worker))
+
+    def stored(
+        self,
+        worker: str,
+        hashes: Sequence[int],
+        snapshot_at: Iterable[int] = (),
+        *,
+        first: int = 0,
+        parent: int | None = None,
+    ) -> int:
+        """`worker` now holds blocks first.. of a chain; returns how many it did not hold."""
+        run = BlockRun(list(hashes), list(snapshot_at), first, parent)
+        return self.apply_stored(BlocksStored(worker, [run]))
+
+    def apply_stored(self, message: BlocksStored) -> int:
+        worker = self._worker(message.worker)
+        self._check_runs(message.runs)
+        blocks = snapshots = 0
+        for run in message.runs:
+            new = self._tree.add_run(worker.holder, run)
+            blocks, snapshots = blocks + new[0], snapshots + new[1]
+        self._count(stored_reports=1, blocks_stored=blocks)
+        self._emit("stored", worker, blocks, snapshots)
+        return blocks
+
+    def evicted(self, worker: str, hashes: Iterable[int], snapshots_only: bool = False) -> int:
+        """`worker` dropped these blocks (or their snapshots); returns how many it held."""
+        return self.apply_evicted(BlocksEvicted(worker, list(hashes), snapshots_only))
+
+    def apply_evicted(self, message: BlocksEvicted) -> int:
+        worker = self._worker(message.worker)
+        blocks = snapshots = stale = 0
+        for block in message.hashes:
+            dropped = self._tree.drop(worker.holder, block, message.snapshots_only)
+            blocks, snapshots = blocks + dropped[0], snapshots + dropped[1]
+            stale += dropped == (0, 0)
+        self._count(evicted_reports=1, blocks_evicted=blocks, stale_evictions=stale)
+        self._emit("evicted", worker, blocks, snapshots)
+        return blocks
+
+    def replace_worker(self, report: WorkerReport) -> None:
+        """Make one worker's entry exactly its report (registering it if new)."""
+        self._check_runs(report.runs)
+        if report.worker in self._workers:
+            self._remove(self._workers[report.worker])
+        self._load(report)
+        self._emit("replaced", self._workers[report.worker], *self._totals(report.worker))
+
+    def rebuild(self, reports: Iterable[WorkerReport]) -> None:
+        """Replace all state with the workers' full reports (after a directory restart).
+
+        Every report is checked before anything changes; on error the old state stays.
+        """
+        reports = list(reports)
+        names = [report.worker for report in reports]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reports name a worker twice: {sorted(names)}")
+        pending: dict[int, tuple[int, int]] = {}
+        fresh = PrefixTree()
+        for report in reports:
+            self._check_runs(report.runs, fresh, pending)
+        self._tree, self._workers, self._by_holder = fresh, {}, {}
+        self._reindex()
+        for report in reports:
+            self._load(report)
+        self._count(rebuilds=1)
+        stats = self.statistics()
+        self._emit("rebuilt", None, stats.block_entries, stats.snapshots)
+
+    def longest_prefix(self, hashes: Sequence[int], role: Role | None = None) -> PrefixMatch:
+        """Held and resumable leading blocks per worker (of `role`, if given) and per cluster."""
+        self._count(lookups=1)
+        return self._assemble(len(hashes), self._matches(hashes, role))
+
+    def longest_prefix_reference(
+        self, hashes: Sequence[int], role: Role | None = None
+    ) -> PrefixMatch:
+        """Slow, obvious `longest_prefix`: walk the query against every worker's blocks."""
+        found = []
+        for worker in self._workers.values():
+            held, resumable = self._tree.match_reference(worker.holder, hashes)
+            if held and role in (None, worker.role):
+                found.append((worker, held, resumable))
+        return self._assemble(len(hashes), found)
+
+    def transfer_plan(
+        self, hashes: Sequence[int], target_worker: str, source_worker: str | None = None
+    ) -> TransferPlan:
+        """The blocks `target_worker` lacks, and which worker can send the cached ones.
+
+        Without `source_worker`, the source is whoever else holds the most leading blocks
+        (ties: the target's own cluster first, then by name).
+        """
+        self._count(plans=1)
+        target = self._worker(target_worker)
+        lengths = {w.name: (held, res) for w, held, res in self._matches(hashes, None)}
+        held, resumable = lengths.get(target.name, (0, 0))
+        source = self._pick_source(target, lengths, source_worker)
+        source_held = lengths.get(source.name, (0, 0))[0] if source else 0
+        lacking = range(held, len(hashes))
+        send = [i for i in lacking if not self._tree.holds(target.holder, hashes[i])]
+        return TransferPlan(
+            n_blocks=len(hashes),
+            target_worker=target.name,
+            target_held=held,
+            target_resumable=resumable,
+            source_worker=source.name if source else None,
+            source_held=source_held,
+            cross_cluster=source is not None and source.cluster != target.cluster,
+            send=send,
+            states_needed=resumable < len(hashes),
+        )
+
+    def drain_events(self) -> list[CacheEvent]:
+        events = list(self._outbox)
+        self._outbox.clear()
+        return events
+
+    def statistics(self) -> CacheDirectoryStatistics:
+        totals = [self._tree.totals(w.holder) for w in self._workers.values()]
+        return CacheDirectoryStatistics(
+            workers=len(self._workers),
+            clusters=len(self._clusters),
+            blocks=self._tree.held,
+            block_entries=sum(t[0] for t in totals),
+            snapshots=sum(t[1] for t in totals),
+            nodes=len(self._tree.nodes),
+            **self._counts,
+        )
+
+    def check_integrity(self) -> None:
+        self._tree.check_integrity()
+        holders = {w.holder: w for w in self._workers.values()}
+        if holders != self._by_holder or len(holders) != len(self._workers):
+            raise IntegrityError(f"worker holders {holders} != index {self._by_holder}")
+        expected = self._indexes()
+        if (self._clusters, self._role_masks) != expected:
+            kept = (self._clusters, self._role_masks)
+            raise IntegrityError(f"clusters and role masks {kept} != {expected} of the workers")
+
+    def _check_runs(
+        self,
+        runs: Iterable[BlockRun],
+        tree: PrefixTree | None = None,
+        pending: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
+        pending = {} if pending is None else pending
+        tree = tree or self._tree
+        for run in runs:
+            tree.check_run(run, pending)
+
+    def _remove(self, worker: _Worker) -> tuple[int, int]:
+        del self._workers[worker.name], self._by_holder[worker.holder]
+        self._reindex()
+        return self._tree.remove_holder(worker.holder)
+
+    def _load(self, report: WorkerReport) -> None:
+        self.register_worker(report.worker, report.cluster, report.role)
+        for run in report.runs:
+            self._tree.add_run(self._workers[report.worker].holder, run)
+
+    def _matches(self, hashes: Sequence[int], role: Role | None) -> list[_Found]:
+        allowed = -1 if role is None else self._role_masks.get(role, 0)
+        found = []
+        for mask, held in self._tree.held_lengths(hashes, allowed):
+            for worker in self._workers_in(mask):
+                found.append((worker, held, self._tree.resumable(worker.holder, hashes, held)))
+        return found
+
+    def _assemble(self, n_blocks: int, found: list[_Found]) -> PrefixMatch:
+        found.sort(key=lambda item: item[0].name)
+        by_cluster: dict[str, list[_Found]] = {cluster: [] for cluster in self._clusters}
+        for item in found:
+            by_cluster[item[0].cluster].append(item)
+        return PrefixMatch(
+            n_blocks=n_blocks,
+            workers=[WorkerMatch(w.name, w.cluster, w.role, h, r) for w, h, r in found],
+            clusters=[_cluster_match(c, items) for c, items in by_cluster.items()],
+        )
+
+    def _pick_source(
+        self, target: _Worker, lengths: dict[str, tuple[int, int]], name: str | None
+    ) -> _Worker | None:
+        if name is not None:
+            return self._worker(name)
+        others = sorted(n for n in lengths if n != target.name)
+        if not others:
+            return None
+        # max() keeps the first of equal keys, so ties go by name.
+        local = {n for n in others if self._workers[n].cluster == target.cluster}
+        return self._workers[max(others, key=lambda n: (lengths[n][0], n in local))]
+
+    def _worker(self, name: str) -> _Worker:
+        worker = self._workers.get(name)
+        if worker is None:
+            raise UnknownWorkerError(f"worker {name!r} is not registered")
+        return worker
+
+    def _workers_in(self, mask: int) -> Iterator[_Worker]:
+        while mask:
+            lowest = mask & -mask
+            yield self._by_holder[lowest.bit_length() - 1]
+            mask ^= lowest
+
+    def _reindex(self) -> None:
+        self._clusters, self._role_masks = self._indexes()
+
+    def _indexes(self) -> tuple[list[str], dict[str, int]]:
+        roles: dict[str, int] = {}
+        for worker in self._workers.values():
+            roles[worker.role] = roles.get(worker.role, 0) | 1 << worker.holder
+        return sorted({w.cluster for w in self._workers.values()}), roles
+
+    def _totals(self, name: str) -> tuple[int, int]:
+        return self._tree.totals(self._workers[name].holder)
+
+    def _count(self, **increments: int) -> None:
+        for key, value in increments.items():
+            self._counts[key] += value
+
+    def _emit(self, kind: EventKind, worker: _Worker | None, blocks: int, snapshots: int) -> None:
+        if len(self._outbox) == self._outbox.maxlen:
+            self._count(events_dropped=1)
+        self._seq += 1
+        self._outbox.append(
+            CacheEvent(
+                kind=kind,
+                worker=worker.name if worker else "",
+                cluster=worker.cluster if worker else "",
+                n_blocks=blocks,
+                n_snapshots=snapshots,
+                seq=self._seq,
+                ts=self._clock(),
+            )
+        )
+
+
+_Found = tuple[_Worker, int, int]  # (worker, blocks held, blocks resumable)
+_COUNTERS = (
+    "lookups",
+    "plans",
+    "stored_reports",
+    "evicted_reports",
+    "blocks_stored",
+    "blocks_evicted",
+    "stale_evictions",
+    "rebuilds",
+    "events_dropped",
+)
+
+
+def _cluster_match(cluster: str, found: list[_Found]) -> ClusterMatch:
+    if not found:
+        return ClusterMatch(cluster, 0, 0, None)
+    # `found` is in name order and max() keeps the first of equal keys.
+    top = max(found, key=lambda item: (item[2], item[1]))
+    return ClusterMatch(cluster, max(item[1] for item in found), top[2], top[0].name)
+
+
+# Parent markers; real hashes are never negative.
+ROOT = -1
+UNKNOWN = -2
+
+
+class ChainError(PrefixCacheError, ValueError):
+    """A report or query that contradicts the hash chain (parent, depth or index)."""
+
+
+class IntegrityError(PrefixCacheError, AssertionError):
+    """`check_integrity` found derived indexes out of step with the held blocks."""
+
+
+class _Node:
+    __slots__ = ("children", "depth", "holders", "parent")
+
+    def __init__(self, parent: int, depth: int) -> None:
+        self.parent = parent  # hash of block depth-1, ROOT, or UNKNOWN
+        self.depth = depth  # block index in its chain
+        self.children: set[int] = set()
+        self.holders = 0  # bitmask of holders holding this block's KV
+
+
+class _Holder:
+    __slots__ = ("blocks", "resume", "snapshots")
+
+    def __init__(self) -> None:
+        # hash -> also holds the state snapshot at this block's end
+        self.blocks: dict[int, bool] = {}
+        # hash -> resumable blocks along the chain ending here; keys: unbroken chains only
+        self.resume: dict[int, int] = {}
+        self.snapshots = 0
+
+
+class PrefixTree:
+    """Which holder (small int) holds which blocks, as a tree of hash chains.
+
+    A node exists while someone holds it or one of its descendants (so a refilled gap can
+    reconnect the blocks below it). Runs must be checked (`check_run`) before `add_run`.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, _Node] = {}
+        self.complete: dict[int, int] = {}  # hash -> bitmask of holders with unbroken chains
+        self._holders: dict[int, _Holder] = {}
+        self._free: list[int] = []
+        self.held = 0  # distinct blocks held by anyone
+
+    def add_holder(self) -> int:
+        holder = heapq.heappop(self._free) if self._free else len(self._holders)
+        self._holders[holder] = _Holder()
+        return holder
+
+    def remove_holder(self, holder: int) -> tuple[int, int]:
+        """Drop everything `holder` holds; returns (blocks, snapshots) dropped."""
+        state = self._holders.pop(holder)
+        for block in state.blocks:
+            self._hold(block, holder, False)
+            if block in state.resume:
+                self._set_complete(block, holder, False)
+        for block in state.blocks:
+            self._prune(block)
+        heapq.heappush(self._free, holder)
+        return len(state.blocks), state.snapshots
+
+    def holds(self, holder: int, block: int) -> bool:
+        return block in self._holders[holder].blocks
+
+    def totals(self, holder: int) -> tuple[int, int]:
+        """(blocks, snapshots) held by `holder`."""
+        state = self._holders[holder]
+        return len(state.blocks), state.snapshots
+
+    def check_run(self, run: BlockRun, pending: dict[int, tuple[int, int]]) -> None:
+        """Raise ChainError unless the run agrees with the tree and with `pending`.
+
+        `pending` (block -> (parent, depth)) collects runs checked but not yet added, so a batch
+        is checked as a whole before any of it is applied.
+        """
+        _check_run_shape(run)
+        above = ROOT if run.parent is None else run.parent
+        if run.parent is not None:
+            self._expect(run.parent, None, run.first - 1, pending)
+            pending.setdefault(run.parent, (UNKNOWN, run.first - 1))
+        for depth, block in enumerate(run.hashes, start=run.first):
+            self._expect(block, above, depth, pending)
+            pending[block] = (above, depth)
+            above = block
+
+    def add_run(self, holder: int, run: BlockRun) -> tuple[int, int]:
+        """Apply a checked run; returns (blocks, snapshots) newly held."""
+        state, snaps = self._holders[holder], set(run.snapshot_at)
+        above = ROOT if run.parent is None else run.parent
+        if not run.hashes:
+            return 0, 0
+        if run.parent is not None and run.parent not in self.nodes:
+            self.nodes[run.parent] = _Node(UNKNOWN, run.first - 1)
+        new_blocks = new_snaps = 0
+        for depth, block in enumerate(run.hashes, start=run.first):
+            self._link(block, above, depth)
+            had = state.blocks.get(block)
+            snap = depth in snaps
+            state.blocks[block] = bool(had) or snap
+            self._hold(block, holder, True)
+            new_blocks += had is None
+            new_snaps += snap and not had
+            self._refresh(holder, block)
+            above = block
+        state.snapshots += new_snaps
+        return new_blocks, new_snaps
+
+    def drop(self, holder: int, block: int, snapshot_only: bool = False) -> tuple[int, int]:
+        """Evict a block (or only its snapshot); returns (blocks, snapshots) dropped."""
+        state = self._holders[holder]
+        snap = state.blocks.get(block)
+        if snap is None or (snapshot_only and not snap):
+            return 0, 0
+        if snapshot_only:
+            state.blocks[block] = False
+        else:
+            del state.blocks[block]
+            self._hold(block, holder, False)
+        state.snapshots -= snap
+        self._refresh(holder, block)
+        if not snapshot_only:
+            self._prune(block)
+        return int(not snapshot_only), int(snap)
+
+    def held_lengths(self, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]:
+        """(holder bitmask, leading blocks held) for every `allowed` holder holding block 0.
+
+        Binary search for each point where the set of holders with unbroken chains shrinks.
+        """
+        probe, n = self.complete.get, len(hashes)
+        current = probe(hashes[0], 0) & allowed if n else 0
+        start, out = 0, []
+        while current:
+            low, high = start + 1, n
+            while low < high:
+                middle = (low + high) // 2
+                if probe(hashes[middle], 0) & current == current:
+                    low = middle + 1
+                else:
+                    high = middle
+            self._expect_depth(hashes, low - 1)
+            remaining = probe(hashes[low], 0) & current if low < n else 0
+            out.append((current & ~remaining, low))
+            current, start = remaining, low
+        return out
+
+    def resumable(self, holder: int, hashes: Sequence[int], held: int) -> int:
+        """Resumable blocks of `holder` given its `held` leading blocks of `hashes`."""
+        return self._holders[holder].resume[hashes[held - 1]] if held else 0
+
+    def match_reference(self, holder: int, hashes: Sequence[int]) -> tuple[int, int]:
+        """Slow, obvious (held, resumable) of `holder`: walk the query block by block."""
+        blocks = self._holders[holder].blocks
+        held = 0
+        while held < len(hashes) and hashes[held] in blocks:
+            held += 1
+        snapped = [index + 1 for index in range(held) if blocks[hashes[index]]]
+        return held, max(snapped, default=0)
+
+    def check_integrity(self) -> None:
+        holders = self._expected_holders()
+        problems = [p for b, n in self.nodes.items() for p in self._node_problems(b, n, holders)]
+        problems += [f"held block {b} has no node" for b in holders if b not in self.nodes]
+        if self.held != len(holders):
+            problems.append(f"held count {self.held} != {len(holders)} blocks held")
+        complete: dict[int, int] = {}
+        for holder, state in self._holders.items():
+            expected = self._expected_resume(state)
+            problems += _differences(f"holder {holder} resume", state.resume, expected)
+            if state.snapshots != sum(state.blocks.values()):
+                problems.append(f"holder {holder} counts {state.snapshots} snapshots, wrongly")
+            for block in expected:
+                complete[block] = complete.get(block, 0) | 1 << holder
+        problems += _differences("complete", self.complete, complete)
+        used, free = set(self._holders), set(self._free)
+        if used & free or used | free != set(range(len(used) + len(free))):
+            problems.append(f"holder ids {sorted(used)} and free ids {sorted(free)} overlap/gap")
+        if problems:
+            raise IntegrityError(f"{len(problems)} problems: " + "; ".join(problems[:8]))
+
+    def _node_problems(self, block: int, node: _Node, holders: dict[int, int]) -> list[str]:
+        parent = self.nodes.get(node.parent)
+        checks = [
+            (node.holders == holders.get(block, 0), f"holders {node.holders:b}"),
+            (bool(node.holders or node.children), "is held by no one and has no children"),
+            (not node.holders or node.parent != UNKNOWN, "is held but has no known parent"),
+            (node.parent != ROOT or node.depth == 0, f"is a root at depth {node.depth}"),
+            (
+                node.parent < 0 or (parent is not None and block in parent.children
+                                    and parent.depth == node.depth - 1),
+                f"is not a child of {node.parent} at depth {node.depth}",
+            ),
+            (all(self.nodes[c].parent == block for c in node.children), "has foster children"),
+        ]
+        return [f"block {block} {what}" for ok, what in checks if not ok]
+
+    def _expected_holders(self) -> dict[int, int]:
+        holders: dict[int, int] = {}
+        for holder, state in self._holders.items():
+            for block in state.blocks:
+                holders[block] = holders.get(block, 0) | 1 << holder
+        return holders
+
+    def _expected_resume(self, state: _Holder) -> dict[int, int]:
+        expected: dict[int, int] = {}
+        known = [b for b in state.blocks if b in self.nodes]
+        for block in sorted(known, key=lambda b: self.nodes[b].depth):
+            node = self.nodes[block]
+            base = 0 if node.parent == ROOT else expected.get(node.parent)
+            if base is not None:
+                expected[block] = node.depth + 1 if state.blocks[block] else base
+        return expected
+
+    def _expect(
+        self, block: int, parent: int | None, depth: int, pending: dict[int, tuple[int, int]]
+    ) -> None:
+        node = self.nodes.get(block)
+        known = pending.get(block) or ((node.parent, node.depth) if node else None)
+        if known is None:
+            return
+        if known[1] != depth or (parent is not None and known[0] not in (parent, UNKNOWN)):
+            raise ChainError(
+                f"block {block} reported with parent {parent} at depth {depth}, "
+                f"but it is known with parent {known[0]} at depth {known[1]}"
+            )
+
+    def _expect_depth(self, hashes: Sequence[int], index: int) -> None:
+        depth = self.nodes[hashes[index]].depth
+        if depth != index:
+            raise ChainError(
+                f"hashes is not a chain from block 0: hashes[{index}] is block {depth} of its chain"
+            )
+
+    def _hold(self, block: int, holder: int, on: bool) -> None:
+        node = self.nodes[block]
+        was = node.holders
+        node.holders = was | 1 << holder if on else was & ~(1 << holder)
+        self.held += bool(node.holders) - bool(was)
+
+    def _link(self, block: int, parent: int, depth: int) -> None:
+        node = self.nodes.get(block)
+        if node is None:
+            self.nodes[block] = _Node(parent, depth)
+        elif node.parent == UNKNOWN:
+            node.parent = parent
+        if parent != ROOT:
+            self.nodes[parent].children.add(block)
+
+    def _refresh(self, holder: int, block: int) -> None:
+        """Recompute `holder`'s chain state at `block` and below it, wherever it changed."""
+        state, stack = self._holders[holder], [block]
+        while stack:
+            current = stack.pop()
+            new, old = self._resume_value(state, current), state.resume.get(current)
+            if new == old:
+                continue
+            if new is None:
+                del state.resume[current]
+            else:
+                state.resume[current] = new
+            if (new is None) != (old is None):
+                self._set_complete(current, holder, new is not None)
+            stack.extend(c for c in self.nodes[current].children if c in state.blocks)
+
+    def _resume_value(self, state: _Holder, block: int) -> int | None:
+        snap = state.blocks.get(block)
+        node = self.nodes[block]
+        base = 0 if node.parent == ROOT else state.resume.get(node.parent)
+        if snap is None or base is None:
+            return None
+        return node.depth + 1 if snap else base
+
+    def _set_complete(self, block: int, holder: int, on: bool) -> None:
+        mask = self.complete.get(block, 0)
+        mask = mask | 1 << holder if on else mask & ~(1 << holder)
+        if mask:
+            self.complete[block] = mask
+        else:
+            del self.complete[block]
+
+    def _prune(self, block: int) -> None:
+        node = self.nodes.get(block)
+        while node is not None and not node.holders and not node.children:
+            del self.nodes[block]
+            if node.parent < 0:
+                return
+            parent = self.nodes[node.parent]
+            parent.children.discard(block)
+            block, node = node.parent, parent
+
+
+def _check_run_shape(run: BlockRun) -> None:
+    first, parent, end = run.first, run.parent, run.first + len(run.hashes)
+    if first < 0 or (parent is None) != (first == 0):
+        raise ChainError(f"a run needs parent None iff first == 0: first {first}, parent {parent}")
+    for index, block in enumerate(run.hashes):
+        check_hash(f"hashes[{index}]", block)
+    if parent is not None:
+        check_hash("parent", parent)
+    bad = [i for i in run.snapshot_at if not first <= i < end]
+    if bad:
+        raise ChainError(f"snapshot_at {bad} outside the run [{first}, {end})")
+
+
+def _differences(name: str, got: dict[int, int], want: dict[int, int]) -> list[str]:
+    keys = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
+    return [f"{name}[{k}] is {got.get(k)}, expected {want.get(k)}" for k in keys[:3]]

@@ -1,7 +1,7 @@
 """The messages the PrfaaS services exchange over the mesh: one module, the whole contract.
 
 Every message is a tagged msgspec Struct; `CODEC_MESSAGES` lists them for the mesh `Codec`
-(with the cache directory's own messages, services.cachedir.directory, and the dashboard events,
+(with the cache directory's own messages, services.cachedir.service, and the dashboard events,
 services.contract.events, which travel on the same connections).
 
 A request's life (docs/architecture.md section 4): the router (or `prfaas send`) asks the cache
@@ -177,7 +177,7 @@ class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """One exported KV piece (services.model.export: header + payload, crc32): a layer's
-    full-attention KV from token `start` on, or its state (services.worker.kv_stream)."""
+    full-attention KV from token `start` on, or its state (services.worker.engine)."""
 
     request_id: str
     layer: int

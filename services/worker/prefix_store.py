@@ -10,23 +10,32 @@ import: the decode side) and blocks *resumable* (held and ending at a state snap
 prefill can restart computing). Entries are evicted least recently used first when their
 bytes exceed the budget; an entry whose chain a newer entry extends is folded into it (its
 snapshots move over). Every change comes back as the cache directory's own messages
-(`BlocksStored`, `BlocksEvicted`), ready to cast. Pure state, no I/O.
+(`BlocksStored`, `BlocksEvicted`), ready to cast. The store is pure state, no I/O;
+`CacheReporter` casts its changes to the cache directory in order (after a lost cast, the
+whole cache first), so the workers that store hand each change straight to it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
 import msgspec
 
+from mesh.errors import MeshError
+from mesh.node import Node
 from services.contract.messages import BlockRun, BlocksEvicted, BlocksStored, WorkerReport
 from services.contract.prefix import block_hashes
 from services.contract.types import Role
 from services.model.cache import RequestCache, StateSnapshot
 
+log = logging.getLogger(__name__)
+
 MIB = 2**20
+CacheMessage = msgspec.Struct
 
 
 class PrefixStoreError(ValueError):
@@ -303,3 +312,51 @@ class PrefixStore:
 
     def _run(self, entry: _Entry) -> BlockRun:
         return BlockRun(list(entry.hashes), sorted(n - 1 for n in entry.snapshot_blocks))
+
+
+class CacheReporter:
+    """Casts cache changes to the directory in order; after a lost cast, a full report first."""
+
+    def __init__(
+        self, node: Node, cachedir: str | None, full: Callable[[], WorkerReport]
+    ) -> None:
+        self._node = node
+        self._cachedir = cachedir
+        self._full = full
+        self._queue: deque[CacheMessage] = deque()
+        self._wakeup = anyio.Event()
+        self._stale = True  # the directory may not know us yet: start with a full report
+
+    def submit(self, change: StoreChange) -> None:
+        if self._cachedir is not None:
+            if change.stored is not None:
+                self._queue.append(change.stored)
+            self._queue.extend(change.evicted)
+            self._wakeup.set()
+
+    def resync(self) -> None:
+        """Send the whole cache next (the role changed, or the directory asked)."""
+        self._stale = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        self._wakeup.set()  # report the whole cache at once: the directory may be new
+        while self._cachedir is not None:
+            await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            await self._deliver()
+
+    async def _deliver(self) -> None:
+        assert self._cachedir is not None
+        try:
+            if self._stale:
+                self._queue.clear()  # the full report covers them
+                await self._node.cast(self._cachedir, self._full(), timeout=5.0)
+                self._stale = False
+            while self._queue:
+                await self._node.cast(self._cachedir, self._queue[0], timeout=5.0)
+                self._queue.popleft()
+        except MeshError as exc:
+            self._stale = True
+            log.warning("cache report to %s lost (%s); a full report follows", self._cachedir,
+                        exc)

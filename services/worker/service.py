@@ -12,7 +12,6 @@ it starts, when the directory asks (`ReportCache`) and after a report was lost.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -22,7 +21,7 @@ import anyio.abc
 import msgspec
 import torch
 
-from mesh.errors import ConfigError, MeshError
+from mesh.errors import ConfigError
 from mesh.events import EventBus
 from mesh.mailbox import Mailbox
 from mesh.node import Node, NodeConfig
@@ -61,12 +60,9 @@ from services.worker.decode import DecodeConfig, DecodeWorker, KVTransferMetrics
 from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
-from services.worker.prefix_store import MIB, PrefixStore, PrefixStoreConfig, StoreChange
+from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
 
 log = logging.getLogger(__name__)
-
-CacheMessage = msgspec.Struct
-
 
 def checkpoint_path(option: str, family: str, size: str) -> Path | None:
     """The weights file to load: an explicit path, the shipped kimi-linear checkpoint when
@@ -163,54 +159,6 @@ def serve_decode(node: Node, worker: DecodeWorker,
         admit()
         async for chunk in worker.decode(request):
             yield chunk
-
-
-class CacheReporter:
-    """Casts cache changes to the directory in order; after a lost cast, a full report first."""
-
-    def __init__(
-        self, node: Node, cachedir: str | None, full: Callable[[], WorkerReport]
-    ) -> None:
-        self._node = node
-        self._cachedir = cachedir
-        self._full = full
-        self._queue: deque[CacheMessage] = deque()
-        self._wakeup = anyio.Event()
-        self._stale = True  # the directory may not know us yet: start with a full report
-
-    def submit(self, change: StoreChange) -> None:
-        if self._cachedir is not None:
-            if change.stored is not None:
-                self._queue.append(change.stored)
-            self._queue.extend(change.evicted)
-            self._wakeup.set()
-
-    def resync(self) -> None:
-        """Send the whole cache next (the role changed, or the directory asked)."""
-        self._stale = True
-        self._wakeup.set()
-
-    async def run(self) -> None:
-        self._wakeup.set()  # report the whole cache at once: the directory may be new
-        while self._cachedir is not None:
-            await self._wakeup.wait()
-            self._wakeup = anyio.Event()
-            await self._deliver()
-
-    async def _deliver(self) -> None:
-        assert self._cachedir is not None
-        try:
-            if self._stale:
-                self._queue.clear()  # the full report covers them
-                await self._node.cast(self._cachedir, self._full(), timeout=5.0)
-                self._stale = False
-            while self._queue:
-                await self._node.cast(self._cachedir, self._queue[0], timeout=5.0)
-                self._queue.popleft()
-        except MeshError as exc:
-            self._stale = True
-            log.warning("cache report to %s lost (%s); a full report follows", self._cachedir,
-                        exc)
 
 
 class WorkerService:
