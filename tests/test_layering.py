@@ -191,7 +191,7 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("source", "target"), [
     ("services/router/openai.py", "services.worker.prefill"),
-    ("services/worker/prefill.py", "services.cachedir.directory"),
+    ("services/worker/prefill.py", "services.cachedir.service"),
     ("ui/app.py", "services.router.scheduler"),
     ("mesh/node.py", "services.contract.messages"),
 ])

@@ -56,7 +56,7 @@ and picks "the cache-affine node" for prefill (section 3.2). Rule, for either ro
    goes least loaded; docs/prior-work.md section 7);
 3. among those, the longest cached prefix wins; ties go to the least loaded, then by name.
 For decode the cached prefix is what the worker *holds* (any held KV block saves a transfer);
-for prefill it is what it can *resume from* (services/cachedir/directory.py,
+for prefill it is what it can *resume from* (services/cachedir/service.py,
 blocks_resumable). `choose_worker_reference` is the same rule as a plain sort, for the tests.
 
 The links (`LinkBook`): the control loop samples each link's control API once per tick
