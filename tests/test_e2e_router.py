@@ -213,7 +213,7 @@ def wait_for_workers_up(client: httpx.Client, mesh: Mesh, count: int) -> None:
 def model_t(fraction: float) -> float:
     """Where prfaas-dynamic's model puts t (router tokens) for this mesh's shape (one PrfaaS
     prefill, one PD prefill, one decode worker, up or not) with the link at `fraction` of its
-    nominal rate and no stalls: B_eff of services/router/policies/prfaas_dynamic.py."""
+    nominal rate and no stalls: B_eff of services/router/policies.py."""
     config = DynamicConfig(token_scale=SCALE)
     bandwidth = config.bandwidth_gbps * 1e9 * fraction * (1.0 - config.headroom)
     return SCALE * solve_threshold(config.throughput_model(), config.initial_lengths(),

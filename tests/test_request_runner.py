@@ -113,7 +113,7 @@ async def test_a_request_that_ends_at_its_workers_finish_reason_aborts_nothing(
         assert decode.node.statistics().stray_frames == 0
 
 
-# Migration (services/router/runner.py); over real processes: tests/test_migration.py.
+# Migration (services/router/requests.py); over real processes: tests/test_migration.py.
 
 
 @pytest.mark.trio

@@ -161,6 +161,9 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     decode_has_tokens: int  # the prefix whose KV the decode worker already holds
     decision: Decision
     pull: PrefixPull | None = None  # the cached prefix the prefill worker fetches first
+    # Connections the prefill worker stripes the KV over: across clusters the scheduler's
+    # `connections`, at most the worker's own lanes; within a cluster one.
+    lanes: int = 1
     # 0 for the request as placed; n after its n-th migration (`RequestRunner`).
     attempt: int = 0
 
@@ -178,6 +181,7 @@ class Migration(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int  # this continuation's number, from 1
     prompt: list[int]  # the request's prompt and every output token streamed so far
     failed_worker: str
+    worker_lost: bool  # its connection broke: it is down until it answers a status poll
     avoid: frozenset[str]  # the workers that failed this request so far
     cluster: Cluster | None  # the kind of cluster to prefill in; None: the policy decides
 
@@ -492,17 +496,6 @@ class RequestIds:
         return f"req-{self._prefix}-{self._n}"
 
 
-class WorkerCounts(Protocol):
-    """What the runner tells the scheduler's worker table (services/router/scheduler.py
-    WorkerTable) and asks of it."""
-
-    def prefilled(self, prefill: str) -> None: ...
-
-    def lost(self, name: str) -> None: ...
-
-    def lanes(self, name: str) -> int: ...
-
-
 class Driven(msgspec.Struct, frozen=True, kw_only=True):
     """How one request's data path ended: the prefill worker's report, the finish reason."""
 
@@ -619,12 +612,14 @@ class RunnerStatistics(msgspec.Struct, frozen=True):
 
 class RequestRunner:
     """Runs placed requests (module docstring); `phase` publishes a request's progress.
-    `replace` is the scheduler's placement of a migrated request (None: none migrates)."""
+    `prefilled` tells the worker table that a prefill call ended (its worker's queue is one
+    shorter); `replace` is the scheduler's placement of a migrated request (None: none
+    migrates)."""
 
-    def __init__(self, node: Node, workers: WorkerCounts, tokenizer: TokenizerLike,
+    def __init__(self, node: Node, prefilled: Callable[[str], None], tokenizer: TokenizerLike,
                  config: SchedulerConfig, events: EventBus[Event],
                  clock: Callable[[], float], replace: Replace | None = None) -> None:
-        self.node, self.workers, self.tokenizer = node, workers, tokenizer
+        self.node, self._prefilled, self.tokenizer = node, prefilled, tokenizer
         self.config, self.events, self.clock = config, events, clock
         self._replace = replace
         self._migrations: dict[str, int] = {}
@@ -675,7 +670,7 @@ class RequestRunner:
                     self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
                     p.decode_worker, decode, timeout=cfg.request_timeout_s,
                     on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
-                    on_prefilled=lambda: self.workers.prefilled(p.prefill_worker),
+                    on_prefilled=lambda: self._prefilled(p.prefill_worker),
                     grace_s=GRACE_S)
             finally:
                 handle.attempt_scope, handle.awaiting_kv = None, False
@@ -698,12 +693,11 @@ class RequestRunner:
             raise UpstreamFailed(f"{broken.message}; request {p.request_id} was not continued: "
                                  f"it has been migrated {p.attempt} times, migration_limit="
                                  f"{limit}") from broken
-        if lost:
-            self.workers.lost(worker)
         avoid.add(worker)
         migration = Migration(
             reason=reason, attempt=p.attempt + 1, prompt=[*handle.request.prompt, *kept],
-            failed_worker=worker, avoid=frozenset(avoid), cluster=_cluster_after(reason, p))
+            failed_worker=worker, worker_lost=lost, avoid=frozenset(avoid),
+            cluster=_cluster_after(reason, p))
         try:
             placed = await self._replace(handle, migration)
         except (NoWorkerAvailable, QueueFull) as exc:
@@ -726,13 +720,10 @@ class RequestRunner:
     def _prefill_request(self, handle: RequestHandle, prompt: list[int],
                          sampling: Sampling) -> PrefillRequest:
         p = handle.placement
-        lanes = min(self.config.connections, self.workers.lanes(p.prefill_worker))
-        across = p.cluster == "prfaas"
         return PrefillRequest(
             request_id=p.wire_id, prompt=prompt, decode_worker=p.decode_worker,
-            decode_has_tokens=p.decode_has_tokens, sampling=sampling,
-            connections=lanes if across else 1, pull=p.pull,
-            kv_stall=self.config.kv_stall_s if across else 0.0)
+            decode_has_tokens=p.decode_has_tokens, sampling=sampling, connections=p.lanes,
+            pull=p.pull, kv_stall=self.config.kv_stall_s if p.cluster == "prfaas" else 0.0)
 
     def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
               kept: list[int], broken_at: list[float]) -> str | None:

@@ -184,8 +184,8 @@ class Scheduler:
         self._counts = _Counts()
         self._directory_answers = True
         self._placing = 0
-        self._runner = RequestRunner(node, workers, tokenizer, self.config, self.events, clock,
-                                     self._replace)
+        self._runner = RequestRunner(node, workers.prefilled, tokenizer, self.config,
+                                     self.events, clock, self._replace)
         self.metrics = RequestMetrics()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -258,6 +258,8 @@ class Scheduler:
         request's share of the worker table there; NoWorkerAvailable when nothing can take
         it (the request's placement is then unchanged)."""
         old = handle.placement
+        if migration.worker_lost:
+            self.workers.lost(migration.failed_worker)
         if migration.reason == "kv_stalled":
             self._hold_link(old)
         placed, _ = await self._placement(old.request_id, migration.prompt, migration)
@@ -288,7 +290,13 @@ class Scheduler:
             decode_worker=decode, prompt_tokens=len(prompt),
             cached_tokens=decision.resume_prefix, decision=decision,
             decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size,
-            pull=self._pull(decision, prefill, match), attempt=attempt), inputs
+            pull=self._pull(decision, prefill, match), attempt=attempt,
+            lanes=self._lanes(decision.cluster, prefill)), inputs
+
+    def _lanes(self, kind: Cluster, prefill: str) -> int:
+        """Connections for the prefill's KV stream: one within a cluster."""
+        return min(self.config.connections, self.workers.lanes(prefill)) if kind == "prfaas" \
+            else 1
 
     def _hold_link(self, stalled: Placement) -> None:
         """The link the stalled KV crossed takes no new offload for a while."""
