@@ -82,10 +82,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ray", action="store_true",
                         help="capacity scenarios: each seed's search a Ray task on a local Ray "
-                             "instance with every core (or the cluster in RAY_ADDRESS); Ray's "
-                             "workers hash strings with PYTHONHASHSEED=0, and a PrfaaS-PD run "
-                             "depends on it, so the numbers can differ slightly from a run "
-                             "without --ray (docs/search.md)")
+                             "instance with every core (or the cluster in RAY_ADDRESS); the "
+                             "same numbers as without --ray (docs/search.md)")
     parser.add_argument("--dashboard", action="store_true",
                         help="serve the dashboard on the simulation instead of a report "
                              "(prfaas sim-dashboard with --policy and --rate)")
