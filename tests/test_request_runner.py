@@ -18,6 +18,7 @@ from router_fakes import BLOCK, fake_mesh, fake_token, generation, placed_handle
 
 from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
 from services.contract.events import RequestDone, RequestMigrated
+from services.contract.messages import PrefillRequest
 from services.contract.sampling import Sampling
 from services.model.sampling import RequestSampler
 from services.router.config import SchedulerConfig
@@ -136,6 +137,34 @@ async def test_a_broken_prefill_moves_to_the_other_cluster_and_the_request_compl
         stats = mesh.scheduler.statistics()
         assert stats.migrations == {"prefill_lost": 1} and stats.completed == 1
         assert stats.migrations_resumed == 1
+        mesh.scheduler.check_integrity()
+
+
+@pytest.mark.trio
+async def test_a_worker_whose_connection_broke_is_down_until_it_answers_again(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with fake_mesh() as mesh:
+        node = mesh.scheduler.node
+        call = node.call
+
+        async def dropped(target: str, message: object, *args: object, **kwargs: object
+                          ) -> object:
+            # The prefill call's connection breaks; status polls still answer.
+            if target == "pd-prefill-0" and isinstance(message, PrefillRequest):
+                raise PeerGone("connection to pd-prefill-0 closed")
+            return await call(target, message, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(node, "call", dropped)
+        handle = await mesh.scheduler.submit(generation(range(1, 30)))
+        _, result = await handle.collect()
+        assert result.completion_tokens == 4
+        assert handle.placement.prefill_worker == "prfaas-prefill-0"
+        view = {w.name: w for w in mesh.scheduler.workers.statistics().workers}
+        assert not view["pd-prefill-0"].up and view["prfaas-prefill-0"].up
+        monkeypatch.undo()
+        await mesh.control.tick()
+        assert {w.name: w for w in mesh.scheduler.workers.statistics().workers}[
+            "pd-prefill-0"].up
         mesh.scheduler.check_integrity()
 
 

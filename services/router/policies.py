@@ -165,7 +165,7 @@ Feedback = RequestFinished | LinkSample
 DEFAULT_LANES = 4
 
 
-class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One prefill or decode worker as the router knows it at one instant: the one record of a
     worker that the control loops (`ClusterState`), placement and GET /admin/state read.
 

@@ -678,12 +678,14 @@ class WorkerEntry:
 
     def snapshot(self, cached_prefix_tokens: int = 0) -> WorkerSnapshot:
         """The worker now; `cached_prefix_tokens`: its prefix of a request being placed."""
-        s = self.spec
+        s, role = self.spec, self.role
+        prefill = role == "prefill"
         return WorkerSnapshot(
-            name=s.name, kind=s.kind, role=self.shown_role, cluster=s.cluster, up=self.up,
-            queue=self.prefills if self.role == "prefill" else _polled_queue(self),
-            running=self.decodes if self.role == "decode" else 0, converting=self.converting,
-            lanes=s.lanes, cached_prefix_tokens=cached_prefix_tokens)
+            name=s.name, kind=s.kind, cluster=s.cluster, up=self.up, lanes=s.lanes,
+            role="draining" if self.draining or self.converting else role,
+            queue=self.prefills if prefill else _polled_queue(self),
+            running=0 if prefill else self.decodes, converting=self.converting,
+            cached_prefix_tokens=cached_prefix_tokens)
 
 
 class WorkerTable:
