@@ -108,15 +108,13 @@ log = logging.getLogger(__name__)
 
 CLUSTER_HEADER = "x-prfaas-cluster"
 # A request body at least this large is decoded, checked and tokenized in a worker thread,
-# not on the event loop: a 60,000-character prompt takes about 4 ms to encode here (the word
-# cache, services/model/words.py; 22 ms in Hugging Face's tokenizer, which releases the GIL
-# and still encodes non-ASCII text), which on the loop would stall every other request's
+# not on the event loop, where a long prompt's encoding would stall every other request's
 # token stream as long; from a thread the loop gets the GIL back at least every switch
-# interval. Below it the thread hop (about 0.1 ms) costs more.
+# interval. Below it the thread hop costs more than it saves (docs/engineering-notes.md,
+# section 3b, has the measurements).
 THREAD_BODY_BYTES = 16_384
 # Bodies tokenized at once in threads, more wait: half the cores, so that the loop and the
-# mesh keep some (on two cores, one thread let short requests through faster than two:
-# p50 36 against 46 ms beside a stream of 60,000-character prompts).
+# mesh keep some (on two cores one thread let short requests through faster than two).
 PARSE_THREADS = max(1, (os.cpu_count() or 2) // 2)
 _json = msgspec.json.Encoder()
 
