@@ -45,6 +45,21 @@ def clock() -> Callable[[], float]:
     return trio.current_time if loop is None else loop.time
 
 
+def soon_from_thread() -> Callable[[Callable[[], object]], None]:
+    """The running loop's way for another thread to queue a call on it without waiting:
+    trio's `run_sync_soon`, asyncio's `call_soon_threadsafe`. Calls run in the order queued,
+    before anything the thread queues later (the report of its own end included). A call
+    must not raise: trio ends the whole run on a failed `run_sync_soon` callback."""
+    loop = asyncio._get_running_loop()
+    if loop is None:
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    running = loop
+
+    def soon(call: Callable[[], object]) -> None:
+        running.call_soon_threadsafe(call)
+    return soon
+
+
 def checkpoint_if_cancelled() -> Callable[[], Awaitable[None]] | None:
     """trio's `checkpoint_if_cancelled`; None on asyncio, where a task is only ever cancelled
     at an await that suspends, so a write that does not suspend needs no such check."""
