@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import msgspec
 
+from services.bench.host import cpu_name, load_average
 from services.paper.case_study import PRFAAS_PD
 from services.paper.planner import Scenario, solve_scenario
 from services.sim.run import SimResult, run_virtual
@@ -42,29 +40,6 @@ def summary(result: SimResult) -> bytes:
         "egress_mean_gbps": round(egress_gbps(result)[0], 6),
         "tpot_mean_s": round(statistics.fmean(r.tpot_s for r in done), 9),
     })
-
-
-# Vector extensions that tell CPU generations apart where a VM's model name does not
-# ("Intel(R) Xeon(R) Processor"): AMX on Sapphire Rapids and later.
-FEATURES = ("amx_tile", "avx512f", "avx2")
-
-
-def cpu_name() -> str:
-    """The CPU's model name as the kernel reports it, with its widest vector extensions
-    (the platform's words where there is no /proc/cpuinfo)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info
-                 if line.startswith("model name")), platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in info
-                  if line.startswith("flags")), [])
-    return f"{name} [{' '.join(f for f in FEATURES if f in flags)}]"
-
-
-def load_average() -> float:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
 from mesh.errors import ConfigError
+from services.bench.host import cpu_name
 from services.sim.search.explorer import Pool, Summary, run_search
 from services.sim.search.pool import RayPool, SerialPool
 from services.sim.search.report import write_report
@@ -83,13 +84,6 @@ def _open(args: argparse.Namespace) -> RayPool | SerialPool:
     return SerialPool() if args.serial else RayPool(args.address, args.cpus)
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def _against_serial(space: SearchSpace, args: argparse.Namespace) -> Summary:
     """The same search serially then on Ray, both from empty folders (module docstring)."""
     serial_dir = args.out / "serial"
@@ -105,7 +99,7 @@ def _against_serial(space: SearchSpace, args: argparse.Namespace) -> Summary:
     same = _found(serial) == _found(ray)
     timing = {"serial_wall_s": serial.wall_s, "ray_wall_s": ray.wall_s,
               "ratio": ray.wall_s / serial.wall_s, "ray_cpus": ray.ray["cpus"],
-              "same_results": same, "cpu": _cpu_model(), "logical_cpus": os.cpu_count(),
+              "same_results": same, "cpu": cpu_name(), "logical_cpus": os.cpu_count(),
               "load_1min_before_during_after": load}
     return msgspec.structs.replace(ray, against_serial=timing)
 
