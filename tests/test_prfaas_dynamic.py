@@ -10,6 +10,7 @@ import math
 import random
 from typing import Literal
 
+import msgspec
 import pytest
 
 from services.paper.hardware import CostModel
@@ -283,6 +284,16 @@ def test_decode_backlog_converts_a_prefill_worker_and_t_is_resolved_lower() -> N
     # N_p 3 -> 2: less PD prefill, so more must go to PrfaaS (planner: 19.4K -> 15.5K).
     assert move.new is not None and move.new == pytest.approx(15_478, rel=0.01)
     assert policy.statistics().conversions == 1 and policy.statistics().n_p == 2
+
+
+def test_a_decode_backlog_its_workers_report_converts_as_a_counted_one() -> None:
+    # The worker table gives a decode worker's backlog as what it reported waiting.
+    reported = ClusterState(workers=tuple(
+        msgspec.structs.replace(w, queue=0, waiting=w.queue) if w.role == "decode" else w
+        for w in pd_state(decode_queue=6).workers))
+    actions = sustain(roles_policy(), reported, 60)
+    conversions = [a for a in actions if isinstance(a, ConvertWorker)]
+    assert [(c.worker, c.to_role) for c in conversions] == [("p0", "decode")]
 
 
 def test_t_is_solved_for_the_shape_a_pending_conversion_leaves() -> None:

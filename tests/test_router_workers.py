@@ -67,6 +67,23 @@ def test_candidates_carry_cached_prefixes_and_counted_loads() -> None:
     workers.check_integrity([])
 
 
+def test_a_decode_workers_reported_waiting_is_its_backlog_not_placement_load() -> None:
+    # Requests waiting to join a decode batch hold streams too: placement counts the streams
+    # alone, the control loops see the worker's backlog.
+    workers = table()
+    workers.dispatched("pd-prefill-0", "pd-decode-0")
+    workers.dispatched("pd-prefill-0", "pd-decode-0")
+    entry = workers.get("pd-decode-0")
+    entry.polled = WorkerState(name="pd-decode-0", cluster="pd", role="decode", draining=False,
+                               queue_depth=2, running=0, cached_blocks=0, model=INFO)
+    [decode] = workers.decode_candidates(None, 16)
+    assert (decode.load, decode.backlog) == (2, 2)
+    [seen] = workers.state().select("pd", "decode")
+    assert (seen.waiting, seen.running, seen.backlog + seen.running) == (2, 2, 4)
+    [prefill] = workers.state().select("pd", "prefill")
+    assert (prefill.queue, prefill.backlog, prefill.load) == (2, 2, 2)
+
+
 def test_integrity_counts_open_streams_against_active_requests() -> None:
     workers = table()
     workers.dispatched("pd-prefill-0", "pd-decode-0")

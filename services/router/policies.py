@@ -172,18 +172,20 @@ class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     The scheduler's worker table (services/router/scheduler.py) takes one per worker from the
     topology and its own counts; what a worker reports of itself is the wire message
     (services/contract/messages.py), which the table folds in. `queue` and `running` are the
-    router's own counts where it has them, current to the request: a prefill worker's queue is
-    its prefills sent and not done, a decode worker's running count its open token streams
-    (its queue is what it last reported waiting). Placement fills `cached_prefix_tokens` for
-    the request it places.
+    router's own counts, current to the request: a prefill worker's queue is its prefills sent
+    and not done, a decode worker's running count its open token streams; `waiting` is what a
+    decode worker last reported waiting to join its batch (those requests hold streams too, so
+    placement's `load` leaves them out, and the control loops read them in `backlog`).
+    Placement fills `cached_prefix_tokens` for the request it places.
     """
 
     name: str
     kind: Cluster  # the kind of its cluster
     role: WorkerRole  # what it serves; "draining": finishing its work, taking nothing new
     cluster: str = ""  # its cluster's name
-    queue: int = 0  # requests waiting for this worker
-    running: int = 0  # requests in its decode batch
+    queue: int = 0  # requests sent to it and not done (prefill)
+    running: int = 0  # open token streams (decode)
+    waiting: int = 0  # of its streams, those it reported waiting to join its batch (decode)
     up: bool = True  # answers status polls (optimistic until one fails)
     converting: bool = False  # switching role (the router drains it first)
     lanes: int = DEFAULT_LANES  # connections it may stripe one KV stream over
@@ -192,7 +194,13 @@ class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     @property
     def load(self) -> int:
+        """Requests the router has placed on it and not yet seen it finish."""
         return self.queue + self.running
+
+    @property
+    def backlog(self) -> int:
+        """Requests waiting for it, counted by the router or reported by the worker."""
+        return self.queue + self.waiting
 
     @property
     def full(self) -> bool:
@@ -704,11 +712,11 @@ def shape_of(state: ClusterState) -> ClusterShape:
 
 
 def _mean_queue(workers: list[WorkerSnapshot]) -> float:
-    return sum(w.queue for w in workers) / len(workers) if workers else 0.0
+    return sum(w.backlog for w in workers) / len(workers) if workers else 0.0
 
 
 def _least_loaded(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
-    return min(workers, key=lambda w: (w.load, w.name))
+    return min(workers, key=lambda w: (w.backlog + w.running, w.name))
 
 
 def eq8_gap(rates: Rates) -> float:
@@ -1091,7 +1099,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
                 new_stalls = True
                 self._last_stall = now
             self._stalls_seen = link.stalls
-        depths = [sum(w.queue for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
+        depths = [sum(w.backlog for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
         prfaas, pd = (self._queues[i].update(now, depths[i]) for i in (0, 1))
         utilisation = self._utilisation.value
         calm = utilisation <= cfg.low_watermark and now - self._last_stall >= cfg.calm_s

@@ -630,7 +630,7 @@ class SchedulerCollector(Collector):
                                   "(prefill) or reported queue (decode)", labels=["worker"])
         for view in self._scheduler.workers.statistics().workers:
             up.add_metric([view.name, view.role], float(view.up))
-            queue.add_metric([view.name], view.queue)
+            queue.add_metric([view.name], view.backlog)
         yield from (up, queue)
 
 
@@ -683,8 +683,8 @@ class WorkerEntry:
         return WorkerSnapshot(
             name=s.name, kind=s.kind, cluster=s.cluster, up=self.up, lanes=s.lanes,
             role="draining" if self.draining or self.converting else role,
-            queue=self.prefills if prefill else _polled_queue(self),
-            running=0 if prefill else self.decodes, converting=self.converting,
+            queue=self.prefills if prefill else 0, running=0 if prefill else self.decodes,
+            waiting=0 if prefill else _polled_queue(self), converting=self.converting,
             cached_prefix_tokens=cached_prefix_tokens)
 
 
