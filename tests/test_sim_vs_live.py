@@ -146,7 +146,7 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
     assert summary["rows"][0]["errors"]["ttft_p50"] == pytest.approx(-0.05)
 
 
-def test_the_in_situ_profile_takes_the_workers_compute_and_moves_the_decode_steps(
+def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
     from services.cli.validation import in_situ_profile, probe_jobs
     from services.paper.hardware import CostModel, read_profile_spec
@@ -169,8 +169,8 @@ def test_the_in_situ_profile_takes_the_workers_compute_and_moves_the_decode_step
     assert written.prefill.chunk_tokens == engine.prefill.chunk_tokens
     for length, seconds in zip(written.prefill.lengths, written.prefill.seconds, strict=True):
         assert seconds == pytest.approx(1.3 * cost.prefill_time(round(length)), rel=1e-4)
-    for before, after in zip(engine.decode.seconds, written.decode.seconds, strict=True):
-        assert after == pytest.approx(before + 0.002, abs=2e-6)
+    assert written.decode.seconds == pytest.approx(engine.decode.seconds, abs=1e-6)
+    assert "+2.00 ms" in written.description
     # Too few completed probes to fit: a clear error, not a profile.
     with pytest.raises(ValueError, match="probes completed"):
         in_situ_profile(config, [msgspec.structs.replace(o, ok=False) for o in live],
