@@ -21,10 +21,10 @@ KV bytes sent, decode steps), which say where the bottleneck is. docs/policies.m
     .venv/bin/python benchmarks/compare_policies.py [--quick] [--policies a,b] [--log-dir DIR]
 
 It prints one comparison table (ratios against homogeneous, the baseline run first; the
-tables are services/bench/comparison.py's), then per worker and per cluster, and ends
-with one JSON line {"bench": "policies", "shapes": {policy: "N_prfaas / N_p / N_d"},
-"homogeneous": ..., "naive_hetero": ..., "prfaas_dynamic": ...}. Logs of every service are
-kept under the log directory.
+tables are services/bench/comparison.py's), then per worker and per cluster, and ends with
+one JSON line {"bench": "policies", "shapes": {policy: "N_prfaas / N_p / N_d"},
+"homogeneous": ..., "naive-hetero": ..., "prfaas-dynamic": ...}, keyed by the policies'
+names. Logs of every service are kept under the log directory.
 """
 
 from __future__ import annotations
@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_comparison(results, BASELINE))
     print(format_workers(results))
     print(format_clusters(results))
-    shapes = {p.replace("-", "_"): r.get("shape") for p, r in results.items()}
+    shapes = {p: r.get("shape") for p, r in results.items()}
     print(json.dumps({"bench": "policies", "shapes": shapes,
-                      **{p.replace("-", "_"): results.get(p) for p in POLICIES}}))
+                      **{p: results.get(p) for p in POLICIES}}))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -45,9 +45,9 @@ def result() -> PlanResult:
 def test_plan_acceptance_matches_table6(result: PlanResult) -> None:
     assert result.prfaas.lambda_max == pytest.approx(3.24, rel=0.03)
     assert result.homogeneous.lambda_max == pytest.approx(2.11, rel=0.03)
-    assert result.naive_hetero.lambda_max == pytest.approx(2.45, rel=0.03)
+    assert result.naive.lambda_max == pytest.approx(2.45, rel=0.03)
     assert result.prfaas.t == pytest.approx(19400, rel=0.05)
-    points = (result.prfaas, result.homogeneous, result.naive_hetero)
+    points = (result.prfaas, result.homogeneous, result.naive)
     shapes = [(p.n_prfaas, p.n_p, p.n_d) for p in points]
     assert shapes == [(4, 3, 5), (0, 9, 3), (4, 0, 8)]
 
@@ -65,7 +65,7 @@ def test_what_is_fitted_comes_back_exactly_and_what_is_not_comes_back_close(
     assert result.prfaas.t == pytest.approx(19400, rel=0.01)
     assert result.prfaas.p == pytest.approx(0.496, abs=0.002)
     assert result.prfaas.theta_prfaas == pytest.approx(1.61, rel=0.01)
-    assert result.naive_hetero.lambda_max == pytest.approx(2.45, rel=0.01)
+    assert result.naive.lambda_max == pytest.approx(2.45, rel=0.01)
 
 
 def test_stage_throughputs_offload_share_and_egress(result: PlanResult) -> None:
@@ -77,8 +77,8 @@ def test_stage_throughputs_offload_share_and_egress(result: PlanResult) -> None:
     assert result.prfaas.p == pytest.approx(0.496, abs=0.005)
     assert result.prfaas.egress_bps / 1e9 == pytest.approx(13.0, rel=0.1)
     assert result.prfaas.prfaas_limit == "compute"
-    assert (result.homogeneous.p, result.naive_hetero.p) == (0.0, 1.0)
-    assert result.homogeneous.t is None and result.naive_hetero.t is None
+    assert (result.homogeneous.p, result.naive.p) == (0.0, 1.0)
+    assert result.homogeneous.t is None and result.naive.t is None
 
 
 def test_eq7_balance_holds_at_the_optimum(result: PlanResult) -> None:
@@ -159,12 +159,12 @@ def test_invalid_inputs_name_the_parameter(model: ThroughputModel,
 def test_plan_main_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"prfaas", "homogeneous", "naive_hetero"}
+    assert set(data) == {"prfaas-pd", "homogeneous", "naive"}
     for row in data.values():
         assert {"lambda_max", "t", "n_prfaas", "n_p", "n_d"} <= set(row)
         assert all(isinstance(row[k], int) for k in ("n_prfaas", "n_p", "n_d"))
-    assert data["prfaas"]["lambda_max"] == pytest.approx(3.24, rel=0.03)
-    assert data["prfaas"]["t"] == pytest.approx(19400, rel=0.05)
+    assert data["prfaas-pd"]["lambda_max"] == pytest.approx(3.24, rel=0.03)
+    assert data["prfaas-pd"]["t"] == pytest.approx(19400, rel=0.05)
     assert data["homogeneous"]["t"] is None
 
 
@@ -180,7 +180,7 @@ def test_plan_main_table_compares_with_the_paper(capsys: pytest.CaptureFixture[s
 def test_plan_main_knobs_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--json", "--samples", "3000", "--seed", "5", "--n-pd", "6"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["prfaas"]["n_p"] + data["prfaas"]["n_d"] == 6
+    assert data["prfaas-pd"]["n_p"] + data["prfaas-pd"]["n_d"] == 6
     assert plan_main(["--n-pd", "1"]) == 2
     assert "n_pd" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:

@@ -168,12 +168,12 @@ def test_the_shipped_searches_load_and_price_the_paper_at_equal_cost() -> None:
     root = Path(__file__).parent.parent / "services" / "sim" / "searches"
     equal = load_space(root / "paper-equal-cost.toml")
     configs = {c.family: c for c in configurations(equal)}
-    assert configs["prfaas_pd"].cost_per_hour == configs["homogeneous"].cost_per_hour
-    assert configs["prfaas_pd"].deployment.n_prfaas == 4
+    assert configs["prfaas-pd"].cost_per_hour == configs["homogeneous"].cost_per_hour
+    assert configs["prfaas-pd"].deployment.n_prfaas == 4
     assert configs["homogeneous"].deployment.n_prfaas == 0
     assert configs["homogeneous"].planner.lambda_rps == pytest.approx(
         2.11 * 16 / 12, rel=0.05)
-    assert configs["prfaas_pd"].planner.lambda_rps == pytest.approx(3.24, rel=0.01)
+    assert configs["prfaas-pd"].planner.lambda_rps == pytest.approx(3.24, rel=0.01)
     bandwidth = configurations(load_space(root / "bandwidth.toml"))
     assert {c.bandwidth_gbps for c in bandwidth} >= {100.0, 5.0}
     # Both state issue 30's SLO: a P90 TTFT bound beside the paper's decode SLO.

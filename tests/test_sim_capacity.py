@@ -163,7 +163,7 @@ def test_the_paper_report_keeps_its_keys_and_adds_the_capacities(tmp_path: Path)
     solved = solve_scenario(Scenario())
     deployments = paper_deployments(solved)
     points = {"prfaas-pd": solved.prfaas, "homogeneous": solved.homogeneous,
-              "naive": solved.naive_hetero}
+              "naive": solved.naive}
     run = simulate_rate(deployments["naive"], Workload(window_s=30.0), 1.0, 0, 60.0)
     caps, summaries = {}, {}
     for factor, name in enumerate(deployments, start=1):

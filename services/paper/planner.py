@@ -287,17 +287,18 @@ class Scenario:
                                self.bandwidth_gbps * 1e9, self.output_len)
 
 
-class PlanResult(msgspec.Struct, frozen=True):
-    """Table 6's three operating points. The field names are the keys of `prfaas plan --json`;
-    `point` reads one by its deployment's name (services/paper/case_study.py)."""
+class PlanResult(msgspec.Struct, frozen=True,
+                 rename={"prfaas": PRFAAS_PD, "homogeneous": HOMOGENEOUS, "naive": NAIVE}):
+    """Table 6's three operating points. The keys of `prfaas plan --json` are the deployments'
+    names (services/paper/case_study.py), as `point` reads them."""
 
     prfaas: OperatingPoint
     homogeneous: OperatingPoint
-    naive_hetero: OperatingPoint
+    naive: OperatingPoint
 
     def point(self, deployment: str) -> OperatingPoint:
         """The operating point of the deployment named `deployment`."""
-        points = {PRFAAS_PD: self.prfaas, HOMOGENEOUS: self.homogeneous, NAIVE: self.naive_hetero}
+        points = {PRFAAS_PD: self.prfaas, HOMOGENEOUS: self.homogeneous, NAIVE: self.naive}
         if deployment not in points:
             raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")
         return points[deployment]
@@ -311,5 +312,5 @@ def solve_scenario(scenario: Scenario,
     return PlanResult(
         prfaas=plan(model, dist, scenario.n_prfaas, scenario.n_pd),
         homogeneous=plan_homogeneous(model, dist, scenario.n_homogeneous),
-        naive_hetero=plan_naive(model, dist, scenario.n_prfaas, scenario.n_pd),
+        naive=plan_naive(model, dist, scenario.n_prfaas, scenario.n_pd),
     )
