@@ -17,5 +17,5 @@ WorkerRole = Literal["prefill", "decode", "draining"]
 Cluster = Literal["prfaas", "pd"]
 Phase = Literal["queued", "prefill", "transfer", "decode", "finished", "failed"]
 
-# The small model serves 1/32 of the paper's lengths: t = 19,400 paper tokens is 606 served.
+# The small model serves 1/32 of the paper's lengths: a prompt of L paper tokens is L / 32 served.
 DEFAULT_TOKEN_SCALE: Final = 1 / 32
