@@ -39,7 +39,7 @@ StatisticsSource = Callable[[], msgspec.Struct]
 # small CPU model, one gap between streamed tokens) to minutes (a queue of 128K-token prefills
 # on the emulated H20, each seconds long): 0.1 ms to 750 s, eight bounds a decade (1, 1.5, 2,
 # 2.5, 3, 4, 5, 7.5), so neighbouring bounds are at most 1.5x apart and the SLO's 25 ms
-# (40 tokens/s) is a bound. Written as decimal literals so that each prints as it reads
+# (the paper's decode SLO) is a bound. Written as decimal literals so that each prints as it reads
 # (le="0.025"). Token counts (1 to 1M) and KV bytes (1 KiB to 64 GiB: a paper-scale 128K
 # prefix is about 2.3 GiB) go in powers of two.
 SECONDS_BUCKETS: tuple[float, ...] = tuple(

@@ -403,7 +403,7 @@ def action_event(action: Action, *, policy: str, ts: float,
 
 
 def format_tokens(value: float | None) -> str:
-    """A length or threshold for reason lines: 19,400; inf; none."""
+    """A length or threshold for reason lines: 2,048; inf; none."""
     if value is None:
         return "none"
     return f"{value:,.0f}" if math.isfinite(value) else ("inf" if value > 0 else "-inf")

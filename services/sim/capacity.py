@@ -49,7 +49,7 @@ TTFT_QUANTILE = 0.9
 class Slo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What must hold at a rate for it to count: P(quantile) of the queueing delay before
     prefill and of TPOT, and the P90 of TTFT where `ttft_p90_s` is set. Defaults: Vidur's
-    P99 scheduling delay of 5 s; the paper's decode SLO of 40 tokens/s (25 ms a token) with
+    P99 scheduling delay of 5 s; the paper's decode SLO (services/paper/case_study.py) with
     5% slack; no TTFT bound (the paper states none)."""
 
     queue_s: float = 5.0

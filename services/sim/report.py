@@ -273,7 +273,7 @@ def burst_report(out: Path, result: SimResult, conversions: Sequence[tuple[float
     return summary
 
 
-# The SLO a request must meet to count as attained (paper section 4.1: decode at 40 tokens/s;
+# The SLO a request must meet to count as attained (paper section 4.1: its decode SLO;
 # a TTFT bound is ours: the paper gives none).
 SLO_TTFT_S = 10.0
 SLO_TPOT_S = Slo().tpot_s

@@ -16,7 +16,7 @@
 
 Capacity (what the reports state): the saturation, from overloaded runs, and the SLO
 capacity, the largest rate at which the P99 queueing delay before prefill (5 s) and the P99
-TPOT (40 tokens/s) both hold, by bisection below the saturation, per seed; both as a mean
+TPOT (the paper's decode SLO) both hold, by bisection below the saturation, per seed; both as a mean
 and a 95% interval over the seeds (services/sim/capacity.py).
 """
 
