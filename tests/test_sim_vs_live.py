@@ -12,7 +12,10 @@ made 2.5x slower must not (the check can fail).
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -175,3 +178,24 @@ def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_step
     with pytest.raises(ValueError, match="probes completed"):
         in_situ_profile(config, [msgspec.structs.replace(o, ok=False) for o in live],
                         tmp_path / "none.toml")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and two CPUs or more")
+def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
+    from services.cli.validation import pin_cores
+
+    mine = os.sched_getaffinity(0)
+    cpus = sorted(mine)
+    children = {name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+                for name in ("prfaas-prefill-0", "pd-decode-0")}
+    try:
+        pin_cores({name: child.pid for name, child in children.items()}, cpus)
+        assert os.sched_getaffinity(children["prfaas-prefill-0"].pid) == {cpus[0]}
+        assert os.sched_getaffinity(children["pd-decode-0"].pid) == set(cpus[1:])
+        assert os.sched_getaffinity(0) == set(cpus[1:])  # the driver, with the rest
+    finally:
+        os.sched_setaffinity(0, mine)
+        for child in children.values():
+            child.kill()
+            child.wait()

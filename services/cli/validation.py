@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -102,6 +103,7 @@ class ValidationConfig(msgspec.Struct, frozen=True, kw_only=True):
     bandwidth_bps: float = 10e9
     delay_s: float = 0.001
     seed: int = 0
+    pin: bool = True  # pin_cores: the prefill worker on a core of its own
 
 
 class Job(msgspec.Struct, frozen=True):
@@ -203,11 +205,38 @@ def topology_text(config: ValidationConfig) -> str:
 
 @contextmanager
 def live_mesh(config: ValidationConfig, log_dir: Path) -> Iterator[Topology]:
-    """The live mesh's services as `prfaas serve` processes (live mode) until the block ends."""
+    """The live mesh's services as `prfaas serve` processes (live mode) until the block ends,
+    pinned (`pin_cores`) when the config asks and the machine has two cores or more."""
     path = log_dir / "topology.toml"
     path.write_text(topology_text(config))
-    with launch(path, MESH, log_dir=log_dir, ready_timeout=180.0):
-        yield load_topology(path, "")
+    with launch(path, MESH, log_dir=log_dir, ready_timeout=180.0) as children:
+        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        if config.pin and len(mine) >= 2:
+            pin_cores({name: child.pid for name, child in children.items()}, sorted(mine))
+        try:
+            yield load_topology(path, "")
+        finally:
+            if config.pin and len(mine) >= 2:
+                _pin(os.getpid(), mine)
+
+
+def pin_cores(pids: dict[str, int], cpus: Sequence[int]) -> None:
+    """The prefill worker gets the first CPU to itself; every other service, and this driver
+    (the router), share the rest. The simulation gives each instance its own hardware; on a
+    small host the prefill worker's compute otherwise shares its core with the decode
+    worker, the link proxy and the router whenever they are busy, and runs slower the
+    heavier the load. Every thread of a process is pinned; threads started later inherit."""
+    for name, pid in pids.items():
+        _pin(pid, {cpus[0]} if name == "prfaas-prefill-0" else set(cpus[1:]))
+    _pin(os.getpid(), set(cpus[1:]))
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
 
 
 class LiveRouter:
