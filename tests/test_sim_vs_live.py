@@ -38,7 +38,7 @@ from services.cli.validation import (
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
                          prompt_tokens=(128, 256), output_tokens=(8, 20), chunk_tokens=64,
-                         warmup_requests=2)
+                         warmup_requests=2, probe_repeats=1)
 # Looser than the full run's 15%: eight requests, and two cores shared with whatever else runs.
 BOUND = 0.35
 SLOWER = 2.5
@@ -151,29 +151,53 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
-    from services.cli.validation import in_situ_profile, probe_jobs
+    from services.cli.validation import in_situ_profile, probe_jobs, simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
     engine = read_profile_spec(config.profile)
     assert engine.prefill is not None and engine.decode is not None
-    probes = probe_jobs(config)
+    probes = probe_jobs(config, rate=2.0)
     lengths = [round(x) for x in engine.prefill.lengths]
-    assert [j.arrival.length for j in probes] == lengths * 2
+    assert sorted(j.arrival.length for j in probes) == sorted(lengths * 2)
+    # A Poisson load of their own at the rate asked: arrivals spread at about 2 a second, and
+    # no arrival, prompt or block of a load's.
+    times = [j.arrival.at for j in probes]
+    assert times == sorted(times) and len(probes) / times[-1] == pytest.approx(2.0, rel=0.5)
+    assert {j.arrival.at for j in probe_jobs(config)} == {0.0}  # rate 0: one at a time
+    load = jobs(config, 2.0, len(probes), config.seed)
+    assert not {b for j in probes for b in j.arrival.blocks} & {
+        b for j in load for b in j.arrival.blocks}
     cost = CostModel.load(config.profile, config.model)
-    # The worker reports 1.2x and 1.4x the engine's own time; each live step is 2 ms slower.
-    live = [Outcome(0.0, j.arrival.length, j.arrival.output_len, 0.5,
-                    cost.decode_step_time(1, j.arrival.length + j.arrival.output_len // 2)
-                    + 0.002, 1.0, True,
-                    compute_s=cost.prefill_time(j.arrival.length) * (1.2 + 0.2 * (i // 7)))
-            for i, j in enumerate(probes)]
+    # The worker reports 1.2x the engine's own time for a length's first probe and 1.4x for
+    # its second; each live step is 2 ms slower (the decode steps stay the engine's).
+    seen: set[int] = set()
+    live = []
+    for j in probes:
+        factor = 1.4 if j.arrival.length in seen else 1.2
+        seen.add(j.arrival.length)
+        live.append(Outcome(0.0, j.arrival.length, j.arrival.output_len, 0.5,
+                            cost.decode_step_time(1, j.arrival.length) + 0.002, 1.0, True,
+                            compute_s=cost.prefill_time(j.arrival.length) * factor))
     written = read_profile_spec(in_situ_profile(config, live, tmp_path / "situ.toml"))
     assert written.prefill is not None and written.decode is not None
     assert written.prefill.chunk_tokens == engine.prefill.chunk_tokens
     for length, seconds in zip(written.prefill.lengths, written.prefill.seconds, strict=True):
         assert seconds == pytest.approx(1.3 * cost.prefill_time(round(length)), rel=1e-4)
+    # Probes one at a time (no rate): the decode steps stay the engine's.
     assert written.decode.seconds == pytest.approx(engine.decode.seconds, abs=1e-6)
-    assert "+2.00 ms" in written.description
+    assert "one at a time" in written.description
+    # Probes under a load of their own: the steps are scaled by the probes' TPOT p50, live over
+    # simulated with those steps. Live 1.25x the simulation's TPOT gives steps 1.25x the engine's.
+    sim = simulate(msgspec.structs.replace(config, profile=str(tmp_path / "situ.toml")), probes)
+    slow = [msgspec.structs.replace(o, output_tokens=s.output_tokens, tpot_s=1.25 * s.tpot_s)
+            for o, s in zip(live, sim, strict=True)]
+    scaled = read_profile_spec(in_situ_profile(config, slow, tmp_path / "scaled.toml", 2.0))
+    assert scaled.decode is not None and scaled.prefill is not None
+    assert scaled.decode.seconds == pytest.approx(
+        [1.25 * x for x in engine.decode.seconds], rel=2e-3)
+    assert scaled.prefill.seconds == pytest.approx(written.prefill.seconds, rel=1e-6)
+    assert "Poisson at 2.00 req/s" in scaled.description and "x 1.250" in scaled.description
     # Too few completed probes to fit: a clear error, not a profile.
     with pytest.raises(ValueError, match="probes completed"):
         in_situ_profile(config, [msgspec.structs.replace(o, ok=False) for o in live],
