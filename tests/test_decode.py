@@ -22,11 +22,13 @@ from mesh.errors import RemoteError
 from mesh.topology import parse_topology
 from services.cli.launch import in_process
 from services.cli.send import drive_request
+from services.contract import prefix as prefix_module
 from services.contract.errors import KVStalled
 from services.contract.messages import (
     DecodeRequest,
     KVChunk,
     KVOpen,
+    PrefillRequest,
     SetRole,
     StatusQuery,
     TokenChunk,
@@ -37,6 +39,7 @@ from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer
 from services.router.errors import UpstreamFailed
+from services.router.requests import drive
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
 from services.worker.decode import DecodeWorker, KVAssembly
@@ -455,6 +458,45 @@ async def test_a_reader_that_leaves_frees_its_batch_slot(topo: Topo) -> None:
             decode.check_integrity()
     assert [c.index for c in seen] == [0, 1, 2]
     assert decode.statistics().running == 0
+
+
+@pytest.mark.trio
+async def test_a_request_bringing_its_chain_is_hashed_only_past_it(
+    topo: Topo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router sends its lookup's chain with the prompt: the prefill worker hashes none of
+    it again (it checks the last block), the decode worker only the output's blocks, and both
+    keep the chains hashing everything would give."""
+    prompt = tokens(150)
+    chain = prefix_module.block_hashes(prompt, 64)
+    hashed: list[int] = []
+    keyed = prefix_module._keyed
+
+    def counted(data: bytes | memoryview, prev: int, person: bytes) -> int:
+        hashed.append(len(data))
+        return keyed(data, prev, person)
+
+    monkeypatch.setattr(prefix_module, "_keyed", counted)
+    out: list[int] = []
+
+    def take(chunk: TokenChunk) -> str | None:
+        out.extend(chunk.tokens)
+        return chunk.finish_reason
+
+    async with in_process(parse_topology(topo()), ["p", "d"]) as mesh, \
+            mesh.client() as client:
+        with trio.fail_after(60):
+            await drive(client, "p", PrefillRequest(
+                request_id="h", prompt=prompt, decode_worker="d", sampling=SAMPLING_LONG,
+                hashes=chain), "d", DecodeRequest(
+                request_id="h", prompt=prompt, sampling=SAMPLING_LONG, hashes=chain),
+                timeout=60.0, on_chunk=take)
+        kept = {name: mesh.services[name].report().runs[0].hashes  # type: ignore[attr-defined]
+                for name in ("p", "d")}
+    # Two checks of the last given block, one block of output: (150 + 63) // 64 = 3 blocks.
+    assert len(hashed) == 3
+    assert kept["p"] == chain
+    assert kept["d"] == prefix_module.block_hashes((prompt + out)[:HELD], 64)
 
 
 async def drive_prefill_only(client: object, prompt: list[int], sampling: Sampling) -> None:

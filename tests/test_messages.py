@@ -55,11 +55,11 @@ MATCH = PrefixMatch(n_blocks=2, workers=[WorkerMatch("p", "prfaas", "prefill", 2
 EXAMPLES: list[msgspec.Struct] = [
     PrefillRequest(request_id="r", prompt=[1, 2, 3], decode_worker="d", decode_has_tokens=64,
                    sampling=Sampling(max_tokens=5, temperature=0.5, seed=7), connections=2,
-                   overlap=False),
+                   overlap=False, hashes=[5591920404487023243]),
     PrefillDone(request_id="r", worker="p", prompt_tokens=3, reused_tokens=0,
                 computed_tokens=3, sent_from_token=0, kv_bytes=100, pieces=4, lanes=1, chunks=1,
                 first_token=9, queue_s=0.0, compute_s=0.1, transfer_s=0.01, total_s=0.11),
-    DecodeRequest(request_id="r", prompt=[1, 2], kv_timeout=5.0),
+    DecodeRequest(request_id="r", prompt=[1, 2], kv_timeout=5.0, hashes=[0, 2**63 - 1]),
     TokenChunk(request_id="r", tokens=[4], index=3, finish_reason="length",
                reused_tokens=64),
     KVOpen(request_id="r", family="kimi-linear", config_hash="ab", dtype="float32", start=0,

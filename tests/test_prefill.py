@@ -237,6 +237,8 @@ async def test_a_compute_that_fails_sends_no_close() -> None:
     ({"prompt": [1, 600]}, "prompt token ids must be in [0, 512), got 600"),
     ({"prompt": []}, "prompt must hold at least one token, got 0"),
     ({"sampling": Sampling(top_p=0.0)}, "top_p must be in (0, 1], got 0.0"),
+    ({"hashes": [1]}, "hashes: hashes[0] is not the hash of block 0 of the tokens"),
+    ({"hashes": [1, 2]}, "hashes must name at most the 1 full blocks of 100 tokens, got 2"),
 ])
 async def test_bad_requests_name_the_value(change: dict[str, object], message: str) -> None:
     request = msgspec.structs.replace(

@@ -15,6 +15,8 @@ from services.contract.prefix import (
     block_hashes,
     block_hashes_reference,
     chain_from_ids,
+    check_chain_end,
+    extend_hashes,
 )
 from services.data import trace_path
 
@@ -44,6 +46,47 @@ def test_fast_path_equals_reference(tokens: list[int], block_size: int, seed: in
     assert fast == block_hashes_reference(tokens, block_size, seed)
     assert len(fast) == len(tokens) // block_size
     assert all(0 <= value <= MAX_HASH for value in fast)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=tokens_strategy, block_size=st.sampled_from([1, 3, 7, 16]), seed=st.integers(0, 9),
+       data=st.data())
+def test_extending_a_known_chain_equals_hashing_it_whole(tokens: list[int], block_size: int,
+                                                         seed: int, data: st.DataObject) -> None:
+    whole = block_hashes_reference(tokens, block_size, seed)
+    known = data.draw(st.integers(0, len(whole)))
+    assert extend_hashes(tokens, block_size, whole[:known], seed) == whole
+    check_chain_end(tokens, block_size, whole[:known], seed)
+
+
+def test_extending_hashes_only_the_blocks_after_the_known_ones() -> None:
+    tokens = list(range(64))
+    whole = block_hashes(tokens, 16)
+    # A wrong known block stays wrong: the extension chains from what it was given.
+    forged = [whole[0], 123, *block_hashes_reference(tokens[32:], 16, seed=123)]
+    assert extend_hashes(tokens, 16, forged[:2]) == forged
+    assert extend_hashes(tokens, 16, whole[:2]) == whole
+
+
+def test_a_chain_made_another_way_is_refused_at_its_end() -> None:
+    tokens = list(range(1000, 1064))
+    good = block_hashes(tokens, 4)
+    check_chain_end(tokens, 4, good[:3])
+    made_otherwise = [
+        block_hashes(tokens, 8)[:3],  # another block size
+        block_hashes([t + 1 for t in tokens], 4)[:3],  # another token encoding
+        [*good[:2], good[3]],  # shifted by a block
+    ]
+    for hashes in made_otherwise:
+        with pytest.raises(ValueError, match=r"hashes\[2\] is not the hash of block 2"):
+            check_chain_end(tokens, 4, hashes)
+    # Another seed shows at block 0 only: later links chain from the blocks before them.
+    with pytest.raises(ValueError, match=r"hashes\[0\] is not the hash of block 0"):
+        check_chain_end(tokens, 4, block_hashes(tokens, 4, seed=1)[:1])
+    with pytest.raises(ValueError, match="hashes must name at most the 1 full blocks of 20"):
+        check_chain_end(tokens[:20], 16, good[:2])
+    with pytest.raises(ValueError, match="hashes must name at most"):
+        extend_hashes(tokens[:20], 16, good[:2])
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64])

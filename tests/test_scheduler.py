@@ -14,6 +14,7 @@ from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
 
 from services.contract.events import RequestDone
 from services.contract.messages import PrefixPull
+from services.contract.prefix import block_hashes
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 
@@ -59,6 +60,11 @@ async def test_long_prompts_offload_and_short_ones_stay(
         [prefill] = mesh.workers["prfaas-prefill-0"].prefills
         assert prefill.connections == 2 and prefill.decode_worker == "pd-decode-0"
         assert mesh.workers["pd-prefill-0"].prefills[0].connections == 1
+        # The lookup's chain goes with the prompt: the blocks below its last token (298 // 16).
+        chain = block_hashes(list(range(1, 300)), BLOCK)[:18]
+        assert prefill.hashes == chain and len(chain) == 18
+        assert [d.hashes for d in mesh.workers["pd-decode-0"].decodes
+                if len(d.prompt) == 299] == [chain]
 
 
 @pytest.mark.trio

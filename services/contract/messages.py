@@ -70,6 +70,10 @@ class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # before the job fails with KVStalled (0: no bound); the router sets it for KV that
     # crosses a link. The decode side bounds the gaps between pieces (DecodeRequest.kv_stall).
     kv_stall: float = 0.0
+    # The hash chain of the prompt's first blocks as the sender made it (the router sends
+    # its lookup's): the worker hashes only the blocks after them, and checks the last one
+    # (services.contract.prefix.check_chain_end). Empty: the worker hashes the whole prompt.
+    hashes: list[BlockHash] = []
 
 
 class PrefixPull(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +143,9 @@ class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # stream fails with KVStalled; 0: no bound but kv_timeout. The router sets it for KV that
     # crosses a link, so that a stalled transfer is abandoned and re-prefilled in the PD cluster.
     kv_stall: float = 0.0
+    # The prompt's first blocks' hash chain, as in PrefillRequest: the worker hashes only the
+    # rest of the prompt and its output when it keeps the finished cache.
+    hashes: list[BlockHash] = []
 
 
 class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):

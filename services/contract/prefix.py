@@ -45,10 +45,51 @@ def block_hashes(tokens: npt.ArrayLike, block_size: int, seed: int = 0) -> list[
     `seed` namespaces chains (e.g. per model) and must itself be a valid hash id.
     """
     _check_block_size(block_size)
-    prev = check_hash("seed", seed)
-    data = _int32_bytes(tokens)
+    return _token_chain(_int32_bytes(tokens), block_size, check_hash("seed", seed), [])
+
+
+def extend_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int],
+                  seed: int = 0) -> list[int]:
+    """`block_hashes(tokens, block_size, seed)` when `known` is already the chain of the first
+    len(known) blocks of `tokens` (hashed by whoever saw that prefix first: a prompt's chain
+    is the start of the chain of the prompt and its output): only the blocks after them are
+    hashed. `known` is taken as given; `check_chain_end` tests a received one."""
+    _check_known(len(tokens), block_size, known)
+    if not known:
+        return block_hashes(tokens, block_size, seed)
+    check_hash("seed", seed)
+    tail = _int32_bytes(tokens[len(known) * block_size:])
+    return _token_chain(tail, block_size, known[-1], list(known))
+
+
+def check_chain_end(tokens: Sequence[int], block_size: int, hashes: Sequence[int],
+                    seed: int = 0) -> None:
+    """ValueError unless the last of `hashes` is the hash of its block of `tokens` chained
+    from the one before it (from `seed` for a one-block chain): one block hashed, so a chain
+    made another way (another block size or token encoding, or shifted by a block) is
+    refused at once. The blocks before the last are taken on trust from the sender."""
+    _check_known(len(tokens), block_size, hashes)
+    if not hashes:
+        return
+    last = len(hashes) - 1
+    prev = hashes[last - 1] if last else check_hash("seed", seed)
+    block = _int32_bytes(tokens[last * block_size:(last + 1) * block_size])
+    if _keyed(block, prev, _TOKEN_PERSON) != hashes[last]:
+        raise ValueError(f"hashes[{last}] is not the hash of block {last} of the tokens "
+                         f"({block_size}-token blocks, seed {seed}): the chain was made "
+                         "another way")
+
+
+def _check_known(length: int, block_size: int, known: Sequence[int]) -> None:
+    _check_block_size(block_size)
+    if len(known) > length // block_size:
+        raise ValueError(f"hashes must name at most the {length // block_size} full blocks "
+                         f"of {length} tokens, got {len(known)}")
+
+
+def _token_chain(data: memoryview, block_size: int, prev: int, out: list[int]) -> list[int]:
+    """`out` extended by the chain over the full blocks of `data` (int32-LE), from `prev`."""
     stride = block_size * 4
-    out: list[int] = []
     for start in range(0, len(data) // stride * stride, stride):
         prev = _keyed(data[start : start + stride], prev, _TOKEN_PERSON)
         out.append(prev)

@@ -166,6 +166,9 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     lanes: int = 1
     # 0 for the request as placed; n after its n-th migration (`RequestRunner`).
     attempt: int = 0
+    # The hash chain of the prompt's blocks that a cache may supply (the lookup's), sent
+    # with the prompt: the workers hash only what follows (PrefillRequest.hashes).
+    hashes: list[int] = []
 
     @property
     def wire_id(self) -> str:
@@ -662,7 +665,8 @@ class RequestRunner:
         decode = DecodeRequest(request_id=p.wire_id, prompt=prompt, sampling=sampling,
                                kv_timeout=cfg.kv_timeout_s,
                                incremental=request.stream or bool(request.stop),
-                               kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0)
+                               kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0,
+                               hashes=p.hashes)
         handle.awaiting_kv = True
         with anyio.CancelScope() as handle.attempt_scope:
             try:
@@ -723,7 +727,8 @@ class RequestRunner:
         return PrefillRequest(
             request_id=p.wire_id, prompt=prompt, decode_worker=p.decode_worker,
             decode_has_tokens=p.decode_has_tokens, sampling=sampling, connections=p.lanes,
-            pull=p.pull, kv_stall=self.config.kv_stall_s if p.cluster == "prfaas" else 0.0)
+            pull=p.pull, kv_stall=self.config.kv_stall_s if p.cluster == "prfaas" else 0.0,
+            hashes=p.hashes)
 
     def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
               kept: list[int], broken_at: list[float]) -> str | None:

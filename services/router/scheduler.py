@@ -276,7 +276,8 @@ class Scheduler:
         migration names the workers to avoid and may name the kind of cluster."""
         attempt = migration.attempt if migration else 0
         avoid = migration.avoid if migration else frozenset()
-        match = await self._lookup(self._reusable_hashes(prompt))
+        hashes = self._reusable_hashes(prompt)
+        match = await self._lookup(hashes)
         decode = self._choose_decode(match, avoid)
         inputs = self.policy.narrow(self._inputs(attempt_id(request_id, attempt), len(prompt),
                                                  match, self.workers.cluster_of(decode)))
@@ -291,7 +292,7 @@ class Scheduler:
             cached_tokens=decision.resume_prefix, decision=decision,
             decode_has_tokens=self.workers.held_blocks(decode, match) * self.config.block_size,
             pull=self._pull(decision, prefill, match), attempt=attempt,
-            lanes=self._lanes(decision.cluster, prefill)), inputs
+            lanes=self._lanes(decision.cluster, prefill), hashes=hashes), inputs
 
     def _lanes(self, kind: Cluster, prefill: str) -> int:
         """Connections for the prefill's KV stream: one within a cluster."""

@@ -86,7 +86,14 @@ from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
 from services.service import BYTES_BUCKETS, SECONDS_BUCKETS
-from services.worker.engine import Engine, Pacing, as_engine, out_of_range, sampling_params
+from services.worker.engine import (
+    Engine,
+    Pacing,
+    as_engine,
+    check_hashes,
+    out_of_range,
+    sampling_params,
+)
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -187,7 +194,7 @@ class DecodeWorker:
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """The request's tokens, chunk by chunk, once its KV is in (steps 1-4 above)."""
-        params = _check_decode(request, self.model.cfg.vocab_size)
+        params = _check_decode(request, self.model.cfg.vocab_size, self.model.cfg.block_size)
         assembly = self.inbox.claim(request.request_id)
         self._counts.requests += 1
         self._enter()
@@ -202,7 +209,7 @@ class DecodeWorker:
                              finish_reason=reason, reused_tokens=assembly.opening.start,
                              logprobs=None if logprob is None else [logprob])
             if reason is not None:
-                self._keep(request.prompt, cache)
+                self._keep(request, request.prompt, cache)
                 self._finish(request.request_id, reason)
                 return
             async for chunk in self._tokens(request, cache, first, params):
@@ -290,7 +297,7 @@ class DecodeWorker:
         if start == 0:
             return None
         block = self.model.cfg.block_size
-        hashes = prompt_hashes(request.prompt[:start], block)
+        hashes = prompt_hashes(request.prompt[:start], block, request.hashes[: start // block])
         try:
             return self.store.kv_base(hashes, start // block)
         except PrefixStoreError as exc:
@@ -365,7 +372,7 @@ class DecodeWorker:
         for rid, cache in result.finished.items():
             member = self._members.pop(rid)
             member.end()
-            self._keep(member.request.prompt + member.output, cache)
+            self._keep(member.request, member.request.prompt + member.output, cache)
             self._finish(rid, result_reason(result, rid))
         if pacing is not None:
             modeled = pacing.decode_step_time(batch, context)
@@ -377,9 +384,12 @@ class DecodeWorker:
             member.fail(error)
         self._members.clear()
 
-    def _keep(self, tokens: list[int], cache: RequestCache) -> None:
-        """Store the finished cache; it covers the first cache.length tokens."""
-        hashes = prompt_hashes(tokens[: cache.length], self.model.cfg.block_size)
+    def _keep(self, request: DecodeRequest, tokens: list[int], cache: RequestCache) -> None:
+        """Store the finished cache; it covers the first cache.length tokens (`request`'s
+        prompt and output), whose first blocks' chain the request brought."""
+        block = self.model.cfg.block_size
+        hashes = prompt_hashes(tokens[: cache.length], block,
+                               request.hashes[: cache.length // block])
         change = self.store.store(hashes, cache)
         if self._report is not None:
             self._report(change)
@@ -434,12 +444,13 @@ async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
                 f"{request.kv_stall:g} s ({len(assembly.pieces)} pieces arrived)")
 
 
-def _check_decode(request: DecodeRequest, vocab: int) -> SamplingParams:
+def _check_decode(request: DecodeRequest, vocab: int, block: int) -> SamplingParams:
     if not request.prompt:
         raise RequestError("prompt must hold at least one token, got 0")
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    check_hashes(request.prompt, block, request.hashes)
     if not request.kv_timeout > 0:
         raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
     if request.kv_stall < 0:

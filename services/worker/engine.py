@@ -68,8 +68,9 @@ import torch
 from mesh.allocator import release_free_memory
 from mesh.mailbox import Mailbox
 from mesh.native import soon_from_thread
-from services.contract.errors import DataPathError, KVTransferError
+from services.contract.errors import DataPathError, KVTransferError, RequestError
 from services.contract.messages import KVChunk, KVClose, KVOpen, PrefillRequest
+from services.contract.prefix import check_chain_end
 from services.contract.sampling import Sampling, TokenLogprob
 from services.model.batch import DecodeBatch, StepResult
 from services.model.cache import RequestCache, dtype_name, torch_dtype
@@ -555,6 +556,16 @@ def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     for exc in group.exceptions:
         out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
+
+
+def check_hashes(prompt: Sequence[int], block_size: int, hashes: Sequence[int]) -> None:
+    """RequestError unless `hashes` (a request's chain of its prompt's first blocks) names at
+    most the prompt's full blocks and its last hash is that of its block: a sender that hashes
+    another way would fill the prefix store with chains no lookup matches."""
+    try:
+        check_chain_end(prompt, block_size, hashes)
+    except ValueError as exc:
+        raise RequestError(f"hashes: {exc}") from exc
 
 
 def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:

@@ -57,6 +57,7 @@ from services.worker.engine import (
     PrefillJob,
     ThreadRunner,
     as_engine,
+    check_hashes,
     chunk_bounds,
     out_of_range,
     sampling_params,
@@ -261,7 +262,7 @@ class PrefillWorker:
     def _plan(self, request: PrefillRequest) -> PrefillJob:
         cfg, length = self.model.cfg, len(request.prompt)
         _check_request(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
-        hashes = prompt_hashes(request.prompt, cfg.block_size)
+        hashes = prompt_hashes(request.prompt, cfg.block_size, request.hashes)
         # At least one token must be computed: its logits give the first output token.
         cache = self.store.resume(hashes, reusable_blocks(length, cfg.block_size))
         if cache is None:
@@ -407,6 +408,7 @@ def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: i
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    check_hashes(request.prompt, block, request.hashes)
     has = request.decode_has_tokens
     if has % block or not 0 <= has < length:
         raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "

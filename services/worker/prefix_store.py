@@ -28,7 +28,7 @@ import msgspec
 from mesh.errors import MeshError
 from mesh.node import Node
 from services.contract.messages import BlockRun, BlocksEvicted, BlocksStored, WorkerReport
-from services.contract.prefix import block_hashes
+from services.contract.prefix import extend_hashes
 from services.contract.types import Role
 from services.model.cache import RequestCache, StateSnapshot
 
@@ -42,11 +42,14 @@ class PrefixStoreError(ValueError):
     """A store operation got a chain or cache that does not fit; names the value."""
 
 
-def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The hash chain of `tokens`' full blocks, as every service computes it (seed 0)."""
+def prompt_hashes(tokens: Sequence[int], block_size: int,
+                  known: Sequence[int] = ()) -> list[int]:
+    """The hash chain of `tokens`' full blocks, as every service computes it (seed 0);
+    `known`, the chain of its first blocks as a request brought it, is not hashed again."""
     if not tokens:
         return []
-    return block_hashes(list(tokens), block_size)
+    return extend_hashes(tokens if isinstance(tokens, list) else list(tokens), block_size,
+                         known)
 
 
 class PrefixStoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
