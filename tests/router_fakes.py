@@ -278,8 +278,10 @@ class FakeMesh:
 async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | None = None, *,
                     timing: Timing | None = None, config: SchedulerConfig | None = None,
                     bandwidth_bps: float = 1e9, tokenizer: Any = None,
-                    hub: MemoryHub | None = None) -> AsyncIterator[FakeMesh]:
-    """Starts everything on the current event loop; stops it on exit."""
+                    hub: MemoryHub | None = None,
+                    directory_in_process: bool = False) -> AsyncIterator[FakeMesh]:
+    """Starts everything on the current event loop; stops it on exit. The router asks the
+    cache directory in process (`Scheduler(directory=)`) when `directory_in_process`."""
     topology = parse_topology(TOPOLOGY)
     shaper = LinkShaper(LinkParams(bandwidth_bps=bandwidth_bps, delay_s=0.005),
                         anyio.current_time, random.Random(1))
@@ -302,7 +304,8 @@ async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | 
         mesh.scheduler = Scheduler(
             router, create_policy(policy, policy_options), WorkerTable.from_topology(topology),
             tokenizer or ByteTokenizer(),
-            config or SchedulerConfig(block_size=BLOCK, connections=2))
+            config or SchedulerConfig(block_size=BLOCK, connections=2),
+            directory=mesh.cachedir.lookup if directory_in_process else None)
         mesh.control = RouterControl(mesh.scheduler, ControlConfig(tick_s=1.0),
                                      link_probe=mesh.link_probe)
         mesh.subscription = stack.enter_context(mesh.scheduler.events.subscribe(10**6))

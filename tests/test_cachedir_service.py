@@ -80,6 +80,8 @@ async def test_reports_answer_queries_and_plans() -> None:
             match = (await client.call("cachedir", PrefixQuery(hashes), PrefixReply)).match
             plan = (await client.call("cachedir", PlanQuery(hashes=hashes, target_worker="d"),
                                       PlanReply)).plan
+            # In process (the simulation's router asks it so), the same answer.
+            assert directory.lookup(PrefixQuery(hashes)).match == match
         directory.check_integrity()
     held = {(w.worker, w.blocks_held, w.blocks_resumable) for w in match.workers}
     assert held == {("p", 3, 3), ("d", 3, 0)}

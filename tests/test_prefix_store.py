@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
+from trio.testing import wait_all_tasks_blocked
 
-from services.contract.messages import BlockRun, BlocksEvicted
+from services.cachedir.service import ChainError
+from services.contract.messages import (
+    BlockRun,
+    BlocksEvicted,
+    BlocksStored,
+    CacheReport,
+    WorkerReport,
+)
 from services.contract.prefix import block_hashes_reference
 from services.model.cache import RequestCache
 from services.model.config import family_config
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM, build_model
 from services.worker.prefix_store import (
+    CacheReporter,
     LocalMatch,
     PrefixStore,
     PrefixStoreConfig,
     PrefixStoreError,
+    StoreChange,
     prompt_hashes,
 )
 
@@ -216,3 +227,38 @@ def test_the_prefix_index_finds_what_a_scan_of_every_entry_finds(model: HybridLM
     # The two-block prefix of `shared` folded the one-block one; it is what `shared` extends.
     assert [e.hashes for e in store.prefixes_of(prompt_hashes(shared, BLOCK))] == [
         tuple(prompt_hashes(shared[: 2 * BLOCK], BLOCK))]
+
+
+def change_of(worker: str, first: int, evicted: list[int] | None = None) -> StoreChange:
+    stored = BlocksStored(worker, [BlockRun([first, first + 1], [1])])
+    return StoreChange(stored, [BlocksEvicted(worker, evicted)] if evicted else [])
+
+
+@pytest.mark.trio
+async def test_a_reporter_handing_over_in_process_keeps_the_cast_order(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`hand_over` (the simulation's directory in this event loop): the full report first,
+    then every change in order; after it, each change at once as it is submitted (no cast,
+    no wait for the reporter's task); a report the directory refuses is logged, not raised."""
+    got: list[CacheReport] = []
+
+    def take(report: CacheReport) -> None:
+        if isinstance(report, BlocksStored) and report.runs[0].hashes[0] == 66:
+            raise ChainError("block 66 reported at depth 0, known at depth 3")
+        got.append(report)
+
+    full = WorkerReport("w", "pd", "prefill", [])
+    reporter = CacheReporter(None, "cachedir", lambda: full, hand_over=take)  # type: ignore[arg-type]
+    reporter.submit(change_of("w", 10))  # before the full report: it covers this one
+    async with anyio.create_task_group() as group:
+        group.start_soon(reporter.run)
+        await wait_all_tasks_blocked()
+        assert got == [full]
+        change = change_of("w", 20, evicted=[10, 11])
+        reporter.submit(change)
+        assert got[1:] == [change.stored, *change.evicted]
+        reporter.submit(change_of("w", 66))
+        reporter.submit(change_of("w", 30))
+        assert got[3:] == [change_of("w", 30).stored]
+        group.cancel_scope.cancel()
+    assert "cache report BlocksStored refused by cachedir: ChainError: block 66" in caplog.text

@@ -68,10 +68,14 @@ async def test_long_prompts_offload_and_short_ones_stay(
 
 
 @pytest.mark.trio
+@pytest.mark.parametrize("in_process", [False, True])
 async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
-        autojump_clock: trio.testing.MockClock) -> None:
+        autojump_clock: trio.testing.MockClock, in_process: bool) -> None:
+    """Also with the cache directory asked in process (the simulation's path): the same
+    decisions, and no lookup call over the mesh (only the two prefill calls)."""
     # Scarce bandwidth: each cluster's cache counts alone (no cross-cluster cache transfer).
-    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"}) as mesh:
+    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"},
+                         directory_in_process=in_process) as mesh:
         first = list(range(1, 201))
         handle = await mesh.scheduler.submit(generation(first, max_tokens=8))
         answer, _ = await handle.collect()
@@ -89,6 +93,7 @@ async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
         assert handle2.placement.decode_has_tokens == 208
         decode = mesh.workers["pd-decode-0"]
         assert decode.kv_bytes[handle2.placement.request_id] == len(second) - 208
+        assert mesh.scheduler.node.statistics().calls_out == (2 if in_process else 4)
 
 
 @pytest.mark.trio

@@ -55,6 +55,7 @@ from services.contract.messages import (
     BlockRun,
     BlocksEvicted,
     BlocksStored,
+    CacheReport,
     ClusterMatch,
     PlanQuery,
     PlanReply,
@@ -93,24 +94,39 @@ class CacheDirService:
 
         @node.handles(BlocksStored)
         async def on_stored(msg: BlocksStored, ctx: Context) -> None:
-            self._apply(lambda: directory.apply_stored(msg))
+            self.take(msg)
 
         @node.handles(BlocksEvicted)
         async def on_evicted(msg: BlocksEvicted, ctx: Context) -> None:
-            self._apply(lambda: directory.apply_evicted(msg))
+            self.take(msg)
 
         @node.handles(WorkerReport)
         async def on_report(msg: WorkerReport, ctx: Context) -> None:
-            self._apply(lambda: directory.replace_worker(msg))
+            self.take(msg)
 
         @node.handles(PrefixQuery)
         async def on_prefix(msg: PrefixQuery, ctx: Context) -> PrefixReply:
-            return PrefixReply(directory.longest_prefix(msg.hashes, msg.role))
+            return self.lookup(msg)
 
         @node.handles(PlanQuery)
         async def on_plan(msg: PlanQuery, ctx: Context) -> PlanReply:
             return PlanReply(directory.transfer_plan(msg.hashes, msg.target_worker,
                                                      msg.source_worker))
+
+    def take(self, report: CacheReport) -> None:
+        """Applies one worker's cache report, as its cast's handler does (the simulation,
+        whose workers run in this event loop, hands them over in process)."""
+        directory = self.directory
+        if isinstance(report, BlocksStored):
+            self._apply(lambda: directory.apply_stored(report))
+        elif isinstance(report, BlocksEvicted):
+            self._apply(lambda: directory.apply_evicted(report))
+        else:
+            self._apply(lambda: directory.replace_worker(report))
+
+    def lookup(self, query: PrefixQuery) -> PrefixReply:
+        """The answer to a `PrefixQuery` (the router's lookup, over the mesh or in process)."""
+        return PrefixReply(self.directory.longest_prefix(query.hashes, query.role))
 
     def _apply(self, change: Callable[[], object]) -> None:
         """Runs one change of the directory, then publishes what it did (even on error)."""

@@ -281,6 +281,10 @@ class WorkerReport(msgspec.Struct, frozen=True, tag=True):
     runs: list[BlockRun]
 
 
+# What a worker tells the cache directory of its cache (cast to it, or handed over in process).
+CacheReport = BlocksStored | BlocksEvicted | WorkerReport
+
+
 class PrefixQuery(msgspec.Struct, frozen=True, tag=True):
     hashes: list[BlockHash]
     role: Role | None = None

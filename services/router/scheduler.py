@@ -169,8 +169,10 @@ class Scheduler:
         *,
         bus: EventBus[Event] | None = None,
         clock: Callable[[], float] = anyio.current_time,
+        directory: DirectoryReader | None = None,
     ) -> None:
         self.node = node
+        self._directory = directory
         self.policy = policy
         self.workers = workers
         self.config = config or SchedulerConfig()
@@ -373,8 +375,7 @@ class Scheduler:
         if not hashes:
             return None
         try:
-            reply = await self.node.call(self.config.cachedir, PrefixQuery(hashes), PrefixReply,
-                                         timeout=self.config.lookup_timeout_s)
+            reply = await self._ask_directory(PrefixQuery(hashes))
         except MeshError as exc:
             self._counts.lookup_failures += 1
             # Logged once per outage: every request fails the same way while it lasts.
@@ -384,6 +385,14 @@ class Scheduler:
             return None
         self._directory_answers = True
         return reply.match
+
+    async def _ask_directory(self, query: PrefixQuery) -> PrefixReply:
+        if self._directory is None:
+            return await self.node.call(self.config.cachedir, query, PrefixReply,
+                                        timeout=self.config.lookup_timeout_s)
+        # In process (`DirectoryReader`): a checkpoint where the call would wait for its reply.
+        await anyio.lowlevel.checkpoint()
+        return self._directory(query)
 
     def _inputs(self, request_id: str, total: int, match: PrefixMatch | None,
                 pd: str) -> RouteInputs:
@@ -641,6 +650,10 @@ class SchedulerCollector(Collector):
 # the status handler answers) at the same instant, without two messages and a task per
 # worker each tick. Raises MeshError where the worker could not have answered.
 StatusReader = Callable[[str], WorkerState]
+# The cache directory asked in this process, not called over the mesh: the simulation, whose
+# directory runs in the router's event loop, answers each lookup from it (its
+# `CacheDirService.lookup`) without a call, a reply and a handler per request.
+DirectoryReader = Callable[[PrefixQuery], PrefixReply]
 class ModelMismatch(ConfigError):
     """A worker runs a model whose KV block size differs from the router's `block_size`."""
 

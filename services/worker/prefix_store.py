@@ -27,7 +27,14 @@ import msgspec
 
 from mesh.errors import MeshError
 from mesh.node import Node
-from services.contract.messages import BlockRun, BlocksEvicted, BlocksStored, WorkerReport
+from services.contract.errors import PrefixCacheError
+from services.contract.messages import (
+    BlockRun,
+    BlocksEvicted,
+    BlocksStored,
+    CacheReport,
+    WorkerReport,
+)
 from services.contract.prefix import extend_hashes
 from services.contract.types import Role
 from services.model.cache import RequestCache, StateSnapshot
@@ -35,7 +42,6 @@ from services.model.cache import RequestCache, StateSnapshot
 log = logging.getLogger(__name__)
 
 MIB = 2**20
-CacheMessage = msgspec.Struct
 
 
 class PrefixStoreError(ValueError):
@@ -72,6 +78,10 @@ class StoreChange(msgspec.Struct, frozen=True):
 
     stored: BlocksStored | None
     evicted: list[BlocksEvicted]
+
+    def reports(self) -> list[CacheReport]:
+        """The messages in the order the directory must apply them."""
+        return [self.stored, *self.evicted] if self.stored is not None else [*self.evicted]
 
 
 class PrefixStoreStatistics(msgspec.Struct, frozen=True):
@@ -318,24 +328,35 @@ class PrefixStore:
 
 
 class CacheReporter:
-    """Casts cache changes to the directory in order; after a lost cast, a full report first."""
+    """Casts cache changes to the directory in order; after a lost cast, a full report first.
+
+    With `hand_over` (the simulation, whose cache directory runs in this event loop: its
+    `CacheDirService.take`), each change is handed to the directory in process as it is
+    submitted, in order, without a cast; a report the directory refuses is logged, as its
+    cast's handler would log it."""
 
     def __init__(
-        self, node: Node, cachedir: str | None, full: Callable[[], WorkerReport]
+        self, node: Node, cachedir: str | None, full: Callable[[], WorkerReport], *,
+        hand_over: Callable[[CacheReport], None] | None = None,
     ) -> None:
         self._node = node
         self._cachedir = cachedir
         self._full = full
-        self._queue: deque[CacheMessage] = deque()
+        self._hand_over = hand_over
+        self._queue: deque[CacheReport] = deque()
         self._wakeup = anyio.Event()
         self._stale = True  # the directory may not know us yet: start with a full report
 
     def submit(self, change: StoreChange) -> None:
-        if self._cachedir is not None:
-            if change.stored is not None:
-                self._queue.append(change.stored)
-            self._queue.extend(change.evicted)
-            self._wakeup.set()
+        if self._cachedir is None:
+            return
+        if self._hand_over is not None and not self._stale:
+            # Nothing is queued once the full report is out: this is the next in order.
+            for report in change.reports():
+                self._give(report)
+            return
+        self._queue.extend(change.reports())
+        self._wakeup.set()
 
     def resync(self) -> None:
         """Send the whole cache next (the role changed, or the directory asked)."""
@@ -354,12 +375,27 @@ class CacheReporter:
         try:
             if self._stale:
                 self._queue.clear()  # the full report covers them
-                await self._node.cast(self._cachedir, self._full(), timeout=5.0)
+                await self._send(self._full())
                 self._stale = False
             while self._queue:
-                await self._node.cast(self._cachedir, self._queue[0], timeout=5.0)
+                await self._send(self._queue[0])
                 self._queue.popleft()
         except MeshError as exc:
             self._stale = True
             log.warning("cache report to %s lost (%s); a full report follows", self._cachedir,
                         exc)
+
+    async def _send(self, report: CacheReport) -> None:
+        assert self._cachedir is not None
+        if self._hand_over is None:
+            await self._node.cast(self._cachedir, report, timeout=5.0)
+        else:
+            self._give(report)
+
+    def _give(self, report: CacheReport) -> None:
+        assert self._hand_over is not None
+        try:
+            self._hand_over(report)
+        except PrefixCacheError as exc:
+            log.warning("cache report %s refused by %s: %s: %s", type(report).__name__,
+                        self._cachedir, type(exc).__name__, exc)

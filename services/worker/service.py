@@ -30,6 +30,7 @@ from mesh.transport import Address
 from services.contract.errors import WrongRole
 from services.contract.events import Event, RoleChanged, WorkerStatus
 from services.contract.messages import (
+    CacheReport,
     DecodeRequest,
     KVAccepted,
     KVOpen,
@@ -165,7 +166,11 @@ class WorkerService:
     """The role gate and the glue around the prefill and decode engines of one process."""
 
     def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo,
-                 runner: ComputeRunner | None = None) -> None:
+                 runner: ComputeRunner | None = None, *,
+                 cache_reports: Callable[[CacheReport], None] | None = None) -> None:
+        """`cache_reports`: the cache directory's own intake when it runs in this event loop
+        (the simulation's `CacheDirService.take`): the worker's cache reports are handed to
+        it rather than cast (`CacheReporter`)."""
         self.ctx = ctx
         self.name = ctx.name
         self.cluster = ctx.spec.cluster
@@ -183,7 +188,8 @@ class WorkerService:
         self.store = PrefixStore(self.name, engine.cfg.block_size, PrefixStoreConfig(
             budget_bytes=budget))
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
-        self.reporter = CacheReporter(self.node, cachedir, self.report)
+        self.reporter = CacheReporter(self.node, cachedir, self.report,
+                                      hand_over=cache_reports)
         pacing = self._pacing()
         # One owner for both receiving sides: the decode worker's and a pulled prefix's.
         self.kv_metrics = KVTransferMetrics(self.name, link_of_peer(ctx.topology, self.cluster))
