@@ -306,27 +306,51 @@ async def test_exactness_checks_fail_when_the_imported_kv_is_perturbed(
         check_second_turn(family, second, imports)
 
 
+def counts_of(service: WorkerService) -> tuple[int, int]:
+    """(queue_depth, running) as the worker's statistics count them."""
+    prefill, decode = service.prefill.statistics(), service.decode.statistics()
+    return prefill.queue_depth + decode.waiting, prefill.running + decode.running
+
+
 @pytest.mark.trio
 async def test_concurrent_requests_share_the_batch(topo: Topo) -> None:
+    """Also: a worker's status (`state`, read at every poll) counts what its statistics do."""
     prompts = [tokens(70 + 40 * i, i) for i in range(3)]
     results: dict[int, list[int]] = {}
+    seen: set[tuple[int, int]] = set()
     async with in_process(parse_topology(topo()), ["p", "q", "d"]) as mesh:
-        async with mesh.client() as client, anyio.create_task_group() as tg:
 
-            async def one(i: int) -> None:
-                result = await drive_request(client, prompts[i], prefill_worker="pq"[i % 2],
-                                             decode_worker="d", request_id=f"c{i}",
-                                             sampling=SAMPLING)
-                results[i] = result.tokens
+        async def watch() -> None:
+            while True:
+                for name in "pqd":
+                    service = mesh.services[name]
+                    assert isinstance(service, WorkerService)
+                    state = service.state()
+                    assert (state.queue_depth, state.running) == counts_of(service)
+                    seen.add(counts_of(service))
+                await trio.sleep(0.001)
 
-            with trio.fail_after(60):
-                for i in range(3):
-                    tg.start_soon(one, i)
+        async with mesh.client() as client, anyio.create_task_group() as watching:
+            watching.start_soon(watch)
+            async with anyio.create_task_group() as tg:
+
+                async def one(i: int) -> None:
+                    result = await drive_request(client, prompts[i],
+                                                 prefill_worker="pq"[i % 2],
+                                                 decode_worker="d", request_id=f"c{i}",
+                                                 sampling=SAMPLING)
+                    results[i] = result.tokens
+
+                with trio.fail_after(60):
+                    for i in range(3):
+                        tg.start_soon(one, i)
+            watching.cancel_scope.cancel()
         stats = decoder(mesh).statistics()
     for i, prompt in enumerate(prompts):
         assert results[i] == reference("kimi-linear", prompt)
     assert stats.finished == 3
     assert stats.steps < 3 * (MAX - 1)  # some steps decoded more than one request
+    assert any(running for _, running in seen) and any(queued for queued, _ in seen)
 
 
 @pytest.mark.trio

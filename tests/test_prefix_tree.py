@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.cachedir.service import ChainError, IntegrityError, PrefixTree
 from services.contract.messages import BlockRun
@@ -74,3 +78,70 @@ def test_integrity_check_names_node_problems() -> None:
     with pytest.raises(IntegrityError, match="holders 100") as caught:
         tree.check_integrity()
     assert f"block {chain[2]} is not a child of {chain[1]} at depth 2" in str(caught.value)
+
+
+def tree_state(tree: PrefixTree) -> tuple[object, ...]:
+    """Everything a tree holds, to compare two trees."""
+    nodes = {b: (n.parent, n.depth, sorted(n.children), n.holders) for b, n in tree.nodes.items()}
+    holders = {h: (dict(s.blocks), dict(s.resume), s.snapshots)
+               for h, s in tree._holders.items()}
+    return nodes, dict(tree.complete), tree.held, holders
+
+
+CHAINS = [chain_from_ids(ids) for ids in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 10, 11, 12],
+                                          [0, 20, 21], [30, 31, 32, 33])]
+
+
+class Add(NamedTuple):
+    holder: int
+    chain: int
+    first: int
+    size: int
+    snapshots: frozenset[int]
+
+    def run(self) -> BlockRun:
+        chain = CHAINS[self.chain]
+        first = min(self.first, len(chain) - 1)
+        hashes = chain[first:first + self.size]
+        return BlockRun(hashes, sorted(i for i in self.snapshots
+                                       if first <= i < first + len(hashes)),
+                        first, chain[first - 1] if first else None)
+
+
+class Drop(NamedTuple):
+    holder: int
+    chain: int
+    index: int
+    snapshot_only: bool
+
+    def block(self) -> int:
+        chain = CHAINS[self.chain]
+        return chain[min(self.index, len(chain) - 1)]
+
+
+HOLDERS, CHOSEN = st.integers(0, 1), st.integers(0, len(CHAINS) - 1)
+ADDS = st.builds(Add, HOLDERS, CHOSEN, st.integers(0, 7), st.integers(1, 8),
+                 st.frozensets(st.integers(0, 7)))
+DROPS = st.builds(Drop, HOLDERS, CHOSEN, st.integers(0, 7), st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.one_of(ADDS, DROPS), max_size=25))
+def test_add_run_equals_its_reference_through_gaps_refills_and_drops(
+        steps: list[Add | Drop]) -> None:
+    """Runs anywhere in branching chains (gaps, refills, re-reports with new snapshots),
+    between drops: the fast `add_run` leaves the tree `add_run_reference` leaves, and says
+    the same (blocks, snapshots)."""
+    fast, slow = PrefixTree(), PrefixTree()
+    for tree in (fast, slow):
+        tree.add_holder(), tree.add_holder()
+    for step in steps:
+        if isinstance(step, Add):
+            run = step.run()
+            fast.check_run(run, {})
+            assert fast.add_run(step.holder, run) == slow.add_run_reference(step.holder, run)
+        else:
+            assert fast.drop(step.holder, step.block(), step.snapshot_only) == slow.drop(
+                step.holder, step.block(), step.snapshot_only)
+        assert tree_state(fast) == tree_state(slow)
+        fast.check_integrity()

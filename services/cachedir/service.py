@@ -67,7 +67,7 @@ from services.contract.messages import (
     WorkerMatch,
     WorkerReport,
 )
-from services.contract.prefix import check_hash
+from services.contract.prefix import MAX_HASH, check_hash
 from services.contract.types import Role
 from services.service import WORKER_KINDS, ServiceContext, serve_events, serve_metrics
 
@@ -624,13 +624,52 @@ class PrefixTree:
         if run.parent is not None:
             self._expect(run.parent, None, run.first - 1, pending)
             pending.setdefault(run.parent, (UNKNOWN, run.first - 1))
+        nodes = self.nodes
         for depth, block in enumerate(run.hashes, start=run.first):
-            self._expect(block, above, depth, pending)
+            if block in pending or block in nodes:  # else nothing is known to contradict
+                self._expect(block, above, depth, pending)
             pending[block] = (above, depth)
             above = block
 
     def add_run(self, holder: int, run: BlockRun) -> tuple[int, int]:
-        """Apply a checked run; returns (blocks, snapshots) newly held."""
+        """Apply a checked run; returns (blocks, snapshots) newly held. `add_run_reference`
+        block by block through the general helpers; here a block the holder did not hold and
+        that has no children (a chain growing at its end: nearly every report) gets its chain
+        state in place, which is all `_refresh` would change; any other block goes through
+        `_refresh`."""
+        if not run.hashes:
+            return 0, 0
+        nodes, state, bit = self.nodes, self._holders[holder], 1 << holder
+        blocks, resume, complete = state.blocks, state.resume, self.complete
+        snaps = set(run.snapshot_at)
+        above = ROOT if run.parent is None else run.parent
+        if run.parent is not None and run.parent not in nodes:
+            nodes[run.parent] = _Node(UNKNOWN, run.first - 1)
+        new_blocks = new_snaps = 0
+        for depth, block in enumerate(run.hashes, start=run.first):
+            node = self._linked(block, above, depth)
+            had = blocks.get(block)
+            snap = depth in snaps
+            blocks[block] = bool(had) or snap
+            self.held += not node.holders
+            node.holders |= bit
+            above = block
+            if had is not None or node.children:
+                self._refresh(holder, block)
+                new_blocks += had is None
+                new_snaps += snap and not had
+                continue
+            new_blocks += 1
+            new_snaps += snap
+            base = 0 if node.parent == ROOT else resume.get(node.parent)
+            if base is not None:
+                resume[block] = node.depth + 1 if snap else base
+                complete[block] = complete.get(block, 0) | bit
+        state.snapshots += new_snaps
+        return new_blocks, new_snaps
+
+    def add_run_reference(self, holder: int, run: BlockRun) -> tuple[int, int]:
+        """Slow, obvious `add_run`: each block linked, held and refreshed by the helpers."""
         state, snaps = self._holders[holder], set(run.snapshot_at)
         above = ROOT if run.parent is None else run.parent
         if not run.hashes:
@@ -792,6 +831,18 @@ class PrefixTree:
         if parent != ROOT:
             self.nodes[parent].children.add(block)
 
+    def _linked(self, block: int, parent: int, depth: int) -> _Node:
+        """`_link`, returning the block's node."""
+        nodes = self.nodes
+        node = nodes.get(block)
+        if node is None:
+            node = nodes[block] = _Node(parent, depth)
+        elif node.parent == UNKNOWN:
+            node.parent = parent
+        if parent != ROOT:
+            nodes[parent].children.add(block)
+        return node
+
     def _refresh(self, holder: int, block: int) -> None:
         """Recompute `holder`'s chain state at `block` and below it, wherever it changed."""
         state, stack = self._holders[holder], [block]
@@ -839,8 +890,10 @@ def _check_run_shape(run: BlockRun) -> None:
     first, parent, end = run.first, run.parent, run.first + len(run.hashes)
     if first < 0 or (parent is None) != (first == 0):
         raise ChainError(f"a run needs parent None iff first == 0: first {first}, parent {parent}")
-    for index, block in enumerate(run.hashes):
-        check_hash(f"hashes[{index}]", block)
+    if run.hashes and not (min(run.hashes) >= 0 and max(run.hashes) <= MAX_HASH):
+        # Found in C first: a report names tens of blocks, and this runs for every one.
+        for index, block in enumerate(run.hashes):
+            check_hash(f"hashes[{index}]", block)
     if parent is not None:
         check_hash("parent", parent)
     bad = [i for i in run.snapshot_at if not first <= i < end]

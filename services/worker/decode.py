@@ -192,6 +192,16 @@ class DecodeWorker:
         """Requests waiting for KV, importing, joining or in the batch."""
         return self._waiting + len(self._members) + len(self._joining)
 
+    @property
+    def running(self) -> int:
+        """Requests in the batch (what `statistics` reports, without building it)."""
+        return len(self._members)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their KV, importing it, or waiting to join the batch."""
+        return self._waiting + len(self._joining)
+
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """The request's tokens, chunk by chunk, once its KV is in (steps 1-4 above)."""
         params = _check_decode(request, self.model.cfg.vocab_size, self.model.cfg.block_size)
@@ -249,7 +259,7 @@ class DecodeWorker:
     def statistics(self) -> DecodeStatistics:
         batch, inbox = self._batch.statistics(), self.inbox.statistics()
         return DecodeStatistics(
-            running=len(self._members), waiting=self._waiting + len(self._joining),
+            running=self.running, waiting=self.waiting,
             assemblies=inbox.assemblies, requests=self._counts.requests,
             finished=self._counts.finished, failed=self._counts.failed,
             tokens=self._counts.tokens, steps=batch.steps, pieces_in=inbox.pieces,

@@ -177,6 +177,16 @@ class PrefillWorker:
         """Jobs queued, running or streaming."""
         return sum(self._in.values())
 
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for the compute (what `statistics` reports, without building it)."""
+        return self._in["queued"]
+
+    @property
+    def running(self) -> int:
+        """Jobs holding the compute slot."""
+        return self._in["running"]
+
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
         queued_at = anyio.current_time()
@@ -213,7 +223,7 @@ class PrefillWorker:
 
     def statistics(self) -> PrefillStatistics:
         return PrefillStatistics(
-            queue_depth=self._in["queued"], running=self._in["running"],
+            queue_depth=self.queue_depth, running=self.running,
             streaming=self._in["streaming"], jobs=self._counts.jobs,
             failures=self._counts.failures, computed_tokens=self._counts.computed_tokens,
             reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sent[1],

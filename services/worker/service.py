@@ -288,7 +288,8 @@ class WorkerService:
         return self.store.report(self.cluster, self.role)
 
     def state(self) -> WorkerState:
-        prefill, decode = self.prefill.statistics(), self.decode.statistics()
+        # Read at every status poll (each tick): the counts alone, not whole statistics.
+        prefill, decode = self.prefill, self.decode
         return WorkerState(
             name=self.name, cluster=self.cluster, role=self.role, draining=self.draining,
             queue_depth=prefill.queue_depth + decode.waiting,
