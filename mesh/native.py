@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Protocol
 
+import anyio
 import trio
 
 
@@ -86,3 +88,63 @@ class _FutureEvent:
 
     def wait(self) -> asyncio.Future[None]:
         return self._future
+
+
+class DeadlineScope(Protocol):
+    """What the mesh needs of a cancel scope with a deadline it may move while inside."""
+
+    deadline: float
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None: ...
+
+
+def deadline_scope(deadline: float) -> DeadlineScope:
+    """A cancel scope expiring at `deadline` on the running loop's clock: trio's own under
+    trio (anyio's wrapper finds the backend on every construction), anyio's on asyncio."""
+    if asyncio._get_running_loop() is None:
+        return trio.CancelScope(deadline=deadline)
+    return anyio.CancelScope(deadline=deadline)
+
+
+class Alarm:
+    """Parks one task until a time that other tasks may move while it waits (`move`), or
+    until woken at once (`wake`); for a task that sleeps until the next of many instants,
+    such as a link delivering its frames each at its release.
+
+    A sleeper with nothing due parks until `math.inf`, and the one who gives it something
+    to do moves its alarm to that instant: it wakes once, then, not once to learn of the
+    work and again when it is due.
+    """
+
+    __slots__ = ("_event", "_scope")
+
+    def __init__(self) -> None:
+        self._scope: DeadlineScope | None = None
+        self._event: WakeUp | None = None
+
+    @property
+    def sleeping(self) -> bool:
+        return self._scope is not None
+
+    async def sleep_until(self, deadline: float) -> None:
+        """Returns at `deadline`, at a moved one, or when woken, whichever comes first."""
+        event = self._event = new_event()
+        scope = self._scope = deadline_scope(deadline)
+        try:
+            with scope:
+                await event.wait()
+        finally:
+            self._scope = self._event = None
+
+    def move(self, deadline: float) -> None:
+        """The sleeper's new instant (nothing if none sleeps)."""
+        if self._scope is not None:
+            self._scope.deadline = deadline
+
+    def wake(self) -> None:
+        """Ends the sleep now (nothing if none sleeps)."""
+        if self._event is not None:
+            self._event.set()

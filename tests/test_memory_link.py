@@ -9,7 +9,7 @@ import pytest
 
 from mesh.transport import Address, MemoryHub
 from mesh.wire import HEADER_SIZE
-from netem.memory import MemoryLink, MemoryRoute, frames
+from netem.memory import MemoryLink, MemoryRoute, frames, frames_of
 from netem.params import LinkParams
 from netem.shaper import LinkShaper
 
@@ -26,6 +26,29 @@ def test_frames_are_cut_whole_and_the_rest_stays() -> None:
     assert bytes(buffer) == frame(b"xyz")[:5]
     buffer += frame(b"xyz")[5:]
     assert frames(buffer) == [frame(b"xyz")] and not buffer
+
+
+def test_frames_of_a_chunk_are_the_reference_cut_on_any_split() -> None:
+    stream = frame(b"ab") + frame(b"") + frame(b"xyz" * 7) + frame(b"q")
+    for cut in ([len(frame(b"ab"))], [1, 3, 9], list(range(1, len(stream))), []):
+        fast, slow = bytearray(), bytearray()
+        got: list[bytes] = []
+        expected: list[bytes] = []
+        for start, end in zip([0, *cut], [*cut, len(stream)], strict=True):
+            chunk = stream[start:end]
+            got += [bytes(f) for f in frames_of(fast, chunk)]
+            slow += chunk
+            expected += frames(slow)
+        assert got == expected == [frame(b"ab"), frame(b""), frame(b"xyz" * 7), frame(b"q")]
+        assert not fast and not slow
+    # A body that looks like a whole frame is not one while a header lies buffered.
+    tricky = frame(frame(b"Z"))
+    buffer = bytearray()
+    assert frames_of(buffer, tricky[:HEADER_SIZE]) == []
+    assert frames_of(buffer, tricky[HEADER_SIZE:]) == [tricky] and not buffer
+    # A chunk that is one whole frame, with nothing buffered, is passed on as it is.
+    whole = frame(b"kv")
+    assert frames_of(bytearray(), whole)[0] is whole
 
 
 async def _echo_server(hub: MemoryHub, received: list[tuple[float, bytes]]) -> None:
@@ -95,3 +118,26 @@ async def test_a_congested_link_holds_its_sender_as_the_proxy_does(
     # Unbounded, all 40 would be taken at once; bounded, the sender keeps pace with the wire.
     assert sent[-1] > 30.0
     assert backlog <= 5 * 1_000_000
+
+
+@pytest.mark.trio
+async def test_a_rate_change_re_times_the_frames_the_link_holds(autojump_clock: object) -> None:
+    """A 1 MB frame at 8 Mbps (1 s of wire); at 0.5 s the rate doubles: the rest of it takes
+    0.25 s, so it arrives at 0.75 s (plus the 10 ms delay), not at 1.01 s."""
+    hub = MemoryHub()
+    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6, delay_s=0.01), anyio.current_time,
+                        random.Random(0))
+    link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper,
+                      lambda body: 1_000_000 - HEADER_SIZE if bytes(body) == b"kv" else len(body))
+    received: list[tuple[float, bytes]] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_echo_server, hub, received)
+        await tg.start(link.run)
+        start = anyio.current_time()
+        async with await hub.connect(LISTEN) as client:
+            await client.send(frame(b"kv"))
+            await anyio.sleep(0.5)
+            shaper.set_params(LinkParams(bandwidth_bps=16e6, delay_s=0.01))
+            await anyio.sleep(2)
+        tg.cancel_scope.cancel()
+    assert [t - start for t, _ in received] == [pytest.approx(0.76, rel=1e-9)]

@@ -1,0 +1,62 @@
+"""mesh.native: the loop's own primitives behave alike on trio and asyncio."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+import trio.testing
+
+from mesh.native import Alarm
+
+
+async def _sleep_on(alarm: Alarm, until: float, woke: list[float]) -> None:
+    began = anyio.current_time()
+    await alarm.sleep_until(until)
+    woke.append(anyio.current_time() - began)
+
+
+@pytest.mark.trio
+async def test_an_alarm_wakes_at_its_instant_at_a_moved_one_or_when_woken(
+        autojump_clock: trio.testing.MockClock) -> None:
+    alarm, woke = Alarm(), list[float]()
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            assert not alarm.sleeping
+            tg.start_soon(_sleep_on, alarm, anyio.current_time() + 2.0, woke)
+            await anyio.sleep(0.5)
+            assert alarm.sleeping
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_sleep_on, alarm, math.inf, woke)
+            await anyio.sleep(0.5)
+            alarm.move(anyio.current_time() + 1.0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_sleep_on, alarm, anyio.current_time() + 9.0, woke)
+            await anyio.sleep(0.5)
+            alarm.wake()
+    assert woke == [2.0, 1.5, 0.5] and not alarm.sleeping
+    # Nobody sleeps: moving or waking does nothing, and the next sleep is a fresh one.
+    alarm.move(0.0)
+    alarm.wake()
+    with anyio.move_on_after(3.0) as scope:
+        await alarm.sleep_until(math.inf)
+    assert scope.cancelled_caught
+
+
+def test_an_alarm_is_moved_and_woken_alike_under_asyncio() -> None:
+    async def main() -> list[float]:
+        alarm, woke = Alarm(), list[float]()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_sleep_on, alarm, math.inf, woke)
+                await anyio.sleep(0.01)
+                alarm.move(anyio.current_time() + 0.05)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_sleep_on, alarm, math.inf, woke)
+                await anyio.sleep(0.01)
+                alarm.wake()
+        return woke
+
+    moved, woken = anyio.run(main, backend="asyncio")
+    assert moved >= 0.05 and woken < 5.0
