@@ -5,7 +5,8 @@ it is used where a task may block for long (dialling, waiting for room to send).
 serves the hot path: a waiting caller registers its reply mailbox once and the watch task
 fails it with `DeadlineExceeded` when its time comes. A cancel scope costs about as much as a
 whole socket write on a small host (10-13 us measured under trio), so calls and stream items
-carry none: one watch task per node sleeps until the earliest deadline instead.
+carry none: one watch task per node sleeps until the earliest deadline instead (on a
+`mesh.native.Alarm`, which an earlier deadline moves without waking it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Protocol
 
 import anyio
 
+from mesh import native
 from mesh.errors import DeadlineExceeded, MeshError
+from mesh.native import Alarm
 from mesh.wire import wire_timeout
 
 
@@ -72,7 +75,7 @@ class DeadlineWatch:
         self._heap: list[tuple[float, int, Expiring, str]] = []
         self._order = itertools.count()
         self._next_wake = math.inf
-        self._changed: anyio.Event | None = None
+        self._alarm = Alarm()
         self._compact_above = 1024
 
     def watch(self, deadline: float, mailbox: Expiring, what: str) -> None:
@@ -80,8 +83,11 @@ class DeadlineWatch:
         if deadline == math.inf:
             return
         heapq.heappush(self._heap, (deadline, next(self._order), mailbox, what))
-        if deadline < self._next_wake and self._changed is not None:
-            self._changed.set()
+        if deadline < self._next_wake:
+            # The watch sleeps until the earliest deadline: bring its wake-up forward to this
+            # one (no wake-up now only to go back to sleep until then).
+            self._next_wake = deadline
+            self._alarm.move(deadline)
         if len(self._heap) > self._compact_above:
             self._compact()
 
@@ -93,12 +99,11 @@ class DeadlineWatch:
 
     async def run(self) -> None:
         """The watch task: sleeps until the earliest deadline (or an earlier one arrives)."""
+        clock = native.clock()
         while True:
-            self._expire(anyio.current_time())
+            self._expire(clock())
             self._next_wake = self._heap[0][0] if self._heap else math.inf
-            self._changed = anyio.Event()
-            with anyio.CancelScope(deadline=self._next_wake):
-                await self._changed.wait()
+            await self._alarm.sleep_until(self._next_wake)
 
     def _expire(self, now: float) -> None:
         while self._heap and self._heap[0][0] <= now:
