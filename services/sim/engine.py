@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from mesh import native
 from services.contract.messages import KVChunk, KVOpen, ModelInfo
 from services.model.batch import DecodeBatchStatistics, StepResult, TokenEvent
 from services.model.cache import CacheStatistics, StateSnapshot
@@ -314,14 +315,17 @@ class ModeledEngine:
             return batch.advance(steps)
         if not step_s > 0:
             raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
-        start = anyio.current_time()
-        with anyio.move_on_after(steps * step_s):
+        # The loop's own clock, scope and sleep (mesh.native): a step is on every request's
+        # path, and anyio's finds the backend on each call; the times are anyio's to the bit.
+        clock = native.clock()
+        start = clock()
+        with native.deadline_scope(start + steps * step_s):
             await interrupt.wait()
-        now = anyio.current_time()
+        now = clock()
         done = min(steps, max(1, math.ceil((now - start) / step_s - 1e-9)))
         end = start + done * step_s
         if now < end:
-            await anyio.sleep_until(end)
+            await native.sleep(end - now)
         else:
             # The whole run is done now: a sleep until now would cost a timer and its
             # cancellation for the same single pass of the scheduler.

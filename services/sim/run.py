@@ -215,7 +215,9 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
             in_flight = [0]
             busy = _Busy()
             end = (arrivals[-1].at if arrivals else 0.0) + drain_s
-            async with anyio.create_task_group() as tg:
+            # trio's own nursery (a simulation runs on trio): anyio's wraps each task it
+            # starts in a handle with a cancel scope and an event, and one starts per arrival.
+            async with trio.open_nursery() as tg:
                 tg.start_soon(_collect, events, collector, sample_s)
                 samples: list[Sample] = []
                 tg.start_soon(_sampler, world, start, sample_s, samples, in_flight, busy, progress)
@@ -250,10 +252,11 @@ def _drain(events: Subscription[Event], collector: _Collector) -> None:
 
 async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
                     pending: dict[str, Arrival], collector: _Collector, in_flight: list[int],
-                    tg: anyio.abc.TaskGroup) -> None:
+                    tg: trio.Nursery) -> None:
     """Each arrival at its time, as a task of `tg` (the run's: it may end them unfinished)."""
     for arrival in arrivals:
-        await anyio.sleep_until(start + arrival.at)
+        # anyio.sleep_until's arithmetic, without its backend lookups.
+        await trio.sleep(max(start + arrival.at - trio.current_time(), 0.0))
         in_flight[0] += 1
         tg.start_soon(_one, world, arrival, pending, collector.client, in_flight)
 

@@ -21,6 +21,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from mesh import native
 from mesh.errors import ConfigError, PeerGone
 from mesh.topology import ClusterSpec, LinkSpec, ServiceSpec, Topology
 from mesh.transport import MemoryHub, MemoryTransport
@@ -177,8 +178,9 @@ async def _start_links(world: SimWorld, hub: MemoryHub, tg: anyio.abc.TaskGroup)
     for spec in world.topology.links:
         routes = [MemoryRoute(r.listen, r.upstream, r.reverse)
                   for r in link_routes(world.topology, spec)]
+        # The loop's own clock: the link reads it several times a frame (mesh.native).
         shaper = LinkShaper(LinkParams(bandwidth_bps=spec.bandwidth_bps, delay_s=spec.delay_s),
-                            anyio.current_time, random.Random(world.deployment.seed))
+                            native.clock(), random.Random(world.deployment.seed))
         world.links[spec.name] = link = MemoryLink(hub, routes, shaper, weight)
         await tg.start(link.run)
 
