@@ -47,6 +47,14 @@ def clock() -> Callable[[], float]:
     return trio.current_time if loop is None else loop.time
 
 
+async def sleep(seconds: float) -> None:
+    """`anyio.sleep` without the backend lookup: trio's or asyncio's own sleep."""
+    if asyncio._get_running_loop() is None:
+        await trio.sleep(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
 def soon_from_thread() -> Callable[[Callable[[], object]], None]:
     """The running loop's way for another thread to queue a call on it without waiting:
     trio's `run_sync_soon`, asyncio's `call_soon_threadsafe`. Calls run in the order queued,
