@@ -51,7 +51,14 @@ from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
 from services.worker.decode import KVInbox
-from services.worker.engine import InlineRunner, Pacing, chunk_bounds, import_pieces, step_ends
+from services.worker.engine import (
+    ComputeRunner,
+    InlineRunner,
+    Pacing,
+    chunk_bounds,
+    import_pieces,
+    step_ends,
+)
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 
@@ -124,6 +131,7 @@ Arrival = tuple[str, int, float]  # request, layer (-1: the close), virtual time
 
 @asynccontextmanager
 async def datapath(model: HybridLM, arrivals: list[Arrival], pacing: Pacing | None = None,
+                   runner: ComputeRunner | None = None,
                    ) -> AsyncIterator[tuple[PrefillWorker, KVInbox, LinkShaper]]:
     """Prefill worker -> link -> decode inbox, on one memory network; arrivals noted."""
     hub, codec = MemoryHub(), Codec(CODEC_MESSAGES)
@@ -151,7 +159,7 @@ async def datapath(model: HybridLM, arrivals: list[Arrival], pacing: Pacing | No
             pacing = pacing or Pacing(CostModel.load("h200"), Pacer(1.0))
             worker = PrefillWorker(model, PrefixStore("p", cfg.block_size), lanes,
                                    PrefillConfig(name="p", chunk_tokens=CHUNK), pacing=pacing,
-                                   runner=InlineRunner())
+                                   runner=runner or InlineRunner())
             yield worker, inbox, shaper
         pumps.cancel_scope.cancel()
 
@@ -228,6 +236,38 @@ async def test_pieces_leave_when_their_modeled_layer_ends(
     for layer in range(4):
         assert ends[layer] <= by_layer[layer] < ends[layer] + 0.01
     assert done.compute_s == pytest.approx(ends[-1])
+
+
+class TaskedInlineRunner(InlineRunner):
+    """An inline compute run as a thread's would be: in a task beside the release."""
+
+    inline = False
+
+
+@pytest.mark.trio
+async def test_an_inline_compute_releases_as_a_compute_task_would(
+    model: HybridLM, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The inline runner's compute is done before its release (no task for it): the same
+    pieces reach the decode side at the same times, and the same report comes back."""
+    seen: list[tuple[list[Arrival], list[PrefillDone]]] = []
+    for runner in (InlineRunner(), TaskedInlineRunner()):
+        arrivals: list[Arrival] = []
+        async with datapath(model, arrivals, runner=runner) as (worker, _, _):
+            start = anyio.current_time()
+            done = [await run(worker, 20), await run(worker, 21, overlap=False)]
+        # Each run starts at its own virtual time: times since then, to the nanosecond.
+        seen.append(([(r, layer, round(t - start, 9)) for r, layer, t in arrivals], done))
+    (inline, inline_done), (tasked, tasked_done) = seen
+    # Lanes sending at the same instant interleave as trio picks: compared as sets.
+    assert len(inline) > 8 and sorted(inline) == sorted(tasked)
+    assert [rounded(d) for d in inline_done] == [rounded(d) for d in tasked_done]
+
+
+def rounded(done: PrefillDone) -> dict[str, object]:
+    """A report with its times to the nanosecond (each run starts at its own virtual time)."""
+    fields = msgspec.structs.asdict(done)
+    return {k: round(v, 9) if isinstance(v, float) else v for k, v in fields.items()}
 
 
 @pytest.mark.trio

@@ -217,21 +217,35 @@ class PrefillCompute:
         start = anyio.current_time()
         computed = Mailbox[Computed](job.pieces + 1)
         first: list[int] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._compute_task, job, computed, first)
-            ends = self._step_ends(job, start)
-            try:
-                compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
-            except BaseException:
-                job.cancelled = True
-                raise
-            if first:  # else the compute failed, and the task group raises its error
-                lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
-                                            first_token=first[0],
-                                            first_logprob=job.first_logprob))
-                for lane in lanes:
-                    lane.end()
+        if self._runner.inline:
+            # Nothing runs beside an inline compute: it is done (every piece in `computed`)
+            # before the release deals the pieces at their step ends, at the times the task
+            # below would give, without the task.
+            await self._compute_task(job, computed, first)
+            compute_end = await self._release(job, computed, lanes, start, first)
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._compute_task, job, computed, first)
+                compute_end = await self._release(job, computed, lanes, start, first)
         return first[0], compute_end
+
+    async def _release(self, job: PrefillJob, computed: Mailbox[Computed],
+                       lanes: Sequence[Mailbox[LaneItem]], start: float,
+                       first: list[int]) -> float:
+        """The computed pieces to the lanes, then the close with the first token and the
+        lanes' ends (unless the compute failed: its error is raised where it ran)."""
+        ends = self._step_ends(job, start)
+        try:
+            compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
+        except BaseException:
+            job.cancelled = True
+            raise
+        if first:
+            lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
+                                        first_token=first[0], first_logprob=job.first_logprob))
+            for lane in lanes:
+                lane.end()
+        return compute_end
 
     async def release_memory(self) -> None:
         """The engine gives back what its computations freed, on the compute's side."""
@@ -267,7 +281,10 @@ class PrefillCompute:
 
 
 class ComputeRunner(Protocol):
-    """Where the model compute runs, and how it hands a piece back to the event loop."""
+    """Where the model compute runs, and how it hands a piece back to the event loop.
+    `inline`: the compute runs to its end on the loop when awaited, so nothing overlaps it."""
+
+    inline: bool
 
     async def run(self, compute: Callable[[], T]) -> T: ...
 
@@ -282,6 +299,8 @@ class ThreadRunner:
     loop's thread per piece, a sleeping CPU woken twice on a VM, and made the compute's pace
     hang on whatever the loop was doing. Order holds: the loop runs the calls as queued, all
     before the report of the compute's end (`mesh.native.soon_from_thread`)."""
+
+    inline = False
 
     def __init__(self) -> None:
         self._soon: Callable[[Callable[[], object]], None] | None = None
@@ -309,6 +328,8 @@ class InlineRunner:
     """Compute on the event loop itself, blocking it: on a virtual clock (trio's MockClock)
     the compute then takes no time and only the pacing does, so runs are deterministic.
     Tests and simulation only."""
+
+    inline = True
 
     async def run(self, compute: Callable[[], T]) -> T:
         return compute()
