@@ -634,9 +634,9 @@ class PrefixTree:
     def add_run(self, holder: int, run: BlockRun) -> tuple[int, int]:
         """Apply a checked run; returns (blocks, snapshots) newly held. `add_run_reference`
         block by block through the general helpers; here a block the holder did not hold and
-        that has no children (a chain growing at its end: nearly every report) gets its chain
-        state in place, which is all `_refresh` would change; any other block goes through
-        `_refresh`."""
+        none of whose children it holds (a chain growing at its end, or a chain another worker
+        holds reported again: nearly every report) gets its chain state in place, which is all
+        `_refresh` would change; any other block goes through `_refresh`."""
         if not run.hashes:
             return 0, 0
         nodes, state, bit = self.nodes, self._holders[holder], 1 << holder
@@ -654,7 +654,7 @@ class PrefixTree:
             self.held += not node.holders
             node.holders |= bit
             above = block
-            if had is not None or node.children:
+            if had is not None or not blocks.keys().isdisjoint(node.children):
                 self._refresh(holder, block)
                 new_blocks += had is None
                 new_snaps += snap and not had

@@ -177,10 +177,12 @@ class PrefixStore:
             return StoreChange(None, [])
         if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
             cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
-        held = self._held(hashes) == len(hashes)
+        leading = self._held(hashes)
+        held = leading == len(hashes)
         snapshots_held = ({n for n in range(1, len(hashes) + 1)
                            if self._snapshot_left(hashes[n - 1], n)} if held else set())
-        for old in self.prefixes_of(hashes):
+        # An entry this chain extends ends at a held block: among the leading ones.
+        for old in self.prefixes_of(hashes[:leading]):
             self._fold(old, cache)
         entry = _Entry(self._next_id, tuple(hashes), cache, _entry_bytes(cache))
         self._next_id += 1
