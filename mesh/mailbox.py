@@ -85,6 +85,13 @@ class Mailbox(Generic[T]):
             await self._wait(self._getters)
         return self._take()
 
+    async def wait(self) -> None:
+        """Waits until an item is queued or the mailbox has ended, taking nothing; for a
+        mailbox's one consumer, which takes the item later (it keeps its place, and the
+        room it takes, meanwhile)."""
+        while not self._items and not (self._ended or self._closed):
+            await self._wait(self._getters)
+
     def get_nowait(self) -> T | None:
         """An item if one is queued now, else None (also at the end)."""
         return self._take() if self._items else None

@@ -126,6 +126,14 @@ class MemoryByteStream(anyio.abc.ByteStream):
         if not await self._outgoing.put(item):
             raise anyio.BrokenResourceError("the other end of the memory pipe is closed")
 
+    async def wait_readable(self) -> None:
+        """Waits until `receive` would not wait (a chunk is queued, or the end), taking
+        nothing: the chunk keeps its place in the pipe, and the room it takes there."""
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if not self._leftover:
+            await self._incoming.wait()
+
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if self._closed:
             raise anyio.ClosedResourceError

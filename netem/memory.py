@@ -18,7 +18,11 @@ deliverer, which sends each frame on at its release. They share a plain queue an
 the next frame's release, so a frame costs it one wake-up, at that release (a queue to
 wake it, then a timed sleep, took three scheduler passes a frame and a third of the link's
 cost in the simulation). A change of the link's parameters wakes every sleeper to re-read
-its times.
+its times. While a reader waits for a chunk, a sender's chunk that is one whole frame is
+admitted in the sending task as the pipe hands it over, when the link has room (the
+in-memory form of a proxy reading in its socket callback): the reader is not woken for it.
+A chunk that finds no room stays in the pipe until there is, exactly as it would for the
+reader; `senders_admit=False` turns this off, and the tests hold both to the same times.
 
 Frames are the mesh's: a 4-byte big-endian length, then the body (mesh/wire.py).
 """
@@ -36,7 +40,7 @@ import anyio.abc
 import msgspec
 
 from mesh.native import Alarm
-from mesh.transport import Address, Chunk, MemoryHub
+from mesh.transport import Address, Chunk, MemoryByteStream, MemoryHub
 from mesh.wire import HEADER_SIZE
 from netem.proxy import ProxyConfig
 from netem.shaper import Admission, Direction, Flow, LinkShaper, LinkStatistics
@@ -82,11 +86,15 @@ def frames(buffer: bytearray) -> list[bytes]:
     return out
 
 
+def _whole_frame(chunk: Chunk) -> bool:
+    return len(chunk) >= HEADER_SIZE and (
+        int.from_bytes(chunk[:HEADER_SIZE], "big") == len(chunk) - HEADER_SIZE)
+
+
 def frames_of(buffer: bytearray, chunk: Chunk) -> list[Chunk]:
     """`frames(buffer + chunk)`, without a copy when nothing is buffered and `chunk` is one
     whole frame: what the mesh writes into an in-memory pipe, one frame per chunk."""
-    if not buffer and len(chunk) >= HEADER_SIZE and (
-            int.from_bytes(chunk[:HEADER_SIZE], "big") == len(chunk) - HEADER_SIZE):
+    if not buffer and _whole_frame(chunk):
         return [chunk]
     buffer += chunk
     return list(frames(buffer))
@@ -96,7 +104,7 @@ class _Pipe:
     """One direction of one connection across the link: its flow, the frames admitted and
     not yet delivered (in order), and the alarms its reader and deliverer sleep on."""
 
-    __slots__ = ("delivering", "ended", "flow", "held", "reading")
+    __slots__ = ("blocked", "delivering", "ended", "flow", "held", "parked", "reading")
 
     def __init__(self, flow: Flow) -> None:
         self.flow = flow
@@ -104,14 +112,29 @@ class _Pipe:
         self.ended = False
         self.reading = Alarm()
         self.delivering = Alarm()
+        # The reader waits for a chunk with nothing buffered: a sender's chunk may be
+        # admitted in the sending task (`MemoryLink._take`).
+        self.parked = False
+        # A frame so admitted left less room than the reader needs to read on: the next
+        # chunk waits in the pipe until there is room after this admission.
+        self.blocked: Admission | None = None
+
+    @property
+    def needs_room(self) -> bool:
+        """A frame admitted in a sender's task left the reader without room (`blocked`)."""
+        return self.blocked is not None
 
 
 class MemoryLink:
     """Serves `routes` on `hub`; every connection shares `shaper` (one link)."""
 
     def __init__(self, hub: MemoryHub, routes: Sequence[MemoryRoute], shaper: LinkShaper,
-                 weight: Weight = len, queue_bytes: int = ProxyConfig().queue_bytes) -> None:
+                 weight: Weight = len, queue_bytes: int = ProxyConfig().queue_bytes, *,
+                 senders_admit: bool = True) -> None:
+        """`senders_admit=False` leaves every frame to the readers: the plain form that the
+        admission in senders' tasks (`_take`) is tested equal to."""
         self._hub = hub
+        self._senders_admit = senders_admit
         self._queue_bytes = queue_bytes
         self._routes = tuple(routes)
         self._shaper = shaper
@@ -168,33 +191,76 @@ class MemoryLink:
         """Reader admits each whole frame as it arrives; the deliverer sends it on release."""
         pipe = _Pipe(self._shaper.open_flow(direction))
         self._pipes.add(pipe)
+        pushed = src if self._senders_admit and isinstance(src, MemoryByteStream) else None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._deliver, pipe, dst)
                 try:
-                    await self._read(src, pipe)
+                    if pushed is not None:
+                        pushed.deliver_to(partial(self._take, pipe))
+                    await self._read(src, pipe, pushed)
                 finally:
+                    if pushed is not None:
+                        pushed.deliver_to(None)
                     pipe.ended = True
                     pipe.delivering.wake()
         finally:
             self._pipes.discard(pipe)
             self._shaper.close_flow(pipe.flow)
 
-    async def _read(self, src: anyio.abc.ByteStream, pipe: _Pipe) -> None:
+    async def _read(self, src: anyio.abc.ByteStream, pipe: _Pipe,
+                    pushed: MemoryByteStream | None) -> None:
+        """Admits the frames of each chunk read, waiting for room after each; while it waits
+        for a chunk with room, senders' whole frames are admitted in their own tasks
+        (`_take`), and a chunk that finds the link without room stays in the pipe until
+        there is room, as it would for this reader."""
         buffer = bytearray()
         while True:
             try:
+                if pipe.blocked is not None:
+                    await self._wait_link(pipe.reading, partial(self._room_at, pipe.blocked))
+                    pipe.blocked = None
+                if pushed is not None and not buffer:
+                    pipe.parked = True
+                    try:
+                        await pushed.wait_readable()
+                    finally:
+                        pipe.parked = False
+                    if pipe.needs_room:
+                        continue
                 chunk = await src.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return
             for frame in frames_of(buffer, chunk):
-                size = self._weight(memoryview(frame)[HEADER_SIZE:]) + HEADER_SIZE
-                admission = self._shaper.admit(pipe.flow, size)
-                pipe.held.append((frame, admission, size))
-                if len(pipe.held) == 1:
-                    # The deliverer parks with nothing due: due now, at this frame's release.
-                    pipe.delivering.move(self._shaper.wall_time(admission.release))
+                admission = self._admit(pipe, frame)
                 await self._wait_link(pipe.reading, partial(self._room_at, admission))
+
+    def _take(self, pipe: _Pipe, chunk: Chunk) -> bool:
+        """A sender's chunk, offered by the pipe while nothing is queued in it: admitted now
+        (True) if the reader waits for a chunk, there is room, and it is one whole frame;
+        else left to the reader (False). The reader's wake-up for it is saved."""
+        if not pipe.parked or not _whole_frame(chunk):
+            return False
+        if pipe.blocked is not None:
+            if not self._reached(self._room_at(pipe.blocked)):
+                return False
+            pipe.blocked = None
+        admission = self._admit(pipe, chunk)
+        if not self._reached(self._room_at(admission)):
+            pipe.blocked = admission
+        return True
+
+    def _reached(self, link_time: float) -> bool:
+        return self._shaper.wall_time(link_time) <= self._shaper.now()
+
+    def _admit(self, pipe: _Pipe, frame: Chunk) -> Admission:
+        size = self._weight(memoryview(frame)[HEADER_SIZE:]) + HEADER_SIZE
+        admission = self._shaper.admit(pipe.flow, size)
+        pipe.held.append((frame, admission, size))
+        if len(pipe.held) == 1:
+            # The deliverer parks with nothing due: due now, at this frame's release.
+            pipe.delivering.move(self._shaper.wall_time(admission.release))
+        return admission
 
     def _room_at(self, admission: Admission) -> float:
         """Link time from which at most `queue_bytes` of the backlog lie ahead of the end of

@@ -194,3 +194,22 @@ def test_a_waiter_cancelled_as_it_is_woken_passes_its_turn_on_under_asyncio() ->
         return await asyncio.wait_for(second, 1.0)
 
     assert asyncio.run(main()) == "x"
+
+
+@pytest.mark.trio
+async def test_wait_returns_once_an_item_is_queued_or_the_end_taking_nothing() -> None:
+    box: Mailbox[int] = Mailbox(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.wait)
+        await anyio.lowlevel.checkpoint()
+        assert box.getters == 1
+        assert box.put_nowait(5)
+    # Still queued, and it still takes the room: a second item does not fit.
+    assert box.depth == 1 and not box.put_nowait(6)
+    await box.wait()
+    assert await box.get() == 5
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.wait)
+        await anyio.lowlevel.checkpoint()
+        box.end()
+    box.check_integrity()
