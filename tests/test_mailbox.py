@@ -201,7 +201,7 @@ async def test_wait_returns_once_an_item_is_queued_or_the_end_taking_nothing() -
     box: Mailbox[int] = Mailbox(1)
     async with anyio.create_task_group() as tg:
         tg.start_soon(box.wait)
-        await anyio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
         assert box.getters == 1
         assert box.put_nowait(5)
     # Still queued, and it still takes the room: a second item does not fit.
@@ -210,6 +210,6 @@ async def test_wait_returns_once_an_item_is_queued_or_the_end_taking_nothing() -
     assert await box.get() == 5
     async with anyio.create_task_group() as tg:
         tg.start_soon(box.wait)
-        await anyio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
         box.end()
     box.check_integrity()
