@@ -80,6 +80,7 @@ class Connection:
         self._closed = False
         self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = 0
         self._route: Callable[[Envelope], None] | None = None
+        self._route_some: Callable[[Envelope], bool] | None = None
         self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
             stream.receive_into if isinstance(stream, TrioSocketStream) else None)
         if isinstance(stream, AsyncioSocketStream):
@@ -133,6 +134,38 @@ class Connection:
             return False
         self._route = route
         self._stream.deliver_to(None if route is None else self._consume)
+        return True
+
+    def deliver_some(self, route: Callable[[Envelope], bool] | None) -> bool:
+        """Offers frames to `route` in the sending task, where the stream allows it (the
+        in-memory pipe): each frame that arrives while nothing waits for `receive` goes to
+        `route`, which takes it (True) without blocking, or leaves it, and every frame after
+        it, to `receive` (False). None turns this off. False where the stream cannot."""
+        if not isinstance(self._stream, MemoryByteStream):
+            return False
+        self._route_some = route
+        self._stream.deliver_to(None if route is None else self._consume_some)
+        return True
+
+    def _consume_some(self, data: bytes | bytearray) -> bool:
+        route = self._route_some
+        if route is None or self._ready or self._failure is not None:
+            return False
+        try:
+            envelopes = self._parser.feed(data)
+        except MeshError as exc:
+            # Queue the chunk after all: that wakes the reader, and `receive` raises this.
+            self._failure = exc
+            return False
+        self._bytes_in += len(data)
+        for envelope in envelopes:
+            if self._ready or not route(envelope):
+                self._ready.append(envelope)
+            else:
+                self._frames_in += 1
+        if self._ready:
+            assert isinstance(self._stream, MemoryByteStream)
+            self._stream.wake_reader()
         return True
 
     def _fill_into(self) -> memoryview | None:

@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -102,6 +102,10 @@ class ServerSession:
         self._upload_buffer = 1
         self._ended = anyio.Event()
         self._active: dict[int, Request] = {}
+        # A reader task holds a frame it has not finished routing: frames after it wait
+        # for it (`_deliver_now` leaves them to `receive`).
+        self._routing = False
+        conn.deliver_some(self._deliver_now)
 
     async def run(self, upload_buffer: int) -> None:
         """Serves until the peer leaves or sends garbage; a bad frame ends this session only."""
@@ -114,6 +118,7 @@ class ServerSession:
                 group.cancel_scope.cancel()
         finally:
             self._ended.set()
+            self.conn.deliver_some(None)
             self._fail_all(PeerGone(f"client {self.peer} disconnected"))
             with anyio.CancelScope(shield=True):
                 await self.conn.aclose()
@@ -140,7 +145,9 @@ class ServerSession:
     async def _route_all(self, reader: _Reader) -> None:
         try:
             while True:
+                self._routing = False
                 envelope = await self.conn.receive()
+                self._routing = True
                 if isinstance(envelope, Call | Cast) and self._eager(envelope):
                     if await self._run_eagerly(envelope, reader):
                         return
@@ -176,6 +183,7 @@ class ServerSession:
 
     def _hand_off(self, request: Request, reader: _Reader) -> None:
         """The handler suspended: this task becomes its own; a new one reads the connection."""
+        self._routing = False
         self._counts.handed_off += 1
         reader.request = request
         if isinstance(request.envelope, Call):
@@ -232,6 +240,22 @@ class ServerSession:
             request.uploads.end()
         elif not await request.uploads.put(envelope.body):
             self._counts.stray_frames += 1
+
+    def _deliver_now(self, envelope: Envelope) -> bool:
+        """An upload's item or end, handed over in the sender's task (Connection.deliver_some)
+        when no reader holds a frame and its upload has room: the reader is not woken for
+        it. Everything else (False) goes to a reader, which routes it as before."""
+        kind = type(envelope)
+        if self._routing or (kind is not Item and kind is not End):
+            return False
+        request = self._active.get(cast(Item[Any] | End, envelope).id)
+        uploads = None if request is None else request.uploads
+        if uploads is None or not uploads.open:
+            return False
+        if kind is End:
+            uploads.end()
+            return True
+        return uploads.put_nowait(cast(Item[Any], envelope).body)
 
     def _fail_all(self, reason: MeshError) -> None:
         for request in self._active.values():

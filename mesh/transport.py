@@ -126,6 +126,15 @@ class MemoryByteStream(anyio.abc.ByteStream):
         if not await self._outgoing.put(item):
             raise anyio.BrokenResourceError("the other end of the memory pipe is closed")
 
+    def wake_reader(self) -> None:
+        """Has the task waiting in `receive`, if one waits, return an empty chunk: the
+        consumer took a chunk (`deliver_to`) but left something for that task to read
+        (mesh.connection; a reader not waiting finds it before it waits). Only from within
+        the consumer, which is offered chunks while none is queued, so the empty one always
+        finds room."""
+        if self._incoming.getters:
+            self._incoming.put_nowait(b"")
+
     async def wait_readable(self) -> None:
         """Waits until `receive` would not wait (a chunk is queued, or the end), taking
         nothing: the chunk keeps its place in the pipe, and the room it takes there."""

@@ -304,3 +304,43 @@ async def test_deferred_frames_on_an_in_memory_pipe_are_written_by_their_senders
         got = [await reader.receive() for _ in range(3)]
         assert got == [Item(1, Ping(1)), Cast(Ping(2)), Item(1, Ping(3))]
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_deliver_some_leaves_a_declined_frame_and_those_after_it_to_receive() -> None:
+    """The route takes what it can in the sender's task; a frame it declines, and every frame
+    after it, reach `receive` in order (the reader woken by an empty chunk)."""
+    near, far = memory_pipe(8)
+    client = Connection(near, CODEC)
+    routed: list[Envelope] = []
+
+    def route(envelope: Envelope) -> bool:
+        if isinstance(envelope, Reply) and envelope.id % 2:
+            routed.append(envelope)
+            return True
+        return False
+
+    def frame(n: int) -> bytes:
+        return bytes(CODEC.encode(Reply(n, Ping(n))))
+
+    assert client.deliver_some(route)
+    await far.send(frame(1))
+    await far.send(frame(2) + frame(3))
+    assert routed == [Reply(1, Ping(1))]
+    assert await client.receive() == Reply(2, Ping(2))
+    assert await client.receive() == Reply(3, Ping(3))
+    await far.send(frame(5))
+    assert routed[-1] == Reply(5, Ping(5))
+    assert client.statistics().frames_in == 4
+    # A reader already waiting is woken for a frame the route declines.
+    got: list[Envelope] = []
+
+    async def read() -> None:
+        got.append(await client.receive())
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await far.send(frame(6))
+    assert got == [Reply(6, Ping(6))]

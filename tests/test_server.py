@@ -19,7 +19,7 @@ from mesh.errors import FrameDecodeError, RemoteError
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
-from mesh.wire import HEADER_SIZE, Codec
+from mesh.wire import HEADER_SIZE, Codec, Item
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
@@ -465,3 +465,66 @@ def test_random_bytes_and_wild_envelopes_over_tcp_never_stop_the_service(
             svc.check_integrity()
 
     trio.run(scenario)
+
+
+@pytest.mark.trio
+async def test_upload_items_handed_over_by_their_senders_keep_their_order(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Items reach an upload in the sending task while no reader holds a frame and the upload
+    has room (ServerSession._deliver_now); while a reader waits for room with an item, later
+    items queue behind it, so a slow handler still sees every item once, in order."""
+    address = Address("srv", 1)
+    srv = Node("srv", CODEC, MemoryTransport(memory_hub), {"srv": address},
+               NodeConfig(stream_buffer=1))
+    seen: list[int] = []
+
+    @srv.accepts_stream(Ping)
+    async def collect(first: Ping, items: Any, ctx: Context) -> Pong:
+        async for item in items:
+            seen.append(item.n)
+            await trio.sleep(0.01 * (item.n % 4))
+        return Pong(len(seen))
+
+    cli = Node("cli", CODEC, MemoryTransport(memory_hub), {"srv": address})
+    async with srv, cli:
+        await srv.listen()
+        async with cli.stream_to("srv", Ping(-1)) as sink:
+            for n in range(60):
+                await sink.send(Ping(n))
+                if n % 9 == 0:
+                    await trio.sleep(0.05)
+        srv.check_integrity()
+    assert sink.result == Pong(60)
+    assert seen == list(range(60))
+
+
+@pytest.mark.trio
+async def test_an_item_is_handed_over_only_while_no_reader_holds_a_frame(
+    memory_hub: MemoryHub,
+) -> None:
+    """ServerSession._deliver_now: an upload's item goes straight in while no reader holds a
+    frame; while one does, it is left to the reader, behind that frame."""
+    address = Address("srv", 1)
+    srv = Node("srv", CODEC, MemoryTransport(memory_hub), {"srv": address})
+    seen: list[int] = []
+
+    @srv.accepts_stream(Ping)
+    async def collect(first: Ping, items: Any, ctx: Context) -> Pong:
+        async for item in items:
+            seen.append(item.n)
+        return Pong(len(seen))
+
+    cli = Node("cli", CODEC, MemoryTransport(memory_hub), {"srv": address})
+    async with srv, cli:
+        await srv.listen()
+        async with cli.stream_to("srv", Ping(-1)) as sink:
+            await sink.send(Ping(0))
+            await trio.testing.wait_all_tasks_blocked()
+            (session,) = srv._incoming.sessions
+            (request,) = session._active.values()
+            session._routing = True
+            assert not session._deliver_now(Item(request.id, Ping(1)))
+            session._routing = False
+            assert session._deliver_now(Item(request.id, Ping(1)))
+    assert seen == [0, 1] and sink.result == Pong(2)
