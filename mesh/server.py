@@ -22,8 +22,9 @@ two paths, and either way at most `max_concurrency` handlers of the node run at 
 Stream items go straight to their upload's own mailbox, so a handler waiting for items never
 waits behind the node mailbox. On the in-memory pipe they go there in the sending task while
 no reader holds a frame and the upload has room (`Connection.deliver_some`): a KV stream's
-pieces then wake the handler alone, not a reader first. When a connection ends, its calls and streams are cancelled
-and its uploads fail with `PeerGone`; casts, which nobody waits for, run to their end.
+pieces then wake the handler alone, not a reader first. When a connection ends, its calls
+and streams are cancelled and its uploads fail with `PeerGone`; casts, which nobody waits
+for, run to their end.
 """
 
 from __future__ import annotations
