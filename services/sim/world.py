@@ -37,7 +37,7 @@ from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
 from services.router.policies import LinkSample, create_policy
-from services.router.scheduler import Scheduler, StatusReader, WorkerTable
+from services.router.scheduler import DirectoryReader, Scheduler, StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
 from services.worker.engine import InlineRunner
@@ -192,12 +192,15 @@ async def _start_workers(world: SimWorld, transport: MemoryTransport,
     for spec in world.topology.services:
         if spec.kind in ("prefill", "decode"):
             ctx = _context(world.topology, spec.name, transport)
-            worker = WorkerService(ctx, engine, info, runner=InlineRunner())
+            # Cache reports go to the directory in this event loop, not cast to it.
+            worker = WorkerService(ctx, engine, info, runner=InlineRunner(),
+                                   cache_reports=world.cachedir.take if world.cachedir else None)
             world.workers[spec.name] = worker
             await tg.start(worker.run)
 
 
-def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) -> Scheduler:
+def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport,
+               directory: DirectoryReader) -> Scheduler:
     ctx = _context(topology, "router", transport)
     policy = create_policy(d.policy, policy_options(d))
     # No request gives up: past capacity the queues grow (what the scenarios measure) rather
@@ -208,7 +211,7 @@ def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport) ->
                              id_prefix=f"{d.name}{d.seed}")
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
                      ModeledTokenizer(ModeledConfig()),
-                     config)
+                     config, directory=directory)
 
 
 @asynccontextmanager
@@ -218,7 +221,8 @@ async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
     topology = sim_topology(d)
     hub = MemoryHub()
     transport = MemoryTransport(hub)
-    scheduler = _scheduler(d, topology, transport)
+    # The router asks the directory in this event loop (`world` is bound before any request).
+    scheduler = _scheduler(d, topology, transport, lambda query: _directory(world).lookup(query))
     world = SimWorld(d, topology, scheduler, RouterControl(scheduler, ControlConfig(
         tick_s=d.tick_s)))
     async with anyio.create_task_group() as tg:
@@ -249,6 +253,14 @@ def _probe(world: SimWorld) -> Any:
         await anyio.lowlevel.checkpoint()
         return world.link_sample()
     return probe
+
+
+def _directory(world: SimWorld) -> CacheDirService:
+    """The directory as its handlers would answer; PeerGone (a lookup that failed) when none
+    runs, as a router without a directory meets it over the mesh."""
+    if world.cachedir is None:
+        raise PeerGone("no cache directory runs in this simulation")
+    return world.cachedir
 
 
 def _status_reader(world: SimWorld) -> StatusReader:
