@@ -60,6 +60,13 @@ class Pool(Generic[T]):
         self._more_workers()
         return queued
 
+    def put_nowait(self, item: T) -> bool:
+        """`put` if the mailbox has room now (and is open); False (nothing done) if not."""
+        queued = self.mailbox.put_nowait(item)
+        if queued:
+            self._more_workers()
+        return queued
+
     def _more_workers(self) -> None:
         mailbox = self.mailbox
         while (self._start is not None and self.workers < self.capacity

@@ -209,12 +209,28 @@ class ServerSession:
             await pool.put(Request(self, envelope, math.inf))
             return
         self._check_new_id(envelope.id)
+        request = self._stream_request(envelope)
+        self._active[envelope.id] = request
+        await pool.put(request)
+
+    def _stream_request(self, envelope: Call[Any] | Open[Any] | Push[Any]) -> Request:
+        """A queued request, under a cancel scope of its own (its deadline, aborts)."""
         request = Request(self, envelope, self._deadline(envelope))
         request.scope = anyio.CancelScope(deadline=request.deadline)
         if isinstance(envelope, Push):
             request.uploads = Mailbox(self._upload_buffer)
+        return request
+
+    def _open_now(self, envelope: Open[Any] | Push[Any]) -> bool:
+        """A stream opened in the sender's task (`_deliver_now`) when its pool's mailbox has
+        room now; a reused id, or no room, is left to the reader (which raises or waits)."""
+        if envelope.id in self._active:
+            return False
+        request = self._stream_request(envelope)
+        if not self._pools(type(envelope.body)).put_nowait(request):
+            return False
         self._active[envelope.id] = request
-        await pool.put(request)
+        return True
 
     def _check_new_id(self, id: int) -> None:
         if id in self._active:
@@ -245,11 +261,16 @@ class ServerSession:
             self._counts.stray_frames += 1
 
     def _deliver_now(self, envelope: Envelope) -> bool:
-        """An upload's item or end, handed over in the sender's task (Connection.deliver_some)
-        when no reader holds a frame and its upload has room: the reader is not woken for
-        it. Everything else (False) goes to a reader, which routes it as before."""
+        """An upload's item or end, or a new stream, handed over in the sender's task
+        (Connection.deliver_some) when no reader holds a frame and its upload or pool has
+        room: the reader is not woken for it. Everything else (False) goes to a reader,
+        which routes it as before (calls and casts too: a reader runs them eagerly)."""
         kind = type(envelope)
-        if self._routing or (kind is not Item and kind is not End):
+        if self._routing:
+            return False
+        if kind is Open or kind is Push:
+            return self._open_now(cast(Open[Any] | Push[Any], envelope))
+        if kind is not Item and kind is not End:
             return False
         request = self._active.get(cast(Item[Any] | End, envelope).id)
         uploads = None if request is None else request.uploads

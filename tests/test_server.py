@@ -19,7 +19,7 @@ from mesh.errors import FrameDecodeError, RemoteError
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
-from mesh.wire import HEADER_SIZE, Codec, Item
+from mesh.wire import HEADER_SIZE, Codec, Item, Open
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
@@ -528,3 +528,34 @@ async def test_an_item_is_handed_over_only_while_no_reader_holds_a_frame(
             session._routing = False
             assert session._deliver_now(Item(request.id, Ping(1)))
     assert seen == [0, 1] and sink.result == Pong(2)
+
+
+@pytest.mark.trio
+async def test_a_stream_is_opened_in_the_senders_task_only_while_its_pool_has_room(
+    memory_hub: MemoryHub,
+) -> None:
+    """ServerSession._deliver_now on an Open: queued at once while the pool's mailbox has
+    room; a full mailbox, or a reused id, is left to the reader (which waits, or raises)."""
+    address = Address("srv", 1)
+    srv = Node("srv", CODEC, MemoryTransport(memory_hub), {"srv": address},
+               NodeConfig(mailbox_size=2))
+
+    @srv.serves_stream(Ping, slots=1)
+    async def nothing(msg: Ping, ctx: Context) -> Any:
+        return
+        yield
+
+    cli = Node("cli", CODEC, MemoryTransport(memory_hub), {"srv": address})
+    async with srv, cli:
+        await srv.listen()
+        async with cli.open_stream("srv", Ping(0)) as items:
+            async for _ in items:
+                pass
+        (session,) = srv._incoming.sessions
+        pool = srv.pool_for(Ping)
+        assert session._deliver_now(Open(1000, Ping(1)))
+        assert pool.mailbox.depth == 1 and 1000 in session._active
+        assert not session._deliver_now(Open(1000, Ping(2)))  # id 1000 is open
+        assert session._deliver_now(Open(1001, Ping(3)))
+        assert not session._deliver_now(Open(1002, Ping(4)))  # the mailbox is full
+        assert 1002 not in session._active and pool.mailbox.depth == 2
