@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -120,15 +122,21 @@ async def test_a_congested_link_holds_its_sender_as_the_proxy_does(
     assert backlog <= 5 * 1_000_000
 
 
+def _slow_link(hub: MemoryHub, size_of: Callable[[Any], int],
+               **options: Any) -> tuple[LinkShaper, MemoryLink]:
+    """An 8 Mbps, 10 ms link from LISTEN to UPSTREAM whose frames weigh `size_of(body)`."""
+    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6, delay_s=0.01), anyio.current_time,
+                        random.Random(0))
+    return shaper, MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper, size_of, **options)
+
+
 @pytest.mark.trio
 async def test_a_rate_change_re_times_the_frames_the_link_holds(autojump_clock: object) -> None:
     """A 1 MB frame at 8 Mbps (1 s of wire); at 0.5 s the rate doubles: the rest of it takes
     0.25 s, so it arrives at 0.75 s (plus the 10 ms delay), not at 1.01 s."""
     hub = MemoryHub()
-    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6, delay_s=0.01), anyio.current_time,
-                        random.Random(0))
-    link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper,
-                      lambda body: 1_000_000 - HEADER_SIZE if bytes(body) == b"kv" else len(body))
+    shaper, link = _slow_link(hub, lambda body: (
+        1_000_000 - HEADER_SIZE if bytes(body) == b"kv" else len(body)))
     received: list[tuple[float, bytes]] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(_echo_server, hub, received)
@@ -147,11 +155,8 @@ async def _mixed_traffic(senders_admit: bool) -> tuple[list[float], list[tuple[f
     """Whole and split frames, large and small, bursts and pauses through a congested link
     (8 Mbps, a pipe of 2 chunks); when each send returned and when each chunk arrived."""
     hub = MemoryHub(buffer_chunks=2)
-    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6, delay_s=0.01), anyio.current_time,
-                        random.Random(0))
-    link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper,
-                      lambda body: 300_000 if bytes(body).startswith(b"kv") else len(body),
-                      queue_bytes=500_000, senders_admit=senders_admit)
+    _, link = _slow_link(hub, lambda body: 300_000 if bytes(body).startswith(b"kv") else len(body),
+                         queue_bytes=500_000, senders_admit=senders_admit)
     sent: list[float] = []
     received: list[tuple[float, bytes]] = []
     async with anyio.create_task_group() as tg:
