@@ -44,6 +44,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from mesh import native
 from mesh.errors import MeshError
 from mesh.events import EventBus
 from mesh.node import Node
@@ -74,6 +75,12 @@ from services.service import WORKER_KINDS, ServiceContext, serve_events, serve_m
 log = logging.getLogger(__name__)
 
 
+def _loop_time() -> float:
+    """The running loop's clock, read as `anyio.current_time` reads it but without its
+    backend lookup (an event is stamped for every cache report)."""
+    return native.clock()()
+
+
 class CacheDirService:
     """Handlers around one `CacheDirectory`, publishing its events on `bus`."""
 
@@ -82,7 +89,7 @@ class CacheDirService:
         self.node = node
         self.workers = workers
         self.bus = bus or EventBus()
-        self.directory = CacheDirectory(clock=anyio.current_time)
+        self.directory = CacheDirectory(clock=_loop_time)
         self._totals: dict[str, int] = {}
         for name, (cluster, role) in workers.items():
             self.directory.register_worker(name, cluster, role)
@@ -643,11 +650,23 @@ class PrefixTree:
         blocks, resume, complete = state.blocks, state.resume, self.complete
         snaps = set(run.snapshot_at)
         above = ROOT if run.parent is None else run.parent
-        if run.parent is not None and run.parent not in nodes:
-            nodes[run.parent] = _Node(UNKNOWN, run.first - 1)
+        # The node above each block, carried from the one before (`_link`, inlined: this loop
+        # runs for every block of every cache report).
+        parent_node = None
+        if run.parent is not None:
+            parent_node = nodes.get(run.parent)
+            if parent_node is None:
+                parent_node = nodes[run.parent] = _Node(UNKNOWN, run.first - 1)
         new_blocks = new_snaps = 0
         for depth, block in enumerate(run.hashes, start=run.first):
-            node = self._linked(block, above, depth)
+            node = nodes.get(block)
+            if node is None:
+                node = nodes[block] = _Node(above, depth)
+            elif node.parent == UNKNOWN:
+                node.parent = above
+            if parent_node is not None:
+                parent_node.children.add(block)
+            parent_node = node
             had = blocks.get(block)
             snap = depth in snaps
             blocks[block] = bool(had) or snap
@@ -830,18 +849,6 @@ class PrefixTree:
             node.parent = parent
         if parent != ROOT:
             self.nodes[parent].children.add(block)
-
-    def _linked(self, block: int, parent: int, depth: int) -> _Node:
-        """`_link`, returning the block's node."""
-        nodes = self.nodes
-        node = nodes.get(block)
-        if node is None:
-            node = nodes[block] = _Node(parent, depth)
-        elif node.parent == UNKNOWN:
-            node.parent = parent
-        if parent != ROOT:
-            nodes[parent].children.add(block)
-        return node
 
     def _refresh(self, holder: int, block: int) -> None:
         """Recompute `holder`'s chain state at `block` and below it, wherever it changed."""

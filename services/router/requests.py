@@ -71,6 +71,7 @@ habits (docs/observability.md); the buckets are services/service.py's.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from mesh import native
 from mesh.errors import MeshError, PeerGone, RemoteError, StreamAborted
 from mesh.events import EventBus
 from mesh.histogram import Histogram, HistogramSeries
@@ -528,14 +530,14 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
     failures: list[tuple[str, UpstreamFailed]] = []
     done: list[PrefillDone] = []
     reason: str | None = None
-    reading = anyio.CancelScope()
+    reading = native.deadline_scope(math.inf)
 
     async def call_prefill() -> None:
         try:
             done.append(await node.call(prefill_worker, prefill, PrefillDone, timeout=timeout))
         except MeshError as exc:
             failures.append(("prefill", _failed(f"prefill on {prefill_worker} failed", exc)))
-            reading.deadline = min(reading.deadline, anyio.current_time() + grace_s)
+            reading.deadline = min(reading.deadline, native.clock()() + grace_s)
         finally:
             on_prefilled()
 

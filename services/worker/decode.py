@@ -65,6 +65,7 @@ import msgspec
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from mesh import native
 from mesh.errors import StreamAborted
 from mesh.events import EventBus
 from mesh.histogram import Histogram
@@ -275,7 +276,7 @@ class DecodeWorker:
                                f"{sorted(self._members)}")
 
     async def _await_kv(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
-        with anyio.move_on_after(request.kv_timeout):
+        with native.deadline_scope(native.clock()() + request.kv_timeout):
             await _kv_arrival(request, assembly)
         if assembly.failure is not None:
             raise assembly.failure
@@ -365,7 +366,7 @@ class DecodeWorker:
         pacing = None if self.model.paces_decode else self._pacing
         batch = len(self._batch)
         if pacing is not None:
-            started, context = anyio.current_time(), self._batch.statistics().tokens_in_cache
+            started, context = native.clock()(), self._batch.statistics().tokens_in_cache
         try:
             self._wakeup = anyio.Event()  # a join cuts a modeled multi-step short
             result: StepResult = await self.model.step(self._batch, self._wakeup)
@@ -386,7 +387,7 @@ class DecodeWorker:
             self._finish(rid, result_reason(result, rid))
         if pacing is not None:
             modeled = pacing.decode_step_time(batch, context)
-            await anyio.sleep(pacing.pacer.remaining(anyio.current_time() - started, modeled))
+            await anyio.sleep(pacing.pacer.remaining(native.clock()() - started, modeled))
 
     def _fail_all(self, error: str) -> None:
         for rid, member in list(self._members.items()):
@@ -425,7 +426,7 @@ class DecodeWorker:
         if not self._bus.subscribed:  # the dashboard's: not built for nobody
             return
         self._bus.publish(RequestPhase(
-            ts=anyio.current_time(), source=self.config.name, request_id=request_id,
+            ts=native.clock()(), source=self.config.name, request_id=request_id,
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
@@ -444,8 +445,8 @@ async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
         since = assembly.progress_at
         # Pieces and lane openings do not wake the waiter (an Event per piece would cost):
         # it looks again when the bound would pass, and goes on if one came meanwhile.
-        wake = since if assembly.opening is not None else anyio.current_time()
-        with anyio.move_on_at(wake + request.kv_stall):
+        wake = since if assembly.opening is not None else native.clock()()
+        with native.deadline_scope(wake + request.kv_stall):
             await assembly.wait()
         if assembly.opening is not None and not assembly.finished and (
                 assembly.progress_at == since):
@@ -526,7 +527,7 @@ class KVAssembly:
                                   f"{opening.lane} for {self.request_id!r}")
         self.opening = first
         self._opened.add(opening.lane)
-        self.progress_at = anyio.current_time()
+        self.progress_at = native.clock()()
 
     def add(self, chunk: KVChunk) -> None:
         key = (chunk.layer, chunk.start)
@@ -536,13 +537,13 @@ class KVAssembly:
         self.pieces[key] = _owned(chunk.data)
         self.nbytes += len(chunk.data)
         self.received_bytes += chunk.size
+        now = self.progress_at = native.clock()()
         if self.first_piece_at is None:
-            self.first_piece_at = anyio.current_time()
-        self.progress_at = anyio.current_time()
+            self.first_piece_at = now
 
     def close_lane(self, lane: int) -> None:
         self._closed.add(lane)
-        self.progress_at = anyio.current_time()
+        self.progress_at = native.clock()()
         self._signal()
 
     def fail(self, error: KVTransferError) -> None:
@@ -642,7 +643,7 @@ class KVInbox:
     def sweep(self) -> None:
         """Drops KV no decode stream claimed within `orphan_timeout`, and forgets requests
         released as long ago."""
-        cutoff = anyio.current_time() - self.orphan_timeout
+        cutoff = native.clock()() - self.orphan_timeout
         for rid in [r for r, a in self._assemblies.items() if not a.claimed and a.created < cutoff]:
             log.warning("dropping the KV of %r: no decode stream asked for it within %g s",
                         rid, self.orphan_timeout)
@@ -665,7 +666,7 @@ class KVInbox:
     def _retire(self, assembly: KVAssembly) -> None:
         assembly.gone = True
         assembly.free()
-        self._gone[assembly.request_id] = anyio.current_time()
+        self._gone[assembly.request_id] = native.clock()()
 
     def _refuse_if_gone(self, request_id: str) -> None:
         if request_id in self._gone:
@@ -701,7 +702,7 @@ class KVInbox:
     def _assembly(self, request_id: str) -> KVAssembly:
         assembly = self._assemblies.get(request_id)
         if assembly is None:
-            assembly = KVAssembly(request_id, anyio.current_time())
+            assembly = KVAssembly(request_id, native.clock()())
             self._assemblies[request_id] = assembly
         return assembly
 
@@ -743,7 +744,7 @@ class KVTransferMetrics(Collector):
         labels = (self.service, self._link_of(assembly.peer) or LOCAL, kind)
         started = assembly.first_piece_at if assembly.first_piece_at is not None \
             else assembly.created
-        self.seconds.labels(*labels).observe(anyio.current_time() - started)
+        self.seconds.labels(*labels).observe(native.clock()() - started)
         self.bytes.labels(*labels).observe(assembly.received_bytes)
 
     def collect(self) -> Iterator[Metric]:

@@ -65,6 +65,7 @@ import anyio
 import msgspec
 import torch
 
+from mesh import native
 from mesh.allocator import release_free_memory
 from mesh.mailbox import Mailbox
 from mesh.native import soon_from_thread
@@ -214,7 +215,7 @@ class PrefillCompute:
         """Runs the compute beside the release of its pieces, then puts the stream's KVClose
         (the first token) on lane 0 and ends the lanes at once, so that the close and the
         streams' ends leave with the last pieces; (first token, compute end)."""
-        start = anyio.current_time()
+        start = native.clock()()
         computed = Mailbox[Computed](job.pieces + 1)
         first: list[int] = []
         if self._runner.inline:
@@ -258,11 +259,12 @@ class PrefillCompute:
                 self._runner.to_loop(partial(computed.put_nowait, (step, chunk)))
 
         try:
-            began = anyio.current_time()
+            clock = native.clock()
+            began = clock()
             first.append(await self._runner.run(partial(self._compute, job, emit)))
             if self._pacing is not None:
                 modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
-                self._pacing.pacer.remaining(anyio.current_time() - began, modeled)
+                self._pacing.pacer.remaining(clock() - began, modeled)
         finally:
             computed.end()
 
@@ -376,20 +378,27 @@ async def release(pieces: Mailbox[Computed], lanes: Sequence[Mailbox[LaneItem]],
     (an anyio memory stream took a loop turn per piece, and the lane a write per piece)."""
     held: list[tuple[int, KVChunk]] = []
     sequence = itertools.count()
+    clock = native.clock()
     async for step, chunk in pieces:
         if ends:
-            await anyio.sleep_until(ends[step])
+            await _sleep_until(clock, ends[step])
         lane = lane_of(next(sequence), len(lanes))
         if hold:
             held.append((lane, chunk))
         else:
             lanes[lane].put_nowait(chunk)
     if ends:
-        await anyio.sleep_until(ends[-1])
-    compute_end = anyio.current_time()
+        await _sleep_until(clock, ends[-1])
+    compute_end = clock()
     for lane, chunk in held:
         lanes[lane].put_nowait(chunk)
     return compute_end
+
+
+async def _sleep_until(clock: Callable[[], float], deadline: float) -> None:
+    """`anyio.sleep_until` on the loop's own sleep (`mesh.native`): the same arithmetic, so
+    the same wake-up instant to the bit, without two backend lookups per piece released."""
+    await native.sleep(max(deadline - clock(), 0))
 
 
 class Engine(Protocol):

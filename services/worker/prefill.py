@@ -34,6 +34,7 @@ from typing import ClassVar, Literal
 import anyio
 import msgspec
 
+from mesh import native
 from mesh.events import EventBus
 from mesh.mailbox import Mailbox
 from mesh.node import Node
@@ -189,7 +190,7 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
-        queued_at = anyio.current_time()
+        queued_at = native.clock()()
         if self._transfer is not None and request.pull is not None:
             await self._transfer.pull(request)  # a cached prefix from another worker first
         job = self._plan(request)
@@ -199,7 +200,7 @@ class PrefillWorker:
         try:
             await self._slot.acquire()
             self._move(place, "running")
-            done = await self._run(job, anyio.current_time() - queued_at,
+            done = await self._run(job, native.clock()() - queued_at,
                                    partial(self._hand_over, place))
         except anyio.get_cancelled_exc_class():
             # Queued: it leaves the queue; running: its compute stops at the next chunk;
@@ -293,14 +294,14 @@ class PrefillWorker:
         request = job.request
         self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
         self._flow(job, "start", 0)
-        start = anyio.current_time()
+        start = native.clock()()
         try:
             first_token, compute_end = await self._stream(job, computed)
         except BaseException as exc:
             self._flow(job, "failed", 0)
             self._phase(request.request_id, "failed", str(exc))
             raise
-        done = anyio.current_time()
+        done = native.clock()()
         self._flow(job, "done", self.model.cfg.n_layers)
         self._counts.jobs += 1
         self._counts.computed_tokens += job.length - job.reused
@@ -380,7 +381,7 @@ class PrefillWorker:
             return
         cfg, request = self.model.cfg, job.request
         self._bus.publish(KVFlow(
-            ts=anyio.current_time(), source=self.config.name, request_id=request.request_id,
+            ts=native.clock()(), source=self.config.name, request_id=request.request_id,
             src=self.config.name, dst=request.decode_worker,
             via_link=self._link_of(request.decode_worker),
             phase=phase,  # type: ignore[arg-type]
@@ -395,7 +396,7 @@ class PrefillWorker:
         if not self._bus.subscribed:
             return
         self._bus.publish(RequestPhase(
-            ts=anyio.current_time(), source=self.config.name, request_id=request_id,
+            ts=native.clock()(), source=self.config.name, request_id=request_id,
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
