@@ -6,11 +6,19 @@ path (docs/engineering-notes.md G4, bench_wire). The mesh's hot paths therefore 
 asyncio's
 own Event directly; both are cancelled by anyio's cancel scopes like any other await. Code
 off the hot path keeps using anyio.
+
+Timed sleeps on a virtual clock that keeps `Sleepers` (the simulation's `JumpClock`) park the
+task in the clock's own heap, and the clock wakes them when it jumps to their instant: a
+sleep of trio's own is a cancel scope with a deadline, registered, expired, and unwound by
+raising and catching `Cancelled`, which cost more than the rest of a simulated wake-up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Protocol
@@ -48,11 +56,102 @@ def clock() -> Callable[[], float]:
 
 
 async def sleep(seconds: float) -> None:
-    """`anyio.sleep` without the backend lookup: trio's or asyncio's own sleep."""
-    if asyncio._get_running_loop() is None:
+    """`anyio.sleep` without the backend lookup: asyncio's own sleep, trio's, or parked on a
+    clock that keeps `Sleepers` until trio's instant (`trio.current_time() + seconds`)."""
+    if asyncio._get_running_loop() is not None:
+        await asyncio.sleep(seconds)
+        return
+    sleepers = parking()
+    if sleepers is None or seconds <= 0:
         await trio.sleep(seconds)
     else:
-        await asyncio.sleep(seconds)
+        await sleepers.sleep_until(trio.current_time() + seconds)
+
+
+async def sleep_until(deadline: float) -> None:
+    """Returns at `deadline` on the running loop's clock (at once, after one checkpoint, if
+    it has passed): parked on a clock that keeps `Sleepers`, else trio's or asyncio's own.
+    Unlike `anyio.sleep_until`, the instant is `deadline` itself, not now plus the rest."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        await asyncio.sleep(max(deadline - loop.time(), 0.0))
+        return
+    sleepers = parking()
+    if sleepers is None:
+        await trio.sleep_until(deadline)
+    else:
+        await sleepers.sleep_until(deadline)
+
+
+class Sleepers:
+    """Tasks parked until instants of a virtual trio clock that wakes them itself: the clock
+    owns one, and in `deadline_to_sleep_time` (trio asks only when no task can run) it jumps
+    to `next_deadline()` if that comes before trio's own and calls `wake_due`. A sleeper's
+    cancellation (its task group cancelled) unparks it, as trio's abort protocol asks.
+
+    A sleep parked here wakes at the same virtual instant as trio's own sleep would, in the
+    same scheduler pass (trio expires its deadlines in the pass the clock jumps in); the
+    order among tasks woken together is trio's to shuffle either way.
+    """
+
+    __slots__ = ("_heap", "_order", "_parked")
+
+    def __init__(self) -> None:
+        # (instant, key) per timed sleep; a key no longer parked is stale, dropped lazily.
+        self._heap: list[tuple[float, int]] = []
+        self._parked: dict[int, trio.lowlevel.Task] = {}
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def next_deadline(self) -> float:
+        """The earliest instant a parked task waits for (`math.inf` if none)."""
+        heap, parked = self._heap, self._parked
+        while heap and heap[0][1] not in parked:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def wake_due(self, now: float) -> None:
+        """Reschedules every task parked until `now` or before, earliest first."""
+        heap, parked = self._heap, self._parked
+        while heap and heap[0][0] <= now:
+            task = parked.pop(heapq.heappop(heap)[1], None)
+            if task is not None:
+                trio.lowlevel.reschedule(task)
+
+    def park(self, deadline: float, task: trio.lowlevel.Task) -> int:
+        """Registers `task` to be woken at `deadline` (never, for `math.inf`, until it is
+        unparked); the key unparks it. The task must then wait (`wait_task_rescheduled`)."""
+        key = next(self._order)
+        self._parked[key] = task
+        if deadline < math.inf:
+            heapq.heappush(self._heap, (deadline, key))
+        return key
+
+    def unpark(self, key: int) -> trio.lowlevel.Task | None:
+        """Takes the task parked under `key` out (None if it was already woken)."""
+        return self._parked.pop(key, None)
+
+    async def sleep_until(self, deadline: float) -> None:
+        """trio's `sleep_until` parked here; a deadline already reached is one checkpoint, as
+        trio's scope entered past its deadline is."""
+        if deadline <= trio.current_time():
+            await trio.lowlevel.checkpoint()
+            return
+        key = self.park(deadline, trio.lowlevel.current_task())
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._parked.pop(key, None)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def parking() -> Sleepers | None:
+    """The running trio clock's `Sleepers` (its `sleepers` attribute), None if it keeps none."""
+    found = getattr(trio.lowlevel.current_clock(), "sleepers", None)
+    return found if isinstance(found, Sleepers) else None
 
 
 def soon_from_thread() -> Callable[[Callable[[], object]], None]:
@@ -125,20 +224,40 @@ class Alarm:
     A sleeper with nothing due parks until `math.inf`, and the one who gives it something
     to do moves its alarm to that instant: it wakes once, then, not once to learn of the
     work and again when it is due.
+
+    On a clock that keeps `Sleepers` the task is parked there (a move re-parks it; a move to
+    an instant already reached wakes it, as `wake` does); elsewhere it waits on an event in
+    a cancel scope whose deadline a move changes.
     """
 
-    __slots__ = ("_event", "_scope")
+    __slots__ = ("_event", "_key", "_scope", "_sleepers")
 
     def __init__(self) -> None:
         self._scope: DeadlineScope | None = None
         self._event: WakeUp | None = None
+        self._sleepers: Sleepers | None = None
+        self._key: int | None = None
 
     @property
     def sleeping(self) -> bool:
-        return self._scope is not None
+        return self._scope is not None or self._key is not None
 
     async def sleep_until(self, deadline: float) -> None:
         """Returns at `deadline`, at a moved one, or when woken, whichever comes first."""
+        sleepers = None if asyncio._get_running_loop() is not None else parking()
+        if sleepers is None:
+            await self._wait_in_scope(deadline)
+        elif deadline <= trio.current_time():
+            await trio.lowlevel.checkpoint()
+        else:
+            self._sleepers = sleepers
+            self._key = sleepers.park(deadline, trio.lowlevel.current_task())
+            try:
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
+            finally:
+                self._sleepers = self._key = None
+
+    async def _wait_in_scope(self, deadline: float) -> None:
         event = self._event = new_event()
         scope = self._scope = deadline_scope(deadline)
         try:
@@ -147,12 +266,31 @@ class Alarm:
         finally:
             self._scope = self._event = None
 
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        if self._sleepers is not None and self._key is not None:
+            self._sleepers.unpark(self._key)
+        return trio.lowlevel.Abort.SUCCEEDED
+
     def move(self, deadline: float) -> None:
         """The sleeper's new instant (nothing if none sleeps)."""
         if self._scope is not None:
             self._scope.deadline = deadline
+        elif self._sleepers is not None and self._key is not None:
+            task = self._sleepers.unpark(self._key)
+            if task is None:
+                return
+            if deadline <= trio.current_time():
+                self._key = None
+                trio.lowlevel.reschedule(task)
+            else:
+                self._key = self._sleepers.park(deadline, task)
 
     def wake(self) -> None:
         """Ends the sleep now (nothing if none sleeps)."""
         if self._event is not None:
             self._event.set()
+        elif self._sleepers is not None and self._key is not None:
+            task = self._sleepers.unpark(self._key)
+            self._key = None
+            if task is not None:
+                trio.lowlevel.reschedule(task)

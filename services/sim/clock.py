@@ -27,6 +27,11 @@ virtual instant: a run stopped at its last arrival counted that request's routin
 that coin, and a capacity search's saturation moved with it (3.2181 or 3.2258 req/s). A
 `JumpClock` knows the moment no task can run (trio asks it for the sleep time then): a task
 in `JumpClock.settled` is woken there instead of the clock jumping on.
+
+A `JumpClock` keeps the loop's timed sleeps itself (`mesh.native.Sleepers`: the sleeps of
+`mesh.native.sleep`, `sleep_until` and `Alarm`): it jumps to the earlier of trio's next
+deadline and its own sleepers' and wakes those due, in the same pass in which trio expires
+its own deadlines, without a cancel scope per sleep.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import msgspec
 import trio
 
 from mesh.errors import ConfigError
+from mesh.native import Sleepers
 
 MAX_RATE = 1e6
 
@@ -63,6 +69,7 @@ class JumpClock(trio.abc.Clock):
     def __init__(self) -> None:
         self._now = 0.0
         self._settling: trio.lowlevel.Task | None = None
+        self.sleepers = Sleepers()
 
     def start_clock(self) -> None:
         pass
@@ -72,17 +79,20 @@ class JumpClock(trio.abc.Clock):
 
     def deadline_to_sleep_time(self, deadline: float) -> float:
         # trio asks only when no task is runnable: the instant has settled. A task waiting
-        # for that runs next, at this same instant; otherwise jump to the deadline and wait
-        # for nothing. With no deadline at all every task waits forever; sleep as long as
-        # trio allows, as a MockClock does (a deadlocked simulation hangs rather than
-        # ending wrong).
+        # for that runs next, at this same instant; otherwise jump to the next deadline,
+        # trio's or a parked sleeper's, wake the sleepers due and wait for nothing (trio
+        # then expires its own deadlines due). With no deadline at all every task waits
+        # forever; sleep as long as trio allows, as a MockClock does (a deadlocked
+        # simulation hangs rather than ending wrong).
         if self._settling is not None:
             task, self._settling = self._settling, None
             trio.lowlevel.reschedule(task)
             return 0.0
+        deadline = min(deadline, self.sleepers.next_deadline())
         if math.isinf(deadline):
             return math.inf
         self._now = max(self._now, deadline)
+        self.sleepers.wake_due(self._now)
         return 0.0
 
     async def settled(self) -> None:

@@ -32,6 +32,7 @@ import anyio.abc
 import msgspec
 import trio
 
+from mesh import native
 from mesh.events import Subscription
 from mesh.run import fewer_collections
 from netem.params import LinkParams
@@ -255,8 +256,8 @@ async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
                     tg: trio.Nursery) -> None:
     """Each arrival at its time, as a task of `tg` (the run's: it may end them unfinished)."""
     for arrival in arrivals:
-        # anyio.sleep_until's arithmetic, without its backend lookups.
-        await trio.sleep(max(start + arrival.at - trio.current_time(), 0.0))
+        # anyio.sleep_until's arithmetic, without its backend lookups, parked on the clock.
+        await native.sleep(max(start + arrival.at - trio.current_time(), 0.0))
         in_flight[0] += 1
         tg.start_soon(_one, world, arrival, pending, collector.client, in_flight)
 
@@ -311,10 +312,10 @@ async def _integrate(world: SimWorld, busy: _Busy) -> None:
     """Each stage's occupancy every BUSY_S, integrated (module docstring). Read half a period
     off the samples' times: trio wakes tasks due at the same instant in a random order, and a
     sample must not depend on it (the same seed gives the same summary)."""
-    await anyio.sleep(BUSY_S / 2)
+    await native.sleep(BUSY_S / 2)
     while True:
         busy.add(world, BUSY_S)
-        await anyio.sleep(BUSY_S)
+        await native.sleep(BUSY_S)
 
 
 async def _apply_changes(world: SimWorld, start: float, changes: Sequence[LinkChange]) -> None:
