@@ -38,7 +38,7 @@ from services.cli.validation import (
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
                          prompt_tokens=(128, 256), output_tokens=(8, 20), chunk_tokens=64,
-                         warmup_requests=2, probe_repeats=1)
+                         warmup_requests=2, probe_repeats=1, load_probe_repeats=1)
 # Looser than the full run's 15%: eight requests, and two cores shared with whatever else runs.
 BOUND = 0.35
 SLOWER = 2.5
@@ -68,6 +68,12 @@ def slower(profile: Path, factor: float, out: Path) -> Path:
 def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, LiveRun]) -> None:
     config, live = measured
     row = against_sim(config, live).rows[0]
+    # The load's own requests are compared; its probes rode in it (flagged on both sides).
+    from services.paper.hardware import read_profile_spec
+    spec = read_profile_spec(config.profile)  # one probe per profiled length
+    assert spec.prefill is not None
+    assert sum(o.probe for o in live.outcomes["light"]) == len(spec.prefill.lengths) >= 3
+    assert row.requests == SMALL.requests
     assert row.live["completed"] == row.sim["completed"] == SMALL.requests
     for key in ("ttft_p50", "tpot_p50"):
         assert abs(row.errors[key]) <= BOUND, (key, row.live, row.sim)
@@ -79,7 +85,10 @@ def test_a_wrong_profile_is_caught(measured: tuple[ValidationConfig, LiveRun],
                                    tmp_path: Path) -> None:
     config, live = measured
     wrong = slower(Path(live.profile), SLOWER, tmp_path / "slower.toml")
-    row = against_sim(config, msgspec.structs.replace(live, profile=str(wrong))).rows[0]
+    assert set(live.load_profiles) == {"light"}  # the load's own fit, from its probes
+    own = slower(Path(live.load_profiles["light"]), SLOWER, tmp_path / "slower-light.toml")
+    row = against_sim(config, msgspec.structs.replace(
+        live, profile=str(wrong), load_profiles={"light": str(own)})).rows[0]
     assert row.errors["ttft_p50"] > BOUND and row.errors["tpot_p50"] > BOUND, row.errors
 
 
@@ -223,3 +232,66 @@ def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
         for child in children.values():
             child.kill()
             child.wait()
+
+
+def test_probes_ride_in_each_load_in_seeded_places() -> None:
+    from services.cli.validation import load_jobs
+    from services.paper.hardware import read_profile_spec
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=30,
+                                     load_probe_repeats=2)
+    engine = read_profile_spec(config.profile)
+    assert engine.prefill is not None
+    lengths = [round(x) for x in engine.prefill.lengths]
+    load = load_jobs(config, 1, 3.0)
+    probes = [j for j in load if j.probe]
+    assert sorted(j.arrival.length for j in probes) == sorted(lengths * 2)
+    assert len(load) - len(probes) == config.requests
+    # One Poisson list at the load's rate, probes and requests alike, mixed through it.
+    times = [j.arrival.at for j in load]
+    assert times == sorted(times) and len(load) / times[-1] == pytest.approx(3.0, rel=0.4)
+    places = [i for i, j in enumerate(load) if j.probe]
+    assert places[0] < len(load) // 2 < places[-1]
+    assert load == load_jobs(config, 1, 3.0) and load != load_jobs(config, 2, 3.0)
+    blocks = [b for j in load for b in j.arrival.blocks]
+    assert len(blocks) == len(set(blocks))
+    # Without probes a load is the plain seeded list it always was.
+    plain = msgspec.structs.replace(config, load_probe_repeats=0)
+    assert load_jobs(plain, 1, 3.0) == jobs(plain, 3.0, config.requests, config.seed + 1)
+
+
+def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
+    from services.cli.validation import in_situ_profile, load_jobs, load_profile, simulate
+    from services.paper.hardware import CostModel, read_profile_spec
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
+                                     load_probe_repeats=1, capacity_rps=2.0)
+    cost = CostModel.load(config.profile, config.model)
+    situ_probes = [Outcome(0.0, n, 10, 0.5, 0.01, 1.0, True, compute_s=cost.prefill_time(n))
+                   for n in (64, 128, 256, 384, 512)]
+    situ = in_situ_profile(config, situ_probes, tmp_path / "profile-in-situ.toml")
+    load = load_jobs(config, 0, 1.0)
+    # The worker ran 1.2x the in-situ fit while this load's probes rode in it; its own
+    # requests report 10x, which must not reach the fit (they are what is checked).
+    outcomes = [Outcome(0.0, j.arrival.length, j.arrival.output_len, 0.5, 0.01, 1.0, True,
+                        compute_s=cost.prefill_time(j.arrival.length) * (1.2 if j.probe
+                                                                          else 10.0),
+                        probe=j.probe) for j in load]
+    own = read_profile_spec(str(load_profile(situ, outcomes, tmp_path / "p.toml", "light")))
+    base = read_profile_spec(str(situ))
+    assert own.prefill is not None and own.decode is not None and base.decode is not None
+    for length, seconds in zip(own.prefill.lengths, own.prefill.seconds, strict=True):
+        assert seconds == pytest.approx(1.2 * cost.prefill_time(round(length)), rel=1e-4)
+    assert own.decode.seconds == base.decode.seconds
+    assert "rode in load light" in own.description
+    # against_sim reads each load's own profile: a live run that is that simulation agrees
+    # exactly on the load's own requests, and the in-situ block's profile does not.
+    config = msgspec.structs.replace(config, loads=(("light", 0.5),))
+    sim = simulate(msgspec.structs.replace(config, profile=str(tmp_path / "p.toml")), load)
+    live = LiveRun(2.0, {"light": sim}, 1.0, profile=str(situ),
+                   load_profiles={"light": str(tmp_path / "p.toml")})
+    row = against_sim(config, live).rows[0]
+    assert row.requests == config.requests
+    assert all(abs(row.errors[k]) < 1e-9 for k in ("ttft_p50", "ttft_p90", "tpot_p50")), row
+    blind = against_sim(config, msgspec.structs.replace(live, load_profiles={})).rows[0]
+    assert blind.errors["ttft_p50"] < -0.05, blind.errors
