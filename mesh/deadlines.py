@@ -63,7 +63,7 @@ class deadline_scope:
 
 def relative_timeout(deadline: float) -> float | None:
     """Seconds left until `deadline`, as sent on the wire (None for none or beyond the cap)."""
-    return None if math.isinf(deadline) else wire_timeout(deadline - anyio.current_time())
+    return None if math.isinf(deadline) else wire_timeout(deadline - native.clock()())
 
 
 class DeadlineWatch:

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from types import CoroutineType
 from typing import Any, Protocol, TypeVar
 
-import anyio
 import msgspec
 
 from mesh.connection import Connection
 from mesh.eager import Eager
 from mesh.errors import ConfigError, MeshError, PeerGone, RequestFailed, StreamAborted
 from mesh.mailbox import Mailbox
+from mesh.native import DeadlineScope
 from mesh.wire import Abort, Call, Cast, End, Envelope, Fail, Item, Open, Push, Reply
 
 log = logging.getLogger(__name__)
@@ -66,13 +66,13 @@ class Request:
     ) -> None:
         self.session = session
         self.envelope = envelope
-        # Absolute, on anyio's clock; inf for casts and calls sent without a timeout.
+        # Absolute, on the loop's clock; inf for casts and calls sent without a timeout.
         self.deadline = deadline
         self.id: int = 0 if isinstance(envelope, Cast) else envelope.id
         self.body: msgspec.Struct = envelope.body
         # What stops the handler early (deadline, abort, the client leaving). None for casts
         # (nobody waits for them) and for a request run eagerly until its handler suspends.
-        self.scope: anyio.CancelScope | None = None
+        self.scope: DeadlineScope | None = None
         self.uploads: Mailbox[msgspec.Struct] | None = None
         self.aborted = False
 

@@ -198,9 +198,15 @@ class _FutureEvent:
 
 
 class DeadlineScope(Protocol):
-    """What the mesh needs of a cancel scope with a deadline it may move while inside."""
+    """What the mesh needs of a cancel scope with a deadline it may move while inside, or
+    cancel."""
 
     deadline: float
+
+    def cancel(self) -> object: ...
+
+    @property
+    def cancelled_caught(self) -> bool: ...
 
     def __enter__(self) -> object: ...
 
@@ -208,7 +214,15 @@ class DeadlineScope(Protocol):
                  tb: TracebackType | None) -> bool | None: ...
 
 
-def deadline_scope(deadline: float) -> DeadlineScope:
+async def checkpoint() -> None:
+    """`anyio.lowlevel.checkpoint` without the backend lookup."""
+    if asyncio._get_running_loop() is None:
+        await trio.lowlevel.checkpoint()
+    else:
+        await asyncio.sleep(0)
+
+
+def deadline_scope(deadline: float = math.inf) -> DeadlineScope:
     """A cancel scope expiring at `deadline` on the running loop's clock: trio's own under
     trio (anyio's wrapper finds the backend on every construction), anyio's on asyncio."""
     if asyncio._get_running_loop() is None:

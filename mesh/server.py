@@ -49,6 +49,7 @@ from mesh.handlers import (
     UploadHandler,
 )
 from mesh.mailbox import Mailbox
+from mesh.native import DeadlineScope, deadline_scope
 from mesh.pools import Pool
 from mesh.wire import Abort, Call, Cast, End, Envelope, Item, Open, Push
 
@@ -76,7 +77,7 @@ class _Reader:
 
     __slots__ = ("request", "scope")
 
-    def __init__(self, scope: anyio.CancelScope) -> None:
+    def __init__(self, scope: DeadlineScope) -> None:
         self.scope = scope
         self.request: Request | None = None
 
@@ -139,7 +140,9 @@ class ServerSession:
 
     async def _read(self) -> None:
         """A reader task: routes frames until the connection ends or it becomes a handler's."""
-        with anyio.CancelScope() as scope:
+        # The loop's own scope (mesh.native): one per reader, so one per handed-off request.
+        scope = deadline_scope()
+        with scope:
             reader = _Reader(scope)
             await self._route_all(reader)
         if reader.request is not None and scope.cancelled_caught:
@@ -216,7 +219,7 @@ class ServerSession:
     def _stream_request(self, envelope: Call[Any] | Open[Any] | Push[Any]) -> Request:
         """A queued request, under a cancel scope of its own (its deadline, aborts)."""
         request = Request(self, envelope, self._deadline(envelope))
-        request.scope = anyio.CancelScope(deadline=request.deadline)
+        request.scope = deadline_scope(request.deadline)
         if isinstance(envelope, Push):
             request.uploads = Mailbox(self._upload_buffer)
         return request

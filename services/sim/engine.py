@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from mesh import native
 from services.contract.messages import KVChunk, KVOpen, ModelInfo
@@ -311,7 +310,7 @@ class ModeledEngine:
         steps = min(self.max_steps, batch.steps_to_next_event())
         if not self._cost.profile.paced:
             # Free compute (class docstring): the steps are done at once.
-            await anyio.lowlevel.checkpoint()
+            await native.checkpoint()
             return batch.advance(steps)
         if not step_s > 0:
             raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
@@ -329,7 +328,7 @@ class ModeledEngine:
         else:
             # The whole run is done now: a sleep until now would cost a timer and its
             # cancellation for the same single pass of the scheduler.
-            await anyio.lowlevel.checkpoint()
+            await native.checkpoint()
         return batch.advance(done)
 
     async def import_kv(self, opening: KVOpen, base: Any,

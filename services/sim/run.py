@@ -162,13 +162,14 @@ class _Busy:
         self._egress = 0
 
     def add(self, world: SimWorld, dt: float) -> None:
+        # The workers' counts, not their whole statistics: this runs every virtual second.
         for worker in world.workers.values():
             if worker.role == "decode":
                 decode = worker.decode
-                stage, busy = "pd_d", decode.statistics().running / max(1, decode.config.max_batch)
+                stage, busy = "pd_d", decode.running / max(1, decode.config.max_batch)
             else:
                 stage = "prfaas" if worker.cluster_kind == "prfaas" else "pd_p"
-                busy = float(worker.prefill.statistics().running > 0)
+                busy = float(worker.prefill.running > 0)
             self.busy[stage] += busy * dt
             self.units[stage] += dt
         link = world.links.get("link-0")
@@ -188,7 +189,7 @@ def _sample(world: SimWorld, now: float, in_flight: int, busy: _Busy) -> Sample:
     queues = {"prfaas": 0, "pd": 0}
     running = waiting = 0
     for worker in world.workers.values():
-        prefill, decode = worker.prefill.statistics(), worker.decode.statistics()
+        prefill, decode = worker.prefill, worker.decode
         queues[worker.cluster_kind] = queues.get(worker.cluster_kind, 0) + (
             prefill.queue_depth + prefill.running)
         running += decode.running
@@ -267,7 +268,7 @@ async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],
     """A streaming client: stamps its first and second token as they reach it."""
     request = GenerationRequest(prompt=arrival.prompt(), stream=True,
                                 sampling=Sampling(max_tokens=arrival.output_len))
-    began = anyio.current_time()
+    began = trio.current_time()
     try:
         handle = await world.scheduler.submit(request)
         rid = handle.placement.request_id
@@ -278,7 +279,7 @@ async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],
                 tokens += (await handle.next_delta()).tokens
                 for index in range(min(tokens, 2)):
                     if math.isnan(stamps[index]):
-                        stamps[index] = anyio.current_time() - began
+                        stamps[index] = trio.current_time() - began
         queue = handle.prefill.queue_s if handle.prefill is not None else math.nan
         client[rid] = (stamps[0], stamps[1], queue)
     except RouterError as exc:
