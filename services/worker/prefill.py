@@ -26,6 +26,7 @@ Lanes are separate mesh nodes (one TCP connection each, the same peer), given by
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -323,9 +324,12 @@ class PrefillWorker:
         (the lanes still sending, the stall bound already counting); (first token, compute
         end)."""
         lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
-        watch = anyio.CancelScope()  # the stall bound, once the compute is done
+        request = job.request
+        # The stall bound: from the compute's end, the lanes' scope expires kv_stall later
+        # (a deadline on the scope, not a watcher task beside the lanes to wake and cancel).
+        watch = native.deadline_scope(math.inf)
         try:
-            async with anyio.create_task_group() as outer:
+            with watch:
                 async with anyio.create_task_group() as tg:
                     for lane, items in enumerate(lanes):
                         tg.start_soon(self._send_lane, job, lane, items)
@@ -335,15 +339,18 @@ class PrefillWorker:
                     finally:
                         for items in lanes:
                             items.end()
-                    if job.request.kv_stall > 0:
-                        outer.start_soon(_stall_after, job.request, watch)
+                    if request.kv_stall > 0:
+                        watch.deadline = native.clock()() + request.kv_stall
                     await computed()
-                watch.cancel()
         except BaseExceptionGroup as group:
-            cause = stream_failure(group, job.request.request_id, job.request.decode_worker)
+            cause = stream_failure(group, request.request_id, request.decode_worker)
             if cause is None:
                 raise
             raise cause from group
+        if watch.cancelled_caught:
+            raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
+                            f"{request.decode_worker} within kv_stall={request.kv_stall:g} s "
+                            "of the compute's end")
         return first_token, compute_end
 
     async def _send_lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> None:
@@ -400,16 +407,6 @@ class PrefillWorker:
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
-
-
-async def _stall_after(request: PrefillRequest, watch: anyio.CancelScope) -> None:
-    """Raises KVStalled `request.kv_stall` seconds from now (the compute's end), which
-    cancels the lanes; cancelling `watch` first (every lane accepted) ends it quietly."""
-    with watch:
-        await anyio.sleep(request.kv_stall)
-        raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
-                        f"{request.decode_worker} within kv_stall={request.kv_stall:g} s of "
-                        "the compute's end")
 
 
 def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: int) -> None:
