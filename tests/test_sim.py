@@ -107,6 +107,23 @@ def test_reading_worker_states_in_process_runs_as_polling_them_over_the_mesh(
     assert msgspec.json.encode(fast.samples) == msgspec.json.encode(polled.samples)
 
 
+def test_asking_the_directory_in_process_runs_as_calling_it_over_the_mesh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sim's router looks prefixes up in the directory in its own event loop, without a
+    checkpoint; calling the directory over the in-memory mesh, as the live router does,
+    gives the same records and samples, to the byte."""
+    arrivals = lognormal(0.5, 60, SMALL.scale, seed=7)
+    fast = _run(SMALL, arrivals)
+    build = services.sim.world._scheduler
+    monkeypatch.setattr(services.sim.world, "_scheduler",
+                        lambda d, topology, transport, directory: build(d, topology, transport,
+                                                                        None))
+    called = _run(SMALL, arrivals)
+    assert len(fast.records) == len(arrivals) > 10
+    assert msgspec.json.encode(fast.records) == msgspec.json.encode(called.records)
+    assert msgspec.json.encode(fast.samples) == msgspec.json.encode(called.samples)
+
+
 def test_link_bytes_are_the_s_kv_of_the_offloaded_requests() -> None:
     """Nothing is cached (fresh blocks), so each offloaded request sends S_kv of its whole
     modeled length; the link adds only frame headers and stream control on top."""
