@@ -166,8 +166,12 @@ class PrefillWorker:
         self._transfer = transfer
         self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
-        self._slot = anyio.Semaphore(1)  # the compute; FIFO, released at the compute's end
-        self._room = anyio.Semaphore(config.max_streaming) if config.max_streaming else None
+        # The compute (FIFO, released at the compute's end) and the room to stream. A free one
+        # is taken without a scheduler pass (fast_acquire); a waiting job still comes first,
+        # as a release hands the semaphore straight to it.
+        self._slot = anyio.Semaphore(1, fast_acquire=True)
+        self._room = (anyio.Semaphore(config.max_streaming, fast_acquire=True)
+                      if config.max_streaming else None)
         self._in: dict[Stage, int] = {"queued": 0, "running": 0, "streaming": 0}
         self._idle = anyio.Event()
         self._idle.set()
