@@ -351,6 +351,11 @@ async def test_concurrent_requests_share_the_batch(topo: Topo) -> None:
     assert stats.finished == 3
     assert stats.steps < 3 * (MAX - 1)  # some steps decoded more than one request
     assert any(running for _, running in seen) and any(queued for queued, _ in seen)
+    # The worker times the real engine's steps: each step's batch and the tokens it held.
+    # Every request makes its first token in the prefill and MAX - 1 here, one a step.
+    assert stats.step_sequences == 3 * (MAX - 1) and stats.step_seconds > 0
+    lengths = sum(len(p) for p in prompts)
+    assert lengths * 1 <= stats.step_context_tokens <= (lengths + 3 * MAX) * MAX
 
 
 @pytest.mark.trio

@@ -75,6 +75,10 @@ def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, Live
     assert sum(o.probe for o in live.outcomes["light"]) == len(spec.prefill.lengths) >= 3
     assert row.requests == SMALL.requests
     assert row.live["completed"] == row.sim["completed"] == SMALL.requests
+    # The decode worker timed its own steps over the probes and over the load.
+    for phase in ("in-situ", "light"):
+        window = live.decode_steps[phase]
+        assert window.steps > 0 and window.seconds > 0 and window.sequences >= window.steps
     for key in ("ttft_p50", "tpot_p50"):
         assert abs(row.errors[key]) <= BOUND, (key, row.live, row.sim)
 
@@ -295,3 +299,55 @@ def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
     assert all(abs(row.errors[k]) < 1e-9 for k in ("ttft_p50", "ttft_p90", "tpot_p50")), row
     blind = against_sim(config, msgspec.structs.replace(live, load_profiles={})).rows[0]
     assert blind.errors["ttft_p50"] < -0.05, blind.errors
+
+
+def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(
+        tmp_path: Path) -> None:
+    from services.cli.validation import (
+        DecodeSteps,
+        decode_drift,
+        in_situ_profile,
+        load_jobs,
+        load_profile,
+        parse_decode_steps,
+    )
+    from services.paper.hardware import CostModel, LinearDecode, read_profile_spec
+
+    text = "\n".join([
+        "# HELP prfaas_decode_steps_total steps", 'prfaas_decode_steps_total{service="d"} 10.0',
+        'prfaas_decode_step_seconds_total{service="d"} 0.25',
+        'prfaas_decode_step_sequences_total{service="d"} 30.0',
+        'prfaas_decode_step_context_tokens_total{service="d"} 9000.0',
+        'prfaas_decode_tokens_total{service="d"} 31.0'])
+    assert parse_decode_steps(text) == DecodeSteps(0.25, 10, 30, 9000)
+    with pytest.raises(ValueError, match="step_seconds"):
+        parse_decode_steps(text.replace("step_seconds", "other"))
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
+                                     load_probe_repeats=1)
+    fit = CostModel.load(config.profile, config.model).profile.decode_fit
+    assert isinstance(fit, LinearDecode)
+
+    def steps(speed: float, count: int, batch: int, context: int) -> DecodeSteps:
+        # `count` steps of `batch` sequences holding `context` tokens, `speed` x the fit.
+        return DecodeSteps(speed * count * fit(batch, context), count, count * batch,
+                           count * context)
+
+    # The probes' steps ran at 1.1x the fit at batch 2, the load's at 1.32x at batch 5: 1.2.
+    windows = {"in-situ": steps(1.1, 40, 2, 600), "light": steps(1.32, 90, 5, 1500)}
+    assert decode_drift(config, windows, "light") == pytest.approx(1.2)
+    assert decode_drift(config, {"light": windows["light"]}, "light") == 1.0  # no baseline
+    assert decode_drift(config, {**windows, "light": DecodeSteps()}, "light") == 1.0
+    cost = CostModel.load(config.profile, config.model)
+    situ = in_situ_profile(config, [
+        Outcome(0.0, n, 10, 0.5, 0.01, 1.0, True, compute_s=cost.prefill_time(n))
+        for n in (64, 128, 256, 384, 512)], tmp_path / "situ.toml")
+    outcomes = [Outcome(0.0, j.arrival.length, 10, 0.5, 0.01, 1.0, True,
+                        compute_s=cost.prefill_time(j.arrival.length), probe=j.probe)
+                for j in load_jobs(config, 0, 1.0)]
+    own = read_profile_spec(str(load_profile(situ, outcomes, tmp_path / "p.toml", "light",
+                                             1.2)))
+    base = read_profile_spec(str(situ))
+    assert own.decode is not None and base.decode is not None
+    assert own.decode.seconds == pytest.approx([1.2 * s for s in base.decode.seconds],
+                                               rel=1e-4)
+    assert "x 1.200" in own.description

@@ -52,6 +52,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import httpx
 import msgspec
 from matplotlib.figure import Figure
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
@@ -67,7 +68,13 @@ from services.cli.profile import profile_toml, write_profile
 from services.contract.events import RequestDone
 from services.contract.sampling import Sampling
 from services.model.config import family_config
-from services.paper.hardware import CostModel, ProfileError, ProfileSpec, read_profile_spec
+from services.paper.hardware import (
+    CostModel,
+    LinearDecode,
+    ProfileError,
+    ProfileSpec,
+    read_profile_spec,
+)
 from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
@@ -206,7 +213,7 @@ def compared(outcomes: Sequence[Outcome]) -> list[Outcome]:
 
 def topology_text(config: ValidationConfig) -> str:
     """The live mesh on free ports; the workers' options are the simulation's."""
-    p = free_ports(6)
+    p = free_ports(7)
     bs_max, _ = CostModel.load(config.profile, config.model).decode_slo()
     worker = (f'family = "{config.family}", size = "{config.size}", '
               f'checkpoint = "{config.checkpoint}", threads = 1, connections = 1, '
@@ -216,7 +223,7 @@ def topology_text(config: ValidationConfig) -> str:
                 ("link-0", "link", "", p[1], f"options = {{ control_port = {p[2]}, "
                                                 f"proxy_base_port = {p[3]} }}"),
                 ("prfaas-prefill-0", "prefill", "prfaas", p[4], ""),
-                ("pd-decode-0", "decode", "pd", p[5], ""),
+                ("pd-decode-0", "decode", "pd", p[5], f"options = {{ metrics_port = {p[6]} }}"),
                 ("router", "router", "", free_ports(1)[0], "")]
     text = "".join(f'[[clusters]]\nname = "{c}"\nkind = "{c}"\noptions = {{ {worker} }}\n'
                    for c in ("prfaas", "pd"))
@@ -435,6 +442,54 @@ def accepted(row: Row, bound: float = ACCEPT) -> bool:
     return all(abs(row.errors[k]) <= bound for k in ("ttft_p50", "ttft_p90", "tpot_p50"))
 
 
+class DecodeSteps(msgspec.Struct, frozen=True):
+    """The decode worker's engine steps over one phase, as it timed them itself (its
+    statistics' step_seconds and sums, read from its /metrics before and after)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    sequences: int = 0  # the steps' batch sizes, summed
+    context_tokens: int = 0  # the tokens their batches held, summed
+
+    def speed(self, fit: LinearDecode) -> float:
+        """Seconds the steps took over what `fit` predicts for the same steps (0: none)."""
+        predicted = (fit.fixed_s * self.steps + fit.per_sequence_s * self.sequences
+                     + fit.per_token_s * self.context_tokens)
+        return self.seconds / predicted if self.steps and predicted > 0 else 0.0
+
+    def minus(self, before: DecodeSteps) -> DecodeSteps:
+        return DecodeSteps(self.seconds - before.seconds, self.steps - before.steps,
+                           self.sequences - before.sequences,
+                           self.context_tokens - before.context_tokens)
+
+
+DECODE_METRICS = {"prfaas_decode_step_seconds_total": "seconds",
+                  "prfaas_decode_steps_total": "steps",
+                  "prfaas_decode_step_sequences_total": "sequences",
+                  "prfaas_decode_step_context_tokens_total": "context_tokens"}
+
+
+async def read_decode_steps(url: str) -> DecodeSteps:
+    """The decode worker's step counters from its /metrics at `url`."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        response = await client.get(url)
+        response.raise_for_status()
+    return parse_decode_steps(response.text)
+
+
+def parse_decode_steps(text: str) -> DecodeSteps:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in DECODE_METRICS:
+            found[DECODE_METRICS[name]] = float(line.rsplit(" ", 1)[1])
+    missing = sorted(name for name, key in DECODE_METRICS.items() if key not in found)
+    if missing:
+        raise ValueError(f"the decode worker's /metrics lacks {', '.join(missing)}")
+    return DecodeSteps(found["seconds"], round(found["steps"]), round(found["sequences"]),
+                       round(found["context_tokens"]))
+
+
 class LiveRun(msgspec.Struct, frozen=True):
     """What the live mesh did: its capacity (measured, or as configured), each load's
     outcomes (the in-situ probes' under "in-situ", the capacity burst's under "capacity",
@@ -448,6 +503,8 @@ class LiveRun(msgspec.Struct, frozen=True):
     profile: str = ""
     # Each load's own profile (load_profile), by load name, where its probes rode in it.
     load_profiles: dict[str, str] = {}
+    # The decode worker's own step timing over each phase (DecodeSteps), by phase name.
+    decode_steps: dict[str, DecodeSteps] = {}
 
 
 class Validation(msgspec.Struct, frozen=True):
@@ -485,12 +542,22 @@ def load_jobs(config: ValidationConfig, index: int, rate: float) -> list[Job]:
 
 async def _drive_live(config: ValidationConfig, topology: Topology,
                       say: Callable[[str], None], loads: dict[str, str],
+                      steps: dict[str, DecodeSteps],
                       ) -> tuple[float, dict[str, list[Outcome]]]:
     """Warm-up, the capacity burst (unless configured), the in-situ probes, then each load on
-    one live mesh; the machine's load average as each phase begins goes into `loads`."""
+    one live mesh; the machine's load average as each phase begins goes into `loads`, the
+    decode worker's step timing over the probes and each load into `steps`."""
     router = LiveRouter(topology, family_config(config.family, config.size).vocab_size)
     out: dict[str, list[Outcome]] = {}
     capacity = config.capacity_rps
+    decode = topology.service("pd-decode-0")
+    url = f"http://{decode.host}:{topology.options_of(decode)['metrics_port']}/metrics"
+
+    async def timed(name: str, load: Sequence[Job], progress: str) -> None:
+        before = await read_decode_steps(url)
+        out[name] = await router.run(load, progress)
+        steps[name] = (await read_decode_steps(url)).minus(before)
+
     loads["warm-up"] = f"{load_average():.2f}"
     async with router.scheduler.node:
         await router.scheduler.node.listen()
@@ -504,7 +571,7 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
         loads["in-situ"] = f"{load_average():.2f}"
         probes = probe_jobs(config, config.probe_load * capacity)
         if config.probe_load > 0:
-            out["in-situ"] = await router.run(probes, "in-situ profile")
+            await timed("in-situ", probes, "in-situ profile")
         else:
             out["in-situ"] = []
             for job in tqdm(probes, desc="in-situ profile", unit="req", file=sys.stderr,
@@ -514,8 +581,7 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
             loads[name] = f"{load_average():.2f}"
             say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} "
                 f"requests (load average {loads[name]})")
-            out[name] = await router.run(load_jobs(config, index, fraction * capacity),
-                                         f"live {name}")
+            await timed(name, load_jobs(config, index, fraction * capacity), f"live {name}")
     return capacity, out
 
 
@@ -525,18 +591,32 @@ def run_live(config: ValidationConfig, log_dir: Path, say: Callable[[str], None]
     the in-situ profile to `profile_out` (default: beside the logs)."""
     began = time.perf_counter()
     loads: dict[str, str] = {}
+    steps: dict[str, DecodeSteps] = {}
     with live_mesh(config, log_dir) as topology:
-        capacity, outcomes = anyio.run(_drive_live, config, topology, say, loads,
+        capacity, outcomes = anyio.run(_drive_live, config, topology, say, loads, steps,
                                        backend="trio")
     profile = in_situ_profile(config, outcomes["in-situ"],
                               profile_out or log_dir / "profile-in-situ.toml",
                               config.probe_load * capacity)
     say(f"in-situ profile: {profile}")
     per_load = {name: str(load_profile(profile, outcomes[name],
-                                       profile.parent / f"profile-{_slug(name)}.toml", name))
+                                       profile.parent / f"profile-{_slug(name)}.toml", name,
+                                       decode_drift(config, steps, name)))
                 for name, _ in config.loads if config.load_probe_repeats > 0}
     return LiveRun(capacity, outcomes, time.perf_counter() - began, loads, str(profile),
-                   per_load)
+                   per_load, steps)
+
+
+def decode_drift(config: ValidationConfig, steps: dict[str, DecodeSteps], load: str) -> float:
+    """How much slower the decode engine stepped during `load` than during the in-situ probes,
+    as the decode worker timed its own steps against the engine profile's linear fit for the
+    same steps (batch sizes and contexts): the decode side's drift, as the load's probes
+    measure the prefill's. 1 when either window has no steps or the profile no linear fit."""
+    fit = CostModel.load(config.profile, config.model).profile.decode_fit
+    if not isinstance(fit, LinearDecode) or "in-situ" not in steps or load not in steps:
+        return 1.0
+    base, mine = steps["in-situ"].speed(fit), steps[load].speed(fit)
+    return mine / base if base > 0 and mine > 0 else 1.0
 
 
 def probe_jobs(config: ValidationConfig, rate: float = 0.0) -> list[Job]:
@@ -613,14 +693,17 @@ def in_situ_profile(config: ValidationConfig, probes: Sequence[Outcome], out: Pa
     return out
 
 
-def load_profile(in_situ: Path, outcomes: Sequence[Outcome], out: Path, load: str) -> Path:
-    """The profile a load is simulated with, written to `out`: the in-situ profile (its decode
-    steps as they are) with its prefill points re-measured by the probes that rode in that load
-    (`load_jobs`). Why: the prefill worker's speed drifts on a shared host. In one of three
-    runs on a 2-vCPU VM the loads computed 5.7-8.0% above the in-situ probes' fit, a minute
-    earlier, against 0.4-3.7% in the other two, and the simulation's TTFT at 60% load went
-    from within 9% to 17-24% low; what the probes beside the load's own requests measure is
-    the speed the load met. The load's own requests are not used: they are what is checked."""
+def load_profile(in_situ: Path, outcomes: Sequence[Outcome], out: Path, load: str,
+                 drift: float = 1.0) -> Path:
+    """The profile a load is simulated with, written to `out`: the in-situ profile with its
+    prefill points re-measured by the probes that rode in that load (`load_jobs`) and its
+    decode steps times `drift`, the decode engine's own step speed during the load over its
+    speed during the in-situ probes (`decode_drift`). Why: the workers' speed drifts on a
+    shared host. In one of three runs on a 2-vCPU VM the loads computed 5.7-8.0% above the
+    in-situ probes' fit, a minute earlier, against 0.4-3.7% in the other two, and the
+    simulation's TTFT at 60% load went from within 9% to 17-24% low; what the probes beside
+    the load's own requests measure is the speed the load met. The load's own requests are
+    not used, nor any request's TPOT: they are what is checked."""
     spec = read_profile_spec(str(in_situ))
     if spec.prefill is None or spec.decode is None:
         raise ProfileError(f"profile {str(in_situ)!r} needs prefill and decode points")
@@ -628,10 +711,12 @@ def load_profile(in_situ: Path, outcomes: Sequence[Outcome], out: Path, load: st
     chunk = spec.prefill.chunk_tokens
     points = _prefill_points(probes, chunk, f"load {load}'s profile")
     dec = spec.decode
-    decode = [DecodePoint(b, c, s, 0.0)
+    decode = [DecodePoint(b, c, s * drift, 0.0)
               for b, c, s in zip(dec.batches, dec.contexts, dec.seconds, strict=True)]
     where = (f"in situ, the live prefill worker's compute over the {len(probes)} probes that "
-             f"rode in load {load}; decode: the steps of {in_situ.stem}; {machine_line(1)}")
+             f"rode in load {load}; decode: the steps of {in_situ.stem} x {drift:.3f} (the "
+             f"decode worker's own step timing, this load over the in-situ probes); "
+             f"{machine_line(1)}")
     write_profile(out, profile_toml(out.stem, where, points, decode, chunk), ProfileSpec)
     return out
 

@@ -126,7 +126,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class DecodeStatistics(msgspec.Struct, frozen=True):
     counters: ClassVar[frozenset[str]] = frozenset(
         {"requests", "finished", "failed", "tokens", "steps", "pieces_in", "kv_bytes_in",
-         "reused_tokens", "kv_orphans_dropped", "kv_lanes_refused"}
+         "reused_tokens", "kv_orphans_dropped", "kv_lanes_refused", "step_seconds",
+         "step_sequences", "step_context_tokens"}
     )
 
     running: int  # in the batch
@@ -143,6 +144,14 @@ class DecodeStatistics(msgspec.Struct, frozen=True):
     kv_pending_bytes: int = 0  # KV pieces held, not yet imported (assemblies: their requests)
     kv_orphans_dropped: int = 0  # KV no decode stream claimed within orphan_timeout
     kv_lanes_refused: int = 0  # KV lanes of requests whose decode stream had ended
+    # The engine's own steps as this worker times them (a real engine's; a modeled one's
+    # are not timed): seconds in them, and the sums of their batch sizes and of the tokens
+    # their batches held. Over a window, a linear step profile's prediction for the same
+    # steps is fixed * steps + per_sequence * step_sequences + per_token * step_context_tokens
+    # (services/cli/validation.py reads the ratio as the engine's speed in situ).
+    step_seconds: float = 0.0
+    step_sequences: int = 0
+    step_context_tokens: int = 0
 
 
 @dataclass
@@ -152,6 +161,9 @@ class _Counts:
     failed: int = 0
     tokens: int = 0
     reused_tokens: int = 0
+    step_seconds: float = 0.0
+    step_sequences: int = 0
+    step_context_tokens: int = 0
 
 
 class DecodeWorker:
@@ -266,7 +278,9 @@ class DecodeWorker:
             tokens=self._counts.tokens, steps=batch.steps, pieces_in=inbox.pieces,
             kv_bytes_in=inbox.bytes, reused_tokens=self._counts.reused_tokens,
             kv_pending_bytes=inbox.held_bytes, kv_orphans_dropped=inbox.orphans_dropped,
-            kv_lanes_refused=inbox.refused_lanes,
+            kv_lanes_refused=inbox.refused_lanes, step_seconds=self._counts.step_seconds,
+            step_sequences=self._counts.step_sequences,
+            step_context_tokens=self._counts.step_context_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -362,10 +376,12 @@ class DecodeWorker:
         self._check_idle()
 
     async def _step(self) -> None:
-        # Clock and context are read only for a step this worker paces (emulated mode).
-        pacing = None if self.model.paces_decode else self._pacing
+        # Clock and context are read only for a real engine's step: timed (statistics'
+        # step_seconds), and paced in emulated mode. A modeled engine's steps are neither.
+        timed = not self.model.paces_decode
+        pacing = self._pacing if timed else None
         batch = len(self._batch)
-        if pacing is not None:
+        if timed:
             started, context = native.clock()(), self._batch.statistics().tokens_in_cache
         try:
             self._wakeup = anyio.Event()  # a join cuts a modeled multi-step short
@@ -374,6 +390,10 @@ class DecodeWorker:
             log.exception("decode step failed; failing its %d requests", batch)
             self._fail_all(f"decode step failed: {exc}")
             return
+        if timed:
+            self._counts.step_seconds += native.clock()() - started
+            self._counts.step_sequences += batch
+            self._counts.step_context_tokens += context
         self._counts.tokens += sum(event.count for event in result.events)
         for event in result.events:
             member = self._members[event.request_id]
