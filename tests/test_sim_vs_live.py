@@ -152,14 +152,16 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
     row = compare("light", 1.0, live, sim)
     result = Validation(SMALL, 3.0, 3.1, [row], {"light": {k: 0.1 for k in (
         "ttft", "queue", "compute", "profile", "rest")}}, {"light": {"live": live, "sim": sim}},
-        12.0, {"light": "0.50"})
+        12.0, {"light": "0.50"}, {"light": 1.2})
     text = write_report(tmp_path, result, "a test machine")
     assert "| light | 1.00 | 10 | ttft_p50 |" in text and "light pass" in text
+    assert "as the decode worker timed them: light 1.200." in text
     assert "light 0.50" in text and "a test machine" in text
     assert (tmp_path / "cdf_light.png").stat().st_size > 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 20
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rows"][0]["errors"]["ttft_p50"] == pytest.approx(-0.05)
+    assert summary["decode_drift"] == {"light": 1.2}
 
 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(

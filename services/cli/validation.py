@@ -20,7 +20,9 @@ seeded Poisson arrival list, prompt lengths and output lengths to both sides, an
 p50 / p90, TPOT p50 / p90 and completed requests per second over the load's own requests.
 Probes ride in each load too (every profiled length a few times, in seeded places of the same
 arrival list, so the load is offered at its rate with them): each load is simulated with the
-prefill fit of its own probes (`load_profile`), since the worker's speed drifts on a shared host.
+prefill fit of its own probes (`load_profile`), since the worker's speed drifts on a shared host,
+and with the decode steps scaled by the decode engine's own step speed during the load over
+during the probes, as the decode worker times its steps (`decode_drift`; no TPOT is read).
 Errors are signed, sim over live minus 1. The same live run is also simulated with the
 engine-alone profile and reported beside.
 Beside them, what the live TTFT is made of, measured from the prefill worker's own report:
@@ -518,6 +520,8 @@ class Validation(msgspec.Struct, frozen=True):
     records: dict[str, dict[str, list[Outcome]]]
     wall_s: float
     load_averages: dict[str, str] = {}
+    # Each load's decode drift (decode_drift): its decode steps' scale in the simulation.
+    decode_drift: dict[str, float] = {}
 
 
 def _burst(config: ValidationConfig) -> list[Job]:
@@ -769,8 +773,10 @@ def against_sim(config: ValidationConfig, live: LiveRun, isolated: bool = False)
         rows.append(compare(name, rate, mine, compared(sim)))
         parts[name] = ttft_parts(own, mine, engine_profile, config.profile)
         records[name] = {"live": live.outcomes[name], "sim": sim}
+    drift = {name: decode_drift(sent, live.decode_steps, name)
+             for name, _ in config.loads if live.decode_steps and not isolated}
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
-                      live.wall_s, live.load_averages)
+                      live.wall_s, live.load_averages, drift)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -819,7 +825,11 @@ def write_report(out: Path, result: Validation, machine: str,
         table(result.rows),
         "Each load is simulated with the prefill fit of the probes that rode in it "
         "(profile-<load>.toml, when written); \"in-situ block's\" is the fit of the probes "
-        "sent before the loads, for the same prompts: the two apart is the host's drift.", "",
+        "sent before the loads, for the same prompts: the two apart is the host's drift."
+        + ("" if not result.decode_drift else " Its decode steps are the in-situ profile's "
+           "times the decode engine's own step speed during the load over during the probes, "
+           "as the decode worker timed them: " + ", ".join(
+               f"{k} {v:.3f}" for k, v in result.decode_drift.items()) + "."), "",
         "What the live TTFT is made of (means, the load's own requests):", "",
         parts_table(result.parts),
         "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load): " +
