@@ -45,25 +45,6 @@ async def test_one_request_streams_tokens_and_reports_everything(
 
 
 @pytest.mark.trio
-async def test_serve_runs_a_request_to_its_end_in_the_calling_task(
-        autojump_clock: trio.testing.MockClock) -> None:
-    """`serve` returns the handle of an ended request, its token times set: the second
-    token one decode step after the first (streamed, one token per step)."""
-    async with fake_mesh() as mesh:
-        prompt = list(range(1, 41))
-        request = msgspec.structs.replace(generation(prompt, max_tokens=5), stream=True)
-        handle = await mesh.scheduler.serve(request)
-        assert handle.outbox.closed and mesh.scheduler.statistics().completed == 1
-        text, result = await handle.collect()
-        assert text == "".join(chr(fake_token(prompt, i) - 1) for i in range(5))
-        assert result.completion_tokens == 5
-        assert handle.started < handle.first_token_at < handle.second_token_at
-        assert handle.second_token_at - handle.first_token_at == pytest.approx(
-            mesh.timing.decode_step_s, rel=0.01)
-        mesh.scheduler.check_integrity()
-
-
-@pytest.mark.trio
 async def test_long_prompts_offload_and_short_ones_stay(
         autojump_clock: trio.testing.MockClock) -> None:
     async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:

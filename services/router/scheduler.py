@@ -207,22 +207,6 @@ class Scheduler:
     async def submit(self, request: GenerationRequest) -> RequestHandle:
         """Places `request` and starts it; QueueFull / NoWorkerAvailable before it starts."""
         group = self._running()
-        handle = await self._start(request)
-        group.start_soon(self._serve, handle)
-        return handle
-
-    async def serve(self, request: GenerationRequest) -> RequestHandle:
-        """Places `request` and runs it to its end in the calling task: the handle comes back
-        closed (`outbox`), its result or error set. For a caller that would only wait for the
-        end (the simulation's clients, which read the token times off the handle): no task
-        is started, and no delta wakes the caller."""
-        self._running()
-        handle = await self._start(request)
-        await self._serve(handle)
-        return handle
-
-    async def _start(self, request: GenerationRequest) -> RequestHandle:
-        """Admits and places `request`, and enters it in the tables as running."""
         started = self.clock()
         self._admit()
         self._placing += 1
@@ -236,6 +220,7 @@ class Scheduler:
         self._active[handle.placement.request_id] = handle
         self.workers.dispatched(handle.placement.prefill_worker, handle.placement.decode_worker)
         self._counts.admitted += 1
+        group.start_soon(self._serve, handle)
         return handle
 
     def admission_limit(self) -> int:
