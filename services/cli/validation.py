@@ -369,15 +369,15 @@ def compare(load: str, rate: float, live: Sequence[Outcome], sim: Sequence[Outco
 
 
 def ttft_parts(config: ValidationConfig, live: Sequence[Outcome],
-               engine_profile: str = "", in_situ_profile: str = "") -> dict[str, float]:
+               engine_profile: str = "", block_profile: str = "") -> dict[str, float]:
     """Mean seconds of what the live TTFT is made of; `profile` is `config`'s profile's prefill
     time for the same prompts (what the simulation's compute takes), `engine` the engine's
-    profile's alone (no in-situ probes) and `in-situ` the in-situ block's, when given (beside
-    a load's own profile, the drift between the two)."""
+    profile's alone (no in-situ probes) and `in-situ` `block_profile`'s (the in-situ block's),
+    when given (beside a load's own profile, the drift between the two)."""
     ok = [o for o in live if o.ok]
     cost = CostModel.load(config.profile, config.model)
     engine = CostModel.load(engine_profile or config.profile, config.model)
-    situ = CostModel.load(in_situ_profile or config.profile, config.model)
+    situ = CostModel.load(block_profile or config.profile, config.model)
 
     def mean(values: Sequence[float]) -> float:
         return sum(values) / len(values) if values else 0.0
