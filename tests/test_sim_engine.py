@@ -7,6 +7,7 @@ import pytest
 import trio
 import trio.testing
 
+from mesh import native
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
 from services.sim.engine import MODELED_TOKEN, ModeledEngine
@@ -20,7 +21,7 @@ async def test_an_unpaced_profile_decodes_at_once_a_token_an_event_with_flush_on
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=4))
     start, events = anyio.current_time(), []
     while "r" in batch:
-        events += (await engine.step(batch, anyio.Event())).events
+        events += (await engine.step(batch, native.Alarm())).events
     assert anyio.current_time() == start
     assert [(e.index, e.count, e.finish_reason) for e in events] == [
         (1, 1, None), (2, 1, None), (3, 1, "length")]
@@ -33,10 +34,10 @@ async def test_the_second_token_comes_alone_then_flush_tokens_an_event(
     engine = ModeledEngine(CostModel.load("cpu"), 1.0, flush=flush)
     batch = engine.new_batch(4)
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=10))
-    second = await engine.step(batch, anyio.Event())
+    second = await engine.step(batch, native.Alarm())
     # The first step stops at the second token (the client's time to second token).
     assert [(e.index, e.count) for e in second.events] == [(1, 1)] and not second.finished
-    result = await engine.step(batch, anyio.Event())
+    result = await engine.step(batch, native.Alarm())
     assert "r" in result.finished and batch.statistics().tokens == 9
     events = [*second.events, *result.events]
     assert [e.count for e in events] == counts
@@ -55,9 +56,9 @@ async def test_a_decoded_token_adds_one_modeled_token_of_context(
     cache.length = 100  # served prompt tokens: 3,200 modeled
     batch.join("r", cache, MODELED_TOKEN, SamplingParams(max_new_tokens=1000))
     assert batch.modeled_context() == 3201
-    await engine.step(batch, anyio.Event())
+    await engine.step(batch, native.Alarm())
     start = anyio.current_time()
-    await engine.step(batch, anyio.Event())
+    await engine.step(batch, native.Alarm())
     steps = batch.statistics().steps - 1
     assert steps == 64 and batch.modeled_context() == 3200 + 2 + 64
     # Each step timed at its start's context (3,202 modeled tokens), not 3,200 + 32 * 2.
@@ -71,6 +72,6 @@ async def test_a_paced_profile_still_takes_its_step_time(
     batch = engine.new_batch(4)
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=4))
     start = anyio.current_time()
-    await engine.step(batch, anyio.Event())
-    result = await engine.step(batch, anyio.Event())
+    await engine.step(batch, native.Alarm())
+    result = await engine.step(batch, native.Alarm())
     assert anyio.current_time() > start and result.finished

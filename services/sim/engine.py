@@ -29,8 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from mesh import native
 from services.contract.messages import KVChunk, KVOpen, ModelInfo
 from services.model.batch import DecodeBatchStatistics, StepResult, TokenEvent
@@ -303,9 +301,10 @@ class ModeledEngine:
                          dtype=self.dtype_name, vocab_size=cfg.vocab_size,
                          block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
 
-    async def step(self, batch: ModeledBatch, interrupt: anyio.Event) -> StepResult:
-        """Up to `max_steps` steps at this batch's step time; a join (`interrupt`) cuts the
-        run at the step in progress, so the newcomer joins at the next step boundary."""
+    async def step(self, batch: ModeledBatch, interrupt: native.Alarm) -> StepResult:
+        """Up to `max_steps` steps at this batch's step time; a join (the worker wakes
+        `interrupt`) cuts the run at the step in progress, so the newcomer joins at the next
+        step boundary."""
         step_s = self._cost.decode_step_time(len(batch), batch.modeled_context())
         steps = min(self.max_steps, batch.steps_to_next_event())
         if not self._cost.profile.paced:
@@ -314,12 +313,12 @@ class ModeledEngine:
             return batch.advance(steps)
         if not step_s > 0:
             raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
-        # The loop's own clock, scope and sleep (mesh.native): a step is on every request's
-        # path, and anyio's finds the backend on each call; the times are anyio's to the bit.
+        # The loop's own clock and sleeps (mesh.native): a step is on every request's path.
+        # On the simulation's clock the alarm parks the loop in the clock's own heap: no
+        # cancel scope and no event per step. The times are anyio's to the bit.
         clock = native.clock()
         start = clock()
-        with native.deadline_scope(start + steps * step_s):
-            await interrupt.wait()
+        await interrupt.sleep_until(start + steps * step_s)
         now = clock()
         done = min(steps, max(1, math.ceil((now - start) / step_s - 1e-9)))
         end = start + done * step_s

@@ -55,6 +55,7 @@ for a short answer instead of one per step, on the worker's side and on the read
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -195,7 +196,9 @@ class DecodeWorker:
         model_id = (cfg.family, cfg.config_hash(), self.model.dtype_name)
         self.inbox = KVInbox(config.name, model_id, config.orphan_timeout)
         self._waiting = 0
-        self._wakeup = anyio.Event()
+        # The batch loop sleeps on this alarm, idle or inside a modeled multi-step run; a join
+        # or a leave wakes it.
+        self._wakeup = native.Alarm()
         self._idle = anyio.Event()
         self._idle.set()
         self._counts = _Counts()
@@ -258,8 +261,7 @@ class DecodeWorker:
             while True:
                 self._admit()
                 if not self._members:
-                    self._wakeup = anyio.Event()
-                    await self._wakeup.wait()
+                    await self._wakeup.sleep_until(math.inf)
                     continue
                 await self._step()
         finally:
@@ -334,7 +336,7 @@ class DecodeWorker:
         member = Member(request, cache, first, params, [first])
         self._joining.append(member)
         self._waiting -= 1
-        self._wakeup.set()
+        self._wakeup.wake()
         try:
             async for events in member.tokens:
                 yield token_chunk(request.request_id, events)
@@ -350,7 +352,7 @@ class DecodeWorker:
             m.request.request_id == request_id for m in self._joining
         ):
             self._leaving.add(request_id)
-            self._wakeup.set()
+            self._wakeup.wake()
 
     def _admit(self) -> None:
         waiting: list[Member] = []
@@ -384,7 +386,7 @@ class DecodeWorker:
         if timed:
             started, context = native.clock()(), self._batch.statistics().tokens_in_cache
         try:
-            self._wakeup = anyio.Event()  # a join cuts a modeled multi-step short
+            # A join wakes the alarm: that cuts a modeled multi-step short.
             result: StepResult = await self.model.step(self._batch, self._wakeup)
         except ModelError as exc:
             log.exception("decode step failed; failing its %d requests", batch)

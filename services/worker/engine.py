@@ -39,7 +39,8 @@ An engine answers:
   layer's piece, returning the first token and setting `job.first_logprob` when the request
   asked for logprobs;
 - `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
-  batch may take several steps at once, cut short when `interrupt` is set: a request joined);
+  batch may take several steps at once, sleeping on `interrupt`, a `mesh.native.Alarm`, which
+  the worker wakes when a request joins: that cuts the run short);
 - `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
 - `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
   stretches each real step);
@@ -418,7 +419,7 @@ class Engine(Protocol):
 
     def new_batch(self, slots: int) -> Any: ...
 
-    async def step(self, batch: Any, interrupt: anyio.Event) -> StepResult: ...
+    async def step(self, batch: Any, interrupt: native.Alarm) -> StepResult: ...
 
     async def import_kv(self, opening: KVOpen, base: Any,
                         pieces: Mapping[tuple[int, int], bytes | memoryview]) -> Any: ...
@@ -491,7 +492,7 @@ class ModelEngine:
         (mesh/allocator.py); this hands them back."""
         release_free_memory()
 
-    async def step(self, batch: DecodeBatch, interrupt: anyio.Event) -> StepResult:
+    async def step(self, batch: DecodeBatch, interrupt: native.Alarm) -> StepResult:
         # One real step in a worker thread; the loop keeps serving meanwhile.
         return await anyio.to_thread.run_sync(batch.step)
 
