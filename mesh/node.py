@@ -192,7 +192,7 @@ class Node:
         """Lets `pool` start its worker tasks in the node's group as requests arrive."""
         group = self._group
         assert group is not None
-        pool.run_workers(lambda: group.start_soon(self._work, pool))
+        pool.run_workers(lambda: native.start_soon(group, self._work, pool))
 
     async def __aenter__(self) -> Node:
         if self._stack is not None:
@@ -400,4 +400,5 @@ class Node:
 
     def _session_for(self, conn: Connection) -> ServerSession:
         group = self._running("serving")
-        return ServerSession(self.now, conn, self.pool_for, self._handlers, group.start_soon)
+        return ServerSession(self.now, conn, self.pool_for, self._handlers,
+                             lambda work: native.start_soon(group, work))

@@ -542,7 +542,7 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
             on_prefilled()
 
     async with anyio.create_task_group() as group:
-        group.start_soon(call_prefill)
+        native.start_soon(group, call_prefill)
         with reading:
             reason = await _read_tokens(node, decode_worker, decode, timeout, on_chunk,
                                         failures)

@@ -84,6 +84,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from mesh import native
 from mesh.errors import ConfigError, MeshError
 from mesh.events import EventBus
 from mesh.node import Node
@@ -220,7 +221,7 @@ class Scheduler:
         self._active[handle.placement.request_id] = handle
         self.workers.dispatched(handle.placement.prefill_worker, handle.placement.decode_worker)
         self._counts.admitted += 1
-        group.start_soon(self._serve, handle)
+        native.start_soon(group, self._serve, handle)
         return handle
 
     def admission_limit(self) -> int:

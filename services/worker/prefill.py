@@ -336,7 +336,7 @@ class PrefillWorker:
             with watch:
                 async with anyio.create_task_group() as tg:
                     for lane, items in enumerate(lanes):
-                        tg.start_soon(self._send_lane, job, lane, items)
+                        native.start_soon(tg, self._send_lane, job, lane, items)
                     try:
                         first_token, compute_end = await self._compute.compute_and_release(
                             job, lanes)
