@@ -8,7 +8,7 @@ import anyio
 import pytest
 import trio.testing
 
-from mesh.native import Alarm
+from mesh.native import Alarm, start_soon
 
 
 async def _sleep_on(alarm: Alarm, until: float, woke: list[float]) -> None:
@@ -60,3 +60,45 @@ def test_an_alarm_is_moved_and_woken_alike_under_asyncio() -> None:
 
     moved, woken = anyio.run(main, backend="asyncio")
     assert moved >= 0.05 and woken < 5.0
+
+
+async def _started_native(backend_failures: list[str]) -> None:
+    """native.start_soon's tasks run, fail and are cancelled with their anyio group."""
+    ran: list[int] = []
+
+    async def work(n: int) -> None:
+        await anyio.sleep(0)
+        ran.append(n)
+
+    async def fail() -> None:
+        await anyio.sleep(0)
+        raise KeyError("lane")
+
+    async def forever() -> None:
+        await anyio.sleep(math.inf)
+
+    async with anyio.create_task_group() as tg:
+        for n in range(3):
+            start_soon(tg, work, n)
+    assert sorted(ran) == [0, 1, 2]
+    with pytest.raises(ExceptionGroup) as caught:
+        async with anyio.create_task_group() as tg:
+            start_soon(tg, forever)
+            start_soon(tg, fail)
+    cancelled = anyio.get_cancelled_exc_class()
+    assert caught.group_contains(KeyError) and not caught.group_contains(cancelled)
+    with anyio.move_on_after(1.0) as scope:
+        async with anyio.create_task_group() as tg:
+            start_soon(tg, forever)
+    assert scope.cancelled_caught
+    # A group that has ended refuses new tasks, as its own start_soon does.
+    with pytest.raises(RuntimeError):
+        start_soon(tg, work, 9)
+    backend_failures.append("ok")
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_native_start_soon_runs_fails_and_cancels_with_the_group(backend: str) -> None:
+    done: list[str] = []
+    anyio.run(_started_native, done, backend=backend)
+    assert done == ["ok"]
