@@ -47,6 +47,12 @@ def on_asyncio() -> bool:
 def new_event() -> WakeUp:
     """A fresh one-shot wake-up of the running loop, for one waiting task."""
     loop = asyncio._get_running_loop()
+    return _TaskWakeUp() if loop is None else _FutureEvent(loop)
+
+
+def new_event_reference() -> WakeUp:
+    """Slow, obvious `new_event`: trio's own Event (a parking lot of waiters) under trio."""
+    loop = asyncio._get_running_loop()
     return trio.Event() if loop is None else _FutureEvent(loop)
 
 
@@ -174,6 +180,43 @@ def checkpoint_if_cancelled() -> Callable[[], Awaitable[None]] | None:
     """trio's `checkpoint_if_cancelled`; None on asyncio, where a task is only ever cancelled
     at an await that suspends, so a write that does not suspend needs no such check."""
     return None if on_asyncio() else trio.lowlevel.checkpoint_if_cancelled
+
+
+class _TaskWakeUp:
+    """A one-shot Event for one waiting trio task: the task itself is parked, where trio's
+    Event builds a parking lot and a dict per instance (the mailboxes wait on one of these
+    for nearly every wake-up on the request path). Like trio's: a wait on a set one is a
+    checkpoint, and a cancelled waiter is unparked (it does not count as set)."""
+
+    __slots__ = ("_set", "_task")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._task: trio.lowlevel.Task | None = None
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        task, self._task = self._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    async def wait(self) -> None:
+        if self._set:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._task is not None:
+            raise RuntimeError("a native wake-up has one waiter; another task waits on it")
+        self._task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class _FutureEvent:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import anyio
 import pytest
 import trio.testing
 
-from mesh.native import Alarm, start_soon
+from mesh.native import Alarm, WakeUp, new_event, new_event_reference, start_soon
 
 
 async def _sleep_on(alarm: Alarm, until: float, woke: list[float]) -> None:
@@ -102,3 +103,56 @@ def test_native_start_soon_runs_fails_and_cancels_with_the_group(backend: str) -
     done: list[str] = []
     anyio.run(_started_native, done, backend=backend)
     assert done == ["ok"]
+
+
+async def _wake_up_story(make: Callable[[], WakeUp]) -> list[object]:
+    """What one waiter sees of a wake-up: set before, set while waiting, cancelled."""
+    seen: list[object] = []
+    early = make()
+    early.set()
+    early.set()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        # A wait on a set one is a checkpoint: a cancelled scope is seen there.
+        await early.wait()
+    seen += ["early", early.is_set(), scope.cancelled_caught]
+    late = make()
+
+    async def wake_later() -> None:
+        await anyio.sleep(1.0)
+        late.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wake_later)
+        began = anyio.current_time()
+        await late.wait()
+        seen += ["late", anyio.current_time() - began, late.is_set()]
+    never = make()
+    with anyio.move_on_after(2.0) as timeout:
+        await never.wait()
+    seen += ["cancelled", timeout.cancelled_caught, never.is_set()]
+    never.set()  # nobody waits any more: nothing to wake
+    await never.wait()
+    seen += ["after", never.is_set()]
+    return seen
+
+
+@pytest.mark.trio
+async def test_the_native_wake_up_behaves_as_trios_event_for_one_waiter(
+        autojump_clock: trio.testing.MockClock) -> None:
+    with anyio.fail_after(60):
+        fast = await _wake_up_story(new_event)
+        assert fast == await _wake_up_story(new_event_reference)
+    assert fast == ["early", True, True, "late", 1.0, True, "cancelled", True, False,
+                    "after", True]
+
+
+@pytest.mark.trio
+async def test_a_native_wake_up_refuses_a_second_waiter(
+        autojump_clock: trio.testing.MockClock) -> None:
+    wake = new_event()
+    with pytest.raises(ExceptionGroup) as caught:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wake.wait)
+            await anyio.sleep(0.1)
+            await wake.wait()
+    assert caught.group_contains(RuntimeError, match="one waiter")
