@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import anyio
 import pytest
 import trio
@@ -10,7 +13,7 @@ import trio.testing
 from mesh import native
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
-from services.sim.engine import MODELED_TOKEN, ModeledEngine
+from services.sim.engine import MODELED_TOKEN, CountingBatch, ModeledBatch, ModeledEngine
 
 
 @pytest.mark.trio
@@ -75,3 +78,56 @@ async def test_a_paced_profile_still_takes_its_step_time(
     await engine.step(batch, native.Alarm())
     result = await engine.step(batch, native.Alarm())
     assert anyio.current_time() > start and result.finished
+
+
+def _same_step(reference: ModeledBatch, fast: CountingBatch, steps: int) -> list[str]:
+    """Advances both; what the fast batch got wrong (nothing, when they agree)."""
+    wrong = []
+    if fast.steps_to_next_event() != reference.steps_to_next_event():
+        wrong.append("steps_to_next_event")
+    if fast.modeled_context() != reference.modeled_context():
+        wrong.append("modeled_context")
+    a, b = reference.advance(steps), fast.advance(steps)
+    if a.events != b.events:
+        wrong.append(f"events {a.events} != {b.events}")
+    if list(a.finished) != list(b.finished) or [c.length for c in a.finished.values()] != [
+            c.length for c in b.finished.values()]:
+        wrong.append("finished")
+    return wrong
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_counting_batch_makes_the_reference_batchs_events_in_its_order(seed: int) -> None:
+    """Random joins, leaves and advances: equal events, finishes, contexts and statistics."""
+    rng = random.Random(seed)
+    engine = ModeledEngine(CostModel.load("h20", "hybrid_1t"), 8.0)
+    fast = engine.new_batch(4)
+    assert isinstance(fast, CountingBatch)
+    reference = ModeledBatch(4, None, 8.0)
+    names = itertools.count()
+    for _ in range(400):
+        roll = rng.random()
+        if roll < 0.3 or not len(reference):
+            rid, length = f"r{next(names)}", rng.randrange(1, 5000)
+            limit = rng.choice([2, 3, rng.randrange(2, 300)])
+            for batch in (reference, fast):
+                cache = engine.empty_cache()
+                cache.length = length
+                batch.join(rid, cache, MODELED_TOKEN, SamplingParams(max_new_tokens=limit))
+        elif roll < 0.4:
+            rid = rng.choice(reference.request_ids())
+            assert reference.leave(rid).length == fast.leave(rid).length
+        else:
+            steps = rng.randrange(1, reference.steps_to_next_event() + 3)
+            assert _same_step(reference, fast, steps) == []
+        assert fast.request_ids() == reference.request_ids()
+        assert fast.statistics() == reference.statistics()
+        fast.check_integrity()
+    assert reference.statistics().joined > 50
+
+
+def test_the_counting_batch_is_only_taken_where_it_applies() -> None:
+    h20 = CostModel.load("h20", "hybrid_1t")
+    assert isinstance(ModeledEngine(h20, 32.0).new_batch(4), CountingBatch)
+    assert isinstance(ModeledEngine(h20, 32.0, flush=4).new_batch(4), ModeledBatch)
+    assert isinstance(ModeledEngine(h20, 2.5).new_batch(4), ModeledBatch)

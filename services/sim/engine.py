@@ -24,6 +24,8 @@ block of the Mooncake traces, and the workloads without prefix reuse at 1/32.)
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -225,6 +227,139 @@ class ModeledBatch:
             run.cache.check_integrity()
 
 
+@dataclass
+class _Counted:
+    cache: VirtualCache
+    base: int  # the batch's step count when this member had made 0 tokens
+    limit: int
+    prompt: int  # served tokens in the cache when it joined
+    order: int  # join order: events go out in it, as the reference's dict order has them
+    fresh: bool = True  # only the first token handed out (it came with the prefill)
+
+
+class CountingBatch:
+    """`ModeledBatch` where nothing is flushed between a member's second and last token and a
+    served token stands for a whole number of modeled ones (what the simulation runs): a step
+    costs the same whatever the batch's size. Each member's progress is the batch's step
+    count less its own start, its finishing step waits in a heap, and the contexts are kept
+    as sums; a member's cache length is brought up to date when it leaves or finishes, or
+    when `check_integrity` looks. Same results as `ModeledBatch`, event for event and in the
+    same order (tests/test_sim_engine.py), the modeled context to the bit: whole-number
+    products and sums below 2**53 are exact in floating point, so the reference's float sum
+    equals these integer sums."""
+
+    def __init__(self, slots: int, tokens_per_served: int) -> None:
+        self._slots = slots
+        self._per_served = tokens_per_served
+        self._runs: dict[str, _Counted] = {}
+        self._fresh: dict[str, _Counted] = {}  # joined, second token not yet made
+        self._ends: list[tuple[int, int, str]] = []  # (finishing step, order, id); lazy
+        self._order = itertools.count()
+        self._prompts = self._bases = 0  # sums over the members
+        self.steps = self.tokens = self.joined = self.left = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._runs
+
+    def request_ids(self) -> list[str]:
+        return list(self._runs)
+
+    def join(self, request_id: str, cache: VirtualCache, next_token: int,
+             params: SamplingParams) -> None:
+        if request_id in self._runs:
+            raise ModelError(f"request {request_id!r} is already in the batch")
+        run = _Counted(cache, self.steps - 1, params.max_new_tokens, cache.length,
+                       next(self._order))
+        self._runs[request_id] = self._fresh[request_id] = run
+        heapq.heappush(self._ends, (run.base + run.limit, run.order, request_id))
+        self._prompts += run.prompt
+        self._bases += run.base
+        self._slots = max(self._slots, len(self._runs))
+        self.joined += 1
+
+    def leave(self, request_id: str) -> VirtualCache:
+        self.left += 1
+        return self._remove(request_id)
+
+    def context(self) -> int:
+        """Served tokens in the members' caches (each its prompt and generated tokens less the
+        first, which the cache does not hold yet)."""
+        return self._prompts + self._generated() - len(self._runs)
+
+    def modeled_context(self) -> int:
+        return self._prompts * self._per_served + self._generated()
+
+    def steps_to_next_event(self) -> int:
+        if self._fresh:
+            return 1
+        return self._next_end() - self.steps
+
+    def advance(self, steps: int) -> StepResult:
+        self.tokens += steps * len(self._runs)
+        self.steps += steps
+        due = dict(self._fresh)
+        while self._ends and self._ends[0][0] <= self.steps:
+            _, order, rid = heapq.heappop(self._ends)
+            run = self._runs.get(rid)
+            if run is not None and run.order == order:
+                due[rid] = run
+        events, finished = [], {}
+        for rid, run in sorted(due.items(), key=lambda item: item[1].order):
+            generated = self.steps - run.base
+            if generated < run.limit:
+                events.append(TokenEvent(rid, MODELED_TOKEN, 1, None, 1))
+                run.fresh = False
+                del self._fresh[rid]
+                continue
+            first = 1 if run.fresh else 2
+            if generated > first:
+                events.append(TokenEvent(rid, MODELED_TOKEN, first, "length", generated - first))
+            finished[rid] = self._remove(rid)
+        return StepResult(tuple(events), finished)  # type: ignore[arg-type]
+
+    def statistics(self) -> DecodeBatchStatistics:
+        return DecodeBatchStatistics(members=len(self._runs), slots=self._slots,
+                                     steps=self.steps, tokens=self.tokens, joined=self.joined,
+                                     left=self.left, tokens_in_cache=self.context())
+
+    def check_integrity(self) -> None:
+        for rid, run in self._runs.items():
+            generated = self.steps - run.base
+            if not 1 <= generated < run.limit:
+                raise ModelError(f"{rid!r} has made {generated} of {run.limit} tokens")
+            if run.fresh != (rid in self._fresh) or run.fresh != (generated == 1):
+                raise ModelError(f"{rid!r} is {'' if run.fresh else 'not '}fresh at "
+                                 f"{generated} tokens")
+            run.cache.length = run.prompt + generated - 1
+            run.cache.check_integrity()
+        if self._prompts != sum(r.prompt for r in self._runs.values()) or (
+                self._bases != sum(r.base for r in self._runs.values())):
+            raise ModelError("the batch's sums are out of step with its members")
+
+    def _generated(self) -> int:
+        return len(self._runs) * self.steps - self._bases
+
+    def _next_end(self) -> int:
+        ends, runs = self._ends, self._runs
+        while True:
+            end, order, rid = ends[0]
+            run = runs.get(rid)
+            if run is not None and run.order == order:
+                return end
+            heapq.heappop(ends)
+
+    def _remove(self, request_id: str) -> VirtualCache:
+        run = self._runs.pop(request_id)
+        self._fresh.pop(request_id, None)
+        self._prompts -= run.prompt
+        self._bases -= run.base
+        run.cache.length = run.prompt + self.steps - run.base - 1
+        return run.cache
+
+
 class ModeledEngine:
     """The simulation's engine (module docstring): `decode_cost` times the decode steps.
 
@@ -291,7 +426,11 @@ class ModeledEngine:
         cache.length = job.length
         return MODELED_TOKEN
 
-    def new_batch(self, slots: int) -> ModeledBatch:
+    def new_batch(self, slots: int) -> ModeledBatch | CountingBatch:
+        """`CountingBatch` where it applies (nothing flushed, a whole number of modeled tokens
+        per served one: the simulation's runs), else `ModeledBatch`, the general form."""
+        if self.flush is None and float(self._per_served).is_integer():
+            return CountingBatch(slots, int(self._per_served))
         return ModeledBatch(slots, self.flush, self._per_served)
 
     def info(self, source: str = "modeled") -> ModelInfo:
@@ -301,7 +440,8 @@ class ModeledEngine:
                          dtype=self.dtype_name, vocab_size=cfg.vocab_size,
                          block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
 
-    async def step(self, batch: ModeledBatch, interrupt: native.Alarm) -> StepResult:
+    async def step(self, batch: ModeledBatch | CountingBatch, interrupt: native.Alarm,
+                   ) -> StepResult:
         """Up to `max_steps` steps at this batch's step time; a join (the worker wakes
         `interrupt`) cuts the run at the step in progress, so the newcomer joins at the next
         step boundary."""
