@@ -272,17 +272,17 @@ class ServerSession:
         if self._routing:
             return False
         if kind is Open or kind is Push:
-            return self._open_now(cast(Open[Any] | Push[Any], envelope))
+            return self._open_now(cast("Open[Any] | Push[Any]", envelope))
         if kind is not Item and kind is not End:
             return False
-        request = self._active.get(cast(Item[Any] | End, envelope).id)
+        request = self._active.get(cast("Item[Any] | End", envelope).id)
         uploads = None if request is None else request.uploads
         if uploads is None or not uploads.open:
             return False
         if kind is End:
             uploads.end()
             return True
-        return uploads.put_nowait(cast(Item[Any], envelope).body)
+        return uploads.put_nowait(cast("Item[Any]", envelope).body)
 
     def _fail_all(self, reason: MeshError) -> None:
         for request in self._active.values():
