@@ -62,6 +62,12 @@ def clock() -> Callable[[], float]:
     return trio.current_time if loop is None else loop.time
 
 
+def now() -> float:
+    """The running loop's time: `anyio.current_time()` without the backend lookup."""
+    loop = asyncio._get_running_loop()
+    return trio.current_time() if loop is None else loop.time()
+
+
 async def sleep(seconds: float) -> None:
     """`anyio.sleep` without the backend lookup: asyncio's own sleep, trio's, or parked on a
     clock that keeps `Sleepers` until trio's instant (`trio.current_time() + seconds`)."""

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import trio.testing
 
-from mesh.native import Alarm, WakeUp, new_event, new_event_reference, start_soon
+from mesh.native import Alarm, WakeUp, new_event, new_event_reference, now, start_soon
 
 
 async def _sleep_on(alarm: Alarm, until: float, woke: list[float]) -> None:
@@ -156,3 +156,12 @@ async def test_a_native_wake_up_refuses_a_second_waiter(
             await anyio.sleep(0.1)
             await wake.wait()
     assert caught.group_contains(RuntimeError, match="one waiter")
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_native_now_is_anyios_current_time(backend: str) -> None:
+    async def main() -> tuple[float, float, float]:
+        return anyio.current_time(), now(), anyio.current_time()
+
+    before, ours, after = anyio.run(main, backend=backend)
+    assert before <= ours <= after

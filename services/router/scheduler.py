@@ -168,7 +168,7 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         bus: EventBus[Event] | None = None,
-        clock: Callable[[], float] = anyio.current_time,
+        clock: Callable[[], float] = native.now,
         directory: DirectoryReader | None = None,
     ) -> None:
         self.node = node
