@@ -406,6 +406,8 @@ class RequestHandle:
         self.error: RouterError | None = None
         self.result: Finished | None = None
         self.started = self.first_token_at = self.last_token_at = 0.0
+        # When the second output token came (the time to second token); 0.0 until then.
+        self.second_token_at = 0.0
         # The running attempt (`RequestRunner`): its scope, and whether it still
         # waits for its KV (no token yet), so that a stalled link can move it on.
         self.attempt_scope: anyio.CancelScope | None = None
@@ -758,14 +760,16 @@ class RequestRunner:
         return chunk.finish_reason
 
     def _token_times(self, handle: RequestHandle, tokens: int) -> None:
-        """The first token's time, then the gap before each later token (the ITL histogram):
-        `tokens` arriving g after the last one count as `tokens` gaps of g / tokens (a whole
-        answer's tokens after the first come together at its end)."""
+        """The first and second tokens' times, and the gap before each later token (the ITL
+        histogram): `tokens` arriving g after the last one count as `tokens` gaps of
+        g / tokens (a whole answer's tokens after the first come together at its end)."""
         now = self.clock()
         if handle.first_token_at == 0.0:
             handle.first_token_at = handle.last_token_at = now
             self.phase(handle.placement.request_id, "decode", handle.placement.decode_worker)
             tokens -= 1
+        if tokens > 0 and handle.second_token_at == 0.0:
+            handle.second_token_at = now
         if tokens > 0 and handle.series is not None:
             handle.series.itl.observe((now - handle.last_token_at) / tokens, tokens)
         handle.last_token_at = now

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 
 import anyio
 import anyio.abc
@@ -265,7 +264,10 @@ async def _send_all(world: SimWorld, start: float, arrivals: Sequence[Arrival],
 
 async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],
                client: dict[str, tuple[float, float, float]], in_flight: list[int]) -> None:
-    """A streaming client: stamps its first and second token as they reach it."""
+    """A streaming client's first and second token times. The router stamps them as the
+    tokens reach it, in the instant a streaming client reading each delta would stamp them
+    (virtual time stands still while tasks run), so the client waits once, for the end,
+    rather than waking for every delta."""
     request = GenerationRequest(prompt=arrival.prompt(), stream=True,
                                 sampling=Sampling(max_tokens=arrival.output_len))
     began = trio.current_time()
@@ -273,13 +275,9 @@ async def _one(world: SimWorld, arrival: Arrival, pending: dict[str, Arrival],
         handle = await world.scheduler.submit(request)
         rid = handle.placement.request_id
         pending[rid] = arrival
-        tokens, stamps = 0, [math.nan, math.nan]
-        with suppress(StopAsyncIteration):
-            while True:
-                tokens += (await handle.next_delta()).tokens
-                for index in range(min(tokens, 2)):
-                    if math.isnan(stamps[index]):
-                        stamps[index] = trio.current_time() - began
+        await handle.collect_delta()
+        stamps = [at - began if at else math.nan
+                  for at in (handle.first_token_at, handle.second_token_at)]
         queue = handle.prefill.queue_s if handle.prefill is not None else math.nan
         client[rid] = (stamps[0], stamps[1], queue)
     except RouterError as exc:
