@@ -111,18 +111,38 @@ class Add(NamedTuple):
 class Drop(NamedTuple):
     holder: int
     chain: int
-    index: int
+    position: int
     snapshot_only: bool
 
     def block(self) -> int:
         chain = CHAINS[self.chain]
-        return chain[min(self.index, len(chain) - 1)]
+        return chain[min(self.position, len(chain) - 1)]
+
+
+class DropMany(NamedTuple):
+    """A worker's eviction report: a chain from `position` down (as workers evict it), else
+    blocks picked anywhere; hashes the tree never saw and repeats count as stale."""
+
+    holder: int
+    chain: int
+    position: int
+    picks: tuple[int, ...]
+    snapshots_only: bool
+
+    def blocks(self) -> list[int]:
+        chain = CHAINS[self.chain]
+        if not self.picks:
+            return chain[min(self.position, len(chain) - 1):]
+        everything = [block for chain in CHAINS for block in chain] + [12345]
+        return [everything[pick % len(everything)] for pick in self.picks]
 
 
 HOLDERS, CHOSEN = st.integers(0, 1), st.integers(0, len(CHAINS) - 1)
 ADDS = st.builds(Add, HOLDERS, CHOSEN, st.integers(0, 7), st.integers(1, 8),
                  st.frozensets(st.integers(0, 7)))
 DROPS = st.builds(Drop, HOLDERS, CHOSEN, st.integers(0, 7), st.booleans())
+DROP_MANYS = st.builds(DropMany, HOLDERS, CHOSEN, st.integers(0, 7),
+                       st.lists(st.integers(0, 40), max_size=10).map(tuple), st.booleans())
 
 
 @settings(max_examples=150, deadline=None)
@@ -143,5 +163,27 @@ def test_add_run_equals_its_reference_through_gaps_refills_and_drops(
         else:
             assert fast.drop(step.holder, step.block(), step.snapshot_only) == slow.drop(
                 step.holder, step.block(), step.snapshot_only)
+        assert tree_state(fast) == tree_state(slow)
+        fast.check_integrity()
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.one_of(ADDS, DROP_MANYS), max_size=25))
+def test_drop_many_equals_its_reference(steps: list[Add | DropMany]) -> None:
+    """Eviction reports (chains from a block down, or any blocks, with repeats and unknown
+    hashes, whole blocks or snapshots only) between runs stored by two holders: `drop_many`
+    leaves the tree its block-by-block reference leaves, and says the same."""
+    fast, slow = PrefixTree(), PrefixTree()
+    for tree in (fast, slow):
+        tree.add_holder(), tree.add_holder()
+    for step in steps:
+        if isinstance(step, Add):
+            run = step.run()
+            fast.check_run(run, {})
+            assert fast.add_run(step.holder, run) == slow.add_run(step.holder, run)
+        else:
+            blocks, holder, only = step.blocks(), step.holder, step.snapshots_only
+            assert fast.drop_many(holder, blocks, only) == slow.drop_many_reference(
+                holder, blocks, only)
         assert tree_state(fast) == tree_state(slow)
         fast.check_integrity()

@@ -319,11 +319,8 @@ class CacheDirectory:
 
     def apply_evicted(self, message: BlocksEvicted) -> int:
         worker = self._worker(message.worker)
-        blocks = snapshots = stale = 0
-        for block in message.hashes:
-            dropped = self._tree.drop(worker.holder, block, message.snapshots_only)
-            blocks, snapshots = blocks + dropped[0], snapshots + dropped[1]
-            stale += dropped == (0, 0)
+        blocks, snapshots, stale = self._tree.drop_many(worker.holder, message.hashes,
+                                                        message.snapshots_only)
         self._count(evicted_reports=1, blocks_evicted=blocks, stale_evictions=stale)
         self._emit("evicted", worker, blocks, snapshots)
         return blocks
@@ -726,6 +723,50 @@ class PrefixTree:
             self._prune(block)
         return int(not snapshot_only), int(snap)
 
+    def drop_many(self, holder: int, blocks: Iterable[int], snapshots_only: bool = False,
+                  ) -> tuple[int, int, int]:
+        """Evict blocks (or only their snapshots) as one set; returns (blocks, snapshots,
+        stale), stale counting the named blocks (or snapshots) the holder did not hold, as
+        `drop_many_reference` (block by block through `drop`) does. Whole blocks go here as a
+        set: all of them first, then chain states fixed only below the ones that ended an
+        unbroken chain, then pruning. Workers evict a chain from its first block down, so
+        block by block each drop would break the chain below it again and walk it; here the
+        chain is walked once. Snapshots alone (rare) go through the reference."""
+        if snapshots_only:
+            return self.drop_many_reference(holder, blocks, snapshots_only)
+        state, nodes, bit = self._holders[holder], self.nodes, 1 << holder
+        held, resume = state.blocks, state.resume
+        dropped: list[int] = []
+        broken: list[int] = []
+        snapshots = stale = 0
+        for block in blocks:
+            snap = held.pop(block, None)
+            if snap is None:
+                stale += 1
+                continue
+            dropped.append(block)
+            snapshots += snap
+            node = nodes[block]
+            node.holders &= ~bit
+            self.held -= not node.holders
+            if resume.pop(block, None) is not None:
+                broken.append(block)
+        state.snapshots -= snapshots
+        self._break_chains(holder, broken)
+        for block in reversed(dropped):
+            self._prune(block)
+        return len(dropped), snapshots, stale
+
+    def drop_many_reference(self, holder: int, blocks: Iterable[int],
+                            snapshots_only: bool = False) -> tuple[int, int, int]:
+        """Slow, obvious `drop_many`: each block dropped, refreshed and pruned by `drop`."""
+        dropped = snapshots = stale = 0
+        for block in blocks:
+            gone = self.drop(holder, block, snapshots_only)
+            dropped, snapshots = dropped + gone[0], snapshots + gone[1]
+            stale += gone == (0, 0)
+        return dropped, snapshots, stale
+
     def held_lengths(self, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]:
         """(holder bitmask, leading blocks held) for every `allowed` holder holding block 0.
 
@@ -865,6 +906,24 @@ class PrefixTree:
             if (new is None) != (old is None):
                 self._set_complete(current, holder, new is not None)
             stack.extend(c for c in self.nodes[current].children if c in state.blocks)
+
+    def _break_chains(self, holder: int, broken: list[int]) -> None:
+        """`holder`'s chains through `broken` (blocks whose chain state was just removed) no
+        longer reach block 0: clear their complete bits, and remove the chain state of every
+        block below them. Only held blocks on an unbroken chain have a state, so the walk
+        stops at a block without one (nothing below it has one either)."""
+        resume, complete, nodes = self._holders[holder].resume, self.complete, self.nodes
+        bit = 1 << holder
+        while broken:
+            block = broken.pop()
+            mask = complete[block] & ~bit
+            if mask:
+                complete[block] = mask
+            else:
+                del complete[block]
+            for child in nodes[block].children:
+                if resume.pop(child, None) is not None:
+                    broken.append(child)
 
     def _resume_value(self, state: _Holder, block: int) -> int | None:
         snap = state.blocks.get(block)
