@@ -557,14 +557,14 @@ class IntegrityError(PrefixCacheError, AssertionError):
     """`check_integrity` found derived indexes out of step with the held blocks."""
 
 
-class _Node:
-    __slots__ = ("children", "depth", "holders", "parent")
+class _Node(msgspec.Struct, gc=False):
+    """One block of the tree. Built in C (a report makes tens) and not tracked by the cycle
+    collector: a node refers to ints and to its own set of ints only, so it is in no cycle."""
 
-    def __init__(self, parent: int, depth: int) -> None:
-        self.parent = parent  # hash of block depth-1, ROOT, or UNKNOWN
-        self.depth = depth  # block index in its chain
-        self.children: set[int] = set()
-        self.holders = 0  # bitmask of holders holding this block's KV
+    parent: int  # hash of block depth-1, ROOT, or UNKNOWN
+    depth: int  # block index in its chain
+    holders: int = 0  # bitmask of holders holding this block's KV
+    children: set[int] = msgspec.field(default_factory=set)
 
 
 class _Holder:
@@ -736,26 +736,29 @@ class PrefixTree:
             return self.drop_many_reference(holder, blocks, snapshots_only)
         state, nodes, bit = self._holders[holder], self.nodes, 1 << holder
         held, resume = state.blocks, state.resume
-        dropped: list[int] = []
+        # Blocks no one holds any more: only they (and so their ancestors) can be pruned.
+        unheld: list[int] = []
         broken: list[int] = []
-        snapshots = stale = 0
+        dropped = snapshots = stale = 0
         for block in blocks:
             snap = held.pop(block, None)
             if snap is None:
                 stale += 1
                 continue
-            dropped.append(block)
+            dropped += 1
             snapshots += snap
             node = nodes[block]
             node.holders &= ~bit
-            self.held -= not node.holders
+            if not node.holders:
+                unheld.append(block)
             if resume.pop(block, None) is not None:
                 broken.append(block)
+        self.held -= len(unheld)
         state.snapshots -= snapshots
         self._break_chains(holder, broken)
-        for block in reversed(dropped):
+        for block in reversed(unheld):
             self._prune(block)
-        return len(dropped), snapshots, stale
+        return dropped, snapshots, stale
 
     def drop_many_reference(self, holder: int, blocks: Iterable[int],
                             snapshots_only: bool = False) -> tuple[int, int, int]:
