@@ -564,6 +564,10 @@ class _Node(msgspec.Struct, gc=False):
     parent: int  # hash of block depth-1, ROOT, or UNKNOWN
     depth: int  # block index in its chain
     holders: int = 0  # bitmask of holders holding this block's KV
+    # Bitmask of holders whose chain is unbroken from block 0 to here, what a lookup probes.
+    # Kept on the node rather than in a dict of its own: a report touches each block's node
+    # anyway, and on a tree of 10^5 blocks every further dict is a further cache miss.
+    complete: int = 0
     children: set[int] = msgspec.field(default_factory=set)
 
 
@@ -587,7 +591,6 @@ class PrefixTree:
 
     def __init__(self) -> None:
         self.nodes: dict[int, _Node] = {}
-        self.complete: dict[int, int] = {}  # hash -> bitmask of holders with unbroken chains
         self._holders: dict[int, _Holder] = {}
         self._free: list[int] = []
         self.held = 0  # distinct blocks held by anyone
@@ -644,7 +647,7 @@ class PrefixTree:
         if not run.hashes:
             return 0, 0
         nodes, state, bit = self.nodes, self._holders[holder], 1 << holder
-        blocks, resume, complete = state.blocks, state.resume, self.complete
+        blocks, resume = state.blocks, state.resume
         snaps = set(run.snapshot_at)
         above = ROOT if run.parent is None else run.parent
         # The node above each block, carried from the one before (`_link`, inlined: this loop
@@ -680,7 +683,7 @@ class PrefixTree:
             base = 0 if node.parent == ROOT else resume.get(node.parent)
             if base is not None:
                 resume[block] = node.depth + 1 if snap else base
-                complete[block] = complete.get(block, 0) | bit
+                node.complete |= bit
         state.snapshots += new_snaps
         return new_blocks, new_snaps
 
@@ -770,24 +773,28 @@ class PrefixTree:
             stale += gone == (0, 0)
         return dropped, snapshots, stale
 
+    def complete(self) -> dict[int, int]:
+        """Block -> bitmask of holders with an unbroken chain to it, for blocks anyone has."""
+        return {block: node.complete for block, node in self.nodes.items() if node.complete}
+
     def held_lengths(self, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]:
         """(holder bitmask, leading blocks held) for every `allowed` holder holding block 0.
 
         Binary search for each point where the set of holders with unbroken chains shrinks.
         """
-        probe, n = self.complete.get, len(hashes)
-        current = probe(hashes[0], 0) & allowed if n else 0
+        nodes, missing, n = self.nodes, _Node(UNKNOWN, -1), len(hashes)
+        current = nodes.get(hashes[0], missing).complete & allowed if n else 0
         start, out = 0, []
         while current:
             low, high = start + 1, n
             while low < high:
                 middle = (low + high) // 2
-                if probe(hashes[middle], 0) & current == current:
+                if nodes.get(hashes[middle], missing).complete & current == current:
                     low = middle + 1
                 else:
                     high = middle
             self._expect_depth(hashes, low - 1)
-            remaining = probe(hashes[low], 0) & current if low < n else 0
+            remaining = nodes.get(hashes[low], missing).complete & current if low < n else 0
             out.append((current & ~remaining, low))
             current, start = remaining, low
         return out
@@ -819,7 +826,7 @@ class PrefixTree:
                 problems.append(f"holder {holder} counts {state.snapshots} snapshots, wrongly")
             for block in expected:
                 complete[block] = complete.get(block, 0) | 1 << holder
-        problems += _differences("complete", self.complete, complete)
+        problems += _differences("complete", self.complete(), complete)
         used, free = set(self._holders), set(self._free)
         if used & free or used | free != set(range(len(used) + len(free))):
             problems.append(f"holder ids {sorted(used)} and free ids {sorted(free)} overlap/gap")
@@ -915,16 +922,11 @@ class PrefixTree:
         longer reach block 0: clear their complete bits, and remove the chain state of every
         block below them. Only held blocks on an unbroken chain have a state, so the walk
         stops at a block without one (nothing below it has one either)."""
-        resume, complete, nodes = self._holders[holder].resume, self.complete, self.nodes
-        bit = 1 << holder
+        resume, nodes, keep = self._holders[holder].resume, self.nodes, ~(1 << holder)
         while broken:
-            block = broken.pop()
-            mask = complete[block] & ~bit
-            if mask:
-                complete[block] = mask
-            else:
-                del complete[block]
-            for child in nodes[block].children:
+            node = nodes[broken.pop()]
+            node.complete &= keep
+            for child in node.children:
                 if resume.pop(child, None) is not None:
                     broken.append(child)
 
@@ -937,12 +939,8 @@ class PrefixTree:
         return node.depth + 1 if snap else base
 
     def _set_complete(self, block: int, holder: int, on: bool) -> None:
-        mask = self.complete.get(block, 0)
-        mask = mask | 1 << holder if on else mask & ~(1 << holder)
-        if mask:
-            self.complete[block] = mask
-        else:
-            del self.complete[block]
+        node = self.nodes[block]
+        node.complete = node.complete | 1 << holder if on else node.complete & ~(1 << holder)
 
     def _prune(self, block: int) -> None:
         node = self.nodes.get(block)
