@@ -739,29 +739,31 @@ class PrefixTree:
             return self.drop_many_reference(holder, blocks, snapshots_only)
         state, nodes, bit = self._holders[holder], self.nodes, 1 << holder
         held, resume = state.blocks, state.resume
+        dropped: set[int] = set()
         # Blocks no one holds any more: only they (and so their ancestors) can be pruned.
         unheld: list[int] = []
-        broken: list[int] = []
-        dropped = snapshots = stale = 0
+        broken: list[_Node] = []
+        snapshots = stale = 0
         for block in blocks:
             snap = held.pop(block, None)
             if snap is None:
                 stale += 1
                 continue
-            dropped += 1
+            dropped.add(block)
             snapshots += snap
             node = nodes[block]
             node.holders &= ~bit
             if not node.holders:
                 unheld.append(block)
             if resume.pop(block, None) is not None:
-                broken.append(block)
+                node.complete &= ~bit
+                broken.append(node)
         self.held -= len(unheld)
         state.snapshots -= snapshots
-        self._break_chains(holder, broken)
+        self._break_chains(holder, broken, dropped)
         for block in reversed(unheld):
             self._prune(block)
-        return dropped, snapshots, stale
+        return len(dropped), snapshots, stale
 
     def drop_many_reference(self, holder: int, blocks: Iterable[int],
                             snapshots_only: bool = False) -> tuple[int, int, int]:
@@ -917,18 +919,19 @@ class PrefixTree:
                 self._set_complete(current, holder, new is not None)
             stack.extend(c for c in self.nodes[current].children if c in state.blocks)
 
-    def _break_chains(self, holder: int, broken: list[int]) -> None:
-        """`holder`'s chains through `broken` (blocks whose chain state was just removed) no
-        longer reach block 0: clear their complete bits, and remove the chain state of every
-        block below them. Only held blocks on an unbroken chain have a state, so the walk
-        stops at a block without one (nothing below it has one either)."""
+    def _break_chains(self, holder: int, broken: list[_Node], dropped: set[int]) -> None:
+        """`holder`'s chains through the `broken` nodes (whose chain state was just removed)
+        no longer reach block 0: remove the chain state, and the complete bit, of every block
+        below them. Only held blocks on an unbroken chain have a state, so the walk stops at
+        a block without one (nothing below it has one either); the `dropped` blocks have none
+        left (asked of that small set rather than of the holder's whole chain state)."""
         resume, nodes, keep = self._holders[holder].resume, self.nodes, ~(1 << holder)
         while broken:
-            node = nodes[broken.pop()]
-            node.complete &= keep
-            for child in node.children:
-                if resume.pop(child, None) is not None:
-                    broken.append(child)
+            for child in broken.pop().children:
+                if child not in dropped and resume.pop(child, None) is not None:
+                    node = nodes[child]
+                    node.complete &= keep
+                    broken.append(node)
 
     def _resume_value(self, state: _Holder, block: int) -> int | None:
         snap = state.blocks.get(block)
