@@ -28,7 +28,7 @@ def test_tree_reconnects_a_refilled_gap_and_prunes() -> None:
     tree.check_integrity()
     assert tree.remove_holder(holder) == (6, 1)
     assert tree.nodes == {}
-    assert tree.complete() == {}
+    assert tree.complete_masks() == {}
     tree.check_integrity()
 
 
@@ -85,7 +85,7 @@ def tree_state(tree: PrefixTree) -> tuple[object, ...]:
     nodes = {b: (n.parent, n.depth, sorted(n.children), n.holders) for b, n in tree.nodes.items()}
     holders = {h: (dict(s.blocks), dict(s.resume), s.snapshots)
                for h, s in tree._holders.items()}
-    return nodes, tree.complete(), tree.held, holders
+    return nodes, tree.complete_masks(), tree.held, holders
 
 
 CHAINS = [chain_from_ids(ids) for ids in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 10, 11, 12],

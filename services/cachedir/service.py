@@ -775,7 +775,7 @@ class PrefixTree:
             stale += gone == (0, 0)
         return dropped, snapshots, stale
 
-    def complete(self) -> dict[int, int]:
+    def complete_masks(self) -> dict[int, int]:
         """Block -> bitmask of holders with an unbroken chain to it, for blocks anyone has."""
         return {block: node.complete for block, node in self.nodes.items() if node.complete}
 
@@ -784,6 +784,7 @@ class PrefixTree:
 
         Binary search for each point where the set of holders with unbroken chains shrinks.
         """
+        # A block without a node is on no one's chain: probed as a node with no complete bits.
         nodes, missing, n = self.nodes, _Node(UNKNOWN, -1), len(hashes)
         current = nodes.get(hashes[0], missing).complete & allowed if n else 0
         start, out = 0, []
@@ -828,7 +829,7 @@ class PrefixTree:
                 problems.append(f"holder {holder} counts {state.snapshots} snapshots, wrongly")
             for block in expected:
                 complete[block] = complete.get(block, 0) | 1 << holder
-        problems += _differences("complete", self.complete(), complete)
+        problems += _differences("complete", self.complete_masks(), complete)
         used, free = set(self._holders), set(self._free)
         if used & free or used | free != set(range(len(used) + len(free))):
             problems.append(f"holder ids {sorted(used)} and free ids {sorted(free)} overlap/gap")
