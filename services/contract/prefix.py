@@ -13,10 +13,8 @@ the same non-negative integer. Which worker holds which chains: services.cachedi
 
 from __future__ import annotations
 
-import array
 import hashlib
 import struct
-import sys
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -30,8 +28,6 @@ MAX_HASH = (1 << HASH_BITS) - 1
 _TOKEN_PERSON = b"prfaas/tokens"
 _TRACE_PERSON = b"prfaas/trace-ids"
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-_BIG_ENDIAN = sys.byteorder == "big"
-assert array.array("i").itemsize == 4, "C int must be 32 bits for block hashing"
 
 BlockHash = Annotated[int, msgspec.Meta(ge=0, le=MAX_HASH)]
 """A block hash id as it travels in messages: validated to [0, 2**63) on decode."""
@@ -88,10 +84,14 @@ def _check_known(length: int, block_size: int, known: Sequence[int]) -> None:
 
 
 def _token_chain(data: memoryview, block_size: int, prev: int, out: list[int]) -> list[int]:
-    """`out` extended by the chain over the full blocks of `data` (int32-LE), from `prev`."""
+    """`out` extended by the chain over the full blocks of `data` (int32-LE), from `prev`:
+    `_keyed` per block, written out (a call per block is a tenth of the chain's cost)."""
     stride = block_size * 4
+    blake2b, from_bytes, person = hashlib.blake2b, int.from_bytes, _TOKEN_PERSON
     for start in range(0, len(data) // stride * stride, stride):
-        prev = _keyed(data[start : start + stride], prev, _TOKEN_PERSON)
+        digest = blake2b(data[start : start + stride], digest_size=8,
+                         key=prev.to_bytes(8, "little"), person=person).digest()
+        prev = from_bytes(digest, "little") & MAX_HASH
         out.append(prev)
     return out
 
@@ -145,16 +145,13 @@ def _keyed(data: bytes | memoryview, prev: int, person: bytes) -> int:
 def _int32_bytes(tokens: npt.ArrayLike) -> memoryview:
     """The tokens as little-endian int32s; ValueError naming what is wrong with them."""
     if isinstance(tokens, list | tuple):
-        # A list of ints (the usual case) packs directly: a third of numpy's round trip
-        # (bench-router: 3% of the workers' CPU). What it refuses, numpy's path explains.
+        # A list of ints (the usual case) packs directly, range-checked in C: struct takes
+        # each int as it is, 2.5x faster than array("i") (which parses each as an argument)
+        # and a ninth of numpy's round trip. What it refuses, numpy's path explains.
         try:
-            packed = array.array("i", tokens)
-        except (TypeError, OverflowError):
+            return memoryview(struct.pack(f"<{len(tokens)}i", *tokens))
+        except struct.error:
             pass
-        else:
-            if _BIG_ENDIAN:
-                packed.byteswap()
-            return memoryview(packed).cast("B")
     return memoryview(_token_array(tokens).astype("<i4").tobytes())
 
 
