@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.contract.errors import KVTransferError
 from services.contract.messages import KVChunk, KVOpen
@@ -21,6 +23,7 @@ from services.worker.engine import (
     lane_of,
     merge_pieces,
     out_of_range,
+    out_of_range_reference,
     stream_plan,
 )
 
@@ -135,3 +138,15 @@ async def test_a_small_piece_does_not_keep_the_large_read_it_came_in_alive() -> 
 def test_out_of_range_names_the_first_bad_id_as_a_scan_does(tokens: list[int]) -> None:
     expected = next((t for t in tokens if not 0 <= t < 10), None)
     assert out_of_range(tokens, 10) == expected
+
+
+# Ids around the fast path's edges: 0, the vocab, 2**31 and 2**32 (C int and unsigned int).
+_EDGES = [0, 1, 9, 10, 11, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, -1, -(2**31), -(2**33)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.one_of(st.sampled_from(_EDGES), st.integers(-20, 2**33)), max_size=40),
+       vocab=st.sampled_from([1, 10, 2**31, 2**32, 2**32 + 1, 2**40]))
+def test_out_of_range_equals_its_reference(tokens: list[int], vocab: int) -> None:
+    assert out_of_range(tokens, vocab) == out_of_range_reference(tokens, vocab)
+    assert out_of_range(tuple(tokens), vocab) == out_of_range_reference(tokens, vocab)

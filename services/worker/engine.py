@@ -53,6 +53,7 @@ modeled times) and `sampling_params` (a request's sampling as the model takes it
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import zlib
@@ -64,6 +65,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
 import msgspec
+import numpy as np
 import torch
 
 from mesh import native
@@ -600,8 +602,23 @@ def check_hashes(prompt: Sequence[int], block_size: int, hashes: Sequence[int]) 
 
 
 def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:
-    """The first token id outside [0, vocab), or None (min and max run in C: prompts of the
-    paper's lengths are tens of thousands of ids)."""
+    """The first token id outside [0, vocab), or None; `out_of_range_reference`, faster on
+    ids that are all in range (every request the workers take: its prompt is checked twice)."""
+    if not tokens:
+        return None
+    try:
+        # Packing to C unsigned ints checks in one pass that each id is an int in [0, 2**32),
+        # at a third of the cost of min and max over the list; numpy bounds the packed ones.
+        packed = array.array("I", tokens)
+    except (TypeError, OverflowError):
+        return out_of_range_reference(tokens, vocab)
+    if int(np.frombuffer(packed, dtype=np.uintc).max()) < vocab:
+        return None
+    return out_of_range_reference(tokens, vocab)
+
+
+def out_of_range_reference(tokens: Sequence[int], vocab: int) -> int | None:
+    """`out_of_range` by min and max over the list and a scan (the slow, obvious reference)."""
     if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
         return None
     return next(t for t in tokens if not 0 <= t < vocab)
