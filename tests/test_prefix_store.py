@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from typing import cast
+
 import anyio
 import pytest
 import torch
@@ -16,10 +19,11 @@ from services.contract.messages import (
     WorkerReport,
 )
 from services.contract.prefix import block_hashes_reference
-from services.model.cache import RequestCache
+from services.model.cache import RequestCache, StateSnapshot
 from services.model.config import family_config
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM, build_model
+from services.sim.engine import KVSizes, ModeledConfig, VirtualCache
 from services.worker.prefix_store import (
     CacheReporter,
     LocalMatch,
@@ -227,6 +231,81 @@ def test_the_prefix_index_finds_what_a_scan_of_every_entry_finds(model: HybridLM
     # The two-block prefix of `shared` folded the one-block one; it is what `shared` extends.
     assert [e.hashes for e in store.prefixes_of(prompt_hashes(shared, BLOCK))] == [
         tuple(prompt_hashes(shared[: 2 * BLOCK], BLOCK))]
+
+
+def _chain(path: tuple[int, ...], ids: dict[tuple[int, ...], int]) -> list[int]:
+    """A chain whose hash i names the path's first i + 1 steps (as a real chain names its
+    prefix): paths sharing k steps share k hashes."""
+    return [ids.setdefault(path[: i + 1], len(ids) + 1) for i in range(len(path))]
+
+
+def _sized_cache(blocks: int, extra: int, snapshots: list[int]) -> RequestCache:
+    """The simulation's cache (sizes, no tensors): 1 byte a token, 100 per entry and snapshot."""
+    cache = VirtualCache(ModeledConfig(block_size=BLOCK), KVSizes(100, 1.0),
+                         blocks * BLOCK + extra)
+    for n in snapshots:
+        cache.add_snapshot(StateSnapshot(n * BLOCK, ()))
+    return cast(RequestCache, cache)
+
+
+def _held_in(report: WorkerReport) -> tuple[set[int], set[int]]:
+    """Every hash the report's runs hold, and those with a snapshot at their block."""
+    held = {h for run in report.runs for h in run.hashes}
+    snapped = {run.hashes[i] for run in report.runs for i in run.snapshot_at}
+    return held, snapped
+
+
+def _match_by_scan(report: WorkerReport, hashes: list[int]) -> LocalMatch:
+    """`match` from the full report: the longest run prefix equal to the chain's, and the
+    longest such prefix (within it) ending at a snapshot."""
+    held, resumable = 0, 0
+    for run in report.runs:
+        common = 0
+        while common < min(len(run.hashes), len(hashes)) and (
+                run.hashes[common] == hashes[common]):
+            common += 1
+        held = max(held, common)
+        resumable = max([resumable, *(i + 1 for i in run.snapshot_at if i < common)])
+    return LocalMatch(held, min(resumable, held))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_stores_keep_the_index_and_the_reports_true(seed: int) -> None:
+    """Stores, resumes and lookups of branching chains in a budget a few entries fill: after
+    each, the index is the entries' (check_integrity), `match` and `prefixes_of` equal a
+    scan, and a store's messages name the blocks and the snapshots the store lost."""
+    rng = random.Random(seed)
+    store = PrefixStore("w", BLOCK, PrefixStoreConfig(budget_bytes=2600))
+    ids: dict[tuple[int, ...], int] = {}
+    for _ in range(300):
+        path = tuple(rng.randrange(3) for _ in range(rng.randint(1, 6)))
+        hashes = _chain(path, ids)
+        action = rng.random()
+        if action < 0.6:
+            before = _held_in(store.report("c", "decode"))
+            snapshots = rng.sample(range(1, len(hashes) + 1), min(len(hashes), rng.randint(0, 2)))
+            change = store.store(hashes, _sized_cache(len(hashes), rng.choice([0, 5]),
+                                                      snapshots))
+            after = _held_in(store.report("c", "decode"))
+            lost = [h for e in change.evicted if not e.snapshots_only for h in e.hashes]
+            lost_snapshots = [h for e in change.evicted if e.snapshots_only for h in e.hashes]
+            assert sorted(lost) == sorted(before[0] - after[0])
+            # A block whose last snapshot went with one victim may go whole with the next.
+            assert set(lost_snapshots) - set(lost) == (before[1] - after[1]) & after[0]
+            assert set(lost_snapshots) <= before[1] - after[1]
+        elif action < 0.8:
+            store.resume(hashes, rng.randint(0, len(hashes)))
+        elif store.match(hashes).held:
+            store.kv_base(hashes, rng.randint(1, store.match(hashes).held))
+        store.check_integrity()
+        assert store.match(hashes) == _match_by_scan(store.report("c", "decode"), hashes)
+        assert store.prefixes_of(hashes) == store.prefixes_of_reference(hashes)
+    stats = store.statistics()
+    assert stats.evictions > 20 and stats.folded > 20 and stats.hits > 20
+    # A held hash at another block than the asked chain's (a chain made another way) names
+    # another prefix: the entry holding it is no prefix of the chain.
+    store.store([7001, 7002], _sized_cache(2, 0, []))
+    assert store.prefixes_of([7003, 7001]) == store.prefixes_of_reference([7003, 7001]) == []
 
 
 def change_of(worker: str, first: int, evicted: list[int] | None = None) -> StoreChange:

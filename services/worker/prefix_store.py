@@ -130,7 +130,10 @@ class PrefixStore:
         self.block_size = block_size
         self.config = config or PrefixStoreConfig()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._by_hash: dict[int, dict[int, int]] = {}  # hash -> {entry id: block index}
+        # hash -> ids of the entries holding it, ascending (the order they were stored in).
+        # Tuples: most blocks have one holder, and a new entry's blocks share its 1-tuple,
+        # no allocation per block (a dict per block was one).
+        self._by_hash: dict[int, tuple[int, ...]] = {}
         self._next_id = 0
         self._bytes = 0
         self._counts = dict.fromkeys(("stores", "folded", "evictions", "blocks_evicted",
@@ -154,14 +157,14 @@ class PrefixStore:
         """A (shared, read-only) cache holding the KV of the chain's first `blocks` blocks."""
         if blocks < 1 or blocks > len(hashes):
             raise PrefixStoreError(f"blocks must be in [1, {len(hashes)}], got {blocks}")
-        holders = self._by_hash.get(hashes[blocks - 1], {})
+        holders = self._by_hash.get(hashes[blocks - 1], ())
         if not holders:
             self._counts["misses"] += 1
             raise PrefixStoreError(
                 f"worker {self.worker!r} holds no KV for the first {blocks} blocks "
                 f"(holds {self._held(hashes)})"
             )
-        entry = self._entries[next(iter(holders))]
+        entry = self._entries[holders[0]]
         self._touch(entry)
         return entry.cache
 
@@ -216,16 +219,16 @@ class PrefixStore:
         )
 
     def check_integrity(self) -> None:
-        index: dict[int, dict[int, int]] = {}
-        for entry in self._entries.values():
+        index: dict[int, tuple[int, ...]] = {}
+        for entry in sorted(self._entries.values(), key=lambda e: e.id):
             if entry.cache.length < len(entry.hashes) * self.block_size:
                 raise PrefixStoreError(f"entry {entry.id}: cache length {entry.cache.length} "
                                        f"< {len(entry.hashes)} blocks")
             entry.cache.check_integrity()
             if entry.snapshot_blocks != _snapshot_blocks(entry.cache):
                 raise PrefixStoreError(f"entry {entry.id}: its cache's snapshots changed")
-            for i, h in enumerate(entry.hashes):
-                index.setdefault(h, {})[entry.id] = i
+            for h in entry.hashes:
+                index[h] = (*index.get(h, ()), entry.id)
         if index != self._by_hash:
             raise PrefixStoreError("hash index does not match the entries")
         total = sum(e.nbytes for e in self._entries.values())
@@ -267,9 +270,9 @@ class PrefixStore:
         qualifies when its last block is block i of `hashes` (a hash names its whole chain)."""
         found = []
         for i, block_hash in enumerate(hashes):
-            for entry_id, index in self._by_hash.get(block_hash, {}).items():
+            for entry_id in self._by_hash.get(block_hash, ()):
                 entry = self._entries[entry_id]
-                if index == i and len(entry.hashes) == i + 1:
+                if len(entry.hashes) == i + 1 and entry.hashes[i] == block_hash:
                     found.append(entry)
         return sorted(found, key=lambda e: e.id)
 
@@ -288,18 +291,27 @@ class PrefixStore:
 
     def _add(self, entry: _Entry) -> None:
         self._entries[entry.id] = entry
-        for i, h in enumerate(entry.hashes):
-            self._by_hash.setdefault(h, {})[entry.id] = i
+        by_hash, alone = self._by_hash, (entry.id,)
+        for h in entry.hashes:
+            holders = by_hash.get(h)
+            # Ids only grow: the new entry's comes last, and the holders stay ascending.
+            by_hash[h] = alone if holders is None else holders + alone
         self._bytes += entry.nbytes
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: _Entry) -> list[int]:
+        """Drop `entry`; the hashes it held alone (no entry holds them now), in chain order."""
         del self._entries[entry.id]
+        by_hash, gone = self._by_hash, entry.id
+        freed: list[int] = []
         for h in entry.hashes:
-            holders = self._by_hash[h]
-            del holders[entry.id]
-            if not holders:
-                del self._by_hash[h]
+            holders = by_hash[h]
+            if len(holders) == 1:
+                del by_hash[h]
+                freed.append(h)
+            else:
+                by_hash[h] = tuple(i for i in holders if i != gone)
         self._bytes -= entry.nbytes
+        return freed
 
     def _touch(self, entry: _Entry) -> None:
         self._entries.move_to_end(entry.id)
@@ -309,12 +321,13 @@ class PrefixStore:
         snapshots_gone: list[int] = []
         while self._bytes > self.config.budget_bytes:
             victim = next(e for e in self._entries.values() if e.id != keep)
-            self._remove(victim)
+            gone += self._remove(victim)
             self._counts["evictions"] += 1
-            for n, h in enumerate(victim.hashes, start=1):
-                if h not in self._by_hash:
-                    gone.append(h)
-                elif n in victim.snapshot_blocks and not self._snapshot_left(h, n):
+            # A block another entry still holds may have lost its last snapshot (only the
+            # chain's blocks count: a snapshot length past them names none).
+            for n in sorted(victim.snapshot_blocks):
+                h = victim.hashes[n - 1] if 0 < n <= len(victim.hashes) else None
+                if h in self._by_hash and not self._snapshot_left(h, n):
                     snapshots_gone.append(h)
         self._counts["blocks_evicted"] += len(gone)
         out = [BlocksEvicted(self.worker, gone)] if gone else []
