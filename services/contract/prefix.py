@@ -84,14 +84,10 @@ def _check_known(length: int, block_size: int, known: Sequence[int]) -> None:
 
 
 def _token_chain(data: memoryview, block_size: int, prev: int, out: list[int]) -> list[int]:
-    """`out` extended by the chain over the full blocks of `data` (int32-LE), from `prev`:
-    `_keyed` per block, written out (a call per block is a tenth of the chain's cost)."""
+    """`out` extended by the chain over the full blocks of `data` (int32-LE), from `prev`."""
     stride = block_size * 4
-    blake2b, from_bytes, person = hashlib.blake2b, int.from_bytes, _TOKEN_PERSON
     for start in range(0, len(data) // stride * stride, stride):
-        digest = blake2b(data[start : start + stride], digest_size=8,
-                         key=prev.to_bytes(8, "little"), person=person).digest()
-        prev = from_bytes(digest, "little") & MAX_HASH
+        prev = _keyed(data[start : start + stride], prev, _TOKEN_PERSON)
         out.append(prev)
     return out
 
