@@ -17,6 +17,8 @@ import anyio
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh.errors import RemoteError
 from mesh.topology import parse_topology
@@ -42,7 +44,7 @@ from services.router.errors import UpstreamFailed
 from services.router.requests import drive
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
-from services.worker.decode import DecodeWorker, KVAssembly
+from services.worker.decode import DecodeWorker, KVAssembly, joined_slice
 from services.worker.engine import merge_pieces
 from services.worker.service import WorkerService, checkpoint_path
 from tests.kv_exact import (
@@ -526,6 +528,18 @@ async def test_a_request_bringing_its_chain_is_hashed_only_past_it(
     assert len(hashed) == 3
     assert kept["p"] == chain
     assert kept["d"] == prefix_module.block_hashes((prompt + out)[:HELD], 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.lists(st.integers(0, 9), max_size=12), second=st.lists(st.integers(0, 9),
+       max_size=12), data=st.data())
+def test_a_slice_of_two_lists_is_the_slice_of_them_joined(first: list[int], second: list[int],
+                                                          data: st.DataObject) -> None:
+    """What _keep hashes of a finished request (its prompt's last blocks and its output, up
+    to the cache's length, which may stop short of the last token)."""
+    end = data.draw(st.integers(0, len(first) + len(second) + 2))
+    start = data.draw(st.integers(0, end))
+    assert joined_slice(first, second, start, end) == (first + second)[start:end]
 
 
 async def drive_prefill_only(client: object, prompt: list[int], sampling: Sampling) -> None:

@@ -16,6 +16,7 @@ from services.contract.prefix import (
     block_hashes_reference,
     chain_from_ids,
     check_chain_end,
+    extend_chain,
     extend_hashes,
 )
 from services.data import trace_path
@@ -56,6 +57,7 @@ def test_extending_a_known_chain_equals_hashing_it_whole(tokens: list[int], bloc
     whole = block_hashes_reference(tokens, block_size, seed)
     known = data.draw(st.integers(0, len(whole)))
     assert extend_hashes(tokens, block_size, whole[:known], seed) == whole
+    assert extend_chain(whole[:known], tokens[known * block_size:], block_size, seed) == whole
     check_chain_end(tokens, block_size, whole[:known], seed)
 
 

@@ -53,9 +53,19 @@ def extend_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int],
     _check_known(len(tokens), block_size, known)
     if not known:
         return block_hashes(tokens, block_size, seed)
+    return extend_chain(known, tokens[len(known) * block_size:], block_size, seed)
+
+
+def extend_chain(known: Sequence[int], tail: Sequence[int], block_size: int,
+                 seed: int = 0) -> list[int]:
+    """`extend_hashes(tokens, block_size, known, seed)` given only `tail`, the tokens after
+    the known blocks: a caller holding the tokens in parts (a finished request's prompt and
+    its output) hashes what follows the known blocks without joining the parts whole."""
+    if not known:
+        return block_hashes(tail, block_size, seed)
+    _check_block_size(block_size)
     check_hash("seed", seed)
-    tail = _int32_bytes(tokens[len(known) * block_size:])
-    return _token_chain(tail, block_size, known[-1], list(known))
+    return _token_chain(_int32_bytes(tail), block_size, known[-1], list(known))
 
 
 def check_chain_end(tokens: Sequence[int], block_size: int, hashes: Sequence[int],

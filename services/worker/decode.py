@@ -81,6 +81,7 @@ from services.contract.messages import (
     KVOpen,
     TokenChunk,
 )
+from services.contract.prefix import extend_chain
 from services.contract.sampling import TokenLogprob
 from services.model.batch import StepResult, TokenEvent, finish_reason, result_reason
 from services.model.cache import RequestCache
@@ -235,7 +236,7 @@ class DecodeWorker:
                              finish_reason=reason, reused_tokens=assembly.opening.start,
                              logprobs=None if logprob is None else [logprob])
             if reason is not None:
-                self._keep(request, request.prompt, cache)
+                self._keep(request, [], cache)
                 self._finish(request.request_id, reason)
                 return
             async for chunk in self._tokens(request, cache, first, params):
@@ -405,7 +406,7 @@ class DecodeWorker:
         for rid, cache in result.finished.items():
             member = self._members.pop(rid)
             member.end()
-            self._keep(member.request, member.request.prompt + member.output, cache)
+            self._keep(member.request, member.output, cache)
             self._finish(rid, result_reason(result, rid))
         if pacing is not None:
             modeled = pacing.decode_step_time(batch, context)
@@ -417,13 +418,14 @@ class DecodeWorker:
             member.fail(error)
         self._members.clear()
 
-    def _keep(self, request: DecodeRequest, tokens: list[int], cache: RequestCache) -> None:
-        """Store the finished cache; it covers the first cache.length tokens (`request`'s
-        prompt and output), whose first blocks' chain the request brought."""
+    def _keep(self, request: DecodeRequest, output: list[int], cache: RequestCache) -> None:
+        """Store the finished cache; it covers the first cache.length tokens of `request`'s
+        prompt and `output`, whose first blocks' chain the request brought. Only the tokens
+        after those blocks are gathered and hashed, not the prompt and output joined."""
         block = self.model.cfg.block_size
-        hashes = prompt_hashes(tokens[: cache.length], block,
-                               request.hashes[: cache.length // block])
-        change = self.store.store(hashes, cache)
+        known = request.hashes[: cache.length // block]
+        tail = joined_slice(request.prompt, output, len(known) * block, cache.length)
+        change = self.store.store(extend_chain(known, tail, block), cache)
         if self._report is not None:
             self._report(change)
 
@@ -475,6 +477,12 @@ async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
             raise KVStalled(
                 f"the KV of {request.request_id!r} made no progress for kv_stall="
                 f"{request.kv_stall:g} s ({len(assembly.pieces)} pieces arrived)")
+
+
+def joined_slice(first: list[int], second: list[int], start: int, end: int) -> list[int]:
+    """`(first + second)[start:end]` for 0 <= start <= end, without joining the two whole."""
+    cut = len(first)
+    return first[start:end] + second[max(0, start - cut) : max(0, end - cut)]
 
 
 def _check_decode(request: DecodeRequest, vocab: int, block: int) -> SamplingParams:
