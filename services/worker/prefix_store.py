@@ -98,7 +98,7 @@ class PrefixStoreStatistics(msgspec.Struct, frozen=True):
     misses: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     id: int
     hashes: tuple[int, ...]
@@ -114,7 +114,7 @@ class _Entry:
 
 def _snapshot_blocks(cache: RequestCache) -> frozenset[int]:
     block = cache.cfg.block_size
-    return frozenset(length // block for length in cache.snapshots)
+    return frozenset([length // block for length in cache.snapshots])
 
 
 def _entry_bytes(cache: RequestCache) -> int:
@@ -339,7 +339,7 @@ class PrefixStore:
         return any(blocks in self._entries[i].snapshot_blocks for i in self._by_hash[block_hash])
 
     def _run(self, entry: _Entry) -> BlockRun:
-        return BlockRun(list(entry.hashes), sorted(n - 1 for n in entry.snapshot_blocks))
+        return BlockRun(list(entry.hashes), [n - 1 for n in sorted(entry.snapshot_blocks)])
 
 
 class CacheReporter:
