@@ -52,6 +52,7 @@ def prompt_of(block_ids: Sequence[int], length: int) -> list[int]:
     as every log-normal prompt's are) made as one range rather than block by block."""
     tokens: list[int] = []
     needed = max(0, -(-length // BLOCK))
+    # The run so far is range(start, end); no block starts at 0 (token ids start at 1).
     start = end = 0
     for block_id in block_ids[:needed]:
         first = _first_token(block_id)
