@@ -401,7 +401,8 @@ class RequestHandle:
     def __init__(self, placement: Placement, request: GenerationRequest) -> None:
         self.placement = placement
         self.request = request
-        self.scope = anyio.CancelScope()
+        # The loop's own scopes (mesh.native): anyio's wrapper finds the backend each time.
+        self.scope = native.deadline_scope()
         self.prefill: PrefillDone | None = None
         self.error: RouterError | None = None
         self.result: Finished | None = None
@@ -410,7 +411,7 @@ class RequestHandle:
         self.second_token_at = 0.0
         # The running attempt (`RequestRunner`): its scope, and whether it still
         # waits for its KV (no token yet), so that a stalled link can move it on.
-        self.attempt_scope: anyio.CancelScope | None = None
+        self.attempt_scope: native.DeadlineScope | None = None
         self.awaiting_kv = False
         # Its histograms (`RequestMetrics`), set by the scheduler that places it.
         self.series: RequestSeries | None = None
@@ -672,7 +673,8 @@ class RequestRunner:
                                kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0,
                                hashes=p.hashes)
         handle.awaiting_kv = True
-        with anyio.CancelScope() as handle.attempt_scope:
+        scope = handle.attempt_scope = native.deadline_scope()
+        with scope:
             try:
                 return await drive(
                     self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
