@@ -1,14 +1,25 @@
 """Tests for the prefill compute's runners (services.worker.engine): both return the compute's
-result and hand its pieces to the event loop in order (the compute loop itself: test_prefill,
-test_overlap)."""
+result and hand its pieces to the event loop in order; and for `release`, which deals the
+pieces to the lanes (the compute loop itself: test_prefill, test_overlap)."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import pytest
+import trio
+import trio.testing
 
-from services.worker.engine import ComputeRunner, InlineRunner, ThreadRunner
+from mesh.mailbox import Mailbox
+from services.contract.messages import KVChunk
+from services.worker.engine import (
+    Computed,
+    ComputeRunner,
+    InlineRunner,
+    LaneItem,
+    ThreadRunner,
+    release,
+)
 
 
 @pytest.mark.trio
@@ -74,3 +85,41 @@ async def test_a_failing_hand_over_is_logged_not_raised_into_the_loop(
 
     assert await runner.run(compute) == 1
     assert "failed" in caplog.text and "ValueError" in caplog.text
+
+
+
+class Steps(trio.abc.Instrument):
+    """Counts the steps (resumptions) of one task."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.count += task is self.task
+
+
+@pytest.mark.trio
+async def test_release_ends_with_the_last_piece_still_queued_for_the_close(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each piece leaves at its step's end, one wake-up each; once the last step has ended
+    with the last piece, `release` returns without a trip through the scheduler, so the
+    lane's reader finds the last piece and the close (put by the caller next) in one
+    backlog: one write, one wake-up."""
+    computed = Mailbox[Computed](8)
+    lane = Mailbox[LaneItem](8)
+    start = trio.current_time()
+    ends = [start + 1.0, start + 2.0, start + 3.0]
+    for step in range(3):
+        computed.put_nowait((step, KVChunk(request_id="r", layer=step, start=0,
+                                           data=memoryview(b""), nbytes=1)))
+    computed.end()
+    steps = Steps(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(steps)
+    try:
+        compute_end = await release(computed, [lane], ends)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert compute_end == ends[-1] and lane.depth == 3
+    assert steps.count == 3

@@ -389,7 +389,10 @@ async def release(pieces: Mailbox[Computed], lanes: Sequence[Mailbox[LaneItem]],
             held.append((lane, chunk))
         else:
             lanes[lane].put_nowait(chunk)
-    if ends:
+    # Past the last step's end (it ended with the last piece) no sleep, not even a zero one:
+    # a checkpoint there would let the lane send the last piece alone, and the caller's close
+    # and the lanes' ends would follow in another write and another wake-up.
+    if ends and ends[-1] > clock():
         await _sleep_until(clock, ends[-1])
     compute_end = clock()
     for lane, chunk in held:
