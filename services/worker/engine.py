@@ -359,9 +359,12 @@ def step_ends(chunks: list[tuple[int, int]], n_layers: int,
         return prefill_time(done, reused) - fixed + fixed * done / new
 
     ends: list[float] = []
-    for start, end in chunks:
-        low, high = until(start), until(end)
+    # A chunk starts where the one before it ended: each edge's time is computed once.
+    low = until(reused)
+    for _, end in chunks:
+        high = until(end)
         ends.extend(low + (high - low) * (layer + 1) / n_layers for layer in range(n_layers))
+        low = high
     return ends
 
 
