@@ -11,6 +11,8 @@ import trio
 import trio.testing
 
 from mesh import native
+from services.model.batch import TokenEvent
+from services.model.cache import StateSnapshot
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
 from services.sim.engine import MODELED_TOKEN, CountingBatch, ModeledBatch, ModeledEngine
@@ -22,7 +24,7 @@ async def test_an_unpaced_profile_decodes_at_once_a_token_an_event_with_flush_on
     engine = ModeledEngine(CostModel.load("cpu"), 1.0, max_steps=1, flush=1)
     batch = engine.new_batch(4)
     batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=4))
-    start, events = anyio.current_time(), []
+    start, events = anyio.current_time(), list[TokenEvent]()
     while "r" in batch:
         events += (await engine.step(batch, native.Alarm())).events
     assert anyio.current_time() == start
@@ -131,3 +133,18 @@ def test_the_counting_batch_is_only_taken_where_it_applies() -> None:
     assert isinstance(ModeledEngine(h20, 32.0).new_batch(4), CountingBatch)
     assert isinstance(ModeledEngine(h20, 32.0, flush=4).new_batch(4), ModeledBatch)
     assert isinstance(ModeledEngine(h20, 2.5).new_batch(4), ModeledBatch)
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 4096])
+def test_a_virtual_caches_held_bytes_are_its_statistics_allocated_and_snapshot_bytes(
+        length: int) -> None:
+    engine = ModeledEngine(CostModel.load("h20", "hybrid_1t"), 32.0)
+    cache = engine.empty_cache()
+    assert cache.held_bytes() == cache.statistics().allocated_bytes
+    block = engine.cfg.block_size
+    cache.length = length
+    for blocks in range(1, length // block + 1, 3):
+        cache.add_snapshot(StateSnapshot(blocks * block, ()))
+    stats = cache.statistics()
+    assert stats.snapshot_bytes > 0 or length < block
+    assert cache.held_bytes() == stats.allocated_bytes + stats.snapshot_bytes

@@ -296,6 +296,12 @@ class RequestCache:
         """S_kv(length): what a full export of this cache carries."""
         return kv_bytes(self.cfg, self.length, self.dtype_name)
 
+    def held_bytes(self) -> int:
+        """What keeping this cache holds: its allocated and its snapshots' bytes (the
+        prefix store's charge for it)."""
+        stats = self.statistics()
+        return stats.allocated_bytes + stats.snapshot_bytes
+
     def statistics(self) -> CacheStatistics:
         allocated = 0
         for layer in self.layers:

@@ -92,6 +92,11 @@ class VirtualCache:
                                snapshot_lengths=tuple(sorted(self.snapshots)),
                                snapshot_bytes=snapshots)
 
+    def held_bytes(self) -> int:
+        """`statistics()`'s allocated plus snapshot bytes, without building it: the prefix
+        store asks at every store."""
+        return self.sizes.bytes(self.length) + len(self.snapshots) * self.sizes.fixed
+
     def resume_point(self, length: int) -> VirtualCache:
         if length != self.length and length not in self.snapshots:
             raise ModelError(f"length {length} is neither the cache length ({self.length}) "

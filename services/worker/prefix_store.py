@@ -117,11 +117,6 @@ def _snapshot_blocks(cache: RequestCache) -> frozenset[int]:
     return frozenset([length // block for length in cache.snapshots])
 
 
-def _entry_bytes(cache: RequestCache) -> int:
-    stats = cache.statistics()
-    return stats.allocated_bytes + stats.snapshot_bytes
-
-
 class PrefixStore:
     """Prefix caches of one worker, within `config.budget_bytes`."""
 
@@ -187,7 +182,7 @@ class PrefixStore:
         # An entry this chain extends ends at a held block: among the leading ones.
         for old in self.prefixes_of(hashes[:leading]):
             self._fold(old, cache)
-        entry = _Entry(self._next_id, tuple(hashes), cache, _entry_bytes(cache))
+        entry = _Entry(self._next_id, tuple(hashes), cache, cache.held_bytes())
         self._next_id += 1
         if entry.nbytes > self.config.budget_bytes:
             return StoreChange(None, [])
