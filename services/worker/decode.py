@@ -534,7 +534,9 @@ class KVAssembly:
         self.progress_at = created  # when a lane last opened or closed or a piece arrived
         self._closed: set[int] = set()
         self._opened: set[int] = set()
-        self._changed = anyio.Event()
+        # The one waiter's wake-up (a decode stream, or a prefix pull: `KVInbox.claim` lets
+        # one claim it), made when it waits: none is made for changes nobody waits on.
+        self._changed: native.WakeUp | None = None
 
     @property
     def ready(self) -> bool:
@@ -589,11 +591,13 @@ class KVAssembly:
 
     async def wait(self) -> None:
         while not self.finished:
+            self._changed = native.new_event()
             await self._changed.wait()
 
     def _signal(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
 
 class KVInboxStatistics(msgspec.Struct, frozen=True):
