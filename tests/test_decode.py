@@ -9,6 +9,7 @@ watch each exactness check fail, for all four families."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -408,7 +409,7 @@ async def cut_stream(client: object, request_id: str, pieces_sent: int) -> None:
         async with client.stream_to("d", opening) as sink:  # type: ignore[attr-defined]
             for layer in range(pieces_sent):
                 await sink.send(KVChunk(request_id=request_id, layer=layer, start=0,
-                                      data=b"\0" * 64))
+                                      data=memoryview(b"\0" * 64)))
             raise RuntimeError("prefill died")
 
 
@@ -574,15 +575,17 @@ def stall_opening(lane: int) -> KVOpen:
                   end=8, pieces=4, lane=lane, lanes=2)
 
 
-async def arrival_after(assembly: KVAssembly, kv_stall: float) -> tuple[str, float]:
-    """How `_kv_arrival` ended ("whole", "stalled" or "still waiting" after 20 s) and when."""
+async def arrival_after(assembly: KVAssembly, kv_stall: float,
+                        deadline: float = math.inf) -> tuple[str, float]:
+    """How `_kv_arrival` ended ("whole", "stalled", "not whole" at its deadline, or "still
+    waiting" after 20 s, when a cancel scope ends the wait) and when."""
     request = DecodeRequest(request_id="r", prompt=[1] * 8, kv_stall=kv_stall)
     with anyio.move_on_after(20.0):
         try:
-            await decode_module._kv_arrival(request, assembly)
+            await decode_module._kv_arrival(request, assembly, deadline)
         except KVStalled:
             return "stalled", anyio.current_time()
-        return "whole", anyio.current_time()
+        return "whole" if assembly.finished else "not whole", anyio.current_time()
     return "still waiting", anyio.current_time()
 
 
@@ -596,12 +599,13 @@ async def test_kv_that_stops_arriving_stalls_after_the_bound_from_its_last_piece
         assembly.open_lane(stall_opening(0))
         for start in range(3):
             await anyio.sleep(0.8)  # pieces closer than the bound
-            assembly.add(KVChunk(request_id="r", layer=0, start=start, data=b"kv"))
+            assembly.add(KVChunk(request_id="r", layer=0, start=start,
+                                 data=memoryview(b"kv")))
 
     async with anyio.create_task_group() as group:
         group.start_soon(lanes)
         how, when = await arrival_after(assembly, 1.0)
-    assert (how, when) == ("stalled", pytest.approx(5.0 + 3 * 0.8 + 1.0))
+    assert how == "stalled" and when == pytest.approx(5.0 + 3 * 0.8 + 1.0)
 
 
 @pytest.mark.trio
@@ -622,3 +626,39 @@ async def test_kv_that_keeps_arriving_or_never_starts_does_not_stall(
         assert (await arrival_after(assembly, 1.0))[0] == "whole"
     never = KVAssembly("r", anyio.current_time())
     assert (await arrival_after(never, 1.0))[0] == "still waiting"
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("kv_stall", [0.0, 0.5, 1.0, 3.0])
+async def test_kv_arrival_ends_at_its_deadline_not_whole_and_not_stalled(
+        autojump_clock: trio.testing.MockClock, kv_stall: float) -> None:
+    """The deadline (the request's kv_timeout) ends the wait with the KV not whole, and is
+    not taken for a stall even where the stall bound falls on it; a lane that closes wakes
+    the waiter at once, before either bound."""
+    start = anyio.current_time()
+    assembly = KVAssembly("r", start)
+
+    async def lanes() -> None:
+        await anyio.sleep(1.0)
+        assembly.open_lane(stall_opening(0))  # lane 1 never opens: never whole
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lanes)
+        how, when = await arrival_after(assembly, kv_stall, start + 2.0)
+    expected = ("stalled", start + 1.0 + kv_stall) if 0 < kv_stall < 1.0 else (
+        "not whole", start + 2.0)
+    assert (how, when) == expected
+    begun = anyio.current_time()
+    woken = KVAssembly("r", begun)
+
+    async def both_lanes() -> None:
+        for lane in range(2):
+            await anyio.sleep(0.25)
+            woken.open_lane(stall_opening(lane))
+            woken.first_token = 3
+            woken.close_lane(lane)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(both_lanes)
+        how, when = await arrival_after(woken, kv_stall, begun + 10.0)
+    assert how == "whole" and when == pytest.approx(begun + 0.5)

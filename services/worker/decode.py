@@ -293,8 +293,7 @@ class DecodeWorker:
                                f"{sorted(self._members)}")
 
     async def _await_kv(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
-        with native.deadline_scope(native.clock()() + request.kv_timeout):
-            await _kv_arrival(request, assembly)
+        await _kv_arrival(request, assembly, native.now() + request.kv_timeout)
         if assembly.failure is not None:
             raise assembly.failure
         if not assembly.ready:
@@ -456,24 +455,25 @@ class DecodeWorker:
         ))
 
 
-async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly) -> None:
-    """Until the KV is whole or failed; KVStalled once, after its first lane opened, it made
-    no progress (no lane opened, no piece arrived) for `request.kv_stall` seconds. Before
-    the first lane the job may wait in the prefill worker's queue: that worker bounds the
-    KV's arrival after its compute (PrefillRequest.kv_stall). The caller releases the
-    assembly, so late lanes are refused."""
+async def _kv_arrival(request: DecodeRequest, assembly: KVAssembly,
+                      deadline: float) -> None:
+    """Until the KV is whole or failed, or `deadline` (the caller tells which); KVStalled
+    once, after its first lane opened, it made no progress (no lane opened, no piece
+    arrived) for `request.kv_stall` seconds. Before the first lane the job may wait in the
+    prefill worker's queue: that worker bounds the KV's arrival after its compute
+    (PrefillRequest.kv_stall). The caller releases the assembly, so late lanes are refused."""
     if not request.kv_stall > 0:
-        await assembly.wait()
+        await assembly.wait(deadline)
         return
-    while not assembly.finished:
+    while not assembly.finished and native.now() < deadline:
         since = assembly.progress_at
-        # Pieces and lane openings do not wake the waiter (an Event per piece would cost):
+        # Pieces and lane openings do not wake the waiter (a wake-up per piece would cost):
         # it looks again when the bound would pass, and goes on if one came meanwhile.
-        wake = since if assembly.opening is not None else native.clock()()
-        with native.deadline_scope(wake + request.kv_stall):
-            await assembly.wait()
+        wake = since if assembly.opening is not None else native.now()
+        await assembly.wait(min(deadline, wake + request.kv_stall))
+        # At the deadline itself the caller's timeout speaks, not the stall.
         if assembly.opening is not None and not assembly.finished and (
-                assembly.progress_at == since):
+                assembly.progress_at == since) and native.now() < deadline:
             raise KVStalled(
                 f"the KV of {request.request_id!r} made no progress for kv_stall="
                 f"{request.kv_stall:g} s ({len(assembly.pieces)} pieces arrived)")
@@ -534,9 +534,9 @@ class KVAssembly:
         self.progress_at = created  # when a lane last opened or closed or a piece arrived
         self._closed: set[int] = set()
         self._opened: set[int] = set()
-        # The one waiter's wake-up (a decode stream, or a prefix pull: `KVInbox.claim` lets
-        # one claim it), made when it waits: none is made for changes nobody waits on.
-        self._changed: native.WakeUp | None = None
+        # Its one waiter (a decode stream, or a prefix pull: `KVInbox.claim` lets one claim
+        # it) sleeps on this alarm until a change or its deadline: no cancel scope per wait.
+        self._changed = native.Alarm()
 
     @property
     def ready(self) -> bool:
@@ -589,15 +589,13 @@ class KVAssembly:
         self.pieces = {}
         self.nbytes = 0
 
-    async def wait(self) -> None:
-        while not self.finished:
-            self._changed = native.new_event()
-            await self._changed.wait()
+    async def wait(self, deadline: float = math.inf) -> None:
+        """Until the KV is whole or failed, or until `deadline` on the loop's clock."""
+        while not self.finished and native.now() < deadline:
+            await self._changed.sleep_until(deadline)
 
     def _signal(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        self._changed.wake()
 
 
 class KVInboxStatistics(msgspec.Struct, frozen=True):
