@@ -26,7 +26,6 @@ Lanes are separate mesh nodes (one TCP connection each, the same peer), given by
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -329,29 +328,28 @@ class PrefillWorker:
         end)."""
         lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
         request = job.request
-        # The stall bound: from the compute's end, the lanes' scope expires kv_stall later
-        # (a deadline on the scope, not a watcher task beside the lanes to wake and cancel).
-        watch = native.deadline_scope(math.inf)
         try:
-            with watch:
-                async with anyio.create_task_group() as tg:
-                    for lane, items in enumerate(lanes):
-                        native.start_soon(tg, self._send_lane, job, lane, items)
-                    try:
-                        first_token, compute_end = await self._compute.compute_and_release(
-                            job, lanes)
-                    finally:
-                        for items in lanes:
-                            items.end()
-                    if request.kv_stall > 0:
-                        watch.deadline = native.clock()() + request.kv_stall
-                    await computed()
+            async with anyio.create_task_group() as tg:
+                for lane, items in enumerate(lanes):
+                    native.start_soon(tg, self._send_lane, job, lane, items)
+                try:
+                    first_token, compute_end = await self._compute.compute_and_release(
+                        job, lanes)
+                finally:
+                    for items in lanes:
+                        items.end()
+                if request.kv_stall > 0:
+                    # The stall bound: from the compute's end, the lanes' group expires
+                    # kv_stall later (a deadline on its own scope, not a watcher task beside
+                    # the lanes to wake and cancel, nor a scope of its own around them).
+                    tg.cancel_scope.deadline = native.now() + request.kv_stall
+                await computed()
         except BaseExceptionGroup as group:
             cause = stream_failure(group, request.request_id, request.decode_worker)
             if cause is None:
                 raise
             raise cause from group
-        if watch.cancelled_caught:
+        if tg.cancel_scope.cancelled_caught:
             raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
                             f"{request.decode_worker} within kv_stall={request.kv_stall:g} s "
                             "of the compute's end")
