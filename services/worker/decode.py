@@ -371,10 +371,13 @@ class DecodeWorker:
                 continue
             self._members[rid] = member
         self._joining = waiting
-        for rid in self._leaving & set(self._members):
-            self._batch.leave(rid)
-            self._members.pop(rid).end()
-        self._leaving.clear()
+        if self._leaving:
+            # Readers seldom leave early: the batch's ids are not copied to a set at every
+            # pass for none.
+            for rid in self._leaving & set(self._members):
+                self._batch.leave(rid)
+                self._members.pop(rid).end()
+            self._leaving.clear()
         self._check_idle()
 
     async def _step(self) -> None:
