@@ -310,34 +310,47 @@ class Alarm:
     On a clock that keeps `Sleepers` the task is parked there (a move re-parks it; a move to
     an instant already reached wakes it, as `wake` does); elsewhere it waits on an event in
     a cancel scope whose deadline a move changes.
+
+    A sleeper may say what a wake means to it (`sleep_until(..., woken=)`): the instant to
+    sleep on until, given the instant of the wake, which `wake` then moves the alarm to. A
+    batch running several steps at once, cut short by a join at the step in progress, wakes
+    once, at that step's end, not at the join and again at the end.
     """
 
-    __slots__ = ("_event", "_key", "_scope", "_sleepers")
+    __slots__ = ("_event", "_key", "_scope", "_sleepers", "_woken")
 
     def __init__(self) -> None:
         self._scope: DeadlineScope | None = None
         self._event: WakeUp | None = None
         self._sleepers: Sleepers | None = None
         self._key: int | None = None
+        self._woken: Callable[[float], float] | None = None
 
     @property
     def sleeping(self) -> bool:
         return self._scope is not None or self._key is not None
 
-    async def sleep_until(self, deadline: float) -> None:
-        """Returns at `deadline`, at a moved one, or when woken, whichever comes first."""
-        sleepers = None if asyncio._get_running_loop() is not None else parking()
-        if sleepers is None:
-            await self._wait_in_scope(deadline)
-        elif deadline <= trio.current_time():
-            await trio.lowlevel.checkpoint()
-        else:
-            self._sleepers = sleepers
-            self._key = sleepers.park(deadline, trio.lowlevel.current_task())
-            try:
-                await trio.lowlevel.wait_task_rescheduled(self._abort)
-            finally:
-                self._sleepers = self._key = None
+    async def sleep_until(self, deadline: float,
+                          woken: Callable[[float], float] | None = None) -> None:
+        """Returns at `deadline`, at a moved one, or when woken, whichever comes first; with
+        `woken`, a wake at instant t moves the alarm to `woken(t)` instead of ending the
+        sleep (an instant already reached ends it)."""
+        self._woken = woken
+        try:
+            sleepers = None if asyncio._get_running_loop() is not None else parking()
+            if sleepers is None:
+                await self._wait_in_scope(deadline)
+            elif deadline <= trio.current_time():
+                await trio.lowlevel.checkpoint()
+            else:
+                self._sleepers = sleepers
+                self._key = sleepers.park(deadline, trio.lowlevel.current_task())
+                try:
+                    await trio.lowlevel.wait_task_rescheduled(self._abort)
+                finally:
+                    self._sleepers = self._key = None
+        finally:
+            self._woken = None
 
     async def _wait_in_scope(self, deadline: float) -> None:
         event = self._event = new_event()
@@ -368,8 +381,11 @@ class Alarm:
                 self._key = self._sleepers.park(deadline, task)
 
     def wake(self) -> None:
-        """Ends the sleep now (nothing if none sleeps)."""
-        if self._event is not None:
+        """Ends the sleep now, or moves it where the sleeper's `woken` says (nothing if none
+        sleeps)."""
+        if self._woken is not None and self.sleeping:
+            self.move(self._woken(now()))
+        elif self._event is not None:
             self._event.set()
         elif self._sleepers is not None and self._key is not None:
             task = self._sleepers.unpark(self._key)

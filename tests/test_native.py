@@ -165,3 +165,26 @@ def test_native_now_is_anyios_current_time(backend: str) -> None:
 
     before, ours, after = anyio.run(main, backend=backend)
     assert before <= ours <= after
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_an_alarm_woken_with_a_meaning_sleeps_on_to_it(backend: str) -> None:
+    """`woken` turns a wake at t into a move to woken(t); one already reached ends the sleep."""
+    async def main() -> list[float]:
+        alarm, woke = Alarm(), list[float]()
+
+        async def sleeper(later: float) -> None:
+            began = anyio.current_time()
+            await alarm.sleep_until(math.inf, woken=lambda t: t + later)
+            woke.append(anyio.current_time() - began)
+
+        with anyio.fail_after(10):
+            for later in (0.05, -1.0):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sleeper, later)
+                    await anyio.sleep(0.01)
+                    alarm.wake()
+        return woke
+
+    moved, ended = anyio.run(main, backend=backend)
+    assert 0.06 <= moved < 5.0 and 0.01 <= ended < 0.05

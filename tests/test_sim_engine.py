@@ -15,6 +15,7 @@ from services.model.batch import TokenEvent
 from services.model.cache import StateSnapshot
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
+from services.sim.clock import JumpClock
 from services.sim.engine import MODELED_TOKEN, CountingBatch, ModeledBatch, ModeledEngine
 
 
@@ -148,3 +149,31 @@ def test_a_virtual_caches_held_bytes_are_its_statistics_allocated_and_snapshot_b
     stats = cache.statistics()
     assert stats.snapshot_bytes > 0 or length < block
     assert cache.held_bytes() == stats.allocated_bytes + stats.snapshot_bytes
+
+
+async def _cut_run(engine: ModeledEngine, cost: CostModel) -> tuple[int, float, float]:
+    """A multi-step run woken 2.5 steps in: (steps made, seconds taken, step time)."""
+    batch = engine.new_batch(4)
+    batch.join("r", engine.empty_cache(), MODELED_TOKEN, SamplingParams(max_new_tokens=1000))
+    alarm = native.Alarm()
+    await engine.step(batch, alarm)  # the second token, alone
+    step_s = cost.decode_step_time(1, batch.modeled_context())
+    before, start = batch.statistics().steps, anyio.current_time()
+
+    async def join_later() -> None:
+        await anyio.sleep(2.5 * step_s)
+        alarm.wake()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(join_later)
+        await engine.step(batch, alarm)
+        took = anyio.current_time() - start
+    return batch.statistics().steps - before, took, step_s
+
+
+@pytest.mark.parametrize("clock", ["jump", "mock"])
+def test_a_join_cuts_a_run_at_the_end_of_the_step_in_progress(clock: str) -> None:
+    cost = CostModel.load("h20", "hybrid_1t")
+    chosen = JumpClock() if clock == "jump" else trio.testing.MockClock(autojump_threshold=0)
+    steps, took, step_s = trio.run(_cut_run, ModeledEngine(cost, 8.0), cost, clock=chosen)
+    assert steps == 3 and took == pytest.approx(3 * step_s)

@@ -460,20 +460,19 @@ class ModeledEngine:
             raise ModelError(f"decode profile {self._cost.profile.name!r} must model step times")
         # The loop's own clock and sleeps (mesh.native): a step is on every request's path.
         # On the simulation's clock the alarm parks the loop in the clock's own heap: no
-        # cancel scope and no event per step. The times are anyio's to the bit.
-        clock = native.clock()
-        start = clock()
-        await interrupt.sleep_until(start + steps * step_s)
-        now = clock()
-        done = min(steps, max(1, math.ceil((now - start) / step_s - 1e-9)))
-        end = start + done * step_s
-        if now < end:
-            await native.sleep(end - now)
-        else:
-            # The whole run is done now: a sleep until now would cost a timer and its
-            # cancellation for the same single pass of the scheduler.
-            await native.checkpoint()
-        return batch.advance(done)
+        # cancel scope and no event per step. A join's wake moves the alarm to the end of the
+        # step in progress (`cut`), where the loop wakes once. The times are anyio's to the
+        # bit: the end of a cut run is the join's instant plus the rest of its step, as a
+        # sleep from the join would reach it.
+        start = native.clock()()
+        done = [steps]
+
+        def cut(now: float) -> float:
+            done[0] = min(steps, max(1, math.ceil((now - start) / step_s - 1e-9)))
+            return now + (start + done[0] * step_s - now)
+
+        await interrupt.sleep_until(start + steps * step_s, woken=cut)
+        return batch.advance(done[0])
 
     async def import_kv(self, opening: KVOpen, base: Any,
                         pieces: Mapping[tuple[int, int], bytes | memoryview]) -> VirtualCache:
