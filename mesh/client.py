@@ -181,7 +181,15 @@ class ClientSession:
         # (on asyncio TCP) straight from the event loop's callback: one task switch fewer
         # per call. A stream's items may have to wait for room, so they go through `run`.
         self._streams = 0
-        conn.deliver_directly(self._deliver)
+        # The reader task holds a frame it has not finished routing: frames after it wait.
+        self._routing = False
+        # On the in-memory pipe the sending task offers each frame (`_offer`): answers and
+        # stream items that find their waiter with room go there without waking `run`, the
+        # rest (and everything behind them) to `run`. Elsewhere, direct delivery while no
+        # stream is open.
+        self._offered = conn.deliver_some(self._offer)
+        if not self._offered:
+            conn.deliver_directly(self._deliver)
 
     @property
     def peer(self) -> str:
@@ -201,7 +209,10 @@ class ClientSession:
                 group.cancel_scope.cancel()
         finally:
             self.alive = False
-            self.conn.deliver_directly(None)
+            if self._offered:
+                self.conn.deliver_some(None)
+            else:
+                self.conn.deliver_directly(None)
             for waiter in self._waiters.values():
                 waiter.fail(reason)
             with anyio.CancelScope(shield=True):
@@ -210,7 +221,10 @@ class ClientSession:
     async def _read(self) -> PeerGone:
         try:
             while True:
-                await self._route(await self.conn.receive())
+                self._routing = False
+                envelope = await self.conn.receive()
+                self._routing = True
+                await self._route(envelope)
         except MeshError as exc:
             # Debug only: a node may hold several connections to one peer (KV lanes), each
             # ending at once, and the services log what a lost peer means to them.
@@ -239,13 +253,28 @@ class ClientSession:
         if waiter is None or not waiter.put(envelope):
             self.stray_frames += 1
 
+    def _offer(self, envelope: Envelope) -> bool:
+        """`_route` in the sending task (Connection.deliver_some), for a frame whose waiter
+        takes it now; False leaves it, and every frame after it, to `run` (which routes it as
+        before, raising for a frame a server may not send or counting a stray)."""
+        if self._routing or type(envelope) not in ANSWERS:
+            return False
+        waiter = self._waiters.get(cast(Answer, envelope).id)
+        if waiter is None:
+            return False
+        if isinstance(waiter, Mailbox):
+            return waiter.put_nowait(envelope)
+        if not waiter.put(envelope):
+            self.stray_frames += 1
+        return True
+
     def _open(self, capacity: int, deadline: float, what: str) -> tuple[int, Mailbox[Envelope]]:
         id = next(self._ids)
         waiter: Mailbox[Envelope] = Mailbox(capacity)
         if not self.alive:
             waiter.fail(PeerGone(f"connection to {self.peer} closed"))
         self._streams += 1
-        if self._streams == 1:
+        if self._streams == 1 and not self._offered:
             self.conn.deliver_directly(None)
         self._waiters[id] = waiter
         self._watch.watch(deadline, waiter, what)
@@ -256,7 +285,7 @@ class ClientSession:
         if isinstance(waiter, Mailbox):
             waiter.close()
             self._streams -= 1
-            if not self._streams and self.alive:
+            if not self._streams and self.alive and not self._offered:
                 self.conn.deliver_directly(self._deliver)
 
     async def _abandon(self, id: int, reason: str) -> None:

@@ -13,12 +13,13 @@ import pytest
 import trio
 import trio.testing
 
+from mesh.connection import Connection
 from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
 from mesh.mailbox import Mailbox
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
-from mesh.wire import Codec
+from mesh.wire import Codec, Item
 
 
 class Nap(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +138,66 @@ async def test_download_stream_delivers_items_in_order(memory_hub: MemoryHub) ->
         cli.check_integrity()
     assert got == [Count(n) for n in range(200)]
     assert log == ["count closed"]
+
+
+async def read_slowly(hub: MemoryHub, pauses: list[int]) -> tuple[list[Count], int, int]:
+    """A download of 60 items through a stream buffer of one, read with the given pauses
+    (virtual ms, cycled); (items, client stray frames, frames the client received)."""
+    srv = server(hub, [])
+    cli = Node("cli", CODEC, MemoryTransport(hub), PEERS, NodeConfig(stream_buffer=1))
+    got: list[Count] = []
+    async with srv, cli:
+        await srv.listen()
+        async with cli.open_stream("srv", Count(60)) as items:
+            async for item in items:
+                assert isinstance(item, Count)
+                got.append(item)
+                await trio.sleep(pauses[len(got) % len(pauses)] / 1000)
+        cli.check_integrity()
+        stats = cli.statistics()
+    return got, stats.stray_frames, stats.frames_in
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("pauses", [[0], [0, 3, 0, 0, 7, 1], [5, 0], [2, 2, 0, 9, 0, 0, 0]])
+async def test_download_items_handed_over_by_their_senders_match_the_reader_path(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch, pauses: list[int],
+) -> None:
+    """On the in-memory pipe a stream's items go into its buffer in the sending task while no
+    reader holds a frame and there is room (ClientSession._offer); the rest queue behind the
+    reader. A slow consumer behind a buffer of one still gets every item once, in order, as it
+    does when every frame goes through the reader task (the reference: no `deliver_some`)."""
+    fast = await read_slowly(memory_hub, pauses)
+    with monkeypatch.context() as patch:
+        patch.setattr(Connection, "deliver_some", lambda self, route: False)
+        reference = await read_slowly(MemoryHub(), pauses)
+    assert fast == reference
+    assert fast[0] == [Count(n) for n in range(60)]
+
+
+@pytest.mark.trio
+async def test_an_answer_is_handed_over_only_while_no_reader_holds_a_frame(
+    memory_hub: MemoryHub,
+) -> None:
+    """ClientSession._offer: a stream item goes straight into its buffer while no reader
+    holds a frame and there is room; while one does, or the buffer is full, it is left to the
+    reader, behind that frame; so is a frame for no one (the reader counts it as stray)."""
+    cli = Node("cli", CODEC, MemoryTransport(memory_hub), PEERS, NodeConfig(stream_buffer=1))
+    async with server(memory_hub, []) as srv, cli:
+        await srv.listen()
+        async with cli.open_stream("srv", Stall(0)) as items:
+            await trio.testing.wait_all_tasks_blocked()
+            (session,) = cli._peers.sessions()
+            (id,) = session._waiters
+            session._routing = True
+            assert not session._offer(Item(id, Count(1)))
+            session._routing = False
+            assert not session._offer(Item(id + 1, Count(9)))
+            assert session._offer(Item(id, Count(1)))
+            assert not session._offer(Item(id, Count(2)))  # the buffer of one is full
+            assert await items.__anext__() == Count(1)
+            assert session.stray_frames == 0
 
 
 @pytest.mark.trio
