@@ -84,7 +84,7 @@ def codec(max_frame: int = 1 << 20) -> Codec:
     return Codec(APP, max_frame=max_frame)
 
 
-def decode_frame(c: Codec, frame: bytes | bytearray) -> Envelope:
+def decode_frame(c: Codec, frame: bytes | bytearray | memoryview) -> Envelope:
     return c.decode(memoryview(frame)[HEADER_SIZE:])
 
 
@@ -240,8 +240,19 @@ def test_encoding_a_message_outside_the_codec_fails_that_send() -> None:
     class Stranger(msgspec.Struct, tag=True):
         pass
 
-    with pytest.raises(UnknownMessageType, match="Stranger is not one of the codec's messages"):
-        codec().encode(Reply(1, Stranger()))
+    for encode in (codec().encode, codec().encode_parts):
+        with pytest.raises(UnknownMessageType, match="Stranger is not one of the codec's messages"):
+            encode(Reply(1, Stranger()))
+
+
+@pytest.mark.parametrize("envelope", ENVELOPES)
+def test_a_frame_without_bulk_bytes_is_its_length_and_msgpack(envelope: Envelope) -> None:
+    """The obvious frame (a big-endian length, then msgspec's msgpack) is what `encode` and
+    `encode_parts` (its one-buffer fast path for bodies without a bulk field) both build."""
+    reference = len(body := msgspec.msgpack.encode(envelope)).to_bytes(HEADER_SIZE, "big") + body
+    c = codec()
+    assert c.encode(envelope) == reference
+    assert c.encode_parts(envelope) == (reference,)
 
 
 def test_undecodable_frame_raises_frame_decode_error() -> None:
