@@ -398,3 +398,46 @@ async def test_calls_beside_and_after_a_download_over_tcp() -> None:
             assert cli.statistics().waiting_calls == 0
     assert got == [Count(n) for n in range(40)]
     assert replies == [Count(0)] * 20
+
+
+@pytest.mark.anyio
+async def test_calls_beside_a_slowly_read_download_in_memory() -> None:
+    """On the in-memory pipe answers and items are handed over in the sending task (trio or
+    asyncio alike): calls made while a download through a buffer of one is read slowly are
+    answered, and the download still arrives whole and in order."""
+    hub = MemoryHub()
+    srv = Node("srv", CODEC, MemoryTransport(hub), PEERS)
+
+    @srv.handles(Nap)
+    async def on_nap(msg: Nap, ctx: Context) -> Count:
+        await anyio.sleep(msg.seconds)
+        return Count(int(msg.seconds * 1000))
+
+    @srv.serves_stream(Count)
+    async def count_to(msg: Count, ctx: Context) -> AsyncGenerator[Count, None]:
+        for n in range(msg.n):
+            yield Count(n)
+
+    cli = Node("cli", CODEC, MemoryTransport(hub), PEERS, NodeConfig(stream_buffer=1))
+    replies: list[msgspec.Struct | None] = []
+
+    async def call(seconds: float) -> None:
+        replies.append(await cli.call("srv", Nap(seconds), timeout=10))
+
+    async with srv, cli:
+        await srv.listen()
+        # The calls run beside the reader: an answer behind a stream item that waits for
+        # room in the buffer waits with it (one connection, in order).
+        async with cli.open_stream("srv", Count(50), timeout=10) as items, \
+                anyio.create_task_group() as group:
+            got: list[msgspec.Struct] = []
+            async for item in items:
+                got.append(item)
+                if len(got) % 10 == 0:
+                    group.start_soon(call, 0.001)
+                await anyio.sleep(0)
+        await call(0)
+        cli.check_integrity()
+        assert cli.statistics().stray_frames == 0
+    assert got == [Count(n) for n in range(50)]
+    assert replies == [Count(1)] * 5 + [Count(0)]
