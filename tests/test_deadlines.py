@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import trio
@@ -48,6 +49,68 @@ async def test_an_earlier_deadline_wakes_the_watch_sooner(
         await trio.sleep(200)
         nursery.cancel_scope.cancel()
     assert expiries == [3, 100]
+
+
+@pytest.mark.trio
+async def test_the_watch_sleeps_past_waits_finished_in_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    watch = DeadlineWatch()
+    late: Mailbox[int] = Mailbox(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for n in range(5):
+            answered: Mailbox[int] = Mailbox(1)
+            watch.watch(1 + n, answered, "answered")
+            answered.close()
+        watch.watch(10, late, "late")
+        await trio.sleep(20)
+        nursery.cancel_scope.cancel()
+    assert late.failure is not None and watch.expired == 1
+    # Woken at the first wait's deadline (its alarm set while it was open), then at the late
+    # one's: not at the deadlines of the four answered while the watch slept.
+    assert watch.wake_ups == 2
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("seed", range(8))
+async def test_the_watch_fails_what_the_obvious_rule_says(
+    autojump_clock: trio.testing.MockClock, seed: int,
+) -> None:
+    """Waits registered one after another, each answered at a random time or never: each
+    fails exactly at its deadline if it is still open then (the reference), whatever the
+    watch skipped or swept meanwhile."""
+    rng = random.Random(seed)
+    # (registered, deadline, answered); a deadline never equals its own answer's instant.
+    waits = [(n / 2, n / 2 + rng.choice([rng.randrange(30) + 0.25, math.inf]),
+              n / 2 + rng.choice([rng.randrange(30) + 0.75, math.inf])) for n in range(60)]
+    expected = sorted((deadline, n) for n, (_, deadline, answered) in enumerate(waits)
+                      if deadline < answered)
+    failed: list[tuple[float, int]] = []
+    watch = DeadlineWatch()
+    boxes: list[Mailbox[int]] = [Mailbox(1) for _ in waits]
+
+    async def wait(n: int, answered: float) -> None:
+        with trio.move_on_at(answered):
+            try:
+                await boxes[n].get()
+            except DeadlineExceeded:
+                failed.append((trio.current_time(), n))
+                return
+        boxes[n].close()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        for n, (registered, deadline, answered) in enumerate(waits):
+            await trio.sleep_until(registered)
+            watch.watch(deadline, boxes[n], f"wait {n}")
+            watch.check_integrity()
+            nursery.start_soon(wait, n, answered)
+        await trio.sleep(100)
+        nursery.cancel_scope.cancel()
+    assert sorted(failed) == [d for d in expected if d[0] < math.inf]
+    assert watch.expired == len(failed)
 
 
 def test_finished_waits_are_swept_from_the_heap() -> None:
