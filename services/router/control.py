@@ -24,6 +24,7 @@ import anyio.abc
 import httpx
 import msgspec
 
+from mesh import native
 from mesh.errors import ConfigError, MeshError
 from mesh.topology import Topology
 from services.contract.events import RoleChanged, ThresholdChanged
@@ -144,7 +145,7 @@ class RouterControl:
         await self.tick()
         task_status.started()
         while True:
-            await anyio.sleep(self.config.tick_s)
+            await native.sleep(self.config.tick_s)
             await self.tick()
 
     async def tick(self) -> None:

@@ -227,7 +227,7 @@ async def simulate(deployment: Deployment, arrivals: Sequence[Arrival], *,
                 await _send_all(world, start, arrivals, pending, collector, in_flight, tg)
                 with anyio.move_on_after(max(0.0, start + end - anyio.current_time())):
                     while in_flight[0]:
-                        await anyio.sleep(1.0)
+                        await native.sleep(1.0)
                 # Whatever is due at the stop runs before it, in any order trio picks.
                 await settle()
                 now = anyio.current_time() - start
@@ -293,14 +293,14 @@ async def _collect(events: Subscription[Event], collector: _Collector, every: fl
     """Reads the events every `every` virtual seconds: they carry their own times, so reading
     them late changes no record, and a poll costs no wake-up per event."""
     while True:
-        await anyio.sleep(every)
+        await native.sleep(every)
         _drain(events, collector)
 
 
 async def _sampler(world: SimWorld, start: float, every: float, out: list[Sample],
                    in_flight: list[int], busy: _Busy, progress: Progress | None) -> None:
     while True:
-        await anyio.sleep(every)
+        await native.sleep(every)
         now = anyio.current_time() - start
         out.append(_sample(world, now, in_flight[0], busy))
         if progress is not None:

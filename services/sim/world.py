@@ -250,7 +250,7 @@ async def open_world(d: Deployment) -> AsyncIterator[SimWorld]:
 
 def _probe(world: SimWorld) -> Any:
     async def probe() -> LinkSample | None:
-        await anyio.lowlevel.checkpoint()
+        await native.checkpoint()
         return world.link_sample()
     return probe
 
