@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, cast
 
 import anyio
@@ -101,12 +102,62 @@ class PendingCall:
 
 
 class StreamReader:
-    """The items of a download stream: `async for item in reader` until the server's End."""
+    """The items of a download stream: `async for item in reader` until the server's End, or
+    `await reader.take_each(take)`."""
 
     def __init__(self, peer: str, inbox: Mailbox[Envelope]) -> None:
         self.peer = peer
         self.finished = False
         self._inbox = inbox
+        # take_each: the item `take` declined in the task that put it, queued for the reader
+        # to pop without taking it again; and what `take` raised there.
+        self._declined = False
+        self._raised: BaseException | None = None
+
+    async def take_each(self, take: Callable[[msgspec.Struct], bool]) -> bool:
+        """Hands each item to `take`, which must not block, until it returns False (then True,
+        the rest of the stream left unread) or the server's End (then False); raises as
+        iterating does, and what `take` raised. An item that arrives while this waits is
+        handed over in the task that delivers it (Mailbox.consume_directly): the reader wakes
+        once, at the stop or the end, not once per item. `async for` is the reference."""
+        if self.finished:
+            return False
+        self._inbox.consume_directly(partial(self._offer, take))
+        try:
+            while True:
+                envelope = await self._inbox.get()
+                if self._declined:
+                    self._declined = False
+                    raised, self._raised = self._raised, None
+                    if raised is not None:
+                        raise raised
+                    return True
+                if isinstance(envelope, Item):
+                    if not take(envelope.body):
+                        return True
+                    continue
+                self.finished = True
+                if isinstance(envelope, End):
+                    return False
+                unwrap(envelope, self.peer)
+                raise FrameDecodeError(f"{self.peer} sent a Reply inside a download stream")
+        finally:
+            self._inbox.consume_directly(None)
+
+    def _offer(self, take: Callable[[msgspec.Struct], bool], envelope: Envelope) -> bool:
+        """`take_each`'s consumer: an item taken (True), or left queued for the reader: not an
+        item, or the one `take` declined or raised on (`_declined`)."""
+        if self._declined or not isinstance(envelope, Item):
+            return False
+        try:
+            if take(envelope.body):
+                return True
+        except Exception as exc:
+            # Raised in the task that delivered the item, which must not fail for the reader:
+            # the reader raises it.
+            self._raised = exc
+        self._declined = True
+        return False
 
     def __aiter__(self) -> StreamReader:
         return self

@@ -15,6 +15,7 @@ lost.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -51,6 +52,7 @@ class Mailbox(Generic[T]):
         self._failure: MeshError | None = None
         self._high_water = 0
         self._put = 0
+        self._consumer: Callable[[T], bool] | None = None
 
     async def put(self, item: T) -> bool:
         """Waits for room; False (item dropped) once the mailbox has ended or been closed.
@@ -63,9 +65,14 @@ class Mailbox(Generic[T]):
 
     def put_nowait(self, item: T) -> bool:
         """Queues `item` if there is room now; False (item dropped) when there is none or the
-        mailbox has ended or been closed."""
+        mailbox has ended or been closed. While nothing is queued, a consumer set with
+        `consume_directly` is offered it first."""
         if self._ended or self._closed or len(self._items) >= self._capacity:
             return False
+        consumer = self._consumer
+        if consumer is not None and not self._items and consumer(item):
+            self._put += 1
+            return True
         self._items.append(item)
         self._put += 1
         self._high_water = max(self._high_water, len(self._items))
@@ -91,6 +98,14 @@ class Mailbox(Generic[T]):
         room it takes, meanwhile)."""
         while not self._items and not (self._ended or self._closed):
             await self._wait(self._getters)
+
+    def consume_directly(self, consumer: Callable[[T], bool] | None) -> None:
+        """While set (None unsets it), an item put when nothing is queued goes to `consumer`
+        first, in the putting task: True, it took the item, which is never queued and wakes
+        no one; False queues it as usual (and every item after it, until the queue is
+        drained). For a consumer task that would only hand each item to code that does not
+        block: it waits once, not once per item. `consumer` must not raise."""
+        self._consumer = consumer
 
     def get_nowait(self) -> T | None:
         """An item if one is queued now, else None (also at the end)."""

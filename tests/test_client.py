@@ -445,3 +445,73 @@ async def test_calls_beside_a_slowly_read_download_in_memory() -> None:
         assert cli.statistics().stray_frames == 0
     assert got == [Count(n) for n in range(50)]
     assert replies == [Count(1)] * 5 + [Count(0)]
+
+
+async def take_until(hub: MemoryHub, message: msgspec.Struct, stop: int | None,
+                     raise_at: int | None, fast: bool) -> list[object]:
+    """What a reader sees of a download when it stops taking at item `stop`, or `take`
+    raises at `raise_at`: through take_each (fast), or by iterating (the reference)."""
+    log: list[str] = []
+    seen: list[object] = []
+
+    def take(item: msgspec.Struct) -> bool:
+        assert isinstance(item, Count)
+        seen.append(item.n)
+        if item.n == raise_at:
+            raise KeyError(item.n)
+        return item.n != stop
+
+    async with server(hub, log) as srv, client(hub) as cli:
+        await srv.listen()
+        try:
+            async with cli.open_stream("srv", message) as items:
+                if fast:
+                    seen.append(("ended early", await items.take_each(take)))
+                else:
+                    stopped = False
+                    async for item in items:
+                        if not take(item):
+                            stopped = True
+                            break
+                    seen.append(("ended early", stopped))
+                seen.append(("finished", items.finished))
+        except (KeyError, StreamAborted) as exc:
+            seen.append(type(exc).__name__)
+        if stop is not None or raise_at is not None:
+            await logged(log)
+        seen.append(log)
+        srv.check_integrity()
+        cli.check_integrity()
+    return seen
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(("message", "stop", "raise_at"), [
+    (Count(50), None, None), (Count(50), 0, None), (Count(50), 17, None), (Count(50), 49, None),
+    (Count(10**9), 5, None), (Count(50), None, 3), (Count(0), None, None), (Stall(-1), None, None),
+])
+async def test_take_each_sees_a_download_as_iterating_it_does(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock,
+    message: msgspec.Struct, stop: int | None, raise_at: int | None,
+) -> None:
+    """StreamReader.take_each hands items over in the delivering task; a reader stopping,
+    raising, reaching the End or meeting the server's abort sees what `async for` sees."""
+    fast = await take_until(memory_hub, message, stop, raise_at, fast=True)
+    assert fast == await take_until(MemoryHub(), message, stop, raise_at, fast=False)
+    if message == Count(50) and stop is None and raise_at is None:
+        assert fast[:50] == list(range(50)) and fast[50:52] == [("ended early", False),
+                                                               ("finished", True)]
+
+
+def test_a_mailbox_consumer_takes_only_while_nothing_is_queued() -> None:
+    box: Mailbox[int] = Mailbox(4)
+    taken: list[int] = []
+    box.consume_directly(lambda n: n % 2 == 0 and not taken.append(n))
+    assert box.put_nowait(2) and box.put_nowait(3)  # 2 taken; 3 declined, so queued
+    assert box.put_nowait(4)  # queued behind 3, never offered: order is kept
+    assert taken == [2] and box.get_nowait() == 3 and box.get_nowait() == 4
+    assert box.put_nowait(6) and taken == [2, 6] and box.empty
+    box.consume_directly(None)
+    assert box.put_nowait(8) and taken == [2, 6] and box.get_nowait() == 8
+    stats = box.statistics()
+    assert stats.put == stats.taken == 5

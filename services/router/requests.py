@@ -562,22 +562,31 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
 async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: float,
                        on_chunk: Callable[[TokenChunk], str | None],
                        failures: list[tuple[str, UpstreamFailed]]) -> str | None:
-    """Feeds the decode worker's token stream to `on_chunk`; the finish reason it gave."""
+    """Feeds the decode worker's token stream to `on_chunk`; the finish reason it gave.
+    The chunks are taken as they are delivered (`StreamReader.take_each`): this task wakes
+    at the end, not for every chunk."""
+    finished: list[tuple[str, str | None]] = []
+
+    def take(chunk: msgspec.Struct) -> bool:
+        assert isinstance(chunk, TokenChunk)
+        reason = on_chunk(chunk)
+        if reason is not None:
+            finished.append((reason, chunk.finish_reason))
+        return reason is None
+
     try:
         async with node.open_stream(worker, decode, timeout=timeout) as chunks:
-            async for chunk in chunks:
-                assert isinstance(chunk, TokenChunk)
-                reason = on_chunk(chunk)
-                if reason is not None and chunk.finish_reason is None:
-                    return reason
-                if reason is not None:
-                    # The worker has finished: its End follows at once; reading it spares it
-                    # an Abort (bench-router: 3% of the router's CPU).
-                    extra = await _after_end(chunks)
-                    if extra is not None:
-                        failures.append(("decode", UpstreamFailed(
-                            f"decode on {worker} sent {extra} after the finish reason")))
-                    return reason
+            if not await chunks.take_each(take):
+                return None
+            reason, worker_finished = finished[0]
+            if worker_finished is not None:
+                # The worker has finished: its End follows at once; reading it spares it
+                # an Abort (bench-router: 3% of the router's CPU).
+                extra = await _after_end(chunks)
+                if extra is not None:
+                    failures.append(("decode", UpstreamFailed(
+                        f"decode on {worker} sent {extra} after the finish reason")))
+            return reason
     except MeshError as exc:
         failures.append(("decode", _failed(f"decode on {worker} failed", exc)))
     return None
