@@ -107,6 +107,39 @@ class Mailbox(Generic[T]):
         block: it waits once, not once per item. `consumer` must not raise."""
         self._consumer = consumer
 
+    async def take_each(self, take: Callable[[T], object]) -> None:
+        """Hands every item to `take`, which must not block, until the end (the failure is
+        raised as `get` raises it); an item put while this waits is handed over in the task
+        that puts it (`consume_directly`): the consumer wakes at the end, not once per item.
+        What `take` raises there is raised here (that item stays queued, and so does every
+        item after it). `async for` is the reference."""
+        raised: list[Exception] = []
+
+        def offer(item: T) -> bool:
+            if raised:
+                return False
+            try:
+                take(item)
+            except Exception as exc:
+                # Raised in the putting task, which must not fail for the consumer: the
+                # consumer raises it when it wakes for the item, left queued.
+                raised.append(exc)
+                return False
+            return True
+
+        self.consume_directly(offer)
+        try:
+            while True:
+                try:
+                    item = await self.get()
+                except anyio.EndOfStream:
+                    return
+                if raised:
+                    raise raised[0]
+                take(item)
+        finally:
+            self.consume_directly(None)
+
     def get_nowait(self) -> T | None:
         """An item if one is queued now, else None (also at the end)."""
         return self._take() if self._items else None

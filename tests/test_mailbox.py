@@ -213,3 +213,60 @@ async def test_wait_returns_once_an_item_is_queued_or_the_end_taking_nothing() -
         await trio.testing.wait_all_tasks_blocked()
         box.end()
     box.check_integrity()
+
+
+async def _consume(fast: bool, script: list[tuple[float, str, int]], raise_at: int | None,
+                   ) -> list[object]:
+    """A producer following `script` (delay, put/end/fail, n) and a consumer taking each item
+    (raising at `raise_at`): through take_each (fast), or by iterating (the reference)."""
+    box: Mailbox[int] = Mailbox(3)
+    seen: list[object] = []
+    start = anyio.current_time()
+
+    def take(n: int) -> None:
+        if n == raise_at:
+            raise KeyError(n)
+        seen.append((n, anyio.current_time() - start))
+
+    async def produce() -> None:
+        for delay, what, n in script:
+            await anyio.sleep(delay)
+            if what == "put":
+                await box.put(n)
+            elif what == "end":
+                box.end()
+            else:
+                box.fail(PeerGone(f"gone after {n}"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        try:
+            if fast:
+                await box.take_each(take)
+            else:
+                async for n in box:
+                    take(n)
+            seen.append("ended")
+        except (KeyError, PeerGone) as exc:
+            seen.append(repr(exc))
+        box.close()
+    return seen
+
+
+SCRIPTS = [
+    [(0.0, "put", n) for n in range(5)] + [(0.0, "end", 0)],
+    [(0.5 * (n % 3), "put", n) for n in range(9)] + [(1.0, "end", 0)],
+    [(0.0, "put", 0), (1.0, "put", 1), (0.0, "put", 2), (0.0, "put", 3), (2.0, "fail", 3)],
+]
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("raise_at", [None, 0, 2])
+async def test_take_each_takes_what_iterating_takes_when_it_does(
+        autojump_clock: trio.testing.MockClock, script: list[tuple[float, str, int]],
+        raise_at: int | None) -> None:
+    """Items, their instants, the end, a failure and what `take` raises: as `async for`."""
+    fast = await _consume(True, script, raise_at)
+    assert fast == await _consume(False, script, raise_at)
+    assert fast[-1] in ("ended", "KeyError(0)", "KeyError(2)", "PeerGone('gone after 3')")

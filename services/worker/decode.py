@@ -644,8 +644,19 @@ class KVInbox:
         try:
             self._check_model(opening)
             assembly.open_lane(opening)
-            async for item in items:
-                count, nbytes = count + 1, nbytes + self._take(assembly, opening, item)
+
+            def take(item: msgspec.Struct) -> None:
+                nonlocal count, nbytes
+                size = self._take(assembly, opening, item)
+                count, nbytes = count + 1, nbytes + size
+
+            if isinstance(items, Mailbox):
+                # Each piece is taken in the task that delivers it (Mailbox.take_each): the
+                # handler wakes once, at the lane's end, not once per piece.
+                await items.take_each(take)
+            else:
+                async for item in items:
+                    take(item)
             expected = opening.pieces + (opening.lane == 0)
             if count != expected:
                 raise KVTransferError(f"lane {opening.lane} of {opening.request_id!r} ended "
