@@ -504,27 +504,6 @@ async def test_take_each_sees_a_download_as_iterating_it_does(
                                                                ("finished", True)]
 
 
-def test_a_mailbox_consumer_takes_only_while_nothing_is_queued() -> None:
-    box: Mailbox[int] = Mailbox(4)
-    taken: list[int] = []
-
-    def even(n: int) -> bool:
-        if n % 2:
-            return False
-        taken.append(n)
-        return True
-
-    box.consume_directly(even)
-    assert box.put_nowait(2) and box.put_nowait(3)  # 2 taken; 3 declined, so queued
-    assert box.put_nowait(4)  # queued behind 3, never offered: order is kept
-    assert taken == [2] and box.get_nowait() == 3 and box.get_nowait() == 4
-    assert box.put_nowait(6) and taken == [2, 6] and box.empty
-    box.consume_directly(None)
-    assert box.put_nowait(8) and taken == [2, 6] and box.get_nowait() == 8
-    stats = box.statistics()
-    assert stats.put == stats.taken == 5
-
-
 @pytest.mark.trio
 @pytest.mark.parametrize("fail_after", [-1, 10])
 async def test_send_now_sends_as_send_does_and_raises_as_it_does(

@@ -326,3 +326,25 @@ async def test_forward_each_forwards_every_item_once_in_order(
     if not verdicts and script is SCRIPTS[1]:
         # Items put while nothing waited went out at once, not after later's pause.
         assert sum(1 for f, r in zip(fast, reference, strict=True) if f[1] < r[1]) >= 5
+
+
+def test_a_mailbox_consumer_takes_only_while_nothing_is_queued() -> None:
+    box: Mailbox[int] = Mailbox(4)
+    taken: list[int] = []
+
+    def even(n: int) -> bool:
+        if n % 2:
+            return False
+        taken.append(n)
+        return True
+
+    box.consume_directly(even)
+    assert box.put_nowait(2) and box.put_nowait(3)  # 2 taken; 3 declined, so queued
+    assert box.put_nowait(4)  # queued behind 3, never offered: order is kept
+    assert taken == [2] and box.get_nowait() == 3 and box.get_nowait() == 4
+    assert box.put_nowait(6) and taken == [2, 6] and box.empty
+    box.consume_directly(None)
+    assert box.put_nowait(8) and taken == [2, 6] and box.get_nowait() == 8
+    stats = box.statistics()
+    assert stats.put == stats.taken == 5
+
