@@ -196,15 +196,6 @@ class StreamSink:
         await self._session.conn.send(Item(self._id, item), urgent=False, deadline=self._deadline)
         self.sent += 1
 
-    def send_now(self, item: msgspec.Struct) -> bool:
-        """`send` where it needs no wait (Connection.send_now): True when sent, False when
-        nothing was (`send` it); raises as `send` does."""
-        self._check_early_answer()
-        if not self._session.conn.send_now(Item(self._id, item), urgent=False):
-            return False
-        self.sent += 1
-        return True
-
     def _check_early_answer(self) -> None:
         if self._early is None:
             self._early = self._inbox.get_nowait()

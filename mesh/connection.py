@@ -117,18 +117,6 @@ class Connection:
                   and self._outbox.put_nowait(parts[0])):
             await self._outbox.put(parts[0], urgent=urgent, deadline=deadline)
 
-    def send_now(self, envelope: Envelope, *, urgent: bool = True) -> bool:
-        """`send` where it needs no wait: the frame written or handed over now (True), or
-        nothing sent (False: a frame with a bulk part, or an outbox that has to queue it;
-        `send` it). Raises as `send` does."""
-        parts = self._codec.encode_parts(envelope)
-        if len(parts) > 1 or not ((urgent or self._outbox.inline_deferred)
-                                  and self._outbox.put_nowait(parts[0])):
-            return False
-        self._frames_out += 1
-        self._bytes_out += len(parts[0])
-        return True
-
     async def run_writer(self) -> None:
         """Writes deferred frames in batches; run it beside the reader for the connection's life."""
         await self._outbox.run()

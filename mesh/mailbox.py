@@ -15,7 +15,7 @@ lost.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -139,35 +139,6 @@ class Mailbox(Generic[T]):
                 take(item)
         finally:
             self.consume_directly(None)
-
-    async def forward_each(self, now: Callable[[T], bool],
-                           later: Callable[[T], Awaitable[object]]) -> None:
-        """Forwards every item until the end: an item put while nothing is queued goes to
-        `now` in the task that puts it, which forwards it without blocking (True) or leaves
-        it (False, or raising: `later` meets the same again); what is left is awaited in
-        `later` here. The consumer wakes only for what `now` left. `async for` over `later`
-        is the reference."""
-        def offer(item: T) -> bool:
-            try:
-                return now(item)
-            except Exception:
-                # Left queued: `later` forwards it in the consumer, where the error is raised.
-                return False
-
-        while True:
-            if not self._items:
-                # Only while this waits: an item `now` took while `later` still forwarded an
-                # earlier one would overtake it.
-                self.consume_directly(offer)
-                try:
-                    await self.wait()
-                finally:
-                    self.consume_directly(None)
-            try:
-                item = await self.get()
-            except anyio.EndOfStream:
-                return
-            await later(item)
 
     def get_nowait(self) -> T | None:
         """An item if one is queued now, else None (also at the end)."""

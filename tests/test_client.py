@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -502,29 +501,3 @@ async def test_take_each_sees_a_download_as_iterating_it_does(
     if message == Count(50) and stop is None and raise_at is None:
         assert fast[:50] == list(range(50)) and fast[50:52] == [("ended early", False),
                                                                ("finished", True)]
-
-
-@pytest.mark.trio
-@pytest.mark.parametrize("fail_after", [-1, 10])
-async def test_send_now_sends_as_send_does_and_raises_as_it_does(
-    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, fail_after: int
-) -> None:
-    """StreamSink.send_now: on the in-memory pipe an item goes out at once (True) and the
-    handler's reply counts it; once the receiver has failed the stream it raises as `send`."""
-    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
-        await srv.listen()
-        taken: list[bool] = []
-        with contextlib.ExitStack() as stack:
-            if fail_after >= 0:
-                stack.enter_context(pytest.raises(RemoteError, match="refusing more than 10"))
-            async with cli.stream_to("srv", Upload(fail_after=fail_after)) as sink:
-                for _ in range(40):
-                    taken.append(sink.send_now(Chunk(b"12345")))
-                    if not taken[-1]:
-                        await sink.send(Chunk(b"12345"))
-                    await trio.sleep(0.001)
-        srv.check_integrity()
-    if fail_after < 0:
-        assert sink.result == Count(200) and sink.sent == 40 and sum(taken) >= 30
-    else:
-        assert 3 <= len(taken) < 10

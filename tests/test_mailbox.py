@@ -270,64 +270,6 @@ async def test_take_each_takes_what_iterating_takes_when_it_does(
     fast = await _consume(True, script, raise_at)
     assert fast == await _consume(False, script, raise_at)
     assert fast[-1] in ("ended", "KeyError(0)", "KeyError(2)", "PeerGone('gone after 3')")
-
-
-async def _forward(fast: bool, script: list[tuple[float, str, int]], verdicts: dict[int, str],
-                   ) -> list[tuple[int, float]]:
-    """Forwards what a producer puts: `now` takes, leaves or raises on an item per
-    `verdicts` (taken by default), `later` forwards the rest after a pause of its own; the
-    forwarded items, in order, with their instants (the reference: `async for` into later)."""
-    box: Mailbox[int] = Mailbox(3)
-    out: list[tuple[int, float]] = []
-    start = anyio.current_time()
-
-    def now(n: int) -> bool:
-        verdict = verdicts.get(n, "take")
-        if verdict == "raise":
-            raise KeyError(n)
-        if verdict == "take":
-            out.append((n, anyio.current_time() - start))
-        return verdict == "take"
-
-    async def later(n: int) -> None:
-        await anyio.sleep(0.25)
-        out.append((n, anyio.current_time() - start))
-
-    async def produce() -> None:
-        for delay, what, n in script:
-            await anyio.sleep(delay)
-            if what == "put":
-                await box.put(n)
-            else:
-                box.end()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(produce)
-        if fast:
-            await box.forward_each(now, later)
-        else:
-            async for n in box:
-                await later(n)
-    return [(n, round(t, 6)) for n, t in out]
-
-
-@pytest.mark.trio
-@pytest.mark.parametrize("script", SCRIPTS[:2])
-@pytest.mark.parametrize("verdicts", [{}, {1: "leave"}, {0: "raise", 3: "leave"}])
-async def test_forward_each_forwards_every_item_once_in_order(
-        autojump_clock: trio.testing.MockClock, script: list[tuple[float, str, int]],
-        verdicts: dict[int, str]) -> None:
-    """Every item once, in the order put, whether `now` took it or `later` did; an item `now`
-    leaves or raises on, and those behind it, go through `later` (which may be slower)."""
-    fast = await _forward(True, script, verdicts)
-    reference = await _forward(False, script, verdicts)
-    puts = [n for _, what, n in script if what == "put"]
-    assert [n for n, _ in fast] == [n for n, _ in reference] == puts
-    if not verdicts and script is SCRIPTS[1]:
-        # Items put while nothing waited went out at once, not after later's pause.
-        assert sum(1 for f, r in zip(fast, reference, strict=True) if f[1] < r[1]) >= 5
-
-
 def test_a_mailbox_consumer_takes_only_while_nothing_is_queued() -> None:
     box: Mailbox[int] = Mailbox(4)
     taken: list[int] = []

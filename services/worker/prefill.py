@@ -365,26 +365,11 @@ class PrefillWorker:
         )
         node, peer = self._lanes[lane], request.decode_worker
         async with node.stream_to(peer, opening, timeout=self.config.transfer_timeout) as sink:
-
-            def sent(item: LaneItem) -> None:
+            async for item in items:
+                await sink.send(item)
                 if isinstance(item, KVChunk):
                     self._count_sent(job, item.size)
                     self._flow(job, "progress", job.sent[0])
-
-            def now(item: LaneItem) -> bool:
-                if not sink.send_now(item):
-                    return False
-                sent(item)
-                return True
-
-            async def later(item: LaneItem) -> None:
-                await sink.send(item)
-                sent(item)
-
-            # A piece the release puts while the lane waits goes out in the releasing task
-            # when the stream takes it at once (Mailbox.forward_each): the lane's task wakes
-            # only for what has to wait.
-            await items.forward_each(now, later)
         if not isinstance(sink.result, KVAccepted):
             raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
                                   f"with {sink.result!r}, expected KVAccepted")
