@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import pytest
@@ -150,16 +152,17 @@ DROP_MANYS = st.builds(DropMany, HOLDERS, CHOSEN, st.integers(0, 7),
 def test_add_run_equals_its_reference_through_gaps_refills_and_drops(
         steps: list[Add | Drop]) -> None:
     """Runs anywhere in branching chains (gaps, refills, re-reports with new snapshots),
-    between drops: the fast `add_run` leaves the tree `add_run_reference` leaves, and says
-    the same (blocks, snapshots)."""
+    between drops: the fast `add_run` (told by the check where the new blocks begin) leaves
+    the tree `add_run_reference` leaves, and says the same (blocks, snapshots)."""
     fast, slow = PrefixTree(), PrefixTree()
     for tree in (fast, slow):
         tree.add_holder(), tree.add_holder()
     for step in steps:
         if isinstance(step, Add):
             run = step.run()
-            fast.check_run(run, {})
-            assert fast.add_run(step.holder, run) == slow.add_run_reference(step.holder, run)
+            new_from = fast.check_lone_run(run) if step.size % 2 else fast.check_run(run, {})
+            assert fast.add_run(step.holder, run, new_from) == slow.add_run_reference(
+                step.holder, run)
         else:
             assert fast.drop(step.holder, step.block(), step.snapshot_only) == slow.drop(
                 step.holder, step.block(), step.snapshot_only)
@@ -187,3 +190,53 @@ def test_drop_many_equals_its_reference(steps: list[Add | DropMany]) -> None:
                 holder, blocks, only)
         assert tree_state(fast) == tree_state(slow)
         fast.check_integrity()
+
+
+def outcome(check: Callable[[], int]) -> int | str:
+    """What a check returns, or the message of the ChainError it raises."""
+    try:
+        return check()
+    except ChainError as exc:
+        return str(exc)
+
+
+# Runs a report may or may not make: blocks of the chains placed at any depth under any
+# parent (with repeated hashes and hashes equal to their own parent), and pieces of the
+# chains with one block swapped for another (the block below it then has the right depth
+# under the wrong parent).
+EVERY_BLOCK = [block for chain in CHAINS for block in chain]
+ODD_RUNS = st.builds(
+    lambda picks, first, parent: BlockRun(
+        [EVERY_BLOCK[p % len(EVERY_BLOCK)] for p in picks], [], first,
+        None if first == 0 else EVERY_BLOCK[parent % len(EVERY_BLOCK)]),
+    st.lists(st.integers(0, 40), min_size=1, max_size=8), st.integers(0, 7),
+    st.integers(0, 40))
+
+
+def swapped(run: BlockRun, position: int, pick: int) -> BlockRun:
+    hashes = list(run.hashes)
+    hashes[position % len(hashes)] = EVERY_BLOCK[pick % len(EVERY_BLOCK)]
+    return BlockRun(hashes, run.snapshot_at, run.first, run.parent)
+
+
+SWAPPED_RUNS = st.builds(swapped, ADDS.map(Add.run), st.integers(0, 7), st.integers(0, 40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(adds=st.lists(ADDS, max_size=8),
+       runs=st.lists(st.one_of(ADDS.map(Add.run), ODD_RUNS, SWAPPED_RUNS), min_size=1, max_size=6))
+def test_check_lone_run_equals_check_run(adds: list[Add], runs: list[BlockRun]) -> None:
+    """On a tree of stored runs, a run checked alone (`check_lone_run`) passes, with the same
+    index of its first new block, or fails, with the same message, as through `check_run`;
+    the index is where the blocks the tree has no node for begin."""
+    tree = PrefixTree()
+    tree.add_holder(), tree.add_holder()
+    for add in adds:
+        tree.add_run(add.holder, add.run(), tree.check_run(add.run(), {}))
+    for run in runs:
+        lone = outcome(partial(tree.check_lone_run, run))
+        assert lone == outcome(partial(tree.check_run, run, {}))
+        if isinstance(lone, int):
+            known = [i + 1 for i, block in enumerate(run.hashes) if block in tree.nodes]
+            repeats = len(set(run.hashes)) < len(run.hashes) or run.parent in run.hashes
+            assert lone == max(known, default=0) or repeats

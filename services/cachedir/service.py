@@ -304,10 +304,10 @@ class CacheDirectory:
 
     def apply_stored(self, message: BlocksStored) -> int:
         worker = self._worker(message.worker)
-        self._check_runs(message.runs)
+        new_from = self._check_runs(message.runs)
         blocks = snapshots = 0
-        for run in message.runs:
-            new = self._tree.add_run(worker.holder, run)
+        for run, cut in zip(message.runs, new_from, strict=True):
+            new = self._tree.add_run(worker.holder, run, cut)
             blocks, snapshots = blocks + new[0], snapshots + new[1]
         self._count(stored_reports=1, blocks_stored=blocks)
         self._emit("stored", worker, blocks, snapshots)
@@ -430,11 +430,15 @@ class CacheDirectory:
         runs: Iterable[BlockRun],
         tree: PrefixTree | None = None,
         pending: dict[int, tuple[int, int]] | None = None,
-    ) -> None:
+    ) -> list[int]:
+        """Checks the runs as one batch (see `PrefixTree.check_run`); returns, per run, the
+        index from which its blocks are new."""
+        runs = list(runs)
+        if len(runs) == 1 and tree is None and pending is None:
+            return [self._tree.check_lone_run(runs[0])]
         pending = {} if pending is None else pending
         tree = tree or self._tree
-        for run in runs:
-            tree.check_run(run, pending)
+        return [tree.check_run(run, pending) for run in runs]
 
     def _remove(self, worker: _Worker) -> tuple[int, int]:
         del self._workers[worker.name], self._by_holder[worker.holder]
@@ -620,8 +624,10 @@ class PrefixTree:
         state = self._holders[holder]
         return len(state.blocks), state.snapshots
 
-    def check_run(self, run: BlockRun, pending: dict[int, tuple[int, int]]) -> None:
-        """Raise ChainError unless the run agrees with the tree and with `pending`.
+    def check_run(self, run: BlockRun, pending: dict[int, tuple[int, int]]) -> int:
+        """Raise ChainError unless the run agrees with the tree and with `pending`; return the
+        index into `run.hashes` from which no block is known (to the tree or to `pending`):
+        `add_run` makes those blocks' nodes without looking for them.
 
         `pending` (block -> (parent, depth)) collects runs checked but not yet added, so a batch
         is checked as a whole before any of it is applied.
@@ -631,19 +637,44 @@ class PrefixTree:
         if run.parent is not None:
             self._expect(run.parent, None, run.first - 1, pending)
             pending.setdefault(run.parent, (UNKNOWN, run.first - 1))
-        nodes = self.nodes
+        nodes, known_to = self.nodes, run.first
         for depth, block in enumerate(run.hashes, start=run.first):
             if block in pending or block in nodes:  # else nothing is known to contradict
                 self._expect(block, above, depth, pending)
+                known_to = depth + 1
             pending[block] = (above, depth)
             above = block
+        return known_to - run.first
 
-    def add_run(self, holder: int, run: BlockRun) -> tuple[int, int]:
+    def check_lone_run(self, run: BlockRun) -> int:
+        """`check_run` of a run checked by itself (a message of one run: nearly every stored
+        report). Unless a hash repeats or is the run's parent, nothing the run says of one
+        block can contradict what it says of another, so only the tree is asked: no `pending`
+        entry is made per block."""
+        distinct = set(run.hashes)
+        if len(distinct) < len(run.hashes) or run.parent in distinct:
+            return self.check_run(run, {})
+        _check_run_shape(run)
+        if run.parent is not None:
+            self._expect(run.parent, None, run.first - 1, {})
+        above = ROOT if run.parent is None else run.parent
+        nodes, known_to = self.nodes, run.first
+        for depth, block in enumerate(run.hashes, start=run.first):
+            node = nodes.get(block)
+            if node is not None:
+                if node.depth != depth or node.parent not in (above, UNKNOWN):
+                    raise _conflict(block, above, depth, (node.parent, node.depth))
+                known_to = depth + 1
+            above = block
+        return known_to - run.first
+
+    def add_run(self, holder: int, run: BlockRun, new_from: int | None = None) -> tuple[int, int]:
         """Apply a checked run; returns (blocks, snapshots) newly held. `add_run_reference`
         block by block through the general helpers; here a block the holder did not hold and
         none of whose children it holds (a chain growing at its end, or a chain another worker
         holds reported again: nearly every report) gets its chain state in place, which is all
-        `_refresh` would change; any other block goes through `_refresh`."""
+        `_refresh` would change; any other block goes through `_refresh`. The blocks from
+        `new_from` on (what `check_run` returned: none has a node) are made without a probe."""
         if not run.hashes:
             return 0, 0
         nodes, state, bit = self.nodes, self._holders[holder], 1 << holder
@@ -657,8 +688,9 @@ class PrefixTree:
             parent_node = nodes.get(run.parent)
             if parent_node is None:
                 parent_node = nodes[run.parent] = _Node(UNKNOWN, run.first - 1)
+        cut = len(run.hashes) if new_from is None else new_from
         new_blocks = new_snaps = 0
-        for depth, block in enumerate(run.hashes, start=run.first):
+        for depth, block in enumerate(run.hashes[:cut], start=run.first):
             node = nodes.get(block)
             if node is None:
                 node = nodes[block] = _Node(above, depth)
@@ -684,8 +716,35 @@ class PrefixTree:
             if base is not None:
                 resume[block] = node.depth + 1 if snap else base
                 node.complete |= bit
+        if cut < len(run.hashes):
+            tail = self._add_new(holder, run, cut, (above, parent_node), snaps)
+            new_blocks, new_snaps = new_blocks + tail[0], new_snaps + tail[1]
         state.snapshots += new_snaps
         return new_blocks, new_snaps
+
+    def _add_new(self, holder: int, run: BlockRun, cut: int,
+                 top: tuple[int, _Node | None], snaps: set[int]) -> tuple[int, int]:
+        """`add_run`'s blocks from `cut` on, none of which has a node: each is new, to
+        everyone, and childless, so its node and the holder's entries are made outright, and
+        its chain state follows from the block above's (carried, not looked up). `top` is the
+        block above the first of them and its node (None above block 0)."""
+        (above, parent_node), nodes, bit = top, self.nodes, 1 << holder
+        blocks, resume = self._holders[holder].blocks, self._holders[holder].resume
+        base = 0 if above == ROOT else resume.get(above)
+        new_snaps = 0
+        for depth, block in enumerate(run.hashes[cut:], start=run.first + cut):
+            node = nodes[block] = _Node(above, depth, bit)
+            if parent_node is not None:
+                parent_node.children.add(block)
+            parent_node = node
+            snap = blocks[block] = depth in snaps
+            new_snaps += snap
+            if base is not None:
+                base = resume[block] = depth + 1 if snap else base
+                node.complete = bit
+            above = block
+        self.held += len(run.hashes) - cut
+        return len(run.hashes) - cut, new_snaps
 
     def add_run_reference(self, holder: int, run: BlockRun) -> tuple[int, int]:
         """Slow, obvious `add_run`: each block linked, held and refreshed by the helpers."""
@@ -877,10 +936,7 @@ class PrefixTree:
         if known is None:
             return
         if known[1] != depth or (parent is not None and known[0] not in (parent, UNKNOWN)):
-            raise ChainError(
-                f"block {block} reported with parent {parent} at depth {depth}, "
-                f"but it is known with parent {known[0]} at depth {known[1]}"
-            )
+            raise _conflict(block, parent, depth, known)
 
     def _expect_depth(self, hashes: Sequence[int], index: int) -> None:
         depth = self.nodes[hashes[index]].depth
@@ -970,6 +1026,11 @@ def _check_run_shape(run: BlockRun) -> None:
     bad = [i for i in run.snapshot_at if not first <= i < end]
     if bad:
         raise ChainError(f"snapshot_at {bad} outside the run [{first}, {end})")
+
+
+def _conflict(block: int, parent: int | None, depth: int, known: tuple[int, int]) -> ChainError:
+    return ChainError(f"block {block} reported with parent {parent} at depth {depth}, "
+                      f"but it is known with parent {known[0]} at depth {known[1]}")
 
 
 def _differences(name: str, got: dict[int, int], want: dict[int, int]) -> list[str]:
