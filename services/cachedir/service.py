@@ -548,9 +548,10 @@ def _cluster_match(cluster: str, found: list[_Found]) -> ClusterMatch:
     return ClusterMatch(cluster, max(item[1] for item in found), top[2], top[0].name)
 
 
-# Parent markers; real hashes are never negative.
+# Parent markers, and the no-child marker; real hashes are never negative.
 ROOT = -1
 UNKNOWN = -2
+NO_CHILD = -1
 
 
 class ChainError(PrefixCacheError, ValueError):
@@ -572,7 +573,37 @@ class _Node(msgspec.Struct, gc=False):
     # Kept on the node rather than in a dict of its own: a report touches each block's node
     # anyway, and on a tree of 10^5 blocks every further dict is a further cache miss.
     complete: int = 0
-    children: set[int] = msgspec.field(default_factory=set)
+    # Its children: one hash (NO_CHILD: none) and, from the second child on, a set of the
+    # others. Nearly every node has one child or none, and a set each was most of a node's
+    # memory (what a report's blocks cost on a tree of 10^5 nodes is mostly memory traffic).
+    child: int = NO_CHILD
+    more: set[int] | None = None
+
+    def children(self) -> tuple[int, ...]:
+        if self.more is None:
+            return () if self.child == NO_CHILD else (self.child,)
+        return (self.child, *self.more)
+
+    def add_child(self, block: int) -> None:
+        if self.child == NO_CHILD:
+            self.child = block
+        elif self.child != block:
+            if self.more is None:
+                self.more = {block}
+            else:
+                self.more.add(block)
+
+    def remove_child(self, block: int) -> None:
+        more = self.more
+        if more is not None:
+            if block == self.child:
+                self.child = more.pop()
+            else:
+                more.discard(block)
+            if not more:
+                self.more = None
+        elif block == self.child:
+            self.child = NO_CHILD
 
 
 class _Holder:
@@ -696,8 +727,8 @@ class PrefixTree:
                 node = nodes[block] = _Node(above, depth)
             elif node.parent == UNKNOWN:
                 node.parent = above
-            if parent_node is not None:
-                parent_node.children.add(block)
+            if parent_node is not None and parent_node.child != block:
+                parent_node.add_child(block)
             parent_node = node
             had = blocks.get(block)
             snap = depth in snaps
@@ -705,7 +736,8 @@ class PrefixTree:
             self.held += not node.holders
             node.holders |= bit
             above = block
-            if had is not None or not blocks.keys().isdisjoint(node.children):
+            if had is not None or (node.child != NO_CHILD
+                                   and not blocks.keys().isdisjoint(node.children())):
                 self._refresh(holder, block)
                 new_blocks += had is None
                 new_snaps += snap and not had
@@ -731,12 +763,16 @@ class PrefixTree:
         (above, parent_node), nodes, bit = top, self.nodes, 1 << holder
         blocks, resume = self._holders[holder].blocks, self._holders[holder].resume
         base = 0 if above == ROOT else resume.get(above)
+        if parent_node is not None:
+            parent_node.add_child(run.hashes[cut])
+        made: _Node | None = None
         new_snaps = 0
         for depth, block in enumerate(run.hashes[cut:], start=run.first + cut):
             node = nodes[block] = _Node(above, depth, bit)
-            if parent_node is not None:
-                parent_node.children.add(block)
-            parent_node = node
+            # The node above, made here too, has this one child.
+            if made is not None:
+                made.child = block
+            made = node
             snap = blocks[block] = depth in snaps
             new_snaps += snap
             if base is not None:
@@ -899,15 +935,18 @@ class PrefixTree:
         parent = self.nodes.get(node.parent)
         checks = [
             (node.holders == holders.get(block, 0), f"holders {node.holders:b}"),
-            (bool(node.holders or node.children), "is held by no one and has no children"),
+            (bool(node.holders or node.children()), "is held by no one and has no children"),
+            (node.more is None or (node.child >= 0 and bool(node.more)
+                                   and node.child not in node.more),
+             f"keeps its children as {node.child} and {node.more}"),
             (not node.holders or node.parent != UNKNOWN, "is held but has no known parent"),
             (node.parent != ROOT or node.depth == 0, f"is a root at depth {node.depth}"),
             (
-                node.parent < 0 or (parent is not None and block in parent.children
+                node.parent < 0 or (parent is not None and block in parent.children()
                                     and parent.depth == node.depth - 1),
                 f"is not a child of {node.parent} at depth {node.depth}",
             ),
-            (all(self.nodes[c].parent == block for c in node.children), "has foster children"),
+            (all(self.nodes[c].parent == block for c in node.children()), "has foster children"),
         ]
         return [f"block {block} {what}" for ok, what in checks if not ok]
 
@@ -958,7 +997,7 @@ class PrefixTree:
         elif node.parent == UNKNOWN:
             node.parent = parent
         if parent != ROOT:
-            self.nodes[parent].children.add(block)
+            self.nodes[parent].add_child(block)
 
     def _refresh(self, holder: int, block: int) -> None:
         """Recompute `holder`'s chain state at `block` and below it, wherever it changed."""
@@ -974,7 +1013,7 @@ class PrefixTree:
                 state.resume[current] = new
             if (new is None) != (old is None):
                 self._set_complete(current, holder, new is not None)
-            stack.extend(c for c in self.nodes[current].children if c in state.blocks)
+            stack.extend(c for c in self.nodes[current].children() if c in state.blocks)
 
     def _break_chains(self, holder: int, broken: list[_Node], dropped: set[int]) -> None:
         """`holder`'s chains through the `broken` nodes (whose chain state was just removed)
@@ -984,7 +1023,7 @@ class PrefixTree:
         left (asked of that small set rather than of the holder's whole chain state)."""
         resume, nodes, keep = self._holders[holder].resume, self.nodes, ~(1 << holder)
         while broken:
-            for child in broken.pop().children:
+            for child in broken.pop().children():
                 if child not in dropped and resume.pop(child, None) is not None:
                     node = nodes[child]
                     node.complete &= keep
@@ -1004,12 +1043,12 @@ class PrefixTree:
 
     def _prune(self, block: int) -> None:
         node = self.nodes.get(block)
-        while node is not None and not node.holders and not node.children:
+        while node is not None and not node.holders and node.child == NO_CHILD:
             del self.nodes[block]
             if node.parent < 0:
                 return
             parent = self.nodes[node.parent]
-            parent.children.discard(block)
+            parent.remove_child(block)
             block, node = node.parent, parent
 
 
