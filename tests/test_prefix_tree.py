@@ -84,8 +84,9 @@ def test_integrity_check_names_node_problems() -> None:
 
 def tree_state(tree: PrefixTree) -> tuple[object, ...]:
     """Everything a tree holds, to compare two trees."""
-    nodes = {b: (n.parent, n.depth, sorted(n.children()), n.holders) for b, n in tree.nodes.items()}
-    holders = {h: (dict(s.blocks), dict(s.resume), s.snapshots)
+    nodes = {b: (n.parent, n.depth, sorted(n.children()), n.holders, n.snaps)
+             for b, n in tree.nodes.items()}
+    holders = {h: (tree.blocks_of(h), dict(s.resume), s.blocks, s.snapshots)
                for h, s in tree._holders.items()}
     return nodes, tree.complete_masks(), tree.held, holders
 

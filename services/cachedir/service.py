@@ -573,6 +573,9 @@ class _Node(msgspec.Struct, gc=False):
     # Kept on the node rather than in a dict of its own: a report touches each block's node
     # anyway, and on a tree of 10^5 blocks every further dict is a further cache miss.
     complete: int = 0
+    # Bitmask of holders that also hold the state snapshot at this block's end (a subset of
+    # `holders`): kept here, not in a dict per holder, for the reason `complete` is.
+    snaps: int = 0
     # Its children: one hash (NO_CHILD: none) and, from the second child on, a set of the
     # others. Nearly every node has one child or none, and a set each was most of a node's
     # memory (what a report's blocks cost on a tree of 10^5 nodes is mostly memory traffic).
@@ -610,8 +613,8 @@ class _Holder:
     __slots__ = ("blocks", "resume", "snapshots")
 
     def __init__(self) -> None:
-        # hash -> also holds the state snapshot at this block's end
-        self.blocks: dict[int, bool] = {}
+        # What it holds is on the nodes (`holders`, `snaps`); here only how much.
+        self.blocks = 0
         # hash -> resumable blocks along the chain ending here; keys: unbroken chains only
         self.resume: dict[int, int] = {}
         self.snapshots = 0
@@ -636,24 +639,34 @@ class PrefixTree:
         return holder
 
     def remove_holder(self, holder: int) -> tuple[int, int]:
-        """Drop everything `holder` holds; returns (blocks, snapshots) dropped."""
-        state = self._holders.pop(holder)
-        for block in state.blocks:
+        """Drop everything `holder` holds; returns (blocks, snapshots) dropped. Goes over
+        every node (a worker's restart or removal: rare) to find the holder's blocks."""
+        blocks, state = self.blocks_of(holder), self._holders.pop(holder)
+        for block in blocks:
             self._hold(block, holder, False)
+            self.nodes[block].snaps &= ~(1 << holder)
             if block in state.resume:
                 self._set_complete(block, holder, False)
-        for block in state.blocks:
+        for block in blocks:
             self._prune(block)
         heapq.heappush(self._free, holder)
-        return len(state.blocks), state.snapshots
+        return len(blocks), state.snapshots
 
     def holds(self, holder: int, block: int) -> bool:
-        return block in self._holders[holder].blocks
+        node = self.nodes.get(block)
+        return node is not None and node.holders >> holder & 1 == 1
+
+    def blocks_of(self, holder: int) -> dict[int, bool]:
+        """Block -> whether it also holds the snapshot there, for every block `holder` holds
+        (built from all the nodes: for integrity checks, references and removal)."""
+        bit = 1 << holder
+        return {block: bool(node.snaps & bit)
+                for block, node in self.nodes.items() if node.holders & bit}
 
     def totals(self, holder: int) -> tuple[int, int]:
         """(blocks, snapshots) held by `holder`."""
         state = self._holders[holder]
-        return len(state.blocks), state.snapshots
+        return state.blocks, state.snapshots
 
     def check_run(self, run: BlockRun, pending: dict[int, tuple[int, int]]) -> int:
         """Raise ChainError unless the run agrees with the tree and with `pending`; return the
@@ -709,7 +722,7 @@ class PrefixTree:
         if not run.hashes:
             return 0, 0
         nodes, state, bit = self.nodes, self._holders[holder], 1 << holder
-        blocks, resume = state.blocks, state.resume
+        resume = state.resume
         snaps = set(run.snapshot_at)
         above = ROOT if run.parent is None else run.parent
         # The node above each block, carried from the one before (`_link`, inlined: this loop
@@ -730,17 +743,17 @@ class PrefixTree:
             if parent_node is not None and parent_node.child != block:
                 parent_node.add_child(block)
             parent_node = node
-            had = blocks.get(block)
-            snap = depth in snaps
-            blocks[block] = bool(had) or snap
+            had, had_snap, snap = node.holders & bit, node.snaps & bit, depth in snaps
+            if snap:
+                node.snaps |= bit
             self.held += not node.holders
             node.holders |= bit
             above = block
-            if had is not None or (node.child != NO_CHILD
-                                   and not blocks.keys().isdisjoint(node.children())):
+            if had or (node.child != NO_CHILD
+                       and any(nodes[c].holders & bit for c in node.children())):
                 self._refresh(holder, block)
-                new_blocks += had is None
-                new_snaps += snap and not had
+                new_blocks += not had
+                new_snaps += snap and not had_snap
                 continue
             new_blocks += 1
             new_snaps += snap
@@ -751,6 +764,7 @@ class PrefixTree:
         if cut < len(run.hashes):
             tail = self._add_new(holder, run, cut, (above, parent_node), snaps)
             new_blocks, new_snaps = new_blocks + tail[0], new_snaps + tail[1]
+        state.blocks += new_blocks
         state.snapshots += new_snaps
         return new_blocks, new_snaps
 
@@ -761,23 +775,23 @@ class PrefixTree:
         its chain state follows from the block above's (carried, not looked up). `top` is the
         block above the first of them and its node (None above block 0)."""
         (above, parent_node), nodes, bit = top, self.nodes, 1 << holder
-        blocks, resume = self._holders[holder].blocks, self._holders[holder].resume
+        resume = self._holders[holder].resume
         base = 0 if above == ROOT else resume.get(above)
         if parent_node is not None:
             parent_node.add_child(run.hashes[cut])
         made: _Node | None = None
         new_snaps = 0
         for depth, block in enumerate(run.hashes[cut:], start=run.first + cut):
-            node = nodes[block] = _Node(above, depth, bit)
+            snap = depth in snaps
+            new_snaps += snap
+            if base is not None:
+                base = resume[block] = depth + 1 if snap else base
+            node = nodes[block] = _Node(above, depth, bit, 0 if base is None else bit,
+                                        bit if snap else 0)
             # The node above, made here too, has this one child.
             if made is not None:
                 made.child = block
             made = node
-            snap = blocks[block] = depth in snaps
-            new_snaps += snap
-            if base is not None:
-                base = resume[block] = depth + 1 if snap else base
-                node.complete = bit
             above = block
         self.held += len(run.hashes) - cut
         return len(run.hashes) - cut, new_snaps
@@ -793,27 +807,29 @@ class PrefixTree:
         new_blocks = new_snaps = 0
         for depth, block in enumerate(run.hashes, start=run.first):
             self._link(block, above, depth)
-            had = state.blocks.get(block)
-            snap = depth in snaps
-            state.blocks[block] = bool(had) or snap
+            node, snap = self.nodes[block], depth in snaps
+            had, had_snap = node.holders >> holder & 1, node.snaps >> holder & 1
+            node.snaps |= snap << holder
             self._hold(block, holder, True)
-            new_blocks += had is None
-            new_snaps += snap and not had
+            new_blocks += not had
+            new_snaps += snap and not had_snap
             self._refresh(holder, block)
             above = block
+        state.blocks += new_blocks
         state.snapshots += new_snaps
         return new_blocks, new_snaps
 
     def drop(self, holder: int, block: int, snapshot_only: bool = False) -> tuple[int, int]:
         """Evict a block (or only its snapshot); returns (blocks, snapshots) dropped."""
-        state = self._holders[holder]
-        snap = state.blocks.get(block)
-        if snap is None or (snapshot_only and not snap):
+        state, node = self._holders[holder], self.nodes.get(block)
+        if node is None or not node.holders >> holder & 1:
             return 0, 0
-        if snapshot_only:
-            state.blocks[block] = False
-        else:
-            del state.blocks[block]
+        snap = node.snaps >> holder & 1
+        if snapshot_only and not snap:
+            return 0, 0
+        node.snaps &= ~(1 << holder)
+        if not snapshot_only:
+            state.blocks -= 1
             self._hold(block, holder, False)
         state.snapshots -= snap
         self._refresh(holder, block)
@@ -832,28 +848,29 @@ class PrefixTree:
         chain is walked once. Snapshots alone (rare) go through the reference."""
         if snapshots_only:
             return self.drop_many_reference(holder, blocks, snapshots_only)
-        state, nodes, bit = self._holders[holder], self.nodes, 1 << holder
-        held, resume = state.blocks, state.resume
+        state, nodes, keep = self._holders[holder], self.nodes, ~(1 << holder)
+        resume = state.resume
         dropped: set[int] = set()
         # Blocks no one holds any more: only they (and so their ancestors) can be pruned.
         unheld: list[int] = []
         broken: list[_Node] = []
         snapshots = stale = 0
         for block in blocks:
-            snap = held.pop(block, None)
-            if snap is None:
+            node = nodes.get(block)
+            if node is None or not node.holders >> holder & 1:
                 stale += 1
                 continue
             dropped.add(block)
-            snapshots += snap
-            node = nodes[block]
-            node.holders &= ~bit
+            snapshots += node.snaps >> holder & 1
+            node.snaps &= keep
+            node.holders &= keep
             if not node.holders:
                 unheld.append(block)
             if resume.pop(block, None) is not None:
-                node.complete &= ~bit
+                node.complete &= keep
                 broken.append(node)
         self.held -= len(unheld)
+        state.blocks -= len(dropped)
         state.snapshots -= snapshots
         self._break_chains(holder, broken, dropped)
         for block in reversed(unheld):
@@ -903,7 +920,7 @@ class PrefixTree:
 
     def match_reference(self, holder: int, hashes: Sequence[int]) -> tuple[int, int]:
         """Slow, obvious (held, resumable) of `holder`: walk the query block by block."""
-        blocks = self._holders[holder].blocks
+        blocks = self.blocks_of(holder)
         held = 0
         while held < len(hashes) and hashes[held] in blocks:
             held += 1
@@ -911,17 +928,20 @@ class PrefixTree:
         return held, max(snapped, default=0)
 
     def check_integrity(self) -> None:
-        holders = self._expected_holders()
-        problems = [p for b, n in self.nodes.items() for p in self._node_problems(b, n, holders)]
-        problems += [f"held block {b} has no node" for b in holders if b not in self.nodes]
-        if self.held != len(holders):
-            problems.append(f"held count {self.held} != {len(holders)} blocks held")
+        mask = sum(1 << holder for holder in self._holders)
+        problems = [p for b, n in self.nodes.items() for p in self._node_problems(b, n, mask)]
+        held = sum(1 for node in self.nodes.values() if node.holders)
+        if self.held != held:
+            problems.append(f"held count {self.held} != {held} blocks held")
         complete: dict[int, int] = {}
         for holder, state in self._holders.items():
-            expected = self._expected_resume(state)
+            blocks = self.blocks_of(holder)
+            expected = self._expected_resume(blocks)
             problems += _differences(f"holder {holder} resume", state.resume, expected)
-            if state.snapshots != sum(state.blocks.values()):
-                problems.append(f"holder {holder} counts {state.snapshots} snapshots, wrongly")
+            counts = (len(blocks), sum(blocks.values()))
+            if (state.blocks, state.snapshots) != counts:
+                problems.append(f"holder {holder} counts (blocks, snapshots) "
+                                f"{(state.blocks, state.snapshots)}, not {counts}")
             for block in expected:
                 complete[block] = complete.get(block, 0) | 1 << holder
         problems += _differences("complete", self.complete_masks(), complete)
@@ -931,10 +951,11 @@ class PrefixTree:
         if problems:
             raise IntegrityError(f"{len(problems)} problems: " + "; ".join(problems[:8]))
 
-    def _node_problems(self, block: int, node: _Node, holders: dict[int, int]) -> list[str]:
+    def _node_problems(self, block: int, node: _Node, mask: int) -> list[str]:
         parent = self.nodes.get(node.parent)
         checks = [
-            (node.holders == holders.get(block, 0), f"holders {node.holders:b}"),
+            (node.holders & ~mask == 0, f"holders {node.holders:b} of holders {mask:b}"),
+            (node.snaps & ~node.holders == 0, f"snapshots {node.snaps:b} of {node.holders:b}"),
             (bool(node.holders or node.children()), "is held by no one and has no children"),
             (node.more is None or (node.child >= 0 and bool(node.more)
                                    and node.child not in node.more),
@@ -950,21 +971,13 @@ class PrefixTree:
         ]
         return [f"block {block} {what}" for ok, what in checks if not ok]
 
-    def _expected_holders(self) -> dict[int, int]:
-        holders: dict[int, int] = {}
-        for holder, state in self._holders.items():
-            for block in state.blocks:
-                holders[block] = holders.get(block, 0) | 1 << holder
-        return holders
-
-    def _expected_resume(self, state: _Holder) -> dict[int, int]:
+    def _expected_resume(self, blocks: dict[int, bool]) -> dict[int, int]:
         expected: dict[int, int] = {}
-        known = [b for b in state.blocks if b in self.nodes]
-        for block in sorted(known, key=lambda b: self.nodes[b].depth):
+        for block in sorted(blocks, key=lambda b: self.nodes[b].depth):
             node = self.nodes[block]
             base = 0 if node.parent == ROOT else expected.get(node.parent)
             if base is not None:
-                expected[block] = node.depth + 1 if state.blocks[block] else base
+                expected[block] = node.depth + 1 if blocks[block] else base
         return expected
 
     def _expect(
@@ -1001,10 +1014,10 @@ class PrefixTree:
 
     def _refresh(self, holder: int, block: int) -> None:
         """Recompute `holder`'s chain state at `block` and below it, wherever it changed."""
-        state, stack = self._holders[holder], [block]
+        state, stack, nodes = self._holders[holder], [block], self.nodes
         while stack:
             current = stack.pop()
-            new, old = self._resume_value(state, current), state.resume.get(current)
+            new, old = self._resume_value(holder, current), state.resume.get(current)
             if new == old:
                 continue
             if new is None:
@@ -1013,7 +1026,7 @@ class PrefixTree:
                 state.resume[current] = new
             if (new is None) != (old is None):
                 self._set_complete(current, holder, new is not None)
-            stack.extend(c for c in self.nodes[current].children() if c in state.blocks)
+            stack.extend(c for c in nodes[current].children() if nodes[c].holders >> holder & 1)
 
     def _break_chains(self, holder: int, broken: list[_Node], dropped: set[int]) -> None:
         """`holder`'s chains through the `broken` nodes (whose chain state was just removed)
@@ -1029,13 +1042,12 @@ class PrefixTree:
                     node.complete &= keep
                     broken.append(node)
 
-    def _resume_value(self, state: _Holder, block: int) -> int | None:
-        snap = state.blocks.get(block)
-        node = self.nodes[block]
-        base = 0 if node.parent == ROOT else state.resume.get(node.parent)
-        if snap is None or base is None:
+    def _resume_value(self, holder: int, block: int) -> int | None:
+        node, resume = self.nodes[block], self._holders[holder].resume
+        base = 0 if node.parent == ROOT else resume.get(node.parent)
+        if not node.holders >> holder & 1 or base is None:
             return None
-        return node.depth + 1 if snap else base
+        return node.depth + 1 if node.snaps >> holder & 1 else base
 
     def _set_complete(self, block: int, holder: int, on: bool) -> None:
         node = self.nodes[block]
