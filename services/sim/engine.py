@@ -146,16 +146,10 @@ class _Run:
     reported: int = 1  # tokens handed out so far (the first came with the prefill)
 
 
-class ModeledBatch:
-    """Continuous batching as counts: who is in, how far each has got (module docstring)."""
+class _Members:
+    """Who is in a modeled batch, by request id (the two batches' common ground)."""
 
-    def __init__(self, slots: int, flush: int | None = None,
-                 tokens_per_served: float = 1.0) -> None:
-        self._slots = slots
-        self._flush = flush or 1 << 62
-        self._per_served = tokens_per_served
-        self._runs: dict[str, _Run] = {}
-        self.steps = self.tokens = self.joined = self.left = 0
+    _runs: Mapping[str, object]
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -166,10 +160,25 @@ class ModeledBatch:
     def request_ids(self) -> list[str]:
         return list(self._runs)
 
-    def join(self, request_id: str, cache: VirtualCache, next_token: int,
-             params: SamplingParams) -> None:
+    def _check_new(self, request_id: str) -> None:
         if request_id in self._runs:
             raise ModelError(f"request {request_id!r} is already in the batch")
+
+
+class ModeledBatch(_Members):
+    """Continuous batching as counts: who is in, how far each has got (module docstring)."""
+
+    def __init__(self, slots: int, flush: int | None = None,
+                 tokens_per_served: float = 1.0) -> None:
+        self._slots = slots
+        self._flush = flush or 1 << 62
+        self._per_served = tokens_per_served
+        self._runs: dict[str, _Run] = {}
+        self.steps = self.tokens = self.joined = self.left = 0
+
+    def join(self, request_id: str, cache: VirtualCache, next_token: int,
+             params: SamplingParams) -> None:
+        self._check_new(request_id)
         self._runs[request_id] = _Run(cache, 1, params.max_new_tokens, cache.length)
         self._slots = max(self._slots, len(self._runs))
         self.joined += 1
@@ -242,7 +251,7 @@ class _Counted:
     fresh: bool = True  # only the first token handed out (it came with the prefill)
 
 
-class CountingBatch:
+class CountingBatch(_Members):
     """`ModeledBatch` where nothing is flushed between a member's second and last token and a
     served token stands for a whole number of modeled ones (what the simulation runs): a step
     costs the same whatever the batch's size. Each member's progress is the batch's step
@@ -263,19 +272,9 @@ class CountingBatch:
         self._prompts = self._bases = 0  # sums over the members
         self.steps = self.tokens = self.joined = self.left = 0
 
-    def __len__(self) -> int:
-        return len(self._runs)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._runs
-
-    def request_ids(self) -> list[str]:
-        return list(self._runs)
-
     def join(self, request_id: str, cache: VirtualCache, next_token: int,
              params: SamplingParams) -> None:
-        if request_id in self._runs:
-            raise ModelError(f"request {request_id!r} is already in the batch")
+        self._check_new(request_id)
         run = _Counted(cache, self.steps - 1, params.max_new_tokens, cache.length,
                        next(self._order))
         self._runs[request_id] = self._fresh[request_id] = run
