@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 import pytest
+import trio
+import trio.testing
 from router_fakes import DONE, placed_handle
 
 from services.contract.sampling import Sampling
@@ -73,3 +75,28 @@ async def test_a_client_leaving_mid_stream_cancels_its_running_request() -> None
     assert b'"text":"hi"' in await stream.__anext__()
     await stream.aclose()  # what the HTTP server does when its client goes
     assert request.scope.cancel_called
+
+
+@pytest.mark.trio
+async def test_a_stream_ends_when_its_end_comes_right_behind_its_last_text() -> None:
+    # The stream waits for a change in the request's outbox; the last text and the end come
+    # together, while it waits: it takes the text, and must then see the end, not wait again.
+    request = placed_handle()
+    request.outbox.put("a")
+    body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2))
+    stream = stream_events(Responder("completion", request, "m"), body)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        async for chunk in stream:
+            chunks.append(chunk)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(chunks) == 1  # "a", and the stream waits
+            request.outbox.put("b")
+            request.outbox.close(DONE)
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    assert b'"text":"b"' in chunks[1] and b'"finish_reason":"length"' in chunks[2]

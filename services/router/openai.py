@@ -836,20 +836,25 @@ async def _any_change(handles: Sequence[RequestHandle]) -> None:
 
 
 async def _choice_chunks(responder: Responder) -> AsyncGenerator[bytes, None]:
-    """The choices' text chunks as they come, and each one's final chunk when it ends."""
+    """The choices' text chunks as they come, and each one's final chunk when it ends.
+    Only a pass that found nothing waits: the wait is for a change after the last wait, so a
+    change that came before a pass took its text (the request's end right behind its last
+    token, say) would never wake it."""
     handles = responder.handles
     live = list(range(len(handles)))
     while live:
+        found = False
         for index in list(live):
             delta = handles[index].take()
             if delta is not None:
+                found = True
                 yield responder.chunk(delta, index=index)
             elif handles[index].outbox.closed:
                 live.remove(index)
                 tail = handles[index].finish()
                 assert handles[index].result is not None
                 yield responder.chunk(tail, handles[index].result, index=index)
-        if live:
+        if live and not found:
             await _any_change([handles[i] for i in live])
 
 
