@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -16,10 +17,13 @@ from services.router.openai import Kind, Responder, stream_events
 from services.router.requests import GenerationRequest, RequestHandle
 
 
-async def events(kind: Kind, request: RequestHandle, **generation: Any) -> list[Any]:
+def stream(kind: Kind, request: RequestHandle, **generation: Any) -> AsyncIterator[bytes]:
     body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2), **generation)
-    raw = b"".join([chunk async for chunk in stream_events(Responder(kind, request, "m"),
-                                                           body)])
+    return stream_events(Responder(kind, request, "m"), body)
+
+
+async def events(kind: Kind, request: RequestHandle, **generation: Any) -> list[Any]:
+    raw = b"".join([chunk async for chunk in stream(kind, request, **generation)])
     frames = raw.decode().split("\n\n")
     assert frames[-1] == "" and all(f.startswith("data: ") for f in frames[:-1])
     return [f.removeprefix("data: ") for f in frames[:-1]]
@@ -70,10 +74,9 @@ async def test_whole_bodies_carry_usage_and_placement() -> None:
 async def test_a_client_leaving_mid_stream_cancels_its_running_request() -> None:
     request = placed_handle()
     request.outbox.put("hi")
-    body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2))
-    stream = stream_events(Responder("completion", request, "m"), body)
-    assert b'"text":"hi"' in await stream.__anext__()
-    await stream.aclose()  # what the HTTP server does when its client goes
+    chunks = stream("completion", request)
+    assert b'"text":"hi"' in await chunks.__anext__()
+    await chunks.aclose()  # what the HTTP server does when its client goes
     assert request.scope.cancel_called
 
 
@@ -83,12 +86,10 @@ async def test_a_stream_ends_when_its_end_comes_right_behind_its_last_text() -> 
     # together, while it waits: it takes the text, and must then see the end, not wait again.
     request = placed_handle()
     request.outbox.put("a")
-    body = GenerationRequest(prompt=[1, 2, 3], sampling=Sampling(max_tokens=2))
-    stream = stream_events(Responder("completion", request, "m"), body)
     chunks: list[bytes] = []
 
     async def read() -> None:
-        async for chunk in stream:
+        async for chunk in stream("completion", request):
             chunks.append(chunk)
 
     with trio.fail_after(5):
