@@ -51,11 +51,13 @@ from services.contract.prefix import block_hashes
 from services.contract.sampling import Sampling
 from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
-from services.router.config import SchedulerConfig
+from services.router.config import LinkEnds, SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
+from services.router.link_meter import EstimatorConfig
 from services.router.policies import LinkSample, RouteInputs, create_policy, threshold_rule
 from services.router.requests import Finished, GenerationRequest, Placement, RequestHandle
 from services.router.scheduler import Scheduler, WorkerTable
+from services.worker.send_meter import SendMeter
 
 BLOCK = 16
 TOPOLOGY = """
@@ -130,6 +132,8 @@ class FakeWorker:
     _kv: dict[str, anyio.Event] = field(default_factory=dict)
     _first: dict[str, int] = field(default_factory=dict)
     _resumable: int = 0
+    # What it sees of its KV crossing the link (a PrfaaS worker's; the router's estimate).
+    meter: SendMeter = field(default_factory=lambda: SendMeter(anyio.current_time))
 
     def register(self) -> None:
         node = self.node
@@ -140,9 +144,10 @@ class FakeWorker:
         node.accepts_stream(KVOpen)(self._receive_kv)
 
     def state(self) -> WorkerState:
+        sent = self.meter.reading()
         return WorkerState(name=self.name, cluster=self.cluster, role=self.role,
                            draining=self.draining, queue_depth=0, running=0, cached_blocks=0,
-                           model=INFO)
+                           model=INFO, kv_sent_bytes=sent.sent_bytes, kv_held_s=sent.held_s)
 
     async def _status(self, msg: StatusQuery, ctx: Context) -> WorkerState:
         if self.hung:
@@ -176,7 +181,13 @@ class FakeWorker:
         nbytes = timing.kv_fixed_bytes + timing.kv_bytes_per_token * (
             len(msg.prompt) - msg.decode_has_tokens)
         if self.cluster == "prfaas":
-            await self.mesh.cross_link(nbytes)
+            # The whole KV crosses after the compute here: all its wire time is held.
+            self.meter.waiting()
+            try:
+                await self.mesh.cross_link(nbytes)
+            finally:
+                self.meter.crossed()
+            self.meter.delivered(nbytes)
         first = fake_token(msg.prompt, 0)
         opening = KVOpen(request_id=msg.request_id, family="fake", config_hash="0",
                          dtype="float32", start=msg.decode_has_tokens, end=len(msg.prompt),
@@ -251,8 +262,11 @@ class FakeMesh:
         """Pushes nbytes of KV across the PrfaaS -> PD link on virtual time."""
         flow = self.shaper.open_flow(Direction.EGRESS)
         try:
-            release = self.shaper.admit(flow, nbytes).release
-            await anyio.sleep_until(self.shaper.wall_time(release))
+            admission = self.shaper.admit(flow, nbytes)
+            # A change of the link's rate re-times what is queued (admission.release moves):
+            # look again every quarter second, as netem.memory's sleepers are woken to.
+            while (wait := self.shaper.wall_time(admission.release) - anyio.current_time()) > 0:
+                await anyio.sleep(min(wait, 0.25))
             self.shaper.released(flow, nbytes)
         finally:
             self.shaper.close_flow(flow)
@@ -263,10 +277,8 @@ class FakeMesh:
 
     async def link_probe(self) -> LinkSample:
         stats = self.shaper.statistics()
-        return LinkSample(now=anyio.current_time(), utilisation=stats.egress.utilisation,
-                          bandwidth_bps=stats.params.bandwidth_bps or 0.0,
-                          stalls=stats.egress.stalls, up=stats.params.up,
-                          backlog_s=stats.egress.wire_backlog_s)
+        return LinkSample(now=anyio.current_time(), stalls=stats.egress.stalls,
+                          up=stats.params.up, queued_bytes=stats.egress.queued_bytes)
 
     async def take_events(self) -> list[Event]:
         """Every event the router published since the last call."""
@@ -304,7 +316,9 @@ async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | 
         mesh.scheduler = Scheduler(
             router, create_policy(policy, policy_options), WorkerTable.from_topology(topology),
             tokenizer or ByteTokenizer(),
-            config or SchedulerConfig(block_size=BLOCK, connections=2),
+            config or SchedulerConfig(
+                block_size=BLOCK, connections=2, links=(LinkEnds("", "prfaas", "pd"),),
+                link_estimator=EstimatorConfig(provisioned_bps=bandwidth_bps)),
             directory=mesh.cachedir.lookup if directory_in_process else None)
         mesh.control = RouterControl(mesh.scheduler, ControlConfig(tick_s=1.0),
                                      link_probe=mesh.link_probe)

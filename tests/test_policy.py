@@ -68,7 +68,7 @@ def test_registry_names_and_every_policy_implements_the_interface() -> None:
         assert decision.incremental_len == 50_000 - decision.counted_prefix
         policy.observe(RequestFinished(request_id="r", cluster=decision.cluster,
                                        incremental_len=decision.incremental_len, now=1.0))
-        policy.observe(LinkSample(now=1.0, utilisation=0.1, bandwidth_bps=1e9, stalls=0))
+        policy.observe(LinkSample(now=1.0, stalls=0))
         assert isinstance(policy.tick(1.0, ClusterState()), list)
         policy.check_integrity()
         stats = policy.statistics()

@@ -423,13 +423,13 @@ def test_scheduler_config_refuses_bounds_that_admit_nothing(field: str, value: f
 
 def test_router_passes_each_policys_own_options_over_the_derived_ones() -> None:
     config = router_config({"scale": 0.5, "policies": {
-        "prfaas-dynamic": {"dwell_s": 0.5, "calm_s": 0.75}, "homogeneous": {}}})
+        "prfaas-dynamic": {"dwell_s": 0.5, "tilt": 1.5}, "homogeneous": {}}})
     dynamic = config.policy_options()["prfaas-dynamic"]
-    assert dynamic == {"token_scale": 0.5, "bandwidth": "auto", "dwell_s": 0.5, "calm_s": 0.75}
+    assert dynamic == {"token_scale": 0.5, "bandwidth": "auto", "dwell_s": 0.5, "tilt": 1.5}
     assert config.policy_options()["prfaas"]["threshold"] == 9700.0
     policy = create_policy("prfaas-dynamic", dynamic)
     assert isinstance(policy, PrfaasDynamicPolicy)
-    assert (policy.config.dwell_s, policy.config.calm_s) == (0.5, 0.75)
+    assert (policy.config.dwell_s, policy.config.tilt) == (0.5, 1.5)
     with pytest.raises(ConfigError, match="frobnicate"):
         router_config({"policies": {"frobnicate": {}}})
     # A topology's options are flat: dotted keys, merged over (and overriding) `policies`.
@@ -438,6 +438,14 @@ def test_router_passes_each_policys_own_options_over_the_derived_ones() -> None:
     assert dotted.policies == {"prfaas-dynamic": {"dwell_s": 0.5, "roles": {"period_s": 9.0}}}
     with pytest.raises(ConfigError, match="frobnicate"):
         router_config({"frobnicate.x": 1})
+    # The link estimator's dotted options go to it, not to a policy.
+    measured = router_config({"link_estimator.window_s": 3.0,
+                              "link_estimator.provisioned_bps": 1e9})
+    assert (measured.link_estimator.window_s, measured.link_estimator.provisioned_bps) == (
+        3.0, 1e9)
+    assert measured.scheduler_config().link_estimator == measured.link_estimator
+    with pytest.raises(ConfigError, match="held_min"):
+        router_config({"link_estimator.held_min": 2.0})
 
 
 @pytest.mark.trio

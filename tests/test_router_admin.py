@@ -19,8 +19,9 @@ from router_fakes import BLOCK, FakeMesh, Timing, decisions, fake_mesh, generati
 
 from services.contract.events import Event, RoleChanged, ThresholdChanged
 from services.paper.workload import TruncatedLogNormal
-from services.router.config import SchedulerConfig
+from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
+from services.router.link_meter import EstimatorConfig
 from services.router.policies import Action, ClusterState, ConvertWorker, PrfaasPolicy, SetThreshold
 from services.router.scheduler import ModelMismatch
 
@@ -121,39 +122,44 @@ def _offload(events: Sequence[Event], start: float, end: float) -> float:
 @pytest.mark.trio
 async def test_prfaas_dynamic_backs_off_when_the_link_is_cut_and_recovers(
         autojump_clock: trio.testing.MockClock) -> None:
+    """The link is cut from 1 Gbps to 20 Mbps for 90 s under an open loop of 3 req/s. The
+    router measures the cut from its PrfaaS worker's counters only, t rises (Eq. 7 at the
+    measured rate, tilted by the PrfaaS side's longer wait) and the offload share falls; once
+    restored, t comes back within 15 % of where it was. (The PD bound is off: the fake
+    workers' PD prefill is not the H20 profile the model reckons with.)"""
     timing = Timing(kv_bytes_per_token=16_000, kv_fixed_bytes=100_000)
-    options = {"token_scale": SCALE, "bandwidth": "scarce"}
-    async with fake_mesh("prfaas-dynamic", options, timing=timing, bandwidth_bps=1e9) as mesh:
+    options = {"token_scale": SCALE, "bandwidth": "scarce", "pd_load_max": 1e9}
+    config = SchedulerConfig(block_size=BLOCK, connections=2, kv_timeout_s=600.0,
+                             links=(LinkEnds("", "prfaas", "pd"),),
+                             link_estimator=EstimatorConfig(provisioned_bps=1e9))
+    async with fake_mesh("prfaas-dynamic", options, timing=timing, bandwidth_bps=1e9,
+                         config=config) as mesh:
         events: list[Event] = []
         load = OpenLoop(mesh, rate=3.0)
         async with anyio.create_task_group() as group:
             group.start_soon(mesh.control.run)
             await load.run_until(60.0, group)
-            events += await mesh.take_events()
-            mesh.set_link(bandwidth_bps=100e6)
+            mesh.set_link(bandwidth_bps=20e6)
             await load.run_until(150.0, group)
-            events += await mesh.take_events()
             mesh.set_link(bandwidth_bps=1e9)
-            await load.run_until(250.0, group)
+            await load.run_until(330.0, group)
             await anyio.sleep(30.0)
             group.cancel_scope.cancel()
         events += await mesh.take_events()
         assert not load.failures
         moves = [(e.ts, e.new) for e in events if isinstance(e, ThresholdChanged)]
         t_before = [t for ts, t in moves if ts < 60.0][-1]
-        assert t_before is not None and 300 < t_before < 500
-        # Cut: congestion raises t step by step and the offload fraction falls.
+        assert t_before is not None and 300 < t_before < 600
         t_cut = max(t or 0.0 for ts, t in moves if 60.0 <= ts < 150.0)
-        assert t_cut > 3 * t_before
+        assert t_cut > 2 * t_before
         before, during = _offload(events, 0, 60), _offload(events, 110, 150)
-        assert before > 0.3 and during < before / 3
-        # Restored: a calm link brings t back within 15 % in 40 s, and the offloading back.
-        t_back = [t for ts, t in moves if ts < 190.0][-1]
+        assert before > 0.3 and during < before / 2
+        # Restored: within two and a half minutes the estimate has probed its way back up.
+        t_back = [t for ts, t in moves if ts < 300.0][-1]
         assert t_back == pytest.approx(t_before, rel=0.15)
-        assert all(t == t_back for ts, t in moves if ts >= 190.0)
-        assert _offload(events, 200, 250) > 0.6 * before
+        assert _offload(events, 300, 330) > 0.6 * before
         reasons = [e.reason for e in events if isinstance(e, ThresholdChanged)]
-        assert any("congested" in r for r in reasons) and any("link calm" in r for r in reasons)
+        assert any("Eq. 7 t" in r for r in reasons)
 
 
 class ScriptedPolicy(PrfaasPolicy):

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import httpx
+import msgspec
 import pytest
 
 from mesh.topology import parse_topology
 from services.router.control import http_link_probe, link_sample, link_url
 
 
-def test_link_samples_read_the_egress_statistics() -> None:
+def test_link_samples_read_what_the_transport_tells_and_never_the_rate() -> None:
     view = {"bandwidth_bps": 2e8, "up": True, "statistics": {"link": {"egress": {
-        "utilisation": 0.25, "stalls": 3}}}}
+        "utilisation": 0.25, "stalls": 3, "queued_bytes": 4096, "wire_backlog_s": 1.5}}}}
     sample = link_sample(view, 12.0)
-    assert (sample.utilisation, sample.stalls, sample.bandwidth_bps, sample.up) == (
-        0.25, 3, 2e8, True)
-    assert link_sample({**view, "bandwidth_bps": None}, 0.0).bandwidth_bps == 0.0
+    assert (sample.stalls, sample.up, sample.queued_bytes) == (3, True, 4096)
+    # The rate, the utilisation and the queue's wire time (reckoned at the rate) stay out.
+    assert not {"bandwidth_bps", "utilisation", "backlog_s"} & set(
+        msgspec.structs.asdict(sample))
 
 
 @pytest.mark.anyio
@@ -34,7 +36,7 @@ async def test_link_probe_reads_the_link_api_and_survives_its_absence(
         probe = http_link_probe(client, "http://link/link")
         assert await probe() is None
         sample = await probe()
-        assert sample is not None and (sample.utilisation, sample.up) == (0.5, False)
+        assert sample is not None and (sample.stalls, sample.up) == (2, False)
 
 
 def test_link_url_is_the_first_link_services_control_api() -> None:

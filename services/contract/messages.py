@@ -243,6 +243,10 @@ class WorkerState(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # Decode streams it serves at once (its `max_streams` option; 0: not said). The router
     # admits at most the sum over its decode workers and sends none a stream more.
     max_streams: int = 0
+    # Its KV sends so far (services/worker/send_meter.py): bytes the transport took, and the
+    # time some send waited for it. The router estimates each link's bandwidth from these.
+    kv_sent_bytes: int = 0
+    kv_held_s: float = 0.0
 
 
 # The cache directory's messages: what workers report, what lookups and plans answer.

@@ -18,6 +18,7 @@ from mesh.errors import ConfigError
 from mesh.topology import Topology
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.paper.case_study import T_STAR_TOKENS
+from services.router.link_meter import EstimatorConfig
 from services.router.policies import POLICIES
 
 # Request migration (services/router/requests.py): how many times one request may be continued
@@ -57,6 +58,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # 0: no stall bound (the simulation's default: its queues may hold KV back for long);
     # the router service takes the topology's, KV_STALL_S unless it says otherwise.
     kv_stall_s: float = 0.0
+    # How each link's bandwidth is estimated from its senders' transfers (link_meter.py).
+    link_estimator: EstimatorConfig = EstimatorConfig()
 
     id_prefix: str = ""  # request ids req-PREFIX-N; "" draws a random prefix
 
@@ -96,6 +99,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_stall_s: float = KV_STALL_S
     model: str = "prfaas"
     tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
+    # How each link's bandwidth is measured from the router's own transfers (link_meter.py);
+    # dotted keys in a topology: "link_estimator.window_s". Its `provisioned_bps` is the rate
+    # the line was bought at, if the operator says so (never read from the link itself).
+    link_estimator: EstimatorConfig = EstimatorConfig()
     # Each policy's own options (fields of its config type) over the defaults that
     # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
     # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".
@@ -124,12 +131,20 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def scheduler_config(self, links: tuple[LinkEnds, ...] = ()) -> SchedulerConfig:
         return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
                                connections=self.connections, links=links,
-                               migration_limit=self.migration_limit, kv_stall_s=self.kv_stall_s)
+                               migration_limit=self.migration_limit, kv_stall_s=self.kv_stall_s,
+                               link_estimator=self.link_estimator)
 
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:
-    """The router's config; a dotted key "policy.option[.field]" goes into `policies`."""
-    plain = {key: value for key, value in options.items() if "." not in key}
+    """The router's config; a dotted key "policy.option[.field]" goes into `policies`, one
+    "link_estimator.field" into `link_estimator`."""
+    plain: dict[str, Any] = {key: value for key, value in options.items() if "." not in key}
+    estimator = {key.split(".", 1)[1]: value for key, value in options.items()
+                 if key.startswith("link_estimator.")}
+    if estimator:
+        plain["link_estimator"] = {**dict(plain.get("link_estimator", {})), **estimator}
+    options = {key: value for key, value in options.items()
+               if not key.startswith("link_estimator.")}
     try:
         policies = _with_dotted(msgspec.convert(plain, RouterConfig).policies, options)
         return msgspec.convert({**plain, "policies": policies}, RouterConfig)

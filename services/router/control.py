@@ -1,8 +1,10 @@
 """The router's control plane: the control loops and the admin actions over one scheduler.
 
 - `tick` (every `tick_s`): poll each worker's `WorkerState` (the worker table of
-  services/router/scheduler.py), sample every link (its control API's GET /link, netem/control.py:
-  `http_link_probe`), feed both to the policy, apply what the policy's `tick` returns (a
+  services/router/scheduler.py), estimate every link's bandwidth from its senders' counters in
+  those states (services/router/link_meter.py), sample what the transport tells of every link
+  (up, stalls, queued bytes: its control API's GET /link, netem/control.py: `http_link_probe`),
+  feed all of it to the policy, apply what the policy's `tick` returns (a
   threshold move is announced as `ThresholdChanged`; a role conversion drains the worker,
   then switches it: `RoleChanged` old -> "draining" -> new);
 - the admin API (services/router/openai.py maps it to HTTP): switch policy, pin or clear t, drain
@@ -49,12 +51,13 @@ LinkProbe = Callable[[], Awaitable[LinkSample | None]]
 
 
 def link_sample(view: Mapping[str, Any], now: float, link: str = "") -> LinkSample:
-    """The policy's link sample from the link's GET /link answer (netem/control.py)."""
+    """What the transport tells of the link, from its GET /link answer (netem/control.py):
+    up, stalls, queued bytes. Its rate, utilisation and the queue's wire time are left out on
+    purpose: the router measures the rate from its own transfers
+    (services/router/link_meter.py)."""
     egress = view["statistics"]["link"]["egress"]
-    return LinkSample(now=now, link=link, utilisation=float(egress["utilisation"]),
-                      bandwidth_bps=float(view.get("bandwidth_bps") or 0.0),
-                      stalls=int(egress["stalls"]), up=bool(view["up"]),
-                      backlog_s=float(egress.get("wire_backlog_s", 0.0)))
+    return LinkSample(now=now, link=link, stalls=int(egress["stalls"]), up=bool(view["up"]),
+                      queued_bytes=int(egress.get("queued_bytes", 0)))
 
 
 def http_link_probe(client: httpx.AsyncClient, url: str, link: str = "") -> LinkProbe:
@@ -155,6 +158,7 @@ class RouterControl:
                                      scheduler.config.block_size,
                                      scheduler.tokenizer.vocab_size,
                                      read=self._status_reader)
+        scheduler.measure_links()
         await self._sample_link()
         policy = scheduler.policy
         for action in policy.tick(scheduler.clock(), scheduler.workers.state()):
@@ -265,6 +269,9 @@ class RouterControl:
             "policies": list(POLICIES),
             "workers": msgspec.to_builtins(self.scheduler.workers.statistics().workers),
             "inflight": len(self.scheduler.active()),
+            # Each link as the router measures it from its own transfers (link_meter.py).
+            "links": {name: {**msgspec.to_builtins(e), "utilisation": e.utilisation}
+                      for name, e in self.scheduler.links.estimates().items()},
             # The loop's counts: a client can tell how many link samples the policy has seen.
             "control": msgspec.to_builtins(self.statistics()),
         }

@@ -19,7 +19,8 @@ clock (`now` is passed in), so the same policy runs live and on virtual time. Pe
 
 and periodically, for the control loops (paper section 3.4.3):
 
-    policy.observe(LinkSample(...))                      # from the link's LinkStats
+    policy.observe(LinkSample(...))                      # the transport: up, stalls
+    policy.observe(LinkEstimate(...))                    # the link as its senders measure it
     for action in policy.tick(now, ClusterState(workers=...)):
         SetThreshold: already applied by the policy; publish `action_event(action, ...)`.
         ConvertWorker: drain `worker`, then switch it to `to_role` (the router does both).
@@ -42,6 +43,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import ClassVar, Generic, Literal, Protocol, TypeVar
 
 import msgspec
@@ -50,8 +52,14 @@ from services.contract.events import RoleChanged, RoutingDecision, ThresholdChan
 from services.contract.types import Cluster, WorkerRole
 from services.paper.case_study import T_STAR_TOKENS
 from services.paper.hardware import CostModel
-from services.paper.planner import ClusterShape, ThroughputModel, solve_threshold
+from services.paper.planner import (
+    ClusterShape,
+    OperatingPoint,
+    ThroughputModel,
+    solve_threshold,
+)
 from services.paper.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+from services.router.link_meter import LinkEstimate
 
 BandwidthMode = Literal["auto", "scarce", "abundant"]
 _Config = TypeVar("_Config", bound=msgspec.Struct)
@@ -147,18 +155,19 @@ class RequestFinished(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LinkSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One sample of a PrfaaS egress link (telemetry.LinkStats carries the same fields)."""
+    """What the transport tells of a PrfaaS egress link: whether it is up, its stalls and
+    the bytes queued on it (what a sender's socket holds unsent). Never its rate: how much the
+    link carries is measured from the router's own transfers (`LinkEstimate`,
+    services/router/link_meter.py), and the queued bytes' wire time is reckoned at that."""
 
     now: float
     link: str = ""  # its name in the topology ("": the only link)
-    utilisation: float  # throughput / bandwidth
-    bandwidth_bps: float  # the link's configured rate now; 0 = unshaped
     stalls: int  # cumulative stall count of the link
     up: bool = True
-    backlog_s: float = 0.0  # wire time of the bytes queued on it now (egress)
+    queued_bytes: int = 0  # egress bytes waiting on it now
 
 
-Feedback = RequestFinished | LinkSample
+Feedback = RequestFinished | LinkSample | LinkEstimate
 
 
 # A worker's `connections` option when the topology gives none (services/worker/service.py).
@@ -864,27 +873,25 @@ class RoleBalancer:
 class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The modeled deployment (defaults: the paper's case study) and the loops' constants.
 
-    The paper gives no watermark, step, average or period (docs/paper-notes.md section 3.4 "What is
-    missing"). Ours: 0.8 leaves 20 % of the link for bursts and cache transfers (the brief's
-    example), 0.5 leaves a 0.3 gap so one move of t cannot carry utilisation across both marks.
-    A step of 1.25 per 5 s reaches a 10x rise in about 50 s, yet each move waits for one long
-    prefill (1.8 s at 32K on H200, Table 5) to show its effect first. The averages' 10 s spans
-    several such prefills and a few Poisson arrivals at the paper's rates (about 3 req/s), so a
-    burst or one slow transfer moves an average by a fraction of its size. `calm_s` = 10 s, one
-    averaging time, asks the link to be calm for longer than any such burst before t recovers.
-    Halving the log distance per move recovers from 10x away to within 15 % in four moves
-    (10 -> 3.2 -> 1.8 -> 1.33 -> 1.07), the last three 5 s apart; with the ~7 s the utilisation
-    average needs to fall from 1 to 0.5 and the 10 s calm, t is back about 32 s after the link
-    (the tests ask for 40 s). One step at a time took ten moves and, as long as PD queue spikes
-    restarted the calm timer, over 100 s.
-    60 s for roles, since conversions drain and react to "gradual and often periodic" change. All
-    are options.
+    The paper gives no constant of either loop (docs/paper-notes.md section 3.4, "What is
+    missing"); ours, each an option, and why (docs/policies.md, "The dynamic threshold"):
+    - `headroom` 0.2: Eq. 7 is solved on 80 % of the measured bandwidth, room for bursts and
+      cache transfers;
+    - `tilt` 2: the queues move t at most a factor 2 either side of Eq. 7's, enough to drain a
+      backlog in a few minutes, not enough to undo what the link's measurement says;
+    - `wait_floor_s` 2: waits well under the TTFT SLO (10 s) are noise, not imbalance;
+    - `pd_load_max` 0.9: PD prefill is never planned above 90 % busy at the arrival rate
+      measured over `rate_window_s` (60 s);
+    - `dwell_s` 5 and `min_rel_change` 0.1: t moves at most once per one long prefill's time,
+      and only by more than 10 %, half way in log space toward where it is wanted, so one move
+      shows its effect on the queues before the next.
+    60 s for roles, since conversions drain and react to "gradual and often periodic" change.
     """
 
     prfaas_profile: str = "h200"
     pd_profile: str = "h20"
     model: str = "hybrid_1t"
-    bandwidth_gbps: float = 100.0
+    bandwidth_gbps: float = 100.0  # the modeled B_out at the provisioned rate
     n_prfaas: int = 4
     n_p: int = 3
     n_d: int = 5
@@ -896,35 +903,30 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
     abundant_below: float = 0.5
     bandwidth: BandwidthMode = "auto"
-    high_watermark: float = 0.8
-    low_watermark: float = 0.5
     headroom: float = 0.2
-    stall_derate: float = 0.5
-    queue_surge: int = 8  # queued prefill jobs, summed over one cluster's prefill workers
-    step: float = 1.25
-    min_rel_change: float = 0.05
+    tilt: float = 2.0
+    wait_floor_s: float = 2.0
+    pd_load_max: float = 0.9
+    rate_window_s: float = 60.0
+    min_rel_change: float = 0.1
     dwell_s: float = 5.0
-    calm_s: float = 10.0
     window: int = 1000
     min_samples: int = 50
-    link_nominal_bps: float = 0.0  # 0: the highest link rate seen so far
-    smoothing_s: float = 10.0  # time constant of the utilisation average (0: raw samples)
-    queue_smoothing_s: float = 10.0  # ... of the queue depth averages (0: raw depths)
+    queue_smoothing_s: float = 10.0  # time constant of the queue depth averages (0: raw)
     roles: RoleConfig = RoleConfig()
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_gbps", "token_scale", "step", "window"):
+        for name in ("bandwidth_gbps", "token_scale", "window", "tilt", "pd_load_max",
+                     "rate_window_s"):
             if not getattr(self, name) > 0:
                 raise PolicyError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("abundant_below", "high_watermark", "low_watermark", "headroom",
-                     "stall_derate", "min_rel_change", "dwell_s", "calm_s", "link_nominal_bps",
-                     "smoothing_s", "queue_smoothing_s"):
+        for name in ("abundant_below", "headroom", "wait_floor_s",
+                     "min_rel_change", "dwell_s", "queue_smoothing_s"):
             check_watermark(name, getattr(self, name))
-        if self.low_watermark > self.high_watermark:
-            raise PolicyError(f"low_watermark must be <= high_watermark={self.high_watermark}, "
-                              f"got {self.low_watermark!r}")
         if not 0.0 <= self.headroom < 1.0:
             raise PolicyError(f"headroom must lie in [0, 1), got {self.headroom!r}")
+        if self.tilt < 1.0:
+            raise PolicyError(f"tilt must be >= 1, got {self.tilt!r}")
 
     def throughput_model(self) -> ThroughputModel:
         return ThroughputModel(CostModel.load(self.prfaas_profile, self.model),
@@ -942,59 +944,64 @@ class DynamicStatistics(PolicyStatistics, frozen=True):
     n_prfaas: int  # the shape t is solved for
     n_p: int
     n_d: int
-    utilisation: float  # the short-term loop's averages (PrfaasDynamicPolicy)
-    queue_prfaas: float
+    bandwidth_bps: float  # the modeled B_out t is solved on (from the link's estimate)
+    measured_bps: float  # the link's estimate as its senders see it (0: none yet)
+    queue_prfaas: float  # the short-term loop's averages (PrfaasDynamicPolicy)
     queue_pd: float
-    calm_since: float | None  # when the link became calm; None while it is not
+    wait_prfaas_s: float  # predicted wait of a request sent now to each side
+    wait_pd_s: float
+    arrival_rps: float  # measured over rate_window_s
+    model_t: float | None  # Eq. 7's t at the measured bandwidth
+    wanted_t: float | None  # where the queues and the PD bound want t
 
 
-class _Signals(msgspec.Struct, frozen=True):
-    utilisation: float  # averaged over smoothing_s
-    new_stalls: bool
-    queue_prfaas: float  # averaged over queue_smoothing_s
-    queue_pd: float
-    calm: bool  # the link: utilisation <= low watermark, no stall for calm_s
+class Outlook(msgspec.Struct, frozen=True):
+    """What the short-term loop sees at one tick, and where it wants t (class docstring)."""
+
+    model_t: float  # Eq. 7 at the measured bandwidth
+    wait_prfaas_s: float
+    wait_pd_s: float
+    pd_cap: float  # largest t that keeps PD prefill within pd_load_max (inf: no bound)
+    wanted: float
+    arrival_rps: float  # what the PD bound was computed at
 
 
 class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
     """`prfaas-dynamic`: the threshold rule with the paper's dual-timescale scheduler (paper
-    section 3.4.3).
+    section 3.4.3), measuring the link as its own senders see it.
 
     t starts where the planner puts it: `solve_threshold` (Eq. 7) on the configured hardware
     profiles, cluster shape and an initial length distribution (default: the paper's workload).
 
-    Short-term loop (every `tick`). Signals, as the paper lists them: PrfaaS egress utilisation,
-    queue depths and transfer stalls. Utilisation is averaged over `smoothing_s` and both queue
-    depths over `queue_smoothing_s` (exponential averages on the caller's clock), so one long
-    transfer on a slow link, or a burst of arrivals, is not congestion; a sustained excess is.
-    The re-search of t ("model t") uses the *recent* incremental lengths (a window of what
-    `decide` saw) and the *current* effective bandwidth: B_eff = B_out * (link rate now /
-    nominal rate) * (1 - headroom), times `stall_derate` while stalls are recent. Three moves, at
-    most one per `dwell_s`, each only if t changes by more than `min_rel_change`:
-    - congested (utilisation >= high watermark, new stalls, or PrfaaS queue >= surge): t may only
-      rise, to max(model t, step * t). The step makes t rise even when the model sees no reason
-      (its profile or the traffic is off), because what the link measures wins over the model.
-    - PD prefill queue >= surge while the link is calm and the PrfaaS queue < surge / 2: t may
-      only fall, to min(model t, t / step).
-    - the link calm for `calm_s` (utilisation <= low watermark, no stall for `calm_s`): t moves
-      toward the model t, halfway in log space and at least one step (never past it). Only the
-      link starts or resets this timer; the queues only veto a direction: t does not fall while
-      the PrfaaS queue is >= surge / 2 (PrfaaS has no slack to take more), nor rise while the PD
-      queue is (PD has none). This is how t comes back after a cut: react at once, recover once
-      the link has been calm for a while, quickly but without overshooting the model.
-    Between the watermarks nothing moves, and a queue must fall to half the surge before it stops
-    vetoing: those gaps are the hysteresis.
+    Short-term loop (every `tick`), four steps:
+    1. The steady state: Eq. 7 (`solve_threshold`) on the recent incremental lengths (a window
+       of what `decide` saw) at the bandwidth the link carries now, B_eff = B_out * (measured /
+       provisioned) * (1 - headroom), B_out being the modeled link at the provisioned rate
+       (the line's bought rate if the router was told it, else the highest measured). The
+       measurement is the router's own (`LinkEstimate`, services/router/link_meter.py): no
+       rate the line is configured to is ever read.
+    2. The transient: the predicted wait of a request sent now to each side, its cluster's
+       queued prefills (averaged over `queue_smoothing_s`) over the stage's rate at the current
+       t (Eqs. 3 and 4: the PrfaaS side's rate includes its link, so a congested link shows as
+       a longer PrfaaS wait). The side that waits longer gets less: t is wanted at
+       model t * tilt ** (-x), x = (W_pd - W_prfaas) / (W_pd + W_prfaas + wait_floor_s).
+    3. The PD-side bound: at the arrival rate measured over `rate_window_s`, t never rises
+       past the largest t that keeps PD prefill within `pd_load_max` of its rate (Eq. 4): a
+       narrow link pushes long requests to PD prefill only as far as PD prefill can take.
+       The bound only stops a rise; it never lowers t, which would push onto the link what
+       the link cannot carry.
+    4. The move: at most once per `dwell_s`, only if the wanted t differs by more than
+       `min_rel_change`, half way there in log space (all the way when that is close).
+    While the link is down t holds still.
 
-    Long-term loop (every `roles.period_s`; `RoleBalancer`): re-estimate
-    Theta_prfaas, Theta_pd-p and Theta_pd-d (the throughput model on the recent lengths and the
-    current t, measured completions for a stage that stayed backed up), and convert the least
-    loaded worker of the other role when a stage's queue is `imbalance` times the other's, or
-    when Eq. 8 is off by more than `roles.margin` and one conversion brings it closer (the router
+    Long-term loop (every `roles.period_s`; `RoleBalancer`): re-estimate Theta_prfaas,
+    Theta_pd-p and Theta_pd-d (the throughput model on the recent lengths and the current t,
+    measured completions for a stage that stayed backed up), and convert the least loaded
+    worker of the other role when a stage's queue is `imbalance` times the other's, or when
+    Eq. 8 is off by more than `roles.margin` and one conversion brings it closer (the router
     drains the worker first); then re-solve t for the new N_p / N_d (Eq. 7). Nothing is
-    converted while a worker is still draining; t is solved for the shape the
-    pending conversion will leave.
-
-    `tick` runs both loops on the caller's clock.
+    converted while a worker is still draining; t is solved for the shape the pending
+    conversion will leave.
     """
 
     name = "prfaas-dynamic"
@@ -1013,17 +1020,17 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._initial = initial or cfg.initial_lengths()
         self._shape = ClusterShape(cfg.n_prfaas, cfg.n_p, cfg.n_d)
         self._window: deque[float] = deque(maxlen=cfg.window)
+        self._arrivals: deque[float] = deque()
+        self._first_arrival: float | None = None
         self._link: LinkSample | None = None
-        self._utilisation = Ewma(cfg.smoothing_s)
+        self._measured_bps = 0.0
+        self._provisioned_bps = 0.0  # the line's bought rate, or the highest estimate so far
         self._queues = (Ewma(cfg.queue_smoothing_s), Ewma(cfg.queue_smoothing_s))
-        self._nominal_bps = cfg.link_nominal_bps
-        self._stalls_seen: int | None = None
-        self._last_stall = self._last_change = -math.inf
-        self._calm_since: float | None = None
+        self._last_change = -math.inf
         self._roles = RoleBalancer(cfg.roles, self.stage_rates)
         self._solves = 0
-        self._t = self._solve(-math.inf)
-
+        self._outlook: Outlook | None = None
+        self._t = self._solve()
 
     def _own_threshold(self) -> float:
         return self._t
@@ -1035,24 +1042,31 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         assert t is not None
         decision = threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))
         self._window.append(decision.incremental_len / self.config.token_scale)
+        self._arrivals.append(inputs.now)
+        if self._first_arrival is None:
+            self._first_arrival = inputs.now
         return decision
 
     def stage_rates(self, shape: ClusterShape) -> tuple[float, float, float]:
         """The model's Theta_prfaas, Theta_pd-p, Theta_pd-d (req/s) for `shape`, on the
         recent lengths at the current t (what the long-term loop compares, Eq. 8)."""
-        t = self._t / self.config.token_scale
-        point = self._model.evaluate(self.lengths(), t, shape)
+        point = self._point(self._t, shape)
         return point.theta_prfaas, point.theta_pd_p, point.theta_pd_d
+
+    def _point(self, t: float, shape: ClusterShape) -> OperatingPoint:
+        model = replace(self._model, bandwidth_bps=self.bandwidth_bps())
+        return model.evaluate(self.lengths(), t / self.config.token_scale, shape)
 
     def observe(self, feedback: Feedback) -> None:
         super().observe(feedback)
         if isinstance(feedback, RequestFinished) and feedback.ok:
             self._roles.finished(feedback.cluster)
-        if isinstance(feedback, LinkSample):
-            self._utilisation.update(feedback.now, feedback.utilisation)
+        elif isinstance(feedback, LinkSample):
             self._link = feedback
-            if self.config.link_nominal_bps == 0.0:
-                self._nominal_bps = max(self._nominal_bps, feedback.bandwidth_bps)
+        elif isinstance(feedback, LinkEstimate) and feedback.available_bps > 0:
+            self._measured_bps = feedback.available_bps
+            self._provisioned_bps = feedback.provisioned_bps or max(self._provisioned_bps,
+                                                                    feedback.available_bps)
 
     def lengths(self) -> LengthDistribution:
         """What t is solved on: the recent window (modeled tokens), or the initial guess."""
@@ -1060,22 +1074,30 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
             return EmpiricalLengths.from_samples(self._window)
         return self._initial
 
-    def effective_bandwidth_bps(self, now: float) -> float:
+    def bandwidth_bps(self) -> float:
         """B_eff of the class docstring, in modeled bits per second."""
         cfg = self.config
         fraction = 1.0
-        link = self._link
-        if link is not None and link.bandwidth_bps > 0 and self._nominal_bps > 0:
-            fraction = min(1.0, link.bandwidth_bps / self._nominal_bps)
-        if now - self._last_stall < cfg.calm_s:
-            fraction *= cfg.stall_derate
+        if self._measured_bps > 0 and self._provisioned_bps > 0:
+            fraction = min(1.0, self._measured_bps / self._provisioned_bps)
         return max(cfg.bandwidth_gbps * 1e9 * fraction * (1.0 - cfg.headroom), 1.0)
 
-    def _solve(self, now: float) -> float:
+    def arrival_rate(self, now: float) -> float:
+        """Requests decided per second over the last `rate_window_s` (over the time since
+        the first decision, while that is shorter)."""
+        horizon = now - self.config.rate_window_s
+        while self._arrivals and self._arrivals[0] < horizon:
+            self._arrivals.popleft()
+        if self._first_arrival is None:
+            return 0.0
+        span = min(self.config.rate_window_s, max(now - self._first_arrival, 1.0))
+        return len(self._arrivals) / span
+
+    def _solve(self) -> float:
         """The model's t (Eq. 7) in router tokens for the current lengths, bandwidth, shape."""
         self._solves += 1
         t = solve_threshold(self._model, self.lengths(), self._shape,
-                            bandwidth_bps=self.effective_bandwidth_bps(now))
+                            bandwidth_bps=self.bandwidth_bps())
         return t * self.config.token_scale
 
     def tick(self, now: float, state: ClusterState) -> list[Action]:
@@ -1085,88 +1107,78 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
             self._shape = self._roles.expected_shape(state)
         if conversion is not None:
             actions.append(conversion)
-            actions += self._move(now, self._solve(now), "long-term: re-solved for N_p / N_d "
+            actions += self._move(now, self._solve(), "long-term: re-solved for N_p / N_d "
                                   f"= {self._shape.n_p} / {self._shape.n_d}", force=True)
         actions += self._short_term(now, state)
         return actions
 
-    def _signals(self, now: float, state: ClusterState) -> _Signals:
+    def outlook(self, now: float, state: ClusterState) -> Outlook:
+        """Steps 1-3 of the class docstring: Eq. 7's t, both waits, the PD bound, the wish."""
         cfg = self.config
-        link = self._link
-        new_stalls = False
-        if link is not None:
-            if self._stalls_seen is not None and link.stalls > self._stalls_seen:
-                new_stalls = True
-                self._last_stall = now
-            self._stalls_seen = link.stalls
         depths = [sum(w.backlog for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
-        prfaas, pd = (self._queues[i].update(now, depths[i]) for i in (0, 1))
-        utilisation = self._utilisation.value
-        calm = utilisation <= cfg.low_watermark and now - self._last_stall >= cfg.calm_s
-        return _Signals(utilisation, new_stalls, prfaas, pd, calm)
+        queue_prfaas, queue_pd = (self._queues[i].update(now, depths[i]) for i in (0, 1))
+        model_t = self._solve()
+        point = self._point(self._t, self._shape)
+        wait_prfaas = queue_prfaas / point.theta_prfaas if point.theta_prfaas > 0 else math.inf
+        wait_pd = queue_pd / point.theta_pd_p if point.theta_pd_p > 0 else math.inf
+        wanted = model_t
+        if math.isfinite(model_t) and model_t > 0 and math.isfinite(wait_prfaas + wait_pd):
+            x = (wait_pd - wait_prfaas) / (wait_pd + wait_prfaas + cfg.wait_floor_s)
+            wanted = model_t * cfg.tilt ** (-x)
+        rate = self.arrival_rate(now)
+        cap = self._pd_cap(rate)
+        if wanted > self._t:
+            wanted = min(wanted, max(cap, self._t))
+        return Outlook(model_t, wait_prfaas, wait_pd, cap, wanted, rate)
 
-    def _update_calm(self, now: float, calm: bool) -> None:
-        """The calm timer: only the link starts or resets it (class docstring)."""
-        if not calm:
-            self._calm_since = None
-        elif self._calm_since is None:
-            self._calm_since = now
+    def _pd_cap(self, rate: float) -> float:
+        """Step 3: the largest t (router tokens) at which PD prefill, fed the requests at or
+        under t at `rate`, stays within `pd_load_max` of Eq. 4's rate; inf when any t does."""
+        lengths, shape = self.lengths(), self._shape
+        if rate <= 0 or shape.n_p == 0 or shape.n_prfaas == 0:
+            return math.inf
 
-    def _congestion(self, s: _Signals) -> str | None:
-        """Why the PrfaaS side is congested, or None."""
-        cfg = self.config
-        causes = []
-        if s.utilisation >= cfg.high_watermark:
-            causes.append(f"link utilisation {s.utilisation:.2f} >= {cfg.high_watermark:g}")
-        if s.new_stalls:
-            causes.append("transfer stalls")
-        if s.queue_prfaas >= cfg.queue_surge:
-            causes.append(f"PrfaaS queue {s.queue_prfaas:.3g} >= {cfg.queue_surge}")
-        return "short-term: congested (" + ", ".join(causes) + ")" if causes else None
+        def load(t: float) -> float:
+            p = lengths.survival(t)
+            short, _ = lengths.conditional_means(t)
+            theta = self._model.theta_pd_p(short, shape.n_p)
+            return rate * (1.0 - p) / theta if theta > 0 else math.inf
+
+        limit = self.config.pd_load_max
+        low, high = lengths.lo - 1.0, lengths.hi
+        if load(high) <= limit:
+            return math.inf
+        while high - low > 1.0:
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if load(mid) <= limit else (low, mid)
+        return low * self.config.token_scale
 
     def _short_term(self, now: float, state: ClusterState) -> list[Action]:
-        """1. read the signals, 2. keep the calm timer, 3. hold still while the link is down
-        or within `dwell_s` of the last move, 4. rise on congestion, 5. fall on a PD surge
-        over a calm link, 6. else recover toward the model once calm for `calm_s`."""
+        """Steps 1-4 of the class docstring."""
         cfg = self.config
-        s = self._signals(now, state)
-        self._update_calm(now, s.calm)
+        self._outlook = outlook = self.outlook(now, state)
         link_down = self._link is not None and not self._link.up
         if link_down or now - self._last_change < cfg.dwell_s:
             return []
-        congestion = self._congestion(s)
-        if congestion is not None:
-            raised = max(self._solve(now), _scaled(self._t, cfg.step))
-            return self._move(now, raised, congestion, rise=True)
-        if s.queue_pd >= cfg.queue_surge and s.calm and s.queue_prfaas < cfg.queue_surge / 2:
-            lowered = min(self._solve(now), _scaled(self._t, 1.0 / cfg.step))
-            return self._move(now, lowered, f"short-term: PD prefill queue {s.queue_pd:.3g} >= "
-                              f"{cfg.queue_surge}, link calm", fall=True)
-        if self._calm_since is not None and now - self._calm_since >= cfg.calm_s:
-            return self._recover(now, s)
-        return []
-
-    def _recover(self, now: float, s: _Signals) -> list[Action]:
-        """One move toward the model's t, unless the side it would load has no slack."""
-        model, half = self._solve(now), self.config.queue_surge / 2
-        if (model < self._t and s.queue_prfaas >= half) or (model > self._t and s.queue_pd >= half):
+        wanted, old = outlook.wanted, self._t
+        if _close(old, wanted, cfg.min_rel_change):
             return []
-        toward = _toward(self._t, model, self.config.step)
-        return self._move(now, toward, f"short-term: link calm for {self.config.calm_s:g} s, "
-                          "halfway toward the model's t")
+        new = _halfway(old, wanted, cfg.min_rel_change)
+        why = (f"short-term: wait PrfaaS {outlook.wait_prfaas_s:.3g} s / PD "
+               f"{outlook.wait_pd_s:.3g} s, Eq. 7 t {format_tokens(outlook.model_t)}")
+        if math.isfinite(outlook.pd_cap) and outlook.pd_cap <= wanted:
+            why += f", PD prefill bound {format_tokens(outlook.pd_cap)}"
+        return self._move(now, new, why)
 
-    def _move(self, now: float, new: float, why: str, *, rise: bool = False,
-              fall: bool = False, force: bool = False) -> list[Action]:
-        """Apply t = new if it goes the allowed way and far enough; the announcing action."""
+    def _move(self, now: float, new: float, why: str, *, force: bool = False) -> list[Action]:
+        """Apply t = new if it is far enough from t (or `force`); the announcing action."""
         old = self._t
         if self._override is not None or new == old:
             return []
-        if (rise and new < old) or (fall and new > old):
-            return []
-        if not force and not _far_enough(old, new, self.config.min_rel_change):
+        if not force and _close(old, new, self.config.min_rel_change):
             return []
         self._t, self._last_change = new, now
-        bandwidth = self.effective_bandwidth_bps(now) / 1e9
+        bandwidth = self.bandwidth_bps() / 1e9
         return [SetThreshold(old=old, new=new, reason=(
             f"{why}; t {format_tokens(old)} -> {format_tokens(new)} "
             f"(B_eff {bandwidth:.3g} Gbps, {len(self._window)} recent lengths)"))]
@@ -1181,41 +1193,41 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
             problems.append(f"window holds {len(self._window)} > {self.config.window}")
         if any(not (math.isfinite(x) and x >= 0) for x in self._window):
             problems.append("window holds a length that is not finite and >= 0")
-        for name, average in (("utilisation", self._utilisation), ("PrfaaS queue",
-                              self._queues[0]), ("PD queue", self._queues[1])):
+        for name, average in (("PrfaaS queue", self._queues[0]), ("PD queue", self._queues[1])):
             if not average.value >= 0.0:
                 problems.append(f"smoothed {name} {average.value!r} is not >= 0")
         return problems
 
     def statistics(self) -> DynamicStatistics:
         base = msgspec.structs.asdict(super().statistics())
+        outlook = self._outlook
         return DynamicStatistics(
             **base, solves=self._solves, window=len(self._window),
             conversions=self._roles.conversions, n_prfaas=self._shape.n_prfaas,
-            n_p=self._shape.n_p, n_d=self._shape.n_d, utilisation=self._utilisation.value,
-            queue_prfaas=self._queues[0].value, queue_pd=self._queues[1].value,
-            calm_since=self._calm_since)
+            n_p=self._shape.n_p, n_d=self._shape.n_d, bandwidth_bps=self.bandwidth_bps(),
+            measured_bps=self._measured_bps, queue_prfaas=self._queues[0].value,
+            queue_pd=self._queues[1].value,
+            wait_prfaas_s=outlook.wait_prfaas_s if outlook else 0.0,
+            wait_pd_s=outlook.wait_pd_s if outlook else 0.0,
+            arrival_rps=outlook.arrival_rps if outlook else 0.0,
+            model_t=json_threshold(outlook.model_t) if outlook else None,
+            wanted_t=json_threshold(outlook.wanted) if outlook else None)
 
 
-def _scaled(t: float, factor: float) -> float:
-    """t times factor; a t of 0 (or -inf: PrfaaS takes all) rises from 1 token."""
-    return (t if t > 0 else 1.0) * factor if factor > 1 else t * factor
-
-
-def _toward(t: float, target: float, step: float) -> float:
-    """One recovery move from t to target: halfway in log space, at least a factor `step`,
-    never past target (t or target 0 or infinite: one step, as `_scaled` takes it)."""
-    if not (0 < t < math.inf and 0 < target < math.inf):
-        return min(max(target, _scaled(t, 1.0 / step)), _scaled(t, step))
-    if target < t:
-        return max(target, min(math.sqrt(t * target), t / step))
-    return min(target, max(math.sqrt(t * target), t * step))
-
-
-def _far_enough(old: float, new: float, min_rel_change: float) -> bool:
+def _close(old: float, new: float, min_rel_change: float) -> bool:
+    """Within `min_rel_change` of each other (infinite values only equal to themselves)."""
     if not (math.isfinite(old) and math.isfinite(new)):
-        return old != new
-    return abs(new - old) > min_rel_change * max(abs(old), 1.0)
+        return old == new
+    return abs(new - old) <= min_rel_change * max(abs(old), 1.0)
+
+
+def _halfway(t: float, target: float, min_rel_change: float) -> float:
+    """One move from t toward target: half way in log space, straight there when half way
+    would stay within twice `min_rel_change` of it (t or target 0 or infinite: straight)."""
+    if not (0 < t < math.inf and 0 < target < math.inf):
+        return target
+    middle = math.sqrt(t * target)
+    return target if _close(middle, target, 2 * min_rel_change) else middle
 
 
 # The one list of policies: the CLI, the router, the dashboard and the simulation read it.

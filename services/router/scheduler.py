@@ -23,7 +23,8 @@ from the workers that failed it. When no prefill worker of the chosen kind of cl
 a request (new or migrated) prefills in the other kind instead, if its link is up, rather
 than failing with 503. A link whose KV stalled is taken out of the policy's choices for
 `LINK_HOLD_STALLS` stall bounds; so is a link whose queued bytes would take longer than the
-stall bound to cross (its link samples' `backlog_s`) or that is down, and the requests still
+stall bound to cross (its link samples' queued bytes at the router's estimate of its
+bandwidth) or that is down, and the requests still
 waiting for KV over it are moved on at once (`_link_stalled`).
 
 Several PrfaaS and PD clusters: the decode worker is chosen first (its cluster is the
@@ -59,10 +60,11 @@ For decode the cached prefix is what the worker *holds* (any held KV block saves
 for prefill it is what it can *resume from* (services/cachedir/service.py,
 blocks_resumable). `choose_worker_reference` is the same rule as a plain sort, for the tests.
 
-The links (`LinkBook`): the control loop samples each link's control API once per tick
-(services/router/control.py) and the scheduler keeps the latest sample per link, so that each
-PrfaaS cluster is judged by its own link to the request's PD cluster. A link that does not
-answer gives no sample, and the policy holds still.
+The links (`LinkBook`): once per tick the control loop (services/router/control.py) has the
+scheduler estimate each link's bandwidth from what its senders saw of their own transfers
+(services/router/link_meter.py; never the line's configured rate), and samples what the
+transport tells of it (up, stalls, queued bytes); the scheduler keeps the latest of each per
+link, so that each PrfaaS cluster is judged by its own link to the request's PD cluster.
 
 `SchedulerCollector` is the router's /metrics view of the scheduler's, the policy's and the
 workers' statistics, read at scrape time.
@@ -73,7 +75,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +110,12 @@ from services.router.errors import (
     QueueFull,
     RouterError,
     UpstreamFailed,
+)
+from services.router.link_meter import (
+    BandwidthEstimator,
+    EstimatorConfig,
+    LinkEstimate,
+    readings_of,
 )
 from services.router.policies import (
     DEFAULT_LANES,
@@ -179,7 +187,8 @@ class Scheduler:
         self.events: EventBus[Event] = bus or EventBus()
         self.clock = clock
         self.tokenizer = tokenizer
-        self.links = LinkBook(self.config.links, self.config.stall_window_s)
+        self.links = LinkBook(self.config.links, self.config.stall_window_s,
+                              self.config.link_estimator)
         self._active: dict[str, RequestHandle] = {}
         self._group: anyio.abc.TaskGroup | None = None
         self._ids = RequestIds(self.config.id_prefix)
@@ -419,7 +428,7 @@ class Scheduler:
             cached=min(cap, self.workers.resumable_blocks("prfaas", match, name)
                        * self.config.block_size),
             queue=self.workers.prefill_queue("prfaas", name),
-            link_utilisation=link.utilisation if link else 0.0,
+            link_utilisation=self.links.utilisation(name, pd),
             link_stalls=self.links.recent_stalls(name, pd),
             available=self.workers.has_prefill("prfaas", name) and (link is None or link.up)
             and not self.links.held(name, pd, self.clock()))
@@ -487,12 +496,21 @@ class Scheduler:
             raise NoWorkerAvailable("the router's scheduler is not running")
         return self._group
 
+    def measure_links(self) -> None:
+        """Each link's bandwidth estimated from its PrfaaS side's send counters (as the
+        last status poll left them); the policy gets every estimate."""
+        now = self.clock()
+        for ends in self.config.links:
+            estimate = self.links.measure(ends.name, now, self.workers.send_readings(ends.a))
+            self.policy.observe(estimate)
+
     def observe_link(self, sample: LinkSample) -> None:
         self.links.observe(sample)
         self.policy.observe(sample)
         stall = self.config.kv_stall_s
-        if stall > 0 and (not sample.up or sample.backlog_s > stall):
-            self._link_stalled(sample.link, sample.backlog_s if sample.up else math.inf)
+        backlog_s = self.links.wire_time(sample.link, sample.queued_bytes)
+        if stall > 0 and (not sample.up or backlog_s > stall):
+            self._link_stalled(sample.link, backlog_s if sample.up else math.inf)
 
     def _link_stalled(self, link: str, backlog_s: float) -> None:
         """KV entering `link` now would wait longer than the stall bound (or the link is
@@ -824,6 +842,11 @@ class WorkerTable:
     def held_blocks(self, name: str, match: PrefixMatch | None) -> int:
         return self._blocks(match).get(name, (0, 0))[0]
 
+    def send_readings(self, cluster: str) -> dict[str, tuple[int, float]]:
+        """Each worker of `cluster`'s KV send counters, from its last status report."""
+        return readings_of({w.spec.name: w.polled for w in self._workers.values()
+                            if w.spec.cluster == cluster})
+
     def prefill_queue(self, kind: Cluster, cluster: str | None = None) -> int:
         return sum(w.prefills for w in self._workers.values()
                    if w.spec.kind == kind and w.role == "prefill"
@@ -1045,10 +1068,12 @@ class LinkBook:
     """The latest sample of each link, its recent stalls (over `stall_window_s`), and the
     links held back from new offload after KV stalled on them (`hold`)."""
 
-    def __init__(self, links: Sequence[LinkEnds], stall_window_s: float) -> None:
+    def __init__(self, links: Sequence[LinkEnds], stall_window_s: float,
+                 estimator: EstimatorConfig | None = None) -> None:
         self._ends = {(e.a, e.b): e.name for e in links}
         self._ends.update({(e.b, e.a): e.name for e in links})
         self.stall_window_s = stall_window_s
+        self._estimators = {e.name: BandwidthEstimator(estimator, e.name) for e in links}
         self._samples: dict[str, LinkSample] = {}
         self._stalls: dict[str, deque[tuple[float, int]]] = {}
         self._held: dict[str, float] = {}  # link -> until when it takes no new offload
@@ -1059,6 +1084,32 @@ class LinkBook:
         history.append((sample.now, sample.stalls))
         while history and history[0][0] < sample.now - self.stall_window_s:
             history.popleft()
+
+    def measure(self, name: str, now: float,
+                readings: Mapping[str, tuple[int, float]]) -> LinkEstimate:
+        """Link `name`'s estimate after its senders' counters at `now` (link_meter.py)."""
+        return self._estimators[name].observe(now, readings)
+
+    def estimate(self, name: str) -> LinkEstimate | None:
+        estimator = self._estimators.get(name)
+        return estimator.last if estimator is not None else None
+
+    def estimates(self) -> dict[str, LinkEstimate]:
+        """Every link's latest estimate, by name."""
+        return {name: e.last for name, e in self._estimators.items()}
+
+    def wire_time(self, name: str, nbytes: int) -> float:
+        """Seconds `nbytes` take to cross link `name` at its estimated bandwidth (0 while it
+        has no estimate, or for a link not in the topology)."""
+        estimate = self.estimate(name)
+        if estimate is None or estimate.available_bps <= 0:
+            return 0.0
+        return 8.0 * nbytes / estimate.available_bps
+
+    def utilisation(self, a: str, b: str) -> float:
+        """The link between a and b: its senders' throughput over its estimated bandwidth."""
+        estimate = self.estimate(self.between(a, b))
+        return estimate.utilisation if estimate is not None else 0.0
 
     def between(self, a: str, b: str) -> str:
         """The name of the link joining clusters a and b ("" when none is known)."""

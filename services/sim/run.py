@@ -94,6 +94,8 @@ class Sample(msgspec.Struct, frozen=True):
     egress_bytes: int = 0  # link-0's egress bytes released so far
     busy: dict[str, float] = {}  # per stage: busy instance-seconds so far (module docstring)
     units: dict[str, float] = {}  # per stage: instance-seconds so far
+    # link-0's bandwidth as the router estimates it from its transfers (bandwidth_bps: the truth)
+    estimate_bps: float = 0.0
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -183,8 +185,9 @@ class _Busy:
 
 
 def _sample(world: SimWorld, now: float, in_flight: int, busy: _Busy) -> Sample:
-    link = world.link_sample()
-    egress = world.links["link-0"].shaper.statistics().egress if world.links else None
+    shaper = world.links["link-0"].shaper if world.links else None
+    egress = shaper.statistics().egress if shaper else None
+    estimate = world.scheduler.links.estimate("link-0")
     queues = {"prfaas": 0, "pd": 0}
     running = waiting = 0
     for worker in world.workers.values():
@@ -195,8 +198,9 @@ def _sample(world: SimWorld, now: float, in_flight: int, busy: _Busy) -> Sample:
         waiting += decode.waiting
     return Sample(at=now, threshold=world.scheduler.policy.threshold,
                   egress_bps=egress.throughput_bps if egress else 0.0,
-                  utilisation=link.utilisation if link else 0.0,
-                  bandwidth_bps=link.bandwidth_bps if link else 0.0,
+                  utilisation=egress.utilisation if egress else 0.0,
+                  bandwidth_bps=(shaper.params.bandwidth_bps or 0.0) if shaper else 0.0,
+                  estimate_bps=estimate.available_bps if estimate else 0.0,
                   queue_prfaas=queues["prfaas"], queue_pd=queues["pd"],
                   decode_running=running, decode_waiting=waiting, in_flight=in_flight,
                   egress_bytes=egress.bytes_out if egress else 0, busy=dict(busy.busy),

@@ -36,6 +36,7 @@ from services.paper.case_study import PRFAAS_PD
 from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
+from services.router.link_meter import EstimatorConfig
 from services.router.policies import LinkSample, create_policy
 from services.router.scheduler import DirectoryReader, Scheduler, StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
@@ -149,16 +150,15 @@ class SimWorld:
     refused: list[str] = field(default_factory=list)  # requests the router turned away
 
     def link_sample(self) -> LinkSample | None:
-        """What the router's control loop reads of the PrfaaS egress link (the live probe
-        reads the same numbers over the link's control API)."""
+        """What the router's control loop reads of the PrfaaS egress link's transport (the
+        live probe reads the same over the link's control API): up and stalls, no rate."""
         link = self.links.get("link-0")
         if link is None:
             return None
         shaper = link.shaper
         egress = shaper.statistics().egress
-        return LinkSample(now=anyio.current_time(), link="link-0", utilisation=egress.utilisation,
-                          bandwidth_bps=shaper.params.bandwidth_bps or 0.0,
-                          stalls=egress.stalls, up=shaper.params.up)
+        return LinkSample(now=anyio.current_time(), link="link-0", stalls=egress.stalls,
+                          up=shaper.params.up, queued_bytes=egress.queued_bytes)
 
 
 def _context(topology: Topology, name: str, transport: MemoryTransport,
@@ -208,6 +208,8 @@ def _scheduler(d: Deployment, topology: Topology, transport: MemoryTransport,
     config = SchedulerConfig(block_size=ModeledConfig().block_size, max_inflight=1_000_000,
                              kv_timeout_s=PATIENCE_S, request_timeout_s=PATIENCE_S,
                              connections=d.connections, links=link_ends(topology),
+                             # What the operator bought: the estimator's prior and ceiling.
+                             link_estimator=EstimatorConfig(provisioned_bps=d.bandwidth_bps),
                              id_prefix=f"{d.name}{d.seed}")
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
                      ModeledTokenizer(ModeledConfig()),

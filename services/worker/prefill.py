@@ -67,6 +67,7 @@ from services.worker.engine import (
 )
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
+from services.worker.send_meter import SendMeter
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,8 @@ class PrefillWorker:
         self._idle.set()
         self._counts = _Counts()
         self._sent = [0, 0]  # pieces, bytes over all jobs
+        # What this sender sees of its KV transfers (the router estimates the link from it).
+        self.meter = SendMeter(native.now)
 
     @property
     def busy(self) -> int:
@@ -299,12 +302,24 @@ class PrefillWorker:
         self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
         self._flow(job, "start", 0)
         start = native.clock()()
+        crossing = [False]
+
+        async def compute_ended() -> None:
+            # From here until the lanes are accepted, this job's KV is held back by the link.
+            crossing[0] = True
+            self.meter.waiting()
+            await computed()
+
         try:
-            first_token, compute_end = await self._stream(job, computed)
+            first_token, compute_end = await self._stream(job, compute_ended)
         except BaseException as exc:
             self._flow(job, "failed", 0)
             self._phase(request.request_id, "failed", str(exc))
             raise
+        finally:
+            if crossing[0]:
+                self.meter.crossed()
+        self.meter.delivered(job.sent[1])
         done = native.clock()()
         self._flow(job, "done", self.model.cfg.n_layers)
         self._counts.jobs += 1

@@ -290,12 +290,14 @@ class WorkerService:
     def state(self) -> WorkerState:
         # Read at every status poll (each tick): the counts alone, not whole statistics.
         prefill, decode = self.prefill, self.decode
+        sent = prefill.meter.reading()
         return WorkerState(
             name=self.name, cluster=self.cluster, role=self.role, draining=self.draining,
             queue_depth=prefill.queue_depth + decode.waiting,
             running=prefill.running + decode.running,
             cached_blocks=self.store.blocks, model=self.info,
             max_streams=self.slots.decode if self.role == "decode" else 0,
+            kv_sent_bytes=sent.sent_bytes, kv_held_s=sent.held_s,
         )
 
     def _publish_status(self) -> None:
