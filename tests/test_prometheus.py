@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 PORT_OPTIONS = ("http_port", "metrics_port", "control_port")
 HISTOGRAMS = ("prfaas_time_to_first_token_seconds", "prfaas_inter_token_latency_seconds",
               "prfaas_request_duration_seconds", "prfaas_request_queue_seconds",
-              "prfaas_time_per_output_token_seconds", "prfaas_request_prompt_tokens",
+              "prfaas_request_time_per_output_token_seconds", "prfaas_request_prompt_tokens",
               "prfaas_request_generation_tokens", "prfaas_kv_transfer_seconds",
               "prfaas_kv_transfer_bytes")
 REQUESTS = 40
