@@ -8,10 +8,11 @@ Then: `histogram_quantile(0.9, ...)` over the router's TTFT histogram agrees wit
 bench client measured within the bucket resolution (the router's clock starts after the HTTP
 request is parsed, the client's before it is sent: a few milliseconds apart); every request
 and KV-transfer histogram has observations; `promtool check metrics` passes on every service's
-/metrics, each with the process's own metrics. Then a decode worker is killed, and the alert
-rules the configuration loads (services/cli/prometheus_rules.py) have its worker-down and
-service-down alerts pending within seconds (their `for` is a minute: not waited for). A
-machine without the binaries fails the test rather than skipping it.
+/metrics, each with the process's own metrics, and every family scraped is named in
+docs/observability.md (by name, or a statistics struct's by prefix). Then a decode worker is
+killed, and the alert rules the configuration loads (services/cli/prometheus_rules.py) have
+its worker-down and service-down alerts pending within seconds (their `for` is a minute: not
+waited for). A machine without the binaries fails the test rather than skipping it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.topology import load_topology, topology_toml
 from services.bench.cli import bench_main
@@ -37,6 +39,7 @@ from services.cli.prometheus_config import prometheus_config_main, scrape_target
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.service import SECONDS_BUCKETS
 from tests.ports import distinct_ports, free_ports
+from tests.test_observability_docs import documented, exposed_name
 
 pytestmark = pytest.mark.slow
 
@@ -209,6 +212,10 @@ def test_prometheus_scrapes_the_mesh_and_its_ttft_p90_matches_the_bench_client(
     assert [expr for expr, result in panels.items() if not result] == []
     assert [s for s, text in texts.items() if "\nprocess_resident_memory_bytes " not in text
             or "\nprocess_open_fds " not in text] == []
+    names, prefixes = documented()
+    scraped = {exposed_name(family) for text in texts.values()
+               for family in text_string_to_metric_families(text)}
+    assert sorted(n for n in scraped - names if not n.startswith(tuple(prefixes))) == []
     states = {name: [r["metric"]["alertstate"] for r in found] for name, found in alerts.items()}
     assert states == {"PrfaasWorkerDown": ["pending"], "PrfaasServiceDown": ["pending"]}
     print(json.dumps({"ttft_p90_promql_s": p90, "ttft_p90_bench_s": client_p90,
