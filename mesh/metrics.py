@@ -10,6 +10,12 @@ scrape, calls the source and turns every numeric field of the struct into a metr
   string fields (`prefix_connections_bytes_in{peer="decode-0"}`);
 * string fields of the top struct become labels of all its samples (e.g. `name`).
 
+`register_process(registry)` adds the process's own metrics, as prometheus_client's default
+registry has them: CPU seconds, resident and virtual memory, open and maximum file descriptors,
+start time (`process_*`, read from /proc at each scrape), the garbage collector's counts
+(`python_gc_*`) and `python_info`; a service's registry is its own, not the default one, so each
+service registers them where it builds its registry.
+
 `metrics_app(registry)` is the ASGI app to mount at `/metrics` (Starlette `Mount`, or served
 alone); `render(registry)` gives the text exposition for tests and plain handlers.
 `MergedCollector` exposes several owners' families of one name as one family (one process
@@ -23,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    make_asgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -115,6 +128,14 @@ def register_statistics(
     collector = StatisticsCollector(prefix, source, labels)
     registry.register(collector)
     return collector
+
+
+def register_process(registry: CollectorRegistry) -> None:
+    """Adds the process's CPU, memory, file descriptors, GC counts and Python version to
+    `registry` (module docstring)."""
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
 
 
 class MergedCollector:

@@ -44,6 +44,7 @@ from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
 from mesh.http import serve_http
+from mesh.metrics import register_process
 from netem.control_access import WriteGuard, check_bind
 from netem.link_metrics import LinkCollector
 from netem.params import LinkError, LinkParamError, LinkParams, shown
@@ -110,6 +111,7 @@ class _ControlApi:
         self._name = name
         self._toxic_names: dict[str, tuple[str, str]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
+        register_process(self.registry)
         self.registry.register(LinkCollector(proxy.statistics, name))
 
     def _apply(self, update: object) -> None:

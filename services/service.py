@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from mesh.errors import ConfigError
 from mesh.events import EventBus
 from mesh.http import serve_http
-from mesh.metrics import metrics_app, register_statistics
+from mesh.metrics import metrics_app, register_process, register_statistics
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.topology import LinkSpec, ServiceSpec, Topology
@@ -165,11 +165,13 @@ async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource
     """`/metrics` of the service's statistics on options.metrics_port (0: none), until
     cancelled; each source's numbers under prfaas_<prefix>_..., labelled with the service;
     each `info` entry a constant prfaas_<name>_info{service, its labels} 1 (what it runs);
-    and `collectors` as they are (histograms their owners observe)."""
+    `collectors` as they are (histograms their owners observe); and the process's own
+    (CPU, memory, file descriptors: mesh.metrics.register_process)."""
     port = ctx.option("metrics_port", 0)
     if port == 0:
         return
     registry = CollectorRegistry(auto_describe=False)
+    register_process(registry)
     for collector in collectors:
         registry.register(collector)
     for prefix, source in sources.items():

@@ -168,6 +168,7 @@ async def test_metrics_come_from_statistics_on_a_private_registry() -> None:
     assert 'prfaas_link_bytes_out_total{direction="egress",link="link"} 1234.0' in text
     assert 'prfaas_link_up{link="link"} 1.0' in text
     assert "prfaas_link_utilisation_ratio" in text
+    assert "\nprocess_resident_memory_bytes " in text and "\nprocess_open_fds " in text
     assert b"prfaas_link" not in generate_latest(REGISTRY)
 
 

@@ -11,7 +11,14 @@ from prometheus_client import CollectorRegistry
 from mesh.errors import ConfigError
 from mesh.events import EventBus
 from mesh.histogram import Histogram
-from mesh.metrics import MergedCollector, flatten, metrics_app, register_statistics, render
+from mesh.metrics import (
+    MergedCollector,
+    flatten,
+    metrics_app,
+    register_process,
+    register_statistics,
+    render,
+)
 
 
 class Link(msgspec.Struct, frozen=True):
@@ -97,6 +104,20 @@ async def test_asgi_app_serves_metrics() -> None:
     assert sent[0]["status"] == 200
     body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     assert 'mesh_node_queue_depth{name="node-a"} 3.0' in body
+
+
+def test_the_process_metrics_read_this_process_in_each_registry_that_asks() -> None:
+    first, second = CollectorRegistry(auto_describe=False), CollectorRegistry(auto_describe=False)
+    register_process(first)
+    register_process(second)
+    rss = first.get_sample_value("process_resident_memory_bytes")
+    assert rss is not None and rss > 1e6
+    assert (first.get_sample_value("process_open_fds") or 0) >= 3
+    assert first.get_sample_value("process_cpu_seconds_total") is not None
+    assert first.get_sample_value("python_gc_collections_total", {"generation": "0"}) is not None
+    assert second.get_sample_value("process_max_fds") == first.get_sample_value(
+        "process_max_fds")
+    assert "python_info{" in render(second)
 
 
 def test_merged_collector_joins_families_of_one_name_and_leaves_the_sources_alone() -> None:

@@ -8,7 +8,11 @@ Then: `histogram_quantile(0.9, ...)` over the router's TTFT histogram agrees wit
 bench client measured within the bucket resolution (the router's clock starts after the HTTP
 request is parsed, the client's before it is sent: a few milliseconds apart); every request
 and KV-transfer histogram has observations; `promtool check metrics` passes on every service's
-/metrics. A machine without the binaries fails the test rather than skipping it.
+/metrics, each with the process's own metrics, and every family scraped is named in
+docs/observability.md (by name, or a statistics struct's by prefix). Then a decode worker is
+killed, and the alert rules the configuration loads (services/cli/prometheus_rules.py) have
+its worker-down and service-down alerts pending within seconds (their `for` is a minute: not
+waited for). A machine without the binaries fails the test rather than skipping it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.topology import load_topology, topology_toml
 from services.bench.cli import bench_main
@@ -34,16 +39,18 @@ from services.cli.prometheus_config import prometheus_config_main, scrape_target
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.service import SECONDS_BUCKETS
 from tests.ports import distinct_ports, free_ports
+from tests.test_observability_docs import documented, exposed_name
 
 pytestmark = pytest.mark.slow
 
 PORT_OPTIONS = ("http_port", "metrics_port", "control_port")
 HISTOGRAMS = ("prfaas_time_to_first_token_seconds", "prfaas_inter_token_latency_seconds",
               "prfaas_request_duration_seconds", "prfaas_request_queue_seconds",
-              "prfaas_time_per_output_token_seconds", "prfaas_request_prompt_tokens",
+              "prfaas_request_time_per_output_token_seconds", "prfaas_request_prompt_tokens",
               "prfaas_request_generation_tokens", "prfaas_kv_transfer_seconds",
               "prfaas_kv_transfer_bytes")
 REQUESTS = 40
+KILLED = "pd-decode-1"  # the worker the test kills to see its alerts
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "prfaas-mesh.json"
 
 
@@ -167,7 +174,8 @@ def test_prometheus_scrapes_the_mesh_and_its_ttft_p90_matches_the_bench_client(
     spec = tomllib.loads(topology.read_text())
     router = next(s for s in spec["services"] if s["kind"] == "router")
     url = f"http://127.0.0.1:{router['options']['http_port']}"
-    with launch(topology, names, log_dir=tmp_path), prometheus_server(config, tmp_path) as prom:
+    with (launch(topology, names, log_dir=tmp_path) as children,
+          prometheus_server(config, tmp_path) as prom):
         summary = bench(url, capsys)
         completed = summary["completed"]
         # On a loaded host a request may fail its data path (its error is the bench's to
@@ -186,6 +194,13 @@ def test_prometheus_scrapes_the_mesh_and_its_ttft_p90_matches_the_bench_client(
         # on this server; over the last 30 s of scrapes each has an answer.
         panels = {expr: prom.query(expr.replace("$__rate_interval", "30s"))
                   for expr in dashboard_queries()}
+        children[KILLED].kill()
+        children[KILLED].wait(timeout=30)
+        down = {name: f'ALERTS{{alertname="{name}",{label}="{KILLED}"}}' for name, label in
+                (("PrfaasWorkerDown", "worker"), ("PrfaasServiceDown", "service"))}
+        for query in down.values():
+            prom.wait_for(f"count({query})", 1, timeout_s=30.0)
+        alerts = {name: prom.query(query) for name, query in down.items()}
     client_p90 = summary["ttft"]["p90"] / 1000
     low, high = bucket_of(client_p90)
     assert p90 is not None and abs(p90 - client_p90) <= high - low, (p90, client_p90)
@@ -195,6 +210,14 @@ def test_prometheus_scrapes_the_mesh_and_its_ttft_p90_matches_the_bench_client(
     checks = {service: promtool_check(text) for service, text in texts.items()}
     assert {s: c.stdout + c.stderr for s, c in checks.items() if c.returncode} == {}
     assert [expr for expr, result in panels.items() if not result] == []
+    assert [s for s, text in texts.items() if "\nprocess_resident_memory_bytes " not in text
+            or "\nprocess_open_fds " not in text] == []
+    names, prefixes = documented()
+    scraped = {exposed_name(family) for text in texts.values()
+               for family in text_string_to_metric_families(text)}
+    assert sorted(n for n in scraped - names if not n.startswith(tuple(prefixes))) == []
+    states = {name: [r["metric"]["alertstate"] for r in found] for name, found in alerts.items()}
+    assert states == {"PrfaasWorkerDown": ["pending"], "PrfaasServiceDown": ["pending"]}
     print(json.dumps({"ttft_p90_promql_s": p90, "ttft_p90_bench_s": client_p90,
                       "bucket": [low, high], "requests": completed}))
 

@@ -11,6 +11,7 @@ import pytest
 from mesh.topology import parse_topology
 from services.cli.main import main
 from services.cli.prometheus_config import Target, prometheus_yaml, scrape_targets
+from services.cli.prometheus_rules import alert_rules, rules_yaml
 from services.cli.serve import default_topology
 from tests.test_prometheus import PROMTOOL
 
@@ -36,7 +37,26 @@ def test_the_written_file_passes_promtool(tmp_path: Path,
     text = out.read_text(encoding="utf-8")
     assert "scrape_interval: 15s" in text and "honor_labels: true" in text
     assert text.count("job_name:") == 6
+    # The alert rules beside it, loaded by it: promtool checks them with the configuration.
+    assert 'rule_files: ["prfaas-alerts.yml"]' in text
+    assert (tmp_path / "prfaas-alerts.yml").read_text() == rules_yaml(alert_rules())
     check = subprocess.run([PROMTOOL, "check", "config", str(out)], capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS: 7 rules found" in check.stdout
+
+
+def test_the_ttft_slo_reaches_the_rules_and_stdout_gets_a_configuration_without_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "prometheus.yml"
+    assert main(["prometheus-config", "--out", str(out), "--ttft-slo", "2.5"]) == 0
+    assert (tmp_path / "prfaas-alerts.yml").read_text() == rules_yaml(alert_rules(2.5))
+    capsys.readouterr()
+    assert main(["prometheus-config"]) == 0
+    alone = tmp_path / "alone.yml"
+    alone.write_text(capsys.readouterr().out, encoding="utf-8")
+    assert "rule_files" not in alone.read_text()
+    check = subprocess.run([PROMTOOL, "check", "config", str(alone)], capture_output=True,
                            text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
 

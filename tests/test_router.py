@@ -309,10 +309,12 @@ async def test_models_health_and_metrics() -> None:
         await client.post("/v1/completions", json={"model": "prfaas", "prompt": "hi",
                                                    "max_tokens": 3})
         text = await (await client.get("/metrics")).get_data(as_text=True)
-        assert 'prfaas_router_requests_total{outcome="completed"} 1.0' in text
+        assert ('prfaas_router_requests_total{finish_reason="length",outcome="completed"} 1.0'
+                in text)
         assert 'prfaas_router_tokens_total{kind="completion"} 3.0' in text
         assert 'prfaas_router_worker_up{role="decode",worker="pd-decode-0"} 1.0' in text
         assert "prfaas_router_threshold_tokens 19400.0" in text
+        assert "\nprocess_resident_memory_bytes " in text
 
 
 @pytest.mark.anyio

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import DONE, fake_mesh, generation, placed_handle
+from router_fakes import DONE, fake_mesh, fake_token, generation, placed_handle
 
 from mesh.events import EventBus
 from services.router.requests import RequestMetrics, RequestRunner
@@ -27,7 +27,7 @@ async def test_the_collector_reads_every_statistic_at_scrape_time(
         await (await mesh.scheduler.submit(generation(range(1, 300), max_tokens=3))).collect()
         await (await mesh.scheduler.submit(generation(range(1, 20), max_tokens=2))).collect()
         text = generate_latest(registry).decode()
-    for line in ('prfaas_router_requests_total{outcome="completed"} 2.0',
+    for line in ('prfaas_router_requests_total{finish_reason="length",outcome="completed"} 2.0',
                  'prfaas_router_decisions_total{cluster="prfaas"} 1.0',
                  'prfaas_router_decisions_total{cluster="pd"} 1.0',
                  'prfaas_router_tokens_total{kind="completion"} 5.0',
@@ -36,6 +36,29 @@ async def test_the_collector_reads_every_statistic_at_scrape_time(
                  'prfaas_router_worker_up{role="prefill",worker="pd-prefill-0"} 1.0',
                  'prfaas_router_worker_queue{worker="prfaas-prefill-0"} 0.0'):
         assert line in text, line
+
+
+@pytest.mark.trio
+async def test_completed_requests_are_counted_by_finish_reason_and_the_rest_by_outcome_alone(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SchedulerCollector(mesh.scheduler))
+        before = samples(registry)
+        prompt = list(range(1, 30))
+        stop = "".join(chr(fake_token(prompt, i) - 1) for i in range(4))[2:4]
+        await (await mesh.scheduler.submit(generation(prompt, max_tokens=40,
+                                                      stop=[stop]))).collect()
+        await (await mesh.scheduler.submit(generation(prompt, max_tokens=2))).collect()
+        got = samples(registry)
+    requests = "prfaas_router_requests_total"
+    # Both reasons exist from the first scrape, so a rate over either has a series.
+    assert before[series(requests, outcome="completed", finish_reason="stop")] == 0
+    assert got[series(requests, outcome="completed", finish_reason="stop")] == 1
+    assert got[series(requests, outcome="completed", finish_reason="length")] == 1
+    assert series(requests, outcome="completed") not in got
+    assert got[series(requests, outcome="admitted")] == 2
+    assert got[series(requests, outcome="failed")] == 0
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -71,8 +94,10 @@ async def test_a_streamed_request_fills_every_request_histogram_with_its_own_tim
     assert got[series("prfaas_inter_token_latency_seconds_bucket", le="0.0075", **pd)] == 0
     assert got[series("prfaas_inter_token_latency_seconds_bucket", le="0.01", **pd)] == 4
     assert got[series("prfaas_request_duration_seconds_sum", **pd)] == pytest.approx(duration)
-    assert got[series("prfaas_time_per_output_token_seconds_sum", **pd)] == pytest.approx(
-        (duration - ttft) / 4)
+    tpot = got[series("prfaas_request_time_per_output_token_seconds_sum", **pd)]
+    assert tpot == pytest.approx((duration - ttft) / 4)
+    # The old name, vLLM's for the gap between tokens, stays for a release with the same values.
+    assert got[series("prfaas_time_per_output_token_seconds_sum", **pd)] == tpot
     assert got[series("prfaas_request_queue_seconds_count", **pd)] == 1
     # 39 prompt tokens: in the bucket (32, 64]; 5 completion tokens in (4, 8].
     assert got[series("prfaas_request_prompt_tokens_bucket", le="32.0", **pd)] == 0

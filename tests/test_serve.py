@@ -173,6 +173,7 @@ options = {{ family = "qwen-next", size = "tiny", checkpoint = "none", metrics_p
     assert response.status_code == 200
     assert 'prfaas_decode_finished_total{service="d"} 0.0' in response.text
     assert "prfaas_prefix_cache_budget_bytes" in response.text
+    assert "\nprocess_resident_memory_bytes " in response.text
     model = next(line for line in response.text.splitlines()
                  if line.startswith("prfaas_model_info{"))
     assert 'service="d"' in model and 'family="qwen-next"' in model and 'dtype="' in model

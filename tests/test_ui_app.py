@@ -852,6 +852,7 @@ async def test_app_serves_page_static_snapshot_requests_stats_and_metrics(
         metrics = (await client.get("/metrics")).text
         assert re.search(r"^prfaas_ui_hub_published_total \d+", metrics, re.M)
         assert "prfaas_ui_state_decisions " in metrics
+        assert "\nprocess_resident_memory_bytes " in metrics
         app.state.hub.check_integrity()
 
 

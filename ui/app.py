@@ -44,7 +44,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from mesh.metrics import register_statistics, render
+from mesh.metrics import register_process, register_statistics, render
 from ui.config import DashboardConfig
 from ui.controls import (
     ControlClient,
@@ -198,6 +198,7 @@ class _Replay:
 
 def _registry(hub: EventHub) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
+    register_process(registry)
     register_statistics(registry, "prfaas_ui_hub", hub.statistics)
     register_statistics(registry, "prfaas_ui_state", lambda: hub.state.statistics())
     return registry

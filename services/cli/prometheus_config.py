@@ -2,7 +2,7 @@
 topology (docs/observability.md).
 
     prfaas prometheus-config                               the default mesh, to stdout
-    prfaas prometheus-config --topology FILE --out prometheus.yml --interval 5s
+    prfaas prometheus-config --topology FILE --out prometheus.yml --interval 5s --ttft-slo 10
 
 One job per service kind (`prfaas-router`, `prfaas-prefill`, `prfaas-decode`, ...), one target
 per `/metrics` a service serves: the router's and the dashboard's on their HTTP port, the
@@ -11,6 +11,9 @@ one is named in a comment, not scraped). Each target is labelled with its `servi
 in a cluster, its `cluster`. The services label their own samples with `service` too (the
 same name) and the router's request histograms with the `cluster` that prefilled, so the
 scraped labels are honoured: a target label never renames them to `exported_*`.
+With `--out`, the alert rules (services/cli/prometheus_rules.py) are written beside the
+configuration as prfaas-alerts.yml, which it loads; to stdout only the configuration goes,
+without rules (docs/prometheus/prfaas-alerts.yml is that file with the default TTFT SLO).
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ import msgspec
 
 from mesh.errors import MeshError
 from mesh.topology import ServiceSpec, Topology, load_topology
+from services.cli.prometheus_rules import (
+    DEFAULT_TTFT_SLO_S,
+    RULES_FILE,
+    alert_rules,
+    rules_yaml,
+)
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.router.config import router_config
 
@@ -78,13 +87,16 @@ def scrape_targets(topology: Topology) -> tuple[list[Target], list[str]]:
 
 
 def prometheus_yaml(targets: list[Target], silent: list[str], interval: str,
-                    source: str) -> str:
-    """The configuration file (YAML; strings written as JSON strings, which YAML reads)."""
+                    source: str, rules: str | None = None) -> str:
+    """The configuration file (YAML; strings written as JSON strings, which YAML reads),
+    loading the rule file `rules` (a path relative to the configuration's folder) if any."""
     q = json.dumps
     lines = [f"# Prometheus scrape configuration of the PrfaaS mesh in {source},",
              "# written by `prfaas prometheus-config` (docs/observability.md).",
              *(f"# {name}: no /metrics to scrape" for name in silent),
              "global:", f"  scrape_interval: {interval}", f"  evaluation_interval: {interval}",
+             *([f"rule_files: [{q(rules)}]"] if rules else
+               ["# No alert rules: `prfaas prometheus-config --out FILE` writes them too."]),
              "scrape_configs:"]
     for job in dict.fromkeys(t.job for t in targets):
         lines += [f"  - job_name: {q(job)}", "    honor_labels: true",
@@ -106,6 +118,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--interval", default=DEFAULT_INTERVAL,
                         help="scrape and evaluation interval, a Prometheus duration "
                              f"(default {DEFAULT_INTERVAL})")
+    parser.add_argument("--ttft-slo", type=float, default=DEFAULT_TTFT_SLO_S,
+                        help="seconds: the P90 TTFT alert's bound (default "
+                             f"{DEFAULT_TTFT_SLO_S:g})")
     return parser.parse_args(argv)
 
 
@@ -118,10 +133,13 @@ def prometheus_config_main(argv: list[str] | None = None) -> int:
         print(f"prfaas prometheus-config: {exc}", file=sys.stderr)
         return 2
     source = str(args.topology) if args.topology else "the default topology"
-    config = prometheus_yaml(*scrape_targets(topology), args.interval, source)
+    targets, silent = scrape_targets(topology)
     if args.out is None:
-        sys.stdout.write(config)
+        sys.stdout.write(prometheus_yaml(targets, silent, args.interval, source))
     else:
+        rules = args.out.parent / RULES_FILE
+        config = prometheus_yaml(targets, silent, args.interval, source, RULES_FILE)
         args.out.write_text(config, encoding="utf-8")
-        print(f"wrote {args.out}", file=sys.stderr)
+        rules.write_text(rules_yaml(alert_rules(args.ttft_slo)), encoding="utf-8")
+        print(f"wrote {args.out} and {rules}", file=sys.stderr)
     return 0

@@ -84,6 +84,7 @@ from werkzeug.exceptions import HTTPException
 
 from mesh.errors import ConfigError
 from mesh.http import serve_http
+from mesh.metrics import register_process
 from mesh.transport import Address
 from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
 from services.contract.sampling import Sampling
@@ -169,6 +170,7 @@ class RouterApp:
         self.limits = limits
         self.admin_token = admin_token
         self.registry = CollectorRegistry(auto_describe=False)
+        register_process(self.registry)
         self.registry.register(SchedulerCollector(scheduler))
         # The request histograms are appended at each scrape (`metrics`), their counters here.
         self.registry.register(scheduler.metrics.cache)

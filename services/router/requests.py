@@ -906,6 +906,12 @@ class PrefixCacheCounters(Collector):
         yield from (queried, hit)
 
 
+# The per-request TPOT's name until this release: vLLM gives the name to the gap between
+# tokens (ours is prfaas_inter_token_latency_seconds), so a vLLM operator read it wrong. The
+# histogram is exported under both names for one release (docs/observability.md).
+TPOT_ALIAS = "prfaas_time_per_output_token_seconds"
+
+
 class RequestSeries(NamedTuple):
     """One (cluster, policy)'s children of every request histogram, looked up once."""
 
@@ -916,6 +922,7 @@ class RequestSeries(NamedTuple):
     tpot: HistogramSeries
     prompt: HistogramSeries
     completion: HistogramSeries
+    tpot_alias: HistogramSeries  # the same values under TPOT_ALIAS, for one release
     cache: PrefixCacheTokens  # the prefill cluster's, shared by its policies' series
 
 
@@ -931,15 +938,19 @@ class RequestMetrics(Collector):
              "requests)"),
             ("prfaas_request_queue_seconds", "Time a request waited at its prefill worker "
              "before its prefill began"),
-            ("prfaas_time_per_output_token_seconds", "(duration - TTFT) / (completion tokens "
-             "- 1), per completed request"),
+            ("prfaas_request_time_per_output_token_seconds", "(duration - TTFT) / (completion "
+             "tokens - 1), per completed request"),
         )
         tokens = (("prfaas_request_prompt_tokens", "Prompt length of completed requests"),
                   ("prfaas_request_generation_tokens", "Completion length of completed "
                    "requests"))
+        alias = Histogram(TPOT_ALIAS, "Deprecated: the same as prfaas_request_time_per_output_"
+                          "token_seconds (per request, not between tokens); removed in the "
+                          "next release", REQUEST_LABELS, SECONDS_BUCKETS)
         self._histograms = [
             *(Histogram(name, doc, REQUEST_LABELS, SECONDS_BUCKETS) for name, doc in seconds),
-            *(Histogram(name, doc, REQUEST_LABELS, TOKENS_BUCKETS) for name, doc in tokens)]
+            *(Histogram(name, doc, REQUEST_LABELS, TOKENS_BUCKETS) for name, doc in tokens),
+            alias]
         self.cache = PrefixCacheCounters()
         self._series: dict[tuple[str, str], RequestSeries] = {}
 
@@ -973,7 +984,9 @@ class RequestMetrics(Collector):
         series.prompt.observe(result.prompt_tokens)
         series.completion.observe(result.completion_tokens)
         if ttft is not None and result.completion_tokens > 1:
-            series.tpot.observe((duration - ttft) / (result.completion_tokens - 1))
+            tpot = (duration - ttft) / (result.completion_tokens - 1)
+            series.tpot.observe(tpot)
+            series.tpot_alias.observe(tpot)
 
     def histogram_exposition(self) -> str:
         """The histograms' text, as `collect` through a registry writes them but written

@@ -76,7 +76,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -147,6 +147,10 @@ log = logging.getLogger(__name__)
 # After KV stalled on a link, the link takes no new offload for this many stall bounds (a
 # stalled link costs each request sent over it a bound's wait).
 LINK_HOLD_STALLS = 3.0
+# The finish reasons /metrics always shows for completed requests, at 0 until one is seen (the
+# decode worker's "stop" and "length", services/model/batch.py), so a rate over them exists
+# from the first scrape; any other reason a worker sends is shown once seen.
+FINISH_REASONS = ("stop", "length")
 
 
 @dataclass
@@ -162,6 +166,7 @@ class _Counts:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # of the completed
 
 
 class Scheduler:
@@ -471,6 +476,8 @@ class Scheduler:
             c.failed += 1
         else:
             c.completed += 1
+            c.finish_reasons[result.finish_reason] = c.finish_reasons.get(
+                result.finish_reason, 0) + 1
             c.prompt_tokens += result.prompt_tokens
             c.completion_tokens += result.completion_tokens
             c.cached_tokens += result.cached_tokens
@@ -544,7 +551,8 @@ class Scheduler:
             cancelled=c.cancelled, inflight=len(self._active), to_prfaas=c.to_prfaas,
             to_pd=c.admitted - c.to_prfaas, lookup_failures=c.lookup_failures,
             prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens, admission_limit=self.admission_limit(),
+            cached_tokens=c.cached_tokens, finish_reasons=dict(c.finish_reasons),
+            admission_limit=self.admission_limit(),
             migrations=runner.migrations, migrations_gave_up=runner.gave_up,
             migrations_resumed=runner.resumed, migration_resume_s=runner.resume_s)
 
@@ -585,6 +593,7 @@ class SchedulerStatistics(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    finish_reasons: dict[str, int] = {}  # completed requests by finish reason
     # What admission allows now: max_inflight, or less if the decode workers hold fewer.
     admission_limit: int = 0
     migrations: dict[str, int] = {}  # requests continued elsewhere, by reason
@@ -607,11 +616,17 @@ class SchedulerCollector(Collector):
 
     def _requests(self) -> Iterator[Metric]:
         stats = self._scheduler.statistics()
-        requests = CounterMetricFamily("prfaas_router_requests", "Requests by outcome",
-                                       labels=["outcome"])
-        for outcome in ("admitted", "completed", "failed", "cancelled", "rejected_full",
+        requests = CounterMetricFamily("prfaas_router_requests", "Requests by outcome, the "
+                                       "completed by finish_reason too", labels=["outcome"])
+        for outcome in ("admitted", "failed", "cancelled", "rejected_full",
                         "rejected_no_worker"):
             requests.add_metric([outcome], getattr(stats, outcome))
+        # Only a completed request has a finish reason: its samples alone carry the label
+        # (Prometheus reads an absent label as an empty one, so `sum by (outcome)` holds).
+        for reason in dict.fromkeys([*FINISH_REASONS, *stats.finish_reasons]):
+            requests.add_sample("prfaas_router_requests_total", {
+                "outcome": "completed", "finish_reason": reason},
+                stats.finish_reasons.get(reason, 0))
         decisions = CounterMetricFamily("prfaas_router_decisions", "Prefills placed per "
                                         "cluster", labels=["cluster"])
         decisions.add_metric(["prfaas"], stats.to_prfaas)
