@@ -23,7 +23,7 @@ used when no file is given.
     delay_s = 0.005
 
     [mesh]
-    secret_env = "MESH_SECRET"   # or: secret = "..." (kept out of files that are shared)
+    secret_env = "MESH_SECRET"   # or: secret_file = "/etc/mesh/secret", or secret = "..."
 
 `mesh_secret(topology)` resolves the optional shared secret that a Node takes as `secret`.
 """
@@ -83,20 +83,30 @@ class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 class MeshSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings of the mesh itself: where its shared secret comes from (empty: no secret).
 
-    secret_env names an environment variable holding the secret; secret holds it inline.
+    secret_env names an environment variable holding the secret; secret_file a file holding
+    it (one trailing newline is not part of it); secret holds it inline. At most one.
     """
 
     secret_env: str = ""
+    secret_file: str = ""
     secret: str = msgspec.field(default="")
 
     def __post_init__(self) -> None:
-        if self.secret_env and self.secret:
-            raise ConfigError("[mesh]: give secret_env or secret, not both")
+        given = [k for k in ("secret_env", "secret_file", "secret") if getattr(self, k)]
+        if len(given) > 1:
+            raise ConfigError(f"[mesh]: give one of secret_env, secret_file, secret, not "
+                              f"{' and '.join(given)}")
+
+    @property
+    def configured(self) -> bool:
+        """Whether the topology says where the secret comes from."""
+        return bool(self.secret_env or self.secret_file or self.secret)
 
     def __repr__(self) -> str:
         # The inline secret must not reach logs through a repr.
         hidden = "<hidden>" if self.secret else ""
-        return f"MeshSpec(secret_env={self.secret_env!r}, secret={hidden!r})"
+        return (f"MeshSpec(secret_env={self.secret_env!r}, secret_file={self.secret_file!r}, "
+                f"secret={hidden!r})")
 
 
 def _duplicates(names: Iterable[object]) -> list[object]:
@@ -170,9 +180,12 @@ def mesh_secret(
     """The topology's shared secret as bytes (UTF-8), or None when it configures none.
 
     ConfigError if `[mesh] secret_env` names a variable that is unset or empty in `environ`
-    (default os.environ), or if the secret is shorter than mesh.membership.MIN_SECRET.
+    (default os.environ), if `secret_file` cannot be read, or if the secret is shorter than
+    mesh.membership.MIN_SECRET.
     """
     spec = topology.mesh
+    if spec.secret_file:
+        return check_secret(_read_secret_file(spec.secret_file))
     if spec.secret_env:
         value = (os.environ if environ is None else environ).get(spec.secret_env, "")
         if not value:
@@ -180,6 +193,14 @@ def mesh_secret(
                               "is not set")
         return check_secret(value.encode())
     return check_secret(spec.secret.encode()) if spec.secret else None
+
+
+def _read_secret_file(path: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"[mesh] secret_file {path!r}: {exc.strerror}") from exc
+    return data.removesuffix(b"\n")
 
 
 def _check_service(service: ServiceSpec, clusters: set[str]) -> None:

@@ -4,7 +4,8 @@ event feed and its `/metrics` endpoint, with the buckets of every histogram it o
 A runner (`prfaas serve NAME` picks one per service kind, services/cli/serve.py) gets a
 `ServiceContext`: the topology, its own spec, the mode, and the means to build mesh nodes that
 find their peers - directly inside a cluster, through the link's proxy port across clusters
-(`resolve_from`). Once listening, a service announces `ready NAME HOST:PORT`.
+(`resolve_from`) - and prove the mesh's secret to them. Once listening, a service announces
+`ready NAME HOST:PORT`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mesh.metrics import metrics_app, register_statistics
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.topology import LinkSpec, ServiceSpec, Topology
-from mesh.transport import Address, TcpTransport, Transport
+from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
 from services.contract.events import Event
 from services.contract.messages import CODEC_MESSAGES, Subscribe
@@ -126,6 +127,8 @@ class ServiceContext:
     # In-process meshes (tests, simulation) get each service's main object through this.
     expose: Callable[[str, object], None] = lambda name, service: None
     codec: Codec = field(default_factory=lambda: Codec(CODEC_MESSAGES))
+    # The mesh's shared secret (services.contract.access.service_secret); None: loopback only.
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -141,9 +144,16 @@ class ServiceContext:
                               f"{type(default).__name__}")
         return value
 
-    def node(self, name: str | None = None, config: NodeConfig | None = None) -> Node:
-        resolve = self.resolve or resolve_from(self.topology, self.spec.cluster)
-        return Node(name or self.name, self.codec, self.transport, resolve, config)
+    def node(self, name: str | None = None, config: NodeConfig | None = None, *,
+             resolve: Callable[[str], Address] | None = None) -> Node:
+        """A node of this service holding the mesh's secret; `resolve` (default: the
+        context's, else through the links) finds its peers. Over a network, listening beyond
+        loopback without a secret is a ConfigError; an in-memory mesh needs none."""
+        resolve = resolve or self.resolve or resolve_from(self.topology, self.spec.cluster)
+        return Node(name or self.name, self.codec, self.transport, resolve, config,
+                    secret=self.secret,
+                    require_secret_beyond_loopback=not isinstance(self.transport,
+                                                                  MemoryTransport))
 
     def ready(self, address: Address) -> None:
         self.announce(f"ready {self.name} {address}")

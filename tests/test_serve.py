@@ -3,17 +3,20 @@ stream, the echo service in this process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import trio
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, HandshakeError, PeerGone
 from mesh.events import EventBus
 from mesh.node import Node
 from mesh.topology import parse_topology
-from mesh.transport import Address, TcpTransport
+from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from services.cli.launch import in_process
-from services.cli.serve import default_topology, runner_for, serve_main
+from services.cli.serve import default_topology, run_service, runner_for, serve_main
+from services.contract.access import MESH_SECRET_ENV
 from services.contract.events import Event, WorkerStatus
 from services.contract.messages import Echo, Subscribe
 from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
@@ -176,3 +179,58 @@ options = {{ family = "qwen-next", size = "tiny", checkpoint = "none", metrics_p
     model = next(line for line in response.text.splitlines()
                  if line.startswith("prfaas_model_info{"))
     assert 'service="d"' in model and 'family="qwen-next"' in model and 'dtype="' in model
+
+
+MESH_SECRET = b"the mesh's secret, 32 bytes long"
+
+
+@pytest.mark.trio
+async def test_a_service_with_the_mesh_secret_refuses_peers_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = ServiceContext(TOPOLOGY, TOPOLOGY.service("echo"), transport=TcpTransport(),
+                         secret=MESH_SECRET)
+    codec = ctx.codec
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(run_service, ctx)
+        for name, secret in (("none", None), ("wrong", b"another secret, 32 bytes long..")):
+            async with Node(name, codec, TcpTransport(), {"echo": address},
+                            secret=secret) as intruder:
+                with trio.fail_after(10), pytest.raises((HandshakeError, PeerGone)):
+                    await intruder.call("echo", Echo(text="hi", hops=0))
+        async with Node("member", codec, TcpTransport(), {"echo": address},
+                        secret=MESH_SECRET) as member:
+            with trio.fail_after(10):
+                assert await member.call("echo", Echo(text="hi", hops=0)) == Echo(text="hi", hops=1)
+        nursery.cancel_scope.cancel()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 2, refused
+    assert "from none:" in refused[0] and "from wrong:" in refused[1]
+
+
+def test_a_service_beyond_loopback_without_a_secret_refuses_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(MESH_SECRET_ENV, raising=False)
+    path = tmp_path / "topology.toml"
+    # 198.18.0.1 (a benchmarking address, not on this host): refused before any bind.
+    path.write_text('[[services]]\nname = "echo"\nkind = "echo"\nhost = "198.18.0.1"\n'
+                    'port = 7190\n')
+    assert serve_main(["echo", "--topology", str(path)]) == 2
+    assert "'198.18.0.1' beyond loopback needs a mesh secret" in capsys.readouterr().err
+
+
+@pytest.mark.trio
+async def test_a_node_beyond_loopback_needs_the_secret_over_tcp_not_in_memory(
+    memory_hub: MemoryHub,
+) -> None:
+    topology = parse_topology('[[services]]\nname = "echo"\nkind = "echo"\n'
+                              'host = "198.18.0.1"\nport = 7190\n')
+    tcp = ServiceContext(topology, topology.service("echo"), transport=TcpTransport())
+    async with tcp.node() as node:
+        with pytest.raises(ConfigError, match="beyond loopback needs a mesh secret"):
+            await node.listen()
+    memory = ServiceContext(topology, topology.service("echo"),
+                            transport=MemoryTransport(memory_hub))
+    async with memory.node() as node:
+        assert await node.listen() == Address("198.18.0.1", 7190)

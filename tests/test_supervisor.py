@@ -19,6 +19,7 @@ from mesh.errors import ConfigError
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
+from services.contract.access import MESH_SECRET_ENV
 from tests.ports import free_port
 
 SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
@@ -191,6 +192,79 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         rest = child.communicate(timeout=30)[0]
         assert child.returncode == 0, rest
         assert "stopping every process" in rest
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+MEMBER_PROBE = """
+import os, sys, anyio, http.server
+from mesh.node import Node
+from mesh.topology import load_topology
+from mesh.transport import TcpTransport
+from mesh.wire import Codec
+from services.contract.access import service_secret
+from services.contract.messages import CODEC_MESSAGES, Echo
+
+topology = load_topology(os.environ["PRFAAS_TOPOLOGY"], "")
+
+async def call(secret):
+    async with Node("probe", Codec(CODEC_MESSAGES), TcpTransport(), topology.address,
+                    secret=secret) as node:
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    return await node.call("echo", Echo(text="hi", hops=0), timeout=5)
+                except ConnectionRefusedError:
+                    # The echo service is still starting.
+                    await anyio.sleep(0.2)
+
+assert anyio.run(call, service_secret(topology)) == Echo(text="hi", hops=1)
+try:
+    anyio.run(call, None)
+except Exception as exc:
+    print("refused without the secret:", type(exc).__name__, flush=True)
+else:
+    sys.exit("the echo service answered a peer without the secret")
+""" + HEALTH_SERVER.replace("time.sleep(1.0)", "")
+
+
+@pytest.mark.slow
+def test_prfaas_up_hands_every_service_a_fresh_mesh_secret(tmp_path: Path) -> None:
+    """The echo service (`prfaas serve`) and a probe get the run's secret from `prfaas up`:
+    the probe reaches echo with it and is refused without it, then says ready."""
+    port = free_port()
+    probe = tmp_path / "probe.py"
+    probe.write_text(MEMBER_PROBE)
+    python = shlex.quote(sys.executable)
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(f"echo: exec {python} -m services.cli.main serve echo\n"
+                        f"router: exec {python} {probe} {port}\n")
+    topology = tmp_path / "topology.toml"
+    topology.write_text(f'[[services]]\nname = "router"\nkind = "router"\nport = 1\n'
+                        f'options = {{ http_port = {port} }}\n'
+                        f'[[services]]\nname = "echo"\nkind = "echo"\nport = {free_port()}\n')
+    env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
+    # This checkout's code, in the supervisor and its children alike.
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
+         "--topology", str(topology), "--control-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**env, "PRFAAS_ADMIN_TOKEN": "an admin token of 32 characters."}, cwd=tmp_path)
+    try:
+        assert child.stdout is not None
+        seen: list[str] = []
+        for line in child.stdout:
+            seen.append(line)
+            if line.startswith("ready:") or len(seen) > 80:
+                break
+        assert seen[-1].startswith("ready:"), seen
+        assert any("refused without the secret" in line for line in seen), seen
+        child.send_signal(signal.SIGTERM)
+        rest = child.communicate(timeout=30)[0]
+        assert child.returncode == 0, rest
     finally:
         if child.poll() is None:
             child.kill()

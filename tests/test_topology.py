@@ -134,11 +134,24 @@ def test_mesh_secret_inline_is_hidden_from_repr_and_absent_means_none() -> None:
     assert mesh_secret(parse_topology(EXAMPLE)) is None
 
 
+def test_mesh_secret_from_a_file_without_its_trailing_newline(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"a file secret of 32 characters..\n")
+    topology = parse_topology(f'[mesh]\nsecret_file = "{path}"\n')
+    assert topology.mesh.configured and not parse_topology(EXAMPLE).mesh.configured
+    assert mesh_secret(topology, {}) == b"a file secret of 32 characters.."
+    path.write_bytes(b"short\n")
+    with pytest.raises(ConfigError, match="at least 16"):
+        mesh_secret(topology, {})
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
         ('[mesh]\nsecret = "short"\n', "at least 16"),
-        ('[mesh]\nsecret = "x"\nsecret_env = "Y"\n', "not both"),
+        ('[mesh]\nsecret = "x"\nsecret_env = "Y"\n', "give one of .*not secret_env and secret"),
+        ('[mesh]\nsecret_file = "x"\nsecret_env = "Y"\n', "not secret_env and secret_file"),
+        ('[mesh]\nsecret_file = "/nonexistent/mesh-secret"\n', "secret_file.*No such file"),
         ('[mesh]\nsecrets = "x"\n', "unknown field"),
     ],
 )

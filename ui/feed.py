@@ -230,7 +230,7 @@ async def run_ui(
     """
     topology = ctx.topology
     # Direct addresses: the dashboard reads every service, never through a link's proxy.
-    node = Node(ctx.name, ctx.codec, ctx.transport, topology.address)
+    node = ctx.node(resolve=topology.address)
     feed = MeshFeed(node, event_peers(topology))
     controls = HttpControlClient.connect(
         link_control_url(topology), router_http_url(topology),

@@ -10,7 +10,9 @@ kill and restart buttons), and prints one line
 
 once the router's /health answers 200 with status "ready" (or "ok", what a router without
 the readiness check answers when every worker is up). Every child gets the run's admin token
-in PRFAAS_ADMIN_TOKEN (one is generated unless the environment has one), the control API's
+in PRFAAS_ADMIN_TOKEN (one is generated unless the environment has one), the mesh's secret
+(where the topology's [mesh] section says, else PRFAAS_MESH_SECRET; generated into that
+variable when it is unset, so every run is authenticated), the control API's
 URL in PRFAAS_SUPERVISOR_URL, and the topology file in PRFAAS_TOPOLOGY (`prfaas serve`
 reads it when given no --topology). Ctrl-C or SIGTERM stops every child, last started first,
 and exits 0.
@@ -23,6 +25,7 @@ import os
 import secrets
 import signal
 import sys
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +42,7 @@ from services.cli.procfile import ProcessSpec, load_procfile
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import SUPERVISOR_URL_ENV, supervisor_app
-from services.contract.access import TOKEN_ENV, token_from_env
+from services.contract.access import MESH_SECRET_ENV, TOKEN_ENV, service_secret, token_from_env
 
 READY_STATUSES = ("ready", "ok")
 
@@ -103,11 +106,27 @@ def up_main(argv: list[str] | None = None) -> int:
         return 2
     token = token_from_env() or secrets.token_urlsafe(24)
     env = allocator_env({**os.environ, TOKEN_ENV: token})
+    try:
+        env.update(secret_env(topology, env))
+        service_secret(topology, env)
+    except MeshError as exc:
+        print(f"prfaas up: {exc}", file=sys.stderr)
+        return 2
     if args.topology is not None:
         env[TOPOLOGY_ENV] = str(args.topology.resolve())
     anyio.run(partial(_run, specs, env, policy, args.control_port, endpoints(topology)),
               backend="asyncio", backend_options={"use_uvloop": True})
     return 0
+
+
+def secret_env(topology: Topology, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variable to add to the children's environment so that they share a fresh mesh
+    secret: none when the topology's file or inline secret, or the environment, has one."""
+    mesh = topology.mesh
+    if mesh.secret_file or mesh.secret:
+        return {}
+    variable = mesh.secret_env or MESH_SECRET_ENV
+    return {} if environ.get(variable) else {variable: secrets.token_urlsafe(32)}
 
 
 async def _run(specs: tuple[ProcessSpec, ...], env: dict[str, str], policy: RestartPolicy,

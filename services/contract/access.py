@@ -1,4 +1,5 @@
-"""Who may change the mesh: the admin token and the Origin rule, shared by every admin API.
+"""Who may change the mesh: the admin token and the Origin rule, shared by every admin API;
+and who may join it: the mesh's shared secret.
 
 One token per run (`prfaas up` generates it and passes it to every child in
 PRFAAS_ADMIN_TOKEN): the router's `/admin/*` routes, the supervisor's control API and the
@@ -8,6 +9,10 @@ loopback refuses to start without one; on loopback it is optional but honoured w
 The Origin rule stops a web page from driving an admin API through the browser of someone
 on the machine (cross-site request forgery): a request that carries an Origin header must
 come from the API's own origin. Server-side callers (the dashboard's proxy, curl) send none.
+
+The mesh's secret (mesh.membership: every connection proves it in its handshake) comes from
+where the topology's `[mesh]` section says, else from PRFAAS_MESH_SECRET; `prfaas up`
+generates one per run when neither gives one. Without one a service listens on loopback only.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from collections.abc import Mapping
 import msgspec
 
 from mesh.errors import ConfigError
+from mesh.membership import check_secret
+from mesh.topology import Topology, mesh_secret
 
 TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
+# The mesh's secret when the topology's [mesh] section names no source of its own.
+MESH_SECRET_ENV = "PRFAAS_MESH_SECRET"
 # Where the supervisor's control API listens (`prfaas up` sets it for its children).
 SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
 AUTHORIZATION = "authorization"
@@ -38,6 +47,16 @@ def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The run's admin token, or None when none is set (an empty value counts as none)."""
     value = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
     return value or None
+
+
+def service_secret(topology: Topology, environ: Mapping[str, str] | None = None
+                   ) -> bytes | None:
+    """The mesh's secret: the topology's (`[mesh]`), else MESH_SECRET_ENV's, else None."""
+    environ = os.environ if environ is None else environ
+    if topology.mesh.configured:
+        return mesh_secret(topology, environ)
+    value = environ.get(MESH_SECRET_ENV, "")
+    return check_secret(value.encode()) if value else None
 
 
 def is_loopback(host: str) -> bool:
