@@ -14,6 +14,8 @@ used when no file is given.
     kind = "decode"
     cluster = "pd"
     port = 7101
+    host = "pd-1.example"        # where peers dial it
+    bind = "0.0.0.0"             # where it listens (default: host)
 
     [[links]]
     name = "wan"
@@ -55,18 +57,34 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One service: its name (how peers call it), kind, cluster ("" for none) and address."""
+    """One service: its name (how peers call it), kind, cluster ("" for none) and addresses.
+
+    `host` is the address others dial; `bind` the one it listens on ("": `host`), e.g.
+    `bind = "0.0.0.0"` behind `host = "pd-1.example"`. Its ports are the same on both.
+    """
 
     name: str
     kind: str
     port: int
     host: str = "127.0.0.1"
+    bind: str = ""
     cluster: str = ""
     options: Options = {}
 
     @property
     def address(self) -> Address:
+        """Where peers reach the service."""
         return Address(self.host, self.port)
+
+    @property
+    def bind_host(self) -> str:
+        """The host the service listens on."""
+        return self.bind or self.host
+
+    @property
+    def listen_address(self) -> Address:
+        """Where the service listens."""
+        return Address(self.bind_host, self.port)
 
 
 class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

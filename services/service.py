@@ -4,8 +4,9 @@ event feed and its `/metrics` endpoint, with the buckets of every histogram it o
 A runner (`prfaas serve NAME` picks one per service kind, services/cli/serve.py) gets a
 `ServiceContext`: the topology, its own spec, the mode, and the means to build mesh nodes that
 find their peers - directly inside a cluster, through the link's proxy port across clusters
-(`resolve_from`) - and prove the mesh's secret to them. Once listening, a service announces
-`ready NAME HOST:PORT`.
+(`resolve_from`) - and prove the mesh's secret to them. Every server of a service (its mesh
+node, HTTP APIs, /metrics, a link's proxy ports) listens on its spec's `bind_host` and is
+dialled at its `host`. Once listening, a service announces `ready NAME HOST:PORT`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ SECONDS_BUCKETS: tuple[float, ...] = tuple(
     for m in ("1", "1.5", "2", "2.5", "3", "4", "5", "7.5"))
 TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(21))
 BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(10, 37))
+# Addresses a server binds to that are no address to dial: the service's host is.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+def http_bind_host(spec: ServiceSpec) -> str:
+    """Where the service's HTTP API listens: options.http_host, else its bind host."""
+    return str(spec.options.get("http_host") or spec.bind_host)
+
+
+def http_dial_host(spec: ServiceSpec) -> str:
+    """Where others reach the service's HTTP API: options.http_host when that names one
+    address, else the service's host."""
+    bound = str(spec.options.get("http_host", ""))
+    return spec.host if bound in WILDCARD_HOSTS else bound
 
 
 def link_service_of(topology: Topology, link: LinkSpec) -> ServiceSpec:
@@ -147,10 +162,16 @@ class ServiceContext:
     def node(self, name: str | None = None, config: NodeConfig | None = None, *,
              resolve: Callable[[str], Address] | None = None) -> Node:
         """A node of this service holding the mesh's secret; `resolve` (default: the
-        context's, else through the links) finds its peers. Over a network, listening beyond
-        loopback without a secret is a ConfigError; an in-memory mesh needs none."""
-        resolve = resolve or self.resolve or resolve_from(self.topology, self.spec.cluster)
-        return Node(name or self.name, self.codec, self.transport, resolve, config,
+        context's, else through the links) finds its peers, and its own name is its listen
+        address. Over a network, listening beyond loopback without a secret is a ConfigError;
+        an in-memory mesh needs none."""
+        dial = resolve or self.resolve or resolve_from(self.topology, self.spec.cluster)
+        own, listen_at = self.name, self.spec.listen_address
+
+        def find(peer: str) -> Address:
+            return listen_at if peer == own else dial(peer)
+
+        return Node(name or self.name, self.codec, self.transport, find, config,
                     secret=self.secret,
                     require_secret_beyond_loopback=not isinstance(self.transport,
                                                                   MemoryTransport))
@@ -187,4 +208,4 @@ async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource
     for name, labels in (info or {}).items():
         Info(f"prfaas_{name}", f"the {name} this service runs", ["service"],
              registry=registry).labels(service=ctx.name).info(labels)
-    await serve_http(metrics_app(registry), ctx.spec.host, port)
+    await serve_http(metrics_app(registry), ctx.spec.bind_host, port)

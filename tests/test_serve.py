@@ -19,11 +19,12 @@ from services.cli.serve import default_topology, run_service, runner_for, serve_
 from services.contract.access import MESH_SECRET_ENV
 from services.contract.events import Event, WorkerStatus
 from services.contract.messages import Echo, Subscribe
+from services.link import service as link_service
 from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
 from services.worker.service import WorkerService
 from tests.ports import free_port
 
-TOPOLOGY = parse_topology(f"""
+TOPOLOGY_TEXT = f"""
 [[clusters]]
 name = "prfaas"
 kind = "prfaas"
@@ -61,7 +62,8 @@ name = "wan"
 a = "prfaas"
 b = "pd"
 bandwidth_bps = 1e9
-""")
+"""
+TOPOLOGY = parse_topology(TOPOLOGY_TEXT)
 
 
 def context(name: str) -> ServiceContext:
@@ -234,3 +236,49 @@ async def test_a_node_beyond_loopback_needs_the_secret_over_tcp_not_in_memory(
                             transport=MemoryTransport(memory_hub))
     async with memory.node() as node:
         assert await node.listen() == Address("198.18.0.1", 7190)
+
+
+@pytest.mark.trio
+async def test_a_service_listens_on_its_bind_address_not_the_host_peers_dial() -> None:
+    port = free_port()
+    # Peers would dial 198.18.0.9 (not on this host: listening there would fail).
+    topology = parse_topology(f'[[services]]\nname = "echo"\nkind = "echo"\n'
+                              f'host = "198.18.0.9"\nbind = "127.0.0.1"\nport = {port}\n')
+    ctx = ServiceContext(topology, topology.service("echo"), transport=TcpTransport())
+    async with trio.open_nursery() as nursery:
+        assert await nursery.start(run_service, ctx) == Address("127.0.0.1", port)
+        async with Node("c", ctx.codec, TcpTransport(), {"echo": Address("127.0.0.1", port)}
+                        ) as client:
+            with trio.fail_after(10):
+                assert await client.call("echo", Echo(text="x", hops=0)) == Echo(text="x",
+                                                                                 hops=1)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, object] = {}
+    token = "an admin token of 32 characters."
+    text = TOPOLOGY_TEXT.replace('kind = "link"\nport = 7004\n',
+                                 'kind = "link"\nport = 7004\nhost = "198.18.0.9"\nbind = "::"\n')
+    topology = parse_topology(text)
+    ctx = ServiceContext(topology, topology.service("wan"), transport=MemoryTransport(MemoryHub()))
+    with trio.CancelScope() as scope:
+
+        async def fake_serve_link(routes: object, params: object, port: int,
+                                  **kw: object) -> None:
+            seen.update(kw, routes=routes)
+            scope.cancel()
+            await trio.sleep_forever()
+
+        monkeypatch.setenv("PRFAAS_ADMIN_TOKEN", token)
+        monkeypatch.setattr(link_service, "serve_link", fake_serve_link)
+        await link_service.run_link(ctx)
+    assert seen["control_host"] == "::" and seen["admin_token"] == token
+    routes = seen["routes"]
+    assert isinstance(routes, list) and routes
+    assert {r.listen_host for r in routes} == {"::"}
+    # Senders in cluster prfaas dial the link's host.
+    assert resolve_from(topology, "prfaas")("d").host == "198.18.0.9"

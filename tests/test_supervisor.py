@@ -231,16 +231,19 @@ else:
 
 
 @pytest.mark.slow
-def test_prfaas_up_hands_every_service_a_fresh_mesh_secret(tmp_path: Path) -> None:
-    """The echo service (`prfaas serve`) and a probe get the run's secret from `prfaas up`:
-    the probe reaches echo with it and is refused without it, then says ready."""
+@pytest.mark.parametrize("here", [False, True], ids=["generated", "here"])
+def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: bool) -> None:
+    """The echo service (`prfaas serve`) and a probe get the run's secret from `prfaas up`
+    (a fresh one, or with --here the one given): the probe reaches echo with it and is
+    refused without it, then says ready. --here starts the named processes only."""
     port = free_port()
     probe = tmp_path / "probe.py"
     probe.write_text(MEMBER_PROBE)
     python = shlex.quote(sys.executable)
     procfile = tmp_path / "Procfile"
     procfile.write_text(f"echo: exec {python} -m services.cli.main serve echo\n"
-                        f"router: exec {python} {probe} {port}\n")
+                        f"router: exec {python} {probe} {port}\n"
+                        f"elsewhere: echo started elsewhere\n")
     topology = tmp_path / "topology.toml"
     topology.write_text(f'[[services]]\nname = "router"\nkind = "router"\nport = 1\n'
                         f'options = {{ http_port = {port} }}\n'
@@ -248,9 +251,12 @@ def test_prfaas_up_hands_every_service_a_fresh_mesh_secret(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
     # This checkout's code, in the supervisor and its children alike.
     env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    if here:
+        env[MESH_SECRET_ENV] = "the secret every machine is given"
+    only = ["--here", "echo,router"] if here else []
     child = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
-         "--topology", str(topology), "--control-port", "0"],
+         "--topology", str(topology), "--control-port", "0", *only],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**env, "PRFAAS_ADMIN_TOKEN": "an admin token of 32 characters."}, cwd=tmp_path)
     try:
@@ -265,6 +271,7 @@ def test_prfaas_up_hands_every_service_a_fresh_mesh_secret(tmp_path: Path) -> No
         child.send_signal(signal.SIGTERM)
         rest = child.communicate(timeout=30)[0]
         assert child.returncode == 0, rest
+        assert here != any("started elsewhere" in line for line in [*seen, rest]), rest
     finally:
         if child.poll() is None:
             child.kill()

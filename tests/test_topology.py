@@ -134,6 +134,16 @@ def test_mesh_secret_inline_is_hidden_from_repr_and_absent_means_none() -> None:
     assert mesh_secret(parse_topology(EXAMPLE)) is None
 
 
+def test_a_service_listens_on_its_bind_host_else_its_host() -> None:
+    plain = ServiceSpec(name="a", kind="k", port=7000, host="198.18.0.2")
+    assert plain.listen_address == plain.address == Address("198.18.0.2", 7000)
+    apart = ServiceSpec(name="a", kind="k", port=7000, host="198.18.0.2", bind="0.0.0.0")
+    assert (apart.address, apart.listen_address) == (Address("198.18.0.2", 7000),
+                                                     Address("0.0.0.0", 7000))
+    assert parse_topology('[[services]]\nname = "a"\nkind = "k"\nport = 1\nbind = "::"\n'
+                          ).service("a").bind_host == "::"
+
+
 def test_mesh_secret_from_a_file_without_its_trailing_newline(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     path.write_bytes(b"a file secret of 32 characters..\n")

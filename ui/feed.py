@@ -34,7 +34,14 @@ from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
 from services.contract.messages import Subscribe
 from services.contract.types import DEFAULT_TOKEN_SCALE
-from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
+from services.service import (
+    WORKER_KINDS,
+    ServiceContext,
+    StatisticsSource,
+    http_bind_host,
+    http_dial_host,
+    serve_metrics,
+)
 from ui.config import DashboardConfig
 from ui.controls import HttpControlClient
 from ui.serve import serve_ui
@@ -203,7 +210,7 @@ def link_control_url(topology: Topology) -> str | None:
 def router_http_url(topology: Topology) -> str | None:
     """The router's HTTP base URL (OpenAI and admin API), if the topology has a router."""
     for spec in topology.find(kind="router"):
-        host = spec.options.get("http_host", spec.host)
+        host = http_dial_host(spec)
         return f"http://{host}:{spec.options.get('http_port', 8000)}"
     return None
 
@@ -222,8 +229,9 @@ def dashboard_config(topology: Topology) -> DashboardConfig:
 async def run_ui(
     ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    """The `ui` runner: the dashboard fed by the mesh at options.http_host:http_port, the
-    feed's statistics at options.metrics_port (0: none; the page's own are at /metrics).
+    """The `ui` runner: the dashboard fed by the mesh on options.http_host (else the bind
+    host) at options.http_port, the feed's statistics at options.metrics_port (0: none; the
+    page's own are at /metrics).
 
     Its node listens on the service's mesh port too (nothing calls it yet; it makes the
     dashboard a member of the mesh like every service, reported in the ready line).
@@ -235,7 +243,7 @@ async def run_ui(
     controls = HttpControlClient.connect(
         link_control_url(topology), router_http_url(topology),
         supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token_from_env())
-    host, port = ctx.option("http_host", ctx.spec.host), ctx.option("http_port", 8080)
+    host, port = http_bind_host(ctx.spec), ctx.option("http_port", 8080)
     async with node, anyio.create_task_group() as tasks:
         address = await node.listen()
         http_host, http_port = await tasks.start(partial(

@@ -104,7 +104,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         topology = load_topology(args.topology or os.environ.get(TOPOLOGY_ENV) or None, text)
         ctx = ServiceContext(topology, topology.service(args.name), args.mode, args.time_scale,
                              announce=_announce, secret=service_secret(topology))
-        require_secret_beyond_loopback(ctx.spec.host, ctx.secret)
+        require_secret_beyond_loopback(ctx.spec.bind_host, ctx.secret)
         run_ = runner_for(ctx.spec.kind)
     except MeshError as exc:
         print(f"prfaas serve: {exc}", file=sys.stderr)

@@ -102,7 +102,7 @@ from services.router.requests import (
     TokenRecord,
 )
 from services.router.scheduler import Scheduler, SchedulerCollector, WorkerTable
-from services.service import ServiceContext, serve_events
+from services.service import ServiceContext, http_bind_host, serve_events
 
 log = logging.getLogger(__name__)
 
@@ -930,8 +930,9 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
         raise ConfigError("the router needs --backend uvloop or asyncio (Quart is asyncio-only, "
                           "docs/engineering-notes.md G6), not trio")
     config = router_config(ctx.spec.options)
+    http_host = http_bind_host(ctx.spec)
     admin_token = token_from_env()
-    require_token_beyond_loopback(config.http_host, admin_token, "the router's admin API")
+    require_token_beyond_loopback(http_host, admin_token, "the router's admin API")
     scheduler = build_scheduler(ctx, config)
     serve_events(scheduler.node, scheduler.events)
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
@@ -950,6 +951,6 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
         await group.start(control.run)
         group.start_soon(workload.run)
         host, port = await group.start(partial(
-            serve_http, app.app, config.http_host, config.http_port, log_name="router.http"))
+            serve_http, app.app, http_host, config.http_port, log_name="router.http"))
         log.info("router: OpenAI API on http://%s:%d/v1, policy %s", host, port, config.policy)
         task_status.started(address)
