@@ -4,7 +4,8 @@ Every HTTP surface of the project (the router's API, the dashboard, the link's c
 `/metrics`) is served the same way: bind the socket first (port 0 picks a free one, read back
 from the socket, so tests never race for a port), hand hypercorn a duplicate of it, report the
 bound address, and serve until the caller's scope is cancelled. Hypercorn runs on whichever
-loop is current (trio in tests and simulation, asyncio with uvloop live).
+loop is current (trio in tests and simulation, asyncio with uvloop live). Listening sockets
+stay this process's own: a child it starts (the supervisor's services) never holds its ports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hypercorn.asyncio
 import hypercorn.trio
 import sniffio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 
 BACKLOG = 128
 GRACE_S = 1.0
@@ -46,8 +48,20 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _OwnSocketsConfig(HypercornConfig):
+    """hypercorn's config without its inheritable sockets (meant for worker processes of its
+    own): uvloop does not close a child's inherited descriptors, so every process spawned
+    after hypercorn starts would otherwise hold the port, and keep it after this one dies."""
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets):
+            sock.set_inheritable(False)
+        return sockets
+
+
 def _config(sock: socket.socket, log_name: str) -> HypercornConfig:
-    config = HypercornConfig()
+    config = _OwnSocketsConfig()
     # hypercorn owns (and closes) a duplicate of the socket; the caller closes its own.
     config.bind = [f"fd://{os.dup(sock.fileno())}"]
     config.accesslog = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -11,11 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 import trio
 
 from mesh.errors import ConfigError
+from mesh.http import serve_http
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
@@ -276,3 +279,52 @@ def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: boo
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def socket_inodes(pid: int | str) -> set[str]:
+    """The sockets a process holds open, as "socket:[inode]"."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:"):
+                found.add(target)
+    return found
+
+
+def listening_inode(port: int) -> str:
+    """The inode of the TCP socket listening on 127.0.0.1:port (/proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":
+                return f"socket:[{fields[9]}]"
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def test_a_child_does_not_inherit_the_supervisors_listening_socket() -> None:
+    """As `prfaas up` runs (asyncio with uvloop): its control API's socket stays its own, so
+    a supervisor that dies leaves no child holding its port."""
+
+    async def main() -> tuple[str, set[str], set[str]]:
+        supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ), policy=FAST,
+                                output=lambda name, line: None)
+        app = supervisor_app(supervisor, None)
+        async with anyio.create_task_group() as tg:
+            _, port = await tg.start(serve_http, app, "127.0.0.1", 0)
+            # Once it answers, hypercorn has made its sockets (inheritable, by its default).
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"http://127.0.0.1:{port}/processes")
+                assert answer.status_code == 200
+            await tg.start(supervisor.run)
+            pid = _status(supervisor, "a").pid
+            assert pid is not None
+            listening = listening_inode(port)
+            mine, child = socket_inodes(os.getpid()), socket_inodes(pid)
+            tg.cancel_scope.cancel()
+        return listening, mine, child
+
+    listening, mine, child = anyio.run(main, backend="asyncio",
+                                       backend_options={"use_uvloop": True})
+    assert listening in mine
+    assert listening not in child, child
