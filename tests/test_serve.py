@@ -18,11 +18,12 @@ from services.cli.launch import in_process
 from services.cli.serve import default_topology, run_service, runner_for, serve_main
 from services.contract.access import MESH_SECRET_ENV
 from services.contract.events import Event, WorkerStatus
-from services.contract.messages import Echo, Subscribe
+from services.contract.messages import MAX_SUBSCRIBE_MAXLEN, Echo, Subscribe
 from services.link import service as link_service
 from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
 from services.worker.service import WorkerService
 from tests.ports import free_port
+from ui.feed import FeedConfig
 
 TOPOLOGY_TEXT = f"""
 [[clusters]]
@@ -282,3 +283,21 @@ async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_toke
     assert {r.listen_host for r in routes} == {"::"}
     # Senders in cluster prfaas dial the link's host.
     assert resolve_from(topology, "prfaas")("d").host == "198.18.0.9"
+
+
+@pytest.mark.trio
+async def test_a_subscriber_cannot_ask_for_an_unbounded_backlog(
+    memory_hub: MemoryHub, caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = ServiceContext(TOPOLOGY, TOPOLOGY.service("echo"), transport=MemoryTransport(memory_hub))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(run_service, ctx)
+        async with Node("ui", ctx.codec, ctx.transport, {"echo": address}) as client:
+            # The service drops a peer whose frame breaks the contract.
+            with trio.fail_after(10), pytest.raises(PeerGone):
+                async with client.open_stream("echo", Subscribe(maxlen=10**9)) as events:
+                    await events.__anext__()
+            assert any("maxlen" in r.getMessage() for r in caplog.records)
+            with trio.fail_after(10), pytest.raises(ConfigError, match="maxlen"):
+                FeedConfig(maxlen=MAX_SUBSCRIBE_MAXLEN + 1)
+        nursery.cancel_scope.cancel()

@@ -180,7 +180,8 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
          "--topology", str(topology), "--control-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "t"}, cwd=tmp_path)
+        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "an admin token of 32 characters."},
+        cwd=tmp_path)
     try:
         assert child.stdout is not None
         seen: list[str] = []

@@ -59,3 +59,8 @@ def test_here_needs_the_token_and_secret_that_every_machine_shares() -> None:
     assert env[MESH_SECRET_ENV] == SECRET
     with pytest.raises(ConfigError, match="at least 16"):
         children_env(bare, {MESH_SECRET_ENV: "short", TOKEN_ENV: TOKEN}, generate=False)
+
+
+def test_a_short_admin_token_stops_the_run_before_any_child() -> None:
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        children_env(parse_topology(""), {TOKEN_ENV: "workshop"}, generate=True)

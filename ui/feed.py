@@ -32,7 +32,7 @@ from mesh.topology import Topology
 from mesh.transport import Address
 from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
-from services.contract.messages import Subscribe
+from services.contract.messages import MAX_SUBSCRIBE_MAXLEN, Subscribe
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.service import (
     WORKER_KINDS,
@@ -64,8 +64,9 @@ class FeedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     wall_clock: bool = True
 
     def __post_init__(self) -> None:
-        if self.maxlen < 1:
-            raise ConfigError(f"FeedConfig.maxlen must be >= 1, got {self.maxlen}")
+        if not 1 <= self.maxlen <= MAX_SUBSCRIBE_MAXLEN:
+            raise ConfigError(f"FeedConfig.maxlen must be 1..{MAX_SUBSCRIBE_MAXLEN}, got "
+                              f"{self.maxlen}")
         if not 0 < self.retry_min_s <= self.retry_max_s:
             raise ConfigError(f"FeedConfig needs 0 < retry_min_s <= retry_max_s, got "
                               f"{self.retry_min_s} and {self.retry_max_s}")

@@ -29,6 +29,8 @@ from mesh.membership import check_secret
 from mesh.topology import Topology, mesh_secret
 
 TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
+# A shorter token is refused: it could be guessed (netem's control API holds the same rule).
+MIN_TOKEN = 16
 # The mesh's secret when the topology's [mesh] section names no source of its own.
 MESH_SECRET_ENV = "PRFAAS_MESH_SECRET"
 # Where the supervisor's control API listens (`prfaas up` sets it for its children).
@@ -44,8 +46,13 @@ class Refusal(msgspec.Struct, frozen=True):
 
 
 def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The run's admin token, or None when none is set (an empty value counts as none)."""
+    """The run's admin token, or None when none is set (an empty value counts as none);
+    ConfigError when it is shorter than MIN_TOKEN."""
     value = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
+    if value and len(value) < MIN_TOKEN:
+        # Not echoed: the message would put the token into logs.
+        raise ConfigError(f"{TOKEN_ENV} must be at least {MIN_TOKEN} characters, got "
+                          f"{len(value)}")
     return value or None
 
 
