@@ -28,6 +28,7 @@ from mesh.server import Context
 from mesh.topology import LinkSpec, ServiceSpec, Topology
 from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
+from services.contract.access import WILDCARD_HOSTS
 from services.contract.events import Event
 from services.contract.messages import CODEC_MESSAGES, Subscribe
 
@@ -49,8 +50,6 @@ SECONDS_BUCKETS: tuple[float, ...] = tuple(
     for m in ("1", "1.5", "2", "2.5", "3", "4", "5", "7.5"))
 TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(21))
 BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(10, 37))
-# Addresses a server binds to that are no address to dial: the service's host is.
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
 def http_bind_host(spec: ServiceSpec) -> str:

@@ -22,7 +22,7 @@ from mesh.http import serve_http
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
-from services.contract.access import MESH_SECRET_ENV
+from services.contract.access import MESH_SECRET_ENV, allowed_hosts
 from tests.ports import free_port
 
 SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
@@ -125,7 +125,7 @@ async def test_restart_is_planned_and_immediate() -> None:
 async def test_control_api_lists_kills_and_refuses_strangers() -> None:
     supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ), policy=FAST,
                             output=lambda name, line: None)
-    app = supervisor_app(supervisor, "s3cret")
+    app = supervisor_app(supervisor, "s3cret", allowed_hosts("127.0.0.1"))
     auth = {"authorization": "Bearer s3cret"}
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.run)
@@ -137,6 +137,9 @@ async def test_control_api_lists_kills_and_refuses_strangers() -> None:
             evil = await c.post("/processes/a/kill", content=b"{}", headers={
                 **auth, "origin": "http://evil.example", "content-type": "text/plain"})
             assert evil.status_code == 403
+            rebound = await c.post("/processes/a/kill", headers={
+                **auth, "host": "evil.example:8090", "origin": "http://evil.example:8090"})
+            assert rebound.status_code == 403
             assert _status(supervisor, "a").deaths == 0
             listed = (await c.get("/processes", headers=auth)).json()
             assert [p["name"] for p in listed["processes"]] == ["a"]

@@ -240,15 +240,17 @@ async def run_ui(
     topology = ctx.topology
     # Direct addresses: the dashboard reads every service, never through a link's proxy.
     node = ctx.node(resolve=topology.address)
+    token = token_from_env()
     feed = MeshFeed(node, event_peers(topology))
     controls = HttpControlClient.connect(
         link_control_url(topology), router_http_url(topology),
-        supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token_from_env())
+        supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token)
     host, port = http_bind_host(ctx.spec), ctx.option("http_port", 8080)
     async with node, anyio.create_task_group() as tasks:
         address = await node.listen()
         http_host, http_port = await tasks.start(partial(
-            serve_ui, host, port, feed, controls, config=dashboard_config(topology)))
+            serve_ui, host, port, feed, controls, config=dashboard_config(topology),
+            admin_token=token, names=(ctx.spec.host,)))
         # Logged, not announced: stdout carries the ready line alone, which launchers read.
         log.info("dashboard: http://%s:%d/", http_host, http_port)
         sources: dict[str, StatisticsSource] = {"ui_feed": feed.statistics}

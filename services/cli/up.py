@@ -47,10 +47,18 @@ from services.cli.procfile import ProcessSpec, load_procfile
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import SUPERVISOR_URL_ENV, supervisor_app
-from services.contract.access import MESH_SECRET_ENV, TOKEN_ENV, service_secret, token_from_env
+from services.contract.access import (
+    MESH_SECRET_ENV,
+    TOKEN_ENV,
+    allowed_hosts,
+    service_secret,
+    token_from_env,
+)
 from services.service import http_dial_host
 
 READY_STATUSES = ("ready", "ok")
+# The supervisor's control API listens on loopback only.
+CONTROL_HOST = "127.0.0.1"
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -160,10 +168,10 @@ async def _run(specs: tuple[ProcessSpec, ...], env: dict[str, str], policy: Rest
                control_port: int, urls: Endpoints) -> None:
     # Children read `env` when they start: the control API's URL is in it by then.
     supervisor = Supervisor(specs, env, policy=policy)
-    app = supervisor_app(supervisor, env.get(TOKEN_ENV))
+    app = supervisor_app(supervisor, env.get(TOKEN_ENV), allowed_hosts(CONTROL_HOST))
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
-            host, port = await tg.start(partial(serve_http, app, "127.0.0.1", control_port,
+            host, port = await tg.start(partial(serve_http, app, CONTROL_HOST, control_port,
                                                 log_name="supervisor.http"))
             env[SUPERVISOR_URL_ENV] = f"http://{host}:{port}"
             print(f"supervisor: control API on http://{host}:{port}/processes", flush=True)

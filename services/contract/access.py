@@ -9,6 +9,9 @@ loopback refuses to start without one; on loopback it is optional but honoured w
 The Origin rule stops a web page from driving an admin API through the browser of someone
 on the machine (cross-site request forgery): a request that carries an Origin header must
 come from the API's own origin. Server-side callers (the dashboard's proxy, curl) send none.
+The Host rule stops DNS rebinding (a page whose name is made to resolve to 127.0.0.1 is
+same-origin with itself, so the Origin rule passes it): the request's Host must name the API
+(a loopback name, its bind address or the address it is dialled at), whatever the port.
 
 The mesh's secret (mesh.membership: every connection proves it in its handshake) comes from
 where the topology's `[mesh]` section says, else from PRFAAS_MESH_SECRET; `prfaas up`
@@ -21,6 +24,7 @@ import hmac
 import ipaddress
 import os
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -36,6 +40,9 @@ MESH_SECRET_ENV = "PRFAAS_MESH_SECRET"
 # Where the supervisor's control API listens (`prfaas up` sets it for its children).
 SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
 AUTHORIZATION = "authorization"
+# Addresses a server binds to that are no address to dial: the service's host is.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -86,8 +93,33 @@ def bearer_headers(token: str | None) -> dict[str, str]:
     return {} if token is None else {AUTHORIZATION: f"Bearer {token}"}
 
 
-def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str) -> Refusal | None:
-    """None when the request may act; else why not. `headers` keys are lower case."""
+def allowed_hosts(bind: str, *names: str) -> frozenset[str] | None:
+    """The Host names an HTTP API bound to `bind` answers: the loopback names, `bind` and
+    `names` (where it is dialled). None (any) when it binds every address: beyond loopback
+    the admin token, required there, is its guard."""
+    if bind in WILDCARD_HOSTS:
+        return None
+    named = {name.lower() for name in names if name not in WILDCARD_HOSTS}
+    return LOOPBACK_NAMES | {bind.lower()} | named
+
+
+def host_allowed(host: str | None, allowed: frozenset[str] | None) -> bool:
+    """Whether a request's Host header (any port) names one of `allowed` (None: any)."""
+    if allowed is None:
+        return True
+    try:
+        name = urlsplit(f"//{host}").hostname if host else None
+    except ValueError:
+        return False
+    return name in allowed
+
+
+def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str,
+                hosts: frozenset[str] | None = None) -> Refusal | None:
+    """None when the request may act; else why not. `headers` keys are lower case; `hosts`:
+    the Host names the API answers (allowed_hosts; None: any)."""
+    if not host_allowed(headers.get("host"), hosts):
+        return Refusal(403, f"Host {headers.get('host')!r} is not this API's (DNS rebinding?)")
     origin = headers.get("origin")
     if origin is not None and origin != own_origin:
         return Refusal(403, f"cross-origin admin request from {origin!r} refused")

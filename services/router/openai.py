@@ -85,7 +85,12 @@ from werkzeug.exceptions import HTTPException
 from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.transport import Address
-from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
+from services.contract.access import (
+    allowed_hosts,
+    check_admin,
+    require_token_beyond_loopback,
+    token_from_env,
+)
 from services.contract.sampling import Sampling
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.config import RouterConfig, link_ends, router_config
@@ -164,10 +169,13 @@ class RouterApp:
     """The Quart app over one scheduler, its control plane and its demo workload."""
 
     def __init__(self, scheduler: Scheduler, control: RouterControl, workload: DemoWorkload,
-                 limits: Limits, admin_token: str | None = None) -> None:
+                 limits: Limits, admin_token: str | None = None,
+                 hosts: frozenset[str] | None = None) -> None:
         self.scheduler, self.control, self.workload = scheduler, control, workload
         self.limits = limits
         self.admin_token = admin_token
+        # The Host names /admin/* answers (services.contract.access.allowed_hosts; None: any).
+        self.hosts = hosts
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))
         # The request histograms are appended at each scrape (`metrics`), their counters here.
@@ -200,11 +208,13 @@ class RouterApp:
         app.register_error_handler(Exception, self._internal_error)
 
     async def _check_admin(self) -> None:
-        """/admin/*: the run's admin token when one is set, and no foreign Origin."""
+        """/admin/*: the run's admin token when one is set, one of its own Host names, and no
+        foreign Origin."""
         if not request.path.startswith("/admin/"):
             return
         headers = {key.lower(): value for key, value in request.headers.items()}
-        refusal = check_admin(headers, self.admin_token, f"{request.scheme}://{request.host}")
+        refusal = check_admin(headers, self.admin_token, f"{request.scheme}://{request.host}",
+                              self.hosts)
         if refusal is not None:
             raise AdminError(refusal.status, refusal.message)
 
@@ -945,7 +955,8 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
                                 link_probes=[http_link_probe(client, url, name)
                                              for name, url in urls.items()],
                                 policy_options=config.policy_options())
-        app = RouterApp(scheduler, control, workload, limits, admin_token)
+        app = RouterApp(scheduler, control, workload, limits, admin_token,
+                        allowed_hosts(http_host, ctx.spec.host))
         address = await scheduler.node.listen()
         await group.start(scheduler.run)
         await group.start(control.run)
