@@ -36,3 +36,5 @@ def test_an_admin_token_shorter_than_16_characters_is_refused() -> None:
     assert token_from_env({TOKEN_ENV: "x" * MIN_TOKEN}) == "x" * MIN_TOKEN
     with pytest.raises(ConfigError, match=f"{TOKEN_ENV} must be at least 16 characters, got 15"):
         token_from_env({TOKEN_ENV: "y" * 15})
+    with pytest.raises(ConfigError, match="printable ASCII without spaces"):
+        token_from_env({TOKEN_ENV: "two words, long enough"})

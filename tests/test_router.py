@@ -350,7 +350,7 @@ async def test_admin_api_without_a_token_still_refuses_foreign_origins() -> None
 
 @pytest.mark.anyio
 async def test_admin_api_refuses_a_host_that_is_not_its_own_dns_rebinding() -> None:
-    token = "an admin token of 32 characters."
+    token = "an-admin-token-of-32-characters."
     async with router(admin_token=token, hosts=allowed_hosts("127.0.0.1")) as (_, app):
         client = app.app.test_client()
         auth = {"authorization": f"Bearer {token}"}

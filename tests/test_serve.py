@@ -261,7 +261,7 @@ async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_toke
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: dict[str, object] = {}
-    token = "an admin token of 32 characters."
+    token = "an-admin-token-of-32-characters."
     text = TOPOLOGY_TEXT.replace('kind = "link"\nport = 7004\n',
                                  'kind = "link"\nport = 7004\nhost = "198.18.0.9"\nbind = "::"\n')
     topology = parse_topology(text)
@@ -300,4 +300,46 @@ async def test_a_subscriber_cannot_ask_for_an_unbounded_backlog(
             assert any("maxlen" in r.getMessage() for r in caplog.records)
             with trio.fail_after(10), pytest.raises(ConfigError, match="maxlen"):
                 FeedConfig(maxlen=MAX_SUBSCRIBE_MAXLEN + 1)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_link_services_control_api_takes_the_admin_token_for_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token = "an-admin-token-of-32-characters."
+    monkeypatch.setenv("PRFAAS_ADMIN_TOKEN", token)
+    control, base = free_port(), free_port()
+    topology = parse_topology(f"""
+[[clusters]]
+name = "a"
+[[clusters]]
+name = "b"
+[[services]]
+name = "d"
+kind = "decode"
+cluster = "b"
+port = {free_port()}
+[[services]]
+name = "wan"
+kind = "link"
+port = {free_port()}
+options = {{ proxy_base_port = {base}, control_port = {control} }}
+[[links]]
+name = "wan"
+a = "a"
+b = "b"
+bandwidth_bps = 1e9
+""")
+    ctx = ServiceContext(topology, topology.service("wan"), transport=TcpTransport())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_service, ctx)
+        url = f"http://127.0.0.1:{control}/link"
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(url)).status_code == 200
+            refused = await client.post(url, json={"delay_ms": 5})
+            assert refused.status_code == 401
+            taken = await client.post(url, json={"delay_ms": 5},
+                                      headers={"authorization": f"Bearer {token}"})
+            assert taken.status_code == 200
         nursery.cancel_scope.cancel()

@@ -183,7 +183,7 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
          "--topology", str(topology), "--control-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "an admin token of 32 characters."},
+        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."},
         cwd=tmp_path)
     try:
         assert child.stdout is not None
@@ -265,7 +265,7 @@ def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: boo
         [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
          "--topology", str(topology), "--control-port", "0", *only],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**env, "PRFAAS_ADMIN_TOKEN": "an admin token of 32 characters."}, cwd=tmp_path)
+        env={**env, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."}, cwd=tmp_path)
     try:
         assert child.stdout is not None
         seen: list[str] = []

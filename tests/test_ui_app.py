@@ -1085,7 +1085,7 @@ async def test_http_control_client_sends_the_admin_token() -> None:
 
 # Access: the dashboard's own Host names only, and the admin token beyond loopback.
 
-ADMIN_TOKEN = "an admin token of 32 characters."
+ADMIN_TOKEN = "an-admin-token-of-32-characters."
 
 
 @pytest.mark.trio

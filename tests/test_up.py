@@ -11,7 +11,7 @@ from services.cli.procfile import ProcessSpec
 from services.cli.up import children_env, endpoints, here_only
 from services.contract.access import MESH_SECRET_ENV, TOKEN_ENV
 
-TOKEN = "an admin token of 32 characters."
+TOKEN = "an-admin-token-of-32-characters."
 SECRET = "a mesh secret of 32 characters.."
 SPECS = (ProcessSpec("router", "r"), ProcessSpec("ui", "u"), ProcessSpec("pd-decode-0", "d"))
 

@@ -54,12 +54,15 @@ class Refusal(msgspec.Struct, frozen=True):
 
 def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The run's admin token, or None when none is set (an empty value counts as none);
-    ConfigError when it is shorter than MIN_TOKEN."""
+    ConfigError when it is shorter than MIN_TOKEN or not one word of printable ASCII."""
     value = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
     if value and len(value) < MIN_TOKEN:
         # Not echoed: the message would put the token into logs.
         raise ConfigError(f"{TOKEN_ENV} must be at least {MIN_TOKEN} characters, got "
                           f"{len(value)}")
+    if value and not (value.isascii() and value.isprintable() and " " not in value):
+        # A bearer credential is one word of printable ASCII.
+        raise ConfigError(f"{TOKEN_ENV} must be printable ASCII without spaces")
     return value or None
 
 
