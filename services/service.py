@@ -161,14 +161,15 @@ class ServiceContext:
     def node(self, name: str | None = None, config: NodeConfig | None = None, *,
              resolve: Callable[[str], Address] | None = None) -> Node:
         """A node of this service holding the mesh's secret; `resolve` (default: the
-        context's, else through the links) finds its peers, and its own name is its listen
-        address. Over a network, listening beyond loopback without a secret is a ConfigError;
-        an in-memory mesh needs none."""
+        context's, else through the links) finds its peers, and the service's own node finds
+        its listen address under its own name. Over a network, listening beyond loopback
+        without a secret is a ConfigError; an in-memory mesh needs none."""
         dial = resolve or self.resolve or resolve_from(self.topology, self.spec.cluster)
-        own, listen_at = self.name, self.spec.listen_address
+        listen_at = self.spec.listen_address
 
         def find(peer: str) -> Address:
-            return listen_at if peer == own else dial(peer)
+            # Only the service's own node listens (lanes, named NAME#k, dial out only).
+            return listen_at if peer == self.name and name in (None, self.name) else dial(peer)
 
         return Node(name or self.name, self.codec, self.transport, find, config,
                     secret=self.secret,
