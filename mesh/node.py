@@ -71,7 +71,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
         {"requests_in", "handler_errors", "deadlines_in", "calls_out", "casts_out",
          "streams_out", "deadlines_out", "stray_frames", "connection_errors",
          "frames_in", "frames_out", "bytes_in", "bytes_out", "requests_eager",
-         "requests_handed_off", "connections_refused"}
+         "requests_handed_off", "connections_refused", "handshakes_failed"}
     )
 
     name: str
@@ -100,6 +100,9 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     requests_handed_off: int = 0
     # Connections closed on arrival because max_connections were already being served.
     connections_refused: int = 0
+    # Accepted connections closed in the handshake: no or a wrong membership proof (a peer
+    # without the mesh's secret), another protocol version, or no Hello in time.
+    handshakes_failed: int = 0
     # Pools of their own (`slots=N` at registration), beside `mailbox` and `handlers`.
     pools: tuple[PoolStatistics, ...] = ()
 
@@ -353,6 +356,7 @@ class Node:
             requests_eager=counts.eager,
             requests_handed_off=counts.handed_off,
             connections_refused=self._incoming.refused,
+            handshakes_failed=self._incoming.failed_handshakes,
             pools=tuple(pool.statistics() for pool in self._pools.own()),
         )
 

@@ -14,6 +14,8 @@ used when no file is given.
     kind = "decode"
     cluster = "pd"
     port = 7101
+    host = "pd-1.example"        # where peers dial it
+    bind = "0.0.0.0"             # where it listens (default: host)
 
     [[links]]
     name = "wan"
@@ -23,7 +25,7 @@ used when no file is given.
     delay_s = 0.005
 
     [mesh]
-    secret_env = "MESH_SECRET"   # or: secret = "..." (kept out of files that are shared)
+    secret_env = "MESH_SECRET"   # or: secret_file = "/etc/mesh/secret", or secret = "..."
 
 `mesh_secret(topology)` resolves the optional shared secret that a Node takes as `secret`.
 """
@@ -55,18 +57,34 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One service: its name (how peers call it), kind, cluster ("" for none) and address."""
+    """One service: its name (how peers call it), kind, cluster ("" for none) and addresses.
+
+    `host` is the address others dial; `bind` the one it listens on ("": `host`), e.g.
+    `bind = "0.0.0.0"` behind `host = "pd-1.example"`. Its ports are the same on both.
+    """
 
     name: str
     kind: str
     port: int
     host: str = "127.0.0.1"
+    bind: str = ""
     cluster: str = ""
     options: Options = {}
 
     @property
     def address(self) -> Address:
+        """Where peers reach the service."""
         return Address(self.host, self.port)
+
+    @property
+    def bind_host(self) -> str:
+        """The host the service listens on."""
+        return self.bind or self.host
+
+    @property
+    def listen_address(self) -> Address:
+        """Where the service listens."""
+        return Address(self.bind_host, self.port)
 
 
 class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,20 +101,30 @@ class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 class MeshSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings of the mesh itself: where its shared secret comes from (empty: no secret).
 
-    secret_env names an environment variable holding the secret; secret holds it inline.
+    secret_env names an environment variable holding the secret; secret_file a file holding
+    it (one trailing newline is not part of it); secret holds it inline. At most one.
     """
 
     secret_env: str = ""
+    secret_file: str = ""
     secret: str = msgspec.field(default="")
 
     def __post_init__(self) -> None:
-        if self.secret_env and self.secret:
-            raise ConfigError("[mesh]: give secret_env or secret, not both")
+        given = [k for k in ("secret_env", "secret_file", "secret") if getattr(self, k)]
+        if len(given) > 1:
+            raise ConfigError(f"[mesh]: give one of secret_env, secret_file, secret, not "
+                              f"{' and '.join(given)}")
+
+    @property
+    def configured(self) -> bool:
+        """Whether the topology says where the secret comes from."""
+        return bool(self.secret_env or self.secret_file or self.secret)
 
     def __repr__(self) -> str:
         # The inline secret must not reach logs through a repr.
         hidden = "<hidden>" if self.secret else ""
-        return f"MeshSpec(secret_env={self.secret_env!r}, secret={hidden!r})"
+        return (f"MeshSpec(secret_env={self.secret_env!r}, secret_file={self.secret_file!r}, "
+                f"secret={hidden!r})")
 
 
 def _duplicates(names: Iterable[object]) -> list[object]:
@@ -170,9 +198,12 @@ def mesh_secret(
     """The topology's shared secret as bytes (UTF-8), or None when it configures none.
 
     ConfigError if `[mesh] secret_env` names a variable that is unset or empty in `environ`
-    (default os.environ), or if the secret is shorter than mesh.membership.MIN_SECRET.
+    (default os.environ), if `secret_file` cannot be read, or if the secret is shorter than
+    mesh.membership.MIN_SECRET.
     """
     spec = topology.mesh
+    if spec.secret_file:
+        return check_secret(_read_secret_file(spec.secret_file))
     if spec.secret_env:
         value = (os.environ if environ is None else environ).get(spec.secret_env, "")
         if not value:
@@ -180,6 +211,14 @@ def mesh_secret(
                               "is not set")
         return check_secret(value.encode())
     return check_secret(spec.secret.encode()) if spec.secret else None
+
+
+def _read_secret_file(path: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"[mesh] secret_file {path!r}: {exc.strerror}") from exc
+    return data.removesuffix(b"\n")
 
 
 def _check_service(service: ServiceSpec, clusters: set[str]) -> None:

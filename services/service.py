@@ -4,7 +4,9 @@ event feed and its `/metrics` endpoint, with the buckets of every histogram it o
 A runner (`prfaas serve NAME` picks one per service kind, services/cli/serve.py) gets a
 `ServiceContext`: the topology, its own spec, the mode, and the means to build mesh nodes that
 find their peers - directly inside a cluster, through the link's proxy port across clusters
-(`resolve_from`). Once listening, a service announces `ready NAME HOST:PORT`.
+(`resolve_from`) - and prove the mesh's secret to them. Every server of a service (its mesh
+node, HTTP APIs, /metrics, a link's proxy ports) listens on its spec's `bind_host` and is
+dialled at its `host`. Once listening, a service announces `ready NAME HOST:PORT`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from mesh.metrics import metrics_app, register_process, register_statistics
 from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.topology import LinkSpec, ServiceSpec, Topology
-from mesh.transport import Address, TcpTransport, Transport
+from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
+from services.contract.access import WILDCARD_HOSTS
 from services.contract.events import Event
 from services.contract.messages import CODEC_MESSAGES, Subscribe
 
@@ -47,6 +50,18 @@ SECONDS_BUCKETS: tuple[float, ...] = tuple(
     for m in ("1", "1.5", "2", "2.5", "3", "4", "5", "7.5"))
 TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(21))
 BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** k) for k in range(10, 37))
+
+
+def http_bind_host(spec: ServiceSpec) -> str:
+    """Where the service's HTTP API listens: options.http_host, else its bind host."""
+    return str(spec.options.get("http_host") or spec.bind_host)
+
+
+def http_dial_host(spec: ServiceSpec) -> str:
+    """Where others reach the service's HTTP API: options.http_host when that names one
+    address, else the service's host."""
+    bound = str(spec.options.get("http_host", ""))
+    return spec.host if bound in WILDCARD_HOSTS else bound
 
 
 def link_service_of(topology: Topology, link: LinkSpec) -> ServiceSpec:
@@ -126,6 +141,8 @@ class ServiceContext:
     # In-process meshes (tests, simulation) get each service's main object through this.
     expose: Callable[[str, object], None] = lambda name, service: None
     codec: Codec = field(default_factory=lambda: Codec(CODEC_MESSAGES))
+    # The mesh's shared secret (services.contract.access.service_secret); None: loopback only.
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -141,9 +158,23 @@ class ServiceContext:
                               f"{type(default).__name__}")
         return value
 
-    def node(self, name: str | None = None, config: NodeConfig | None = None) -> Node:
-        resolve = self.resolve or resolve_from(self.topology, self.spec.cluster)
-        return Node(name or self.name, self.codec, self.transport, resolve, config)
+    def node(self, name: str | None = None, config: NodeConfig | None = None, *,
+             resolve: Callable[[str], Address] | None = None) -> Node:
+        """A node of this service holding the mesh's secret; `resolve` (default: the
+        context's, else through the links) finds its peers, and the service's own node finds
+        its listen address under its own name. Over a network, listening beyond loopback
+        without a secret is a ConfigError; an in-memory mesh needs none."""
+        dial = resolve or self.resolve or resolve_from(self.topology, self.spec.cluster)
+        listen_at = self.spec.listen_address
+
+        def find(peer: str) -> Address:
+            # Only the service's own node listens (lanes, named NAME#k, dial out only).
+            return listen_at if peer == self.name and name in (None, self.name) else dial(peer)
+
+        return Node(name or self.name, self.codec, self.transport, find, config,
+                    secret=self.secret,
+                    require_secret_beyond_loopback=not isinstance(self.transport,
+                                                                  MemoryTransport))
 
     def ready(self, address: Address) -> None:
         self.announce(f"ready {self.name} {address}")
@@ -179,4 +210,4 @@ async def serve_metrics(ctx: ServiceContext, sources: dict[str, StatisticsSource
     for name, labels in (info or {}).items():
         Info(f"prfaas_{name}", f"the {name} this service runs", ["service"],
              registry=registry).labels(service=ctx.name).info(labels)
-    await serve_http(metrics_app(registry), ctx.spec.host, port)
+    await serve_http(metrics_app(registry), ctx.spec.bind_host, port)

@@ -121,6 +121,7 @@ async def test_a_client_without_the_secret_is_refused_and_others_are_served(
         await good_client_is_served(transport, address)
         assert handled == [9]
         assert svc.statistics().connection_errors == 1
+        assert svc.statistics().handshakes_failed == 1
     refusals = [r for r in caplog.records if "refused a connection from intruder" in r.getMessage()]
     assert len(refusals) == 1 and refusals[0].levelno == logging.WARNING
 

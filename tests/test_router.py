@@ -18,6 +18,7 @@ from router_fakes import BLOCK, TOPOLOGY, FakeMesh, Timing, fake_mesh, fake_toke
 
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
+from services.contract.access import allowed_hosts
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig, router_config
 from services.router.load import DemoWorkload, WorkloadConfig
@@ -44,14 +45,15 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def router(config: SchedulerConfig | None = None, policy: str = "prfaas",
-                 options: dict[str, object] | None = None, admin_token: str | None = None
+                 options: dict[str, object] | None = None, admin_token: str | None = None,
+                 hosts: frozenset[str] | None = None,
                  ) -> AsyncIterator[tuple[FakeMesh, RouterApp]]:
     async with fake_mesh(policy, options, timing=FAST, config=config) as mesh:
         corpus = ByteTokenizer().encode("to be or not to be " * 50)
         workload = DemoWorkload(mesh.scheduler, corpus, WorkloadConfig(scale=1 / 256,
                                                                        max_tokens=2))
         app = RouterApp(mesh.scheduler, mesh.control, workload,
-                        Limits(max_context=400, models=("prfaas",)), admin_token)
+                        Limits(max_context=400, models=("prfaas",)), admin_token, hosts)
         async with anyio.create_task_group() as group:
             group.start_soon(workload.run)
             yield mesh, app
@@ -346,6 +348,24 @@ async def test_admin_api_without_a_token_still_refuses_foreign_origins() -> None
                                           "content-type": "text/plain"})
         assert evil.status_code == 403
         assert app.scheduler.policy.name == "prfaas"
+
+
+@pytest.mark.anyio
+async def test_admin_api_refuses_a_host_that_is_not_its_own_dns_rebinding() -> None:
+    token = "an-admin-token-of-32-characters."
+    async with router(admin_token=token, hosts=allowed_hosts("127.0.0.1")) as (_, app):
+        client = app.app.test_client()
+        auth = {"authorization": f"Bearer {token}"}
+        # A page at evil.example, its name rebound to 127.0.0.1: same-origin with itself.
+        rebound = await client.post("/admin/threshold", json={"t": 50}, headers={
+            **auth, "host": "evil.example:8000", "origin": "http://evil.example:8000"})
+        assert rebound.status_code == 403
+        assert "Host 'evil.example:8000'" in (await rebound.get_json())["error"]
+        assert app.scheduler.policy.threshold == 19400.0
+        for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000"):
+            ok = await client.post("/admin/threshold", json={"t": 50},
+                                   headers={**auth, "host": host})
+            assert ok.status_code == 200, host
 
 
 @pytest.mark.anyio

@@ -3,24 +3,29 @@ stream, the echo service in this process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import trio
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, HandshakeError, PeerGone
 from mesh.events import EventBus
 from mesh.node import Node
 from mesh.topology import parse_topology
-from mesh.transport import Address, TcpTransport
+from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from services.cli.launch import in_process
-from services.cli.serve import default_topology, runner_for, serve_main
+from services.cli.serve import default_topology, run_service, runner_for, serve_main
+from services.contract.access import MESH_SECRET_ENV
 from services.contract.events import Event, WorkerStatus
-from services.contract.messages import Echo, Subscribe
+from services.contract.messages import MAX_SUBSCRIBE_MAXLEN, Echo, Subscribe
+from services.link import service as link_service
 from services.service import ServiceContext, link_of_peer, link_routes, resolve_from, serve_events
 from services.worker.service import WorkerService
 from tests.ports import free_port
+from ui.feed import FeedConfig
 
-TOPOLOGY = parse_topology(f"""
+TOPOLOGY_TEXT = f"""
 [[clusters]]
 name = "prfaas"
 kind = "prfaas"
@@ -58,7 +63,8 @@ name = "wan"
 a = "prfaas"
 b = "pd"
 bandwidth_bps = 1e9
-""")
+"""
+TOPOLOGY = parse_topology(TOPOLOGY_TEXT)
 
 
 def context(name: str) -> ServiceContext:
@@ -177,3 +183,164 @@ options = {{ family = "qwen-next", size = "tiny", checkpoint = "none", metrics_p
     model = next(line for line in response.text.splitlines()
                  if line.startswith("prfaas_model_info{"))
     assert 'service="d"' in model and 'family="qwen-next"' in model and 'dtype="' in model
+
+
+MESH_SECRET = b"the mesh's secret, 32 bytes long"
+
+
+@pytest.mark.trio
+async def test_a_service_with_the_mesh_secret_refuses_peers_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = ServiceContext(TOPOLOGY, TOPOLOGY.service("echo"), transport=TcpTransport(),
+                         secret=MESH_SECRET)
+    codec = ctx.codec
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(run_service, ctx)
+        for name, secret in (("none", None), ("wrong", b"another secret, 32 bytes long..")):
+            async with Node(name, codec, TcpTransport(), {"echo": address},
+                            secret=secret) as intruder:
+                with trio.fail_after(10), pytest.raises((HandshakeError, PeerGone)):
+                    await intruder.call("echo", Echo(text="hi", hops=0))
+        async with Node("member", codec, TcpTransport(), {"echo": address},
+                        secret=MESH_SECRET) as member:
+            with trio.fail_after(10):
+                assert await member.call("echo", Echo(text="hi", hops=0)) == Echo(text="hi", hops=1)
+        nursery.cancel_scope.cancel()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 2, refused
+    assert "from none:" in refused[0] and "from wrong:" in refused[1]
+
+
+def test_a_service_beyond_loopback_without_a_secret_refuses_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(MESH_SECRET_ENV, raising=False)
+    path = tmp_path / "topology.toml"
+    # 198.18.0.1 (a benchmarking address, not on this host): refused before any bind.
+    path.write_text('[[services]]\nname = "echo"\nkind = "echo"\nhost = "198.18.0.1"\n'
+                    'port = 7190\n')
+    assert serve_main(["echo", "--topology", str(path)]) == 2
+    assert "'198.18.0.1' beyond loopback needs a mesh secret" in capsys.readouterr().err
+
+
+@pytest.mark.trio
+async def test_a_node_beyond_loopback_needs_the_secret_over_tcp_not_in_memory(
+    memory_hub: MemoryHub,
+) -> None:
+    topology = parse_topology('[[services]]\nname = "echo"\nkind = "echo"\n'
+                              'host = "198.18.0.1"\nport = 7190\n')
+    tcp = ServiceContext(topology, topology.service("echo"), transport=TcpTransport())
+    async with tcp.node() as node:
+        with pytest.raises(ConfigError, match="beyond loopback needs a mesh secret"):
+            await node.listen()
+    memory = ServiceContext(topology, topology.service("echo"),
+                            transport=MemoryTransport(memory_hub))
+    async with memory.node() as node:
+        assert await node.listen() == Address("198.18.0.1", 7190)
+
+
+@pytest.mark.trio
+async def test_a_service_listens_on_its_bind_address_not_the_host_peers_dial() -> None:
+    port = free_port()
+    # Peers would dial 198.18.0.9 (not on this host: listening there would fail).
+    topology = parse_topology(f'[[services]]\nname = "echo"\nkind = "echo"\n'
+                              f'host = "198.18.0.9"\nbind = "127.0.0.1"\nport = {port}\n')
+    ctx = ServiceContext(topology, topology.service("echo"), transport=TcpTransport())
+    async with trio.open_nursery() as nursery:
+        assert await nursery.start(run_service, ctx) == Address("127.0.0.1", port)
+        async with Node("c", ctx.codec, TcpTransport(), {"echo": Address("127.0.0.1", port)}
+                        ) as client:
+            with trio.fail_after(10):
+                assert await client.call("echo", Echo(text="x", hops=0)) == Echo(text="x",
+                                                                                 hops=1)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, object] = {}
+    token = "an-admin-token-of-32-characters."
+    text = TOPOLOGY_TEXT.replace('kind = "link"\nport = 7004\n',
+                                 'kind = "link"\nport = 7004\nhost = "198.18.0.9"\nbind = "::"\n')
+    topology = parse_topology(text)
+    ctx = ServiceContext(topology, topology.service("wan"), transport=MemoryTransport(MemoryHub()))
+    with trio.CancelScope() as scope:
+
+        async def fake_serve_link(routes: object, params: object, port: int,
+                                  **kw: object) -> None:
+            seen.update(kw, routes=routes)
+            scope.cancel()
+            await trio.sleep_forever()
+
+        monkeypatch.setenv("PRFAAS_ADMIN_TOKEN", token)
+        monkeypatch.setattr(link_service, "serve_link", fake_serve_link)
+        await link_service.run_link(ctx)
+    assert seen["control_host"] == "::" and seen["admin_token"] == token
+    routes = seen["routes"]
+    assert isinstance(routes, list) and routes
+    assert {r.listen_host for r in routes} == {"::"}
+    # Senders in cluster prfaas dial the link's host.
+    assert resolve_from(topology, "prfaas")("d").host == "198.18.0.9"
+
+
+@pytest.mark.trio
+async def test_a_subscriber_cannot_ask_for_an_unbounded_backlog(
+    memory_hub: MemoryHub, caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = ServiceContext(TOPOLOGY, TOPOLOGY.service("echo"), transport=MemoryTransport(memory_hub))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(run_service, ctx)
+        async with Node("ui", ctx.codec, ctx.transport, {"echo": address}) as client:
+            # The service drops a peer whose frame breaks the contract.
+            with trio.fail_after(10), pytest.raises(PeerGone):
+                async with client.open_stream("echo", Subscribe(maxlen=10**9)) as events:
+                    await events.__anext__()
+            assert any("maxlen" in r.getMessage() for r in caplog.records)
+            with trio.fail_after(10), pytest.raises(ConfigError, match="maxlen"):
+                FeedConfig(maxlen=MAX_SUBSCRIBE_MAXLEN + 1)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_link_services_control_api_takes_the_admin_token_for_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token = "an-admin-token-of-32-characters."
+    monkeypatch.setenv("PRFAAS_ADMIN_TOKEN", token)
+    control, base = free_port(), free_port()
+    topology = parse_topology(f"""
+[[clusters]]
+name = "a"
+[[clusters]]
+name = "b"
+[[services]]
+name = "d"
+kind = "decode"
+cluster = "b"
+port = {free_port()}
+[[services]]
+name = "wan"
+kind = "link"
+port = {free_port()}
+options = {{ proxy_base_port = {base}, control_port = {control} }}
+[[links]]
+name = "wan"
+a = "a"
+b = "b"
+bandwidth_bps = 1e9
+""")
+    ctx = ServiceContext(topology, topology.service("wan"), transport=TcpTransport())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_service, ctx)
+        url = f"http://127.0.0.1:{control}/link"
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(url)).status_code == 200
+            refused = await client.post(url, json={"delay_ms": 5})
+            assert refused.status_code == 401
+            taken = await client.post(url, json={"delay_ms": 5},
+                                      headers={"authorization": f"Bearer {token}"})
+            assert taken.status_code == 200
+        nursery.cancel_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -11,14 +12,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 import trio
 
 from mesh.errors import ConfigError
+from mesh.http import serve_http
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
+from services.contract.access import MESH_SECRET_ENV, allowed_hosts
 from tests.ports import free_port
 
 SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "
@@ -121,7 +125,7 @@ async def test_restart_is_planned_and_immediate() -> None:
 async def test_control_api_lists_kills_and_refuses_strangers() -> None:
     supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ), policy=FAST,
                             output=lambda name, line: None)
-    app = supervisor_app(supervisor, "s3cret")
+    app = supervisor_app(supervisor, "s3cret", allowed_hosts("127.0.0.1"))
     auth = {"authorization": "Bearer s3cret"}
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.run)
@@ -133,6 +137,9 @@ async def test_control_api_lists_kills_and_refuses_strangers() -> None:
             evil = await c.post("/processes/a/kill", content=b"{}", headers={
                 **auth, "origin": "http://evil.example", "content-type": "text/plain"})
             assert evil.status_code == 403
+            rebound = await c.post("/processes/a/kill", headers={
+                **auth, "host": "evil.example:8090", "origin": "http://evil.example:8090"})
+            assert rebound.status_code == 403
             assert _status(supervisor, "a").deaths == 0
             listed = (await c.get("/processes", headers=auth)).json()
             assert [p["name"] for p in listed["processes"]] == ["a"]
@@ -176,7 +183,8 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
          "--topology", str(topology), "--control-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "t"}, cwd=tmp_path)
+        env={**os.environ, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."},
+        cwd=tmp_path)
     try:
         assert child.stdout is not None
         seen: list[str] = []
@@ -195,3 +203,132 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+MEMBER_PROBE = """
+import os, sys, anyio, http.server
+from mesh.node import Node
+from mesh.topology import load_topology
+from mesh.transport import TcpTransport
+from mesh.wire import Codec
+from services.contract.access import service_secret
+from services.contract.messages import CODEC_MESSAGES, Echo
+
+topology = load_topology(os.environ["PRFAAS_TOPOLOGY"], "")
+
+async def call(secret):
+    async with Node("probe", Codec(CODEC_MESSAGES), TcpTransport(), topology.address,
+                    secret=secret) as node:
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    return await node.call("echo", Echo(text="hi", hops=0), timeout=5)
+                except ConnectionRefusedError:
+                    # The echo service is still starting.
+                    await anyio.sleep(0.2)
+
+assert anyio.run(call, service_secret(topology)) == Echo(text="hi", hops=1)
+try:
+    anyio.run(call, None)
+except Exception as exc:
+    print("refused without the secret:", type(exc).__name__, flush=True)
+else:
+    sys.exit("the echo service answered a peer without the secret")
+""" + HEALTH_SERVER.replace("time.sleep(1.0)", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("here", [False, True], ids=["generated", "here"])
+def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: bool) -> None:
+    """The echo service (`prfaas serve`) and a probe get the run's secret from `prfaas up`
+    (a fresh one, or with --here the one given): the probe reaches echo with it and is
+    refused without it, then says ready. --here starts the named processes only."""
+    port = free_port()
+    probe = tmp_path / "probe.py"
+    probe.write_text(MEMBER_PROBE)
+    python = shlex.quote(sys.executable)
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(f"echo: exec {python} -m services.cli.main serve echo\n"
+                        f"router: exec {python} {probe} {port}\n"
+                        f"elsewhere: echo started elsewhere\n")
+    topology = tmp_path / "topology.toml"
+    topology.write_text(f'[[services]]\nname = "router"\nkind = "router"\nport = 1\n'
+                        f'options = {{ http_port = {port} }}\n'
+                        f'[[services]]\nname = "echo"\nkind = "echo"\nport = {free_port()}\n')
+    env = {k: v for k, v in os.environ.items() if k != MESH_SECRET_ENV}
+    # This checkout's code, in the supervisor and its children alike.
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    if here:
+        env[MESH_SECRET_ENV] = "the secret every machine is given"
+    only = ["--here", "echo,router"] if here else []
+    child = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--procfile", str(procfile),
+         "--topology", str(topology), "--control-port", "0", *only],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**env, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."}, cwd=tmp_path)
+    try:
+        assert child.stdout is not None
+        seen: list[str] = []
+        for line in child.stdout:
+            seen.append(line)
+            if line.startswith("ready:") or len(seen) > 80:
+                break
+        assert seen[-1].startswith("ready:"), seen
+        assert any("refused without the secret" in line for line in seen), seen
+        child.send_signal(signal.SIGTERM)
+        rest = child.communicate(timeout=30)[0]
+        assert child.returncode == 0, rest
+        assert here != any("started elsewhere" in line for line in [*seen, rest]), rest
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def socket_inodes(pid: int | str) -> set[str]:
+    """The sockets a process holds open, as "socket:[inode]"."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:"):
+                found.add(target)
+    return found
+
+
+def listening_inode(port: int) -> str:
+    """The inode of the TCP socket listening on 127.0.0.1:port (/proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":
+                return f"socket:[{fields[9]}]"
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def test_a_child_does_not_inherit_the_supervisors_listening_socket() -> None:
+    """As `prfaas up` runs (asyncio with uvloop): its control API's socket stays its own, so
+    a supervisor that dies leaves no child holding its port."""
+
+    async def main() -> tuple[str, set[str], set[str]]:
+        supervisor = Supervisor([ProcessSpec("a", SLEEPER)], dict(os.environ), policy=FAST,
+                                output=lambda name, line: None)
+        app = supervisor_app(supervisor, None)
+        async with anyio.create_task_group() as tg:
+            _, port = await tg.start(serve_http, app, "127.0.0.1", 0)
+            # Once it answers, hypercorn has made its sockets (inheritable, by its default).
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"http://127.0.0.1:{port}/processes")
+                assert answer.status_code == 200
+            await tg.start(supervisor.run)
+            pid = _status(supervisor, "a").pid
+            assert pid is not None
+            listening = listening_inode(port)
+            mine, child = socket_inodes(os.getpid()), socket_inodes(pid)
+            tg.cancel_scope.cancel()
+        return listening, mine, child
+
+    listening, mine, child = anyio.run(main, backend="asyncio",
+                                       backend_options={"use_uvloop": True})
+    assert listening in mine
+    assert listening not in child, child

@@ -134,11 +134,34 @@ def test_mesh_secret_inline_is_hidden_from_repr_and_absent_means_none() -> None:
     assert mesh_secret(parse_topology(EXAMPLE)) is None
 
 
+def test_a_service_listens_on_its_bind_host_else_its_host() -> None:
+    plain = ServiceSpec(name="a", kind="k", port=7000, host="198.18.0.2")
+    assert plain.listen_address == plain.address == Address("198.18.0.2", 7000)
+    apart = ServiceSpec(name="a", kind="k", port=7000, host="198.18.0.2", bind="0.0.0.0")
+    assert (apart.address, apart.listen_address) == (Address("198.18.0.2", 7000),
+                                                     Address("0.0.0.0", 7000))
+    assert parse_topology('[[services]]\nname = "a"\nkind = "k"\nport = 1\nbind = "::"\n'
+                          ).service("a").bind_host == "::"
+
+
+def test_mesh_secret_from_a_file_without_its_trailing_newline(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"a file secret of 32 characters..\n")
+    topology = parse_topology(f'[mesh]\nsecret_file = "{path}"\n')
+    assert topology.mesh.configured and not parse_topology(EXAMPLE).mesh.configured
+    assert mesh_secret(topology, {}) == b"a file secret of 32 characters.."
+    path.write_bytes(b"short\n")
+    with pytest.raises(ConfigError, match="at least 16"):
+        mesh_secret(topology, {})
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
         ('[mesh]\nsecret = "short"\n', "at least 16"),
-        ('[mesh]\nsecret = "x"\nsecret_env = "Y"\n', "not both"),
+        ('[mesh]\nsecret = "x"\nsecret_env = "Y"\n', "give one of .*not secret_env and secret"),
+        ('[mesh]\nsecret_file = "x"\nsecret_env = "Y"\n', "not secret_env and secret_file"),
+        ('[mesh]\nsecret_file = "/nonexistent/mesh-secret"\n', "secret_file.*No such file"),
         ('[mesh]\nsecrets = "x"\n', "unknown field"),
     ],
 )

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, sim_events
 
+from mesh.errors import ConfigError
 from mesh.topology import load_topology
 from services.cli.procfile import ProcessSpec
 from services.cli.supervisor import RestartPolicy, Supervisor
@@ -53,6 +54,7 @@ from ui.controls import (
 )
 from ui.errors import ControlError, ReplayError, UiConfigError
 from ui.feed import dashboard_config
+from ui.guard import AccessGuard
 from ui.hub import EventHub, FeedBatch, NoSource
 from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay, write_log
 from ui.series import MAX_GAP_POINTS, SeriesAggregator, SeriesPoint, percentile
@@ -952,7 +954,7 @@ async def read_sse_until(host: str, port: int, wanted: set[str]) -> tuple[bytes,
     seen: set[str] = set()
     received = b""
     async with await anyio.connect_tcp(host, port) as stream:
-        await stream.send(b"GET /events HTTP/1.1\r\nhost: ui\r\n\r\n")
+        await stream.send(b"GET /events HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         while not wanted <= seen:
             received += await stream.receive()
             body = received.split(b"\r\n\r\n", 1)[-1]
@@ -1080,3 +1082,45 @@ async def test_http_control_client_sends_the_admin_token() -> None:
     await client.set_policy(PolicyRequest(policy="prfaas"))
     await client.aclose()
     assert seen == ["Bearer abc", "Bearer abc"]
+
+
+# Access: the dashboard's own Host names only, and the admin token beyond loopback.
+
+ADMIN_TOKEN = "an-admin-token-of-32-characters."
+
+
+@pytest.mark.trio
+async def test_the_dashboard_refuses_a_host_that_is_not_its_own_dns_rebinding() -> None:
+    async with anyio.create_task_group() as tasks:
+        host, port = await tasks.start(serve_ui, "127.0.0.1", 0, NoSource(),
+                                       HttpControlClient(None, None))
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+            rebound = await client.get("/", headers={"host": f"evil.example:{port}"})
+            assert rebound.status_code == 403 and "csrf-token" not in rebound.text
+            assert "evil.example" in rebound.json()["error"]
+            for name in ("127.0.0.1", "localhost"):
+                page = await client.get("/", headers={"host": f"{name}:{port}"})
+                assert page.status_code == 200 and "csrf-token" in page.text
+        tasks.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_dashboard_beyond_loopback_needs_the_admin_token() -> None:
+    # Refused before any bind (198.18.0.1 is not on this host anyway).
+    with pytest.raises(ConfigError, match=r"the dashboard binds 198\.18\.0\.1, beyond loopback"):
+        await serve_ui("198.18.0.1", 0, NoSource(), HttpControlClient(None, None))
+    app = build_app(NoSource(), HttpControlClient(None, None))
+    guarded = AccessGuard(app, hosts=None, token=ADMIN_TOKEN)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=guarded), base_url="http://ui") as client:
+        assert (await client.get("/")).status_code == 401
+        assert (await client.get("/api/snapshot")).status_code == 401
+        assert (await client.get("/?token=wrong-token-of-some-length")).status_code == 401
+        assert (await client.get("/", headers=bearer_headers(ADMIN_TOKEN))).status_code == 200
+        opened = await client.get(f"/?token={ADMIN_TOKEN}")
+        assert opened.status_code == 303 and opened.headers["location"] == "/"
+        assert "HttpOnly" in opened.headers["set-cookie"]
+        assert "SameSite=Strict" in opened.headers["set-cookie"]
+        # The client keeps the cookie: the page and its API now answer.
+        assert (await client.get("/")).status_code == 200
+        assert (await client.get("/api/snapshot")).status_code == 200

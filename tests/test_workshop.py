@@ -108,7 +108,8 @@ class Session:
         self.ports: dict[int, int] = {}
         self.topologies: dict[str, Path] = {}
         self.served: Served | None = None
-        self.env = {**os.environ, "PYTHONPATH": str(repo), "PRFAAS_ADMIN_TOKEN": "workshop",
+        self.env = {**os.environ, "PYTHONPATH": str(repo),
+                    "PRFAAS_ADMIN_TOKEN": "workshop-admin-token",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.env.pop("PRFAAS_TOPOLOGY", None)
 

@@ -32,9 +32,16 @@ from mesh.topology import Topology
 from mesh.transport import Address
 from services.contract.access import SUPERVISOR_URL_ENV, token_from_env
 from services.contract.events import EVENT_TYPES, AnyEvent
-from services.contract.messages import Subscribe
+from services.contract.messages import MAX_SUBSCRIBE_MAXLEN, Subscribe
 from services.contract.types import DEFAULT_TOKEN_SCALE
-from services.service import WORKER_KINDS, ServiceContext, StatisticsSource, serve_metrics
+from services.service import (
+    WORKER_KINDS,
+    ServiceContext,
+    StatisticsSource,
+    http_bind_host,
+    http_dial_host,
+    serve_metrics,
+)
 from ui.config import DashboardConfig
 from ui.controls import HttpControlClient
 from ui.serve import serve_ui
@@ -57,8 +64,9 @@ class FeedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     wall_clock: bool = True
 
     def __post_init__(self) -> None:
-        if self.maxlen < 1:
-            raise ConfigError(f"FeedConfig.maxlen must be >= 1, got {self.maxlen}")
+        if not 1 <= self.maxlen <= MAX_SUBSCRIBE_MAXLEN:
+            raise ConfigError(f"FeedConfig.maxlen must be 1..{MAX_SUBSCRIBE_MAXLEN}, got "
+                              f"{self.maxlen}")
         if not 0 < self.retry_min_s <= self.retry_max_s:
             raise ConfigError(f"FeedConfig needs 0 < retry_min_s <= retry_max_s, got "
                               f"{self.retry_min_s} and {self.retry_max_s}")
@@ -203,7 +211,7 @@ def link_control_url(topology: Topology) -> str | None:
 def router_http_url(topology: Topology) -> str | None:
     """The router's HTTP base URL (OpenAI and admin API), if the topology has a router."""
     for spec in topology.find(kind="router"):
-        host = spec.options.get("http_host", spec.host)
+        host = http_dial_host(spec)
         return f"http://{host}:{spec.options.get('http_port', 8000)}"
     return None
 
@@ -222,24 +230,27 @@ def dashboard_config(topology: Topology) -> DashboardConfig:
 async def run_ui(
     ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    """The `ui` runner: the dashboard fed by the mesh at options.http_host:http_port, the
-    feed's statistics at options.metrics_port (0: none; the page's own are at /metrics).
+    """The `ui` runner: the dashboard fed by the mesh on options.http_host (else the bind
+    host) at options.http_port, the feed's statistics at options.metrics_port (0: none; the
+    page's own are at /metrics).
 
     Its node listens on the service's mesh port too (nothing calls it yet; it makes the
     dashboard a member of the mesh like every service, reported in the ready line).
     """
     topology = ctx.topology
     # Direct addresses: the dashboard reads every service, never through a link's proxy.
-    node = Node(ctx.name, ctx.codec, ctx.transport, topology.address)
+    node = ctx.node(resolve=topology.address)
+    token = token_from_env()
     feed = MeshFeed(node, event_peers(topology))
     controls = HttpControlClient.connect(
         link_control_url(topology), router_http_url(topology),
-        supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token_from_env())
-    host, port = ctx.option("http_host", ctx.spec.host), ctx.option("http_port", 8080)
+        supervisor_url=os.environ.get(SUPERVISOR_URL_ENV) or None, token=token)
+    host, port = http_bind_host(ctx.spec), ctx.option("http_port", 8080)
     async with node, anyio.create_task_group() as tasks:
         address = await node.listen()
         http_host, http_port = await tasks.start(partial(
-            serve_ui, host, port, feed, controls, config=dashboard_config(topology)))
+            serve_ui, host, port, feed, controls, config=dashboard_config(topology),
+            admin_token=token, names=(ctx.spec.host,)))
         # Logged, not announced: stdout carries the ready line alone, which launchers read.
         log.info("dashboard: http://%s:%d/", http_host, http_port)
         sources: dict[str, StatisticsSource] = {"ui_feed": feed.statistics}

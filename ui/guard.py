@@ -1,4 +1,12 @@
-"""The dashboard's guard against cross-site requests: every POST must come from its own page.
+"""The dashboard's guards: who may read it at all (`AccessGuard`), and that every POST comes
+from its own page (`CsrfGuard`).
+
+`AccessGuard`, in front of everything: the request's Host must be one of the dashboard's own
+names (services.contract.access.allowed_hosts: a page whose name was rebound to 127.0.0.1 is
+refused), and with an admin token (required when the dashboard listens beyond loopback) every
+request must carry it: `Authorization: Bearer TOKEN`, or the cookie that opening
+`/?token=TOKEN` once sets (HttpOnly, SameSite=Strict: the page's own fetches and event
+stream send it, other sites' pages do not).
 
 Two checks on every request that may change something (any method but GET, HEAD, OPTIONS):
 the Origin header, when present, must be the dashboard's own origin (scheme://host:port as
@@ -11,12 +19,17 @@ token nor forge the Origin, so both fail with 403 before any control runs.
 from __future__ import annotations
 
 import hmac
+from urllib.parse import parse_qs
 
 import msgspec
 from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.contract.access import host_allowed
+
 CSRF_HEADER = "x-csrf-token"
+TOKEN_COOKIE = "prfaas_admin_token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -46,9 +59,61 @@ class CsrfGuard:
         await self.app(scope, receive, send)
 
 
-async def _forbid(send: Send, message: str) -> None:
-    body = msgspec.json.encode({"error": message, "status": 403})
-    await send({"type": "http.response.start", "status": 403,
+class AccessGuard:
+    """ASGI middleware: 403 for a foreign Host, 401 without the admin token (when one is
+    set); `/?token=TOKEN` with the right token sets the cookie and redirects to `/`."""
+
+    def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, token: str | None
+                 ) -> None:
+        self.app, self.hosts, self.token = app, hosts, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if not host_allowed(headers.get("host"), self.hosts):
+            await _forbid(send, f"Host {headers.get('host')!r} is not this dashboard's "
+                                "(DNS rebinding?)")
+            return
+        if self.token is not None:
+            offered = self._offered(scope)
+            if offered is not None and hmac.compare_digest(offered.encode(),
+                                                           self.token.encode()):
+                await _remember(send, self.token)
+                return
+            if not self._carries_token(headers):
+                await _forbid(send, "admin token required: open /?token=TOKEN once, or send "
+                                    "Authorization: Bearer TOKEN", 401)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _offered(scope: Scope) -> str | None:
+        raw: bytes = scope.get("query_string", b"")
+        offered = parse_qs(raw.decode("latin-1")).get("token", [])
+        return offered[0] if offered else None
+
+    def _carries_token(self, headers: Headers) -> bool:
+        assert self.token is not None
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        cookie = cookie_parser(headers.get("cookie", "")).get(TOKEN_COOKIE, "")
+        given = bearer if scheme.lower() == "bearer" and bearer else cookie
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+
+async def _remember(send: Send, token: str) -> None:
+    """303 to `/`, setting the token's cookie (so the token leaves the address bar)."""
+    cookie = f"{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", b"/"), (b"set-cookie", cookie.encode()),
+                            (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _forbid(send: Send, message: str, status: int = 403) -> None:
+    body = msgspec.json.encode({"error": message, "status": status})
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

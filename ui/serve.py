@@ -25,12 +25,18 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
-from services.contract.access import token_from_env
+from services.contract.access import (
+    allowed_hosts,
+    is_loopback,
+    require_token_beyond_loopback,
+    token_from_env,
+)
 from ui.app import build_app
 from ui.compare import CompareSource, build_compare_app
 from ui.config import DashboardConfig
 from ui.controls import ControlClient, HttpControlClient
 from ui.errors import UiConfigError
+from ui.guard import AccessGuard
 from ui.hub import EventHub, EventSource, NoSource
 from ui.replay import Sleep
 
@@ -54,12 +60,18 @@ async def serve_ui(
     config: DashboardConfig | None = None,
     replay_dirs: tuple[Path, ...] = (),
     replay_sleep: Sleep = anyio.sleep,
+    admin_token: str | None = None,
+    names: Sequence[str] = (),
     task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serves the dashboard until cancelled; reports the bound (host, port) when listening.
 
     `replay_sleep` waits wall seconds for the replays (see `build_app`). A source that
-    compares deployments (ui.compare's `CompareSource`) gets the compare page instead."""
+    compares deployments (ui.compare's `CompareSource`) gets the compare page instead.
+    Requests must name the dashboard in their Host (a loopback name, `host` or one of
+    `names`: where it is dialled); beyond loopback every request needs `admin_token`
+    (ui.guard.AccessGuard), and without one the dashboard refuses to start."""
+    require_token_beyond_loopback(host, admin_token, "the dashboard")
     if isinstance(source, CompareSource):
         app = build_compare_app(source, controls, config=config)
         hubs = list(app.state.hubs.values())
@@ -72,8 +84,10 @@ async def serve_ui(
         for hub in hubs:
             hub.close()
 
+    guarded = AccessGuard(app, hosts=allowed_hosts(host, *names),
+                          token=None if is_loopback(host) else admin_token)
     # Ending the feeds first lets every open event stream finish within the grace.
-    await serve_http(app, host, port, log_name="ui.http", before_stop=close_feeds,
+    await serve_http(guarded, host, port, log_name="ui.http", before_stop=close_feeds,
                      task_status=task_status)
 
 
@@ -96,7 +110,8 @@ async def serve_dashboard(
     except msgspec.ValidationError as exc:
         raise UiConfigError(f"dashboard options: {exc}") from exc
     await serve_ui(host, port, source, controls, config=config, replay_dirs=replay_dirs,
-                   replay_sleep=replay_sleep, task_status=task_status)
+                   replay_sleep=replay_sleep, admin_token=token_from_env(),
+                   task_status=task_status)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +140,8 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
         async with anyio.create_task_group() as tasks:
             dirs = tuple(args.replay_dir)
             tasks.start_soon(
-                partial(serve_ui, config=config, replay_dirs=dirs),
+                partial(serve_ui, config=config, replay_dirs=dirs,
+                        admin_token=token_from_env()),
                 args.host, args.port, source, controls,
             )
             # SIGTERM (honcho) and SIGINT end it in order: streams closed, server drained.

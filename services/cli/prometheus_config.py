@@ -35,6 +35,7 @@ from services.cli.prometheus_rules import (
 )
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.router.config import router_config
+from services.service import http_dial_host
 
 DEFAULT_INTERVAL = "5s"
 
@@ -48,29 +49,19 @@ class Target(msgspec.Struct, frozen=True):
     address: str  # host:port
 
 
-# Addresses a server binds to that are no address to scrape: the service's host is.
-_ANY = frozenset({"0.0.0.0", "::", ""})
-
-
 def _endpoints(spec: ServiceSpec) -> list[str]:
     """host:port of each /metrics the service serves (services/service.py serve_metrics,
     services/router/openai.py, netem/control.py, ui/app.py)."""
     options = spec.options
-
-    def at(bound: str, port: object) -> str:
-        return f"{spec.host if bound in _ANY else bound}:{port}"
-
     found = []
     if spec.kind == "router":
-        config = router_config(options)
-        found.append(at(config.http_host, config.http_port))
+        found.append(f"{http_dial_host(spec)}:{router_config(options).http_port}")
     elif spec.kind == "link":
-        found.append(at(spec.host, options.get("control_port", 8474)))
+        found.append(f"{spec.host}:{options.get('control_port', 8474)}")
     elif spec.kind == "ui":
-        found.append(at(str(options.get("http_host", spec.host)),
-                        options.get("http_port", 8080)))
+        found.append(f"{http_dial_host(spec)}:{options.get('http_port', 8080)}")
     if options.get("metrics_port"):
-        found.append(at(spec.host, options["metrics_port"]))
+        found.append(f"{spec.host}:{options['metrics_port']}")
     return found
 
 

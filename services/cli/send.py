@@ -30,6 +30,7 @@ from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
 from mesh.wire import Codec
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH, TOPOLOGY_ENV
+from services.contract.access import service_secret
 from services.contract.errors import DataPathError
 from services.contract.messages import (
     CODEC_MESSAGES,
@@ -208,7 +209,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 async def _send(args: argparse.Namespace, topology: Topology) -> SendReport:
-    node = Node(f"send-{os.getpid()}", Codec(CODEC_MESSAGES), TcpTransport(), topology.address)
+    node = Node(f"send-{os.getpid()}", Codec(CODEC_MESSAGES), TcpTransport(), topology.address,
+                secret=service_secret(topology))
     async with node:
         state = await node.call(args.decode, StatusQuery(), WorkerState, timeout=args.timeout)
         tokenizer = pick_tokenizer(state.model)

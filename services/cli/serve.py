@@ -8,7 +8,9 @@ the runner (an entry point of group `prfaas.runners`, loaded lazily), its option
 (service options override
 its cluster's). Every runner gets a `ServiceContext`: the topology, its own spec, the mode, and
 the means to build mesh nodes that find their peers - directly inside a cluster, through the
-link's proxy port across clusters (`resolve_from`). Once listening, a service prints one line
+link's proxy port across clusters (`resolve_from`), and the mesh's secret
+(services.contract.access.service_secret): a service that would listen beyond loopback
+without one refuses to start. Once listening, a service prints one line
 `ready NAME HOST:PORT` on stdout, which launchers (services.cli.launch: tests, benchmarks) wait for.
 """
 
@@ -27,10 +29,12 @@ import anyio
 import anyio.abc
 
 from mesh.errors import ConfigError, MeshError
+from mesh.membership import require_secret_beyond_loopback
 from mesh.run import BACKENDS, Backend, run
 from mesh.topology import Topology, load_topology
 from mesh.transport import Address
 from services.cli.lifeline import die_with_parent
+from services.contract.access import service_secret
 from services.service import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -99,7 +103,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         text = DEFAULT_TOPOLOGY_PATH.read_text(encoding="utf-8")
         topology = load_topology(args.topology or os.environ.get(TOPOLOGY_ENV) or None, text)
         ctx = ServiceContext(topology, topology.service(args.name), args.mode, args.time_scale,
-                             announce=_announce)
+                             announce=_announce, secret=service_secret(topology))
+        require_secret_beyond_loopback(ctx.spec.bind_host, ctx.secret)
         run_ = runner_for(ctx.spec.kind)
     except MeshError as exc:
         print(f"prfaas serve: {exc}", file=sys.stderr)

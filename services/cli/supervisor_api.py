@@ -39,12 +39,13 @@ def _json(value: object, status: int = 200) -> Response:
 
 
 class _Api:
-    def __init__(self, supervisor: Supervisor, token: str | None) -> None:
-        self.supervisor, self.token = supervisor, token
+    def __init__(self, supervisor: Supervisor, token: str | None,
+                 hosts: frozenset[str] | None) -> None:
+        self.supervisor, self.token, self.hosts = supervisor, token, hosts
 
     def _check(self, request: Request) -> None:
         own = f"{request.url.scheme}://{request.url.netloc}"
-        refusal = check_admin(request.headers, self.token, own)
+        refusal = check_admin(request.headers, self.token, own, self.hosts)
         if refusal is not None:
             raise SupervisorError(refusal.status, refusal.message)
 
@@ -75,8 +76,10 @@ async def _error(request: Request, exc: Exception) -> Response:
     return _json({"error": str(exc), "status": status}, status)
 
 
-def supervisor_app(supervisor: Supervisor, token: str | None) -> Starlette:
-    api = _Api(supervisor, token)
+def supervisor_app(supervisor: Supervisor, token: str | None,
+                   hosts: frozenset[str] | None = None) -> Starlette:
+    """The control API; `hosts`: the Host names it answers (allowed_hosts; None: any)."""
+    api = _Api(supervisor, token, hosts)
     routes = [
         Route("/processes", api.processes, methods=["GET"]),
         Route("/processes/{name}", api.process, methods=["GET"]),

@@ -1,4 +1,5 @@
-"""Who may change the mesh: the admin token and the Origin rule, shared by every admin API.
+"""Who may change the mesh: the admin token and the Origin rule, shared by every admin API;
+and who may join it: the mesh's shared secret.
 
 One token per run (`prfaas up` generates it and passes it to every child in
 PRFAAS_ADMIN_TOKEN): the router's `/admin/*` routes, the supervisor's control API and the
@@ -8,6 +9,13 @@ loopback refuses to start without one; on loopback it is optional but honoured w
 The Origin rule stops a web page from driving an admin API through the browser of someone
 on the machine (cross-site request forgery): a request that carries an Origin header must
 come from the API's own origin. Server-side callers (the dashboard's proxy, curl) send none.
+The Host rule stops DNS rebinding (a page whose name is made to resolve to 127.0.0.1 is
+same-origin with itself, so the Origin rule passes it): the request's Host must name the API
+(a loopback name, its bind address or the address it is dialled at), whatever the port.
+
+The mesh's secret (mesh.membership: every connection proves it in its handshake) comes from
+where the topology's `[mesh]` section says, else from PRFAAS_MESH_SECRET; `prfaas up`
+generates one per run when neither gives one. Without one a service listens on loopback only.
 """
 
 from __future__ import annotations
@@ -16,15 +24,25 @@ import hmac
 import ipaddress
 import os
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 import msgspec
 
 from mesh.errors import ConfigError
+from mesh.membership import check_secret
+from mesh.topology import Topology, mesh_secret
 
 TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
+# A shorter token is refused: it could be guessed (netem's control API holds the same rule).
+MIN_TOKEN = 16
+# The mesh's secret when the topology's [mesh] section names no source of its own.
+MESH_SECRET_ENV = "PRFAAS_MESH_SECRET"
 # Where the supervisor's control API listens (`prfaas up` sets it for its children).
 SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
 AUTHORIZATION = "authorization"
+# Addresses a server binds to that are no address to dial: the service's host is.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -35,9 +53,27 @@ class Refusal(msgspec.Struct, frozen=True):
 
 
 def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The run's admin token, or None when none is set (an empty value counts as none)."""
+    """The run's admin token, or None when none is set (an empty value counts as none);
+    ConfigError when it is shorter than MIN_TOKEN or not one word of printable ASCII."""
     value = (os.environ if environ is None else environ).get(TOKEN_ENV, "")
+    if value and len(value) < MIN_TOKEN:
+        # Not echoed: the message would put the token into logs.
+        raise ConfigError(f"{TOKEN_ENV} must be at least {MIN_TOKEN} characters, got "
+                          f"{len(value)}")
+    if value and not (value.isascii() and value.isprintable() and " " not in value):
+        # A bearer credential is one word of printable ASCII.
+        raise ConfigError(f"{TOKEN_ENV} must be printable ASCII without spaces")
     return value or None
+
+
+def service_secret(topology: Topology, environ: Mapping[str, str] | None = None
+                   ) -> bytes | None:
+    """The mesh's secret: the topology's (`[mesh]`), else MESH_SECRET_ENV's, else None."""
+    environ = os.environ if environ is None else environ
+    if topology.mesh.configured:
+        return mesh_secret(topology, environ)
+    value = environ.get(MESH_SECRET_ENV, "")
+    return check_secret(value.encode()) if value else None
 
 
 def is_loopback(host: str) -> bool:
@@ -60,8 +96,33 @@ def bearer_headers(token: str | None) -> dict[str, str]:
     return {} if token is None else {AUTHORIZATION: f"Bearer {token}"}
 
 
-def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str) -> Refusal | None:
-    """None when the request may act; else why not. `headers` keys are lower case."""
+def allowed_hosts(bind: str, *names: str) -> frozenset[str] | None:
+    """The Host names an HTTP API bound to `bind` answers: the loopback names, `bind` and
+    `names` (where it is dialled). None (any) when it binds every address: beyond loopback
+    the admin token, required there, is its guard."""
+    if bind in WILDCARD_HOSTS:
+        return None
+    named = {name.lower() for name in names if name not in WILDCARD_HOSTS}
+    return LOOPBACK_NAMES | {bind.lower()} | named
+
+
+def host_allowed(host: str | None, allowed: frozenset[str] | None) -> bool:
+    """Whether a request's Host header (any port) names one of `allowed` (None: any)."""
+    if allowed is None:
+        return True
+    try:
+        name = urlsplit(f"//{host}").hostname if host else None
+    except ValueError:
+        return False
+    return name in allowed
+
+
+def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str,
+                hosts: frozenset[str] | None = None) -> Refusal | None:
+    """None when the request may act; else why not. `headers` keys are lower case; `hosts`:
+    the Host names the API answers (allowed_hosts; None: any)."""
+    if not host_allowed(headers.get("host"), hosts):
+        return Refusal(403, f"Host {headers.get('host')!r} is not this API's (DNS rebinding?)")
     origin = headers.get("origin")
     if origin is not None and origin != own_origin:
         return Refusal(403, f"cross-origin admin request from {origin!r} refused")

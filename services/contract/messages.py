@@ -21,7 +21,7 @@ services.contract.errors.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -30,6 +30,9 @@ from services.contract.events import EVENT_TYPES
 from services.contract.prefix import BlockHash
 from services.contract.sampling import Sampling, TokenLogprob
 from services.contract.types import Role
+
+# The most events a service buffers for one subscriber (Subscribe.maxlen).
+MAX_SUBSCRIBE_MAXLEN = 65536
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -365,9 +368,11 @@ class ReportCache(msgspec.Struct, frozen=True, tag=True):
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Open a stream of this service's dashboard events (services.contract.events) from now on."""
+    """Open a stream of this service's dashboard events (services.contract.events) from now on;
+    the service buffers up to `maxlen` of them for this subscriber (1..MAX_SUBSCRIBE_MAXLEN:
+    a peer cannot make it hold an unbounded backlog)."""
 
-    maxlen: int = 1024
+    maxlen: Annotated[int, msgspec.Meta(ge=1, le=MAX_SUBSCRIBE_MAXLEN)] = 1024
 
 
 class Echo(msgspec.Struct, frozen=True, tag=True, kw_only=True):

@@ -3,8 +3,10 @@
 `prfaas serve link-0` runs `netem.serve_link` with one proxy route per worker of the link's
 receiving cluster (`services.cli.serve.link_routes`, the same table the senders' resolvers use),
 shaped to the topology's bandwidth and delay; the control API (Toxiproxy-style, and
-`/metrics`) listens on options.control_port. A mesh node on the service's own port serves
-the event stream, where a `LinkStats` sample is published every options.stats_interval s.
+`/metrics`) listens on options.control_port; both on the service's bind host. Changes through
+the control API need the run's admin token when one is set (PRFAAS_ADMIN_TOKEN). A mesh
+node on the service's own port serves the event stream, where a `LinkStats` sample is
+published every options.stats_interval s.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from netem.control import serve_link
 from netem.params import LinkParams
 from netem.proxy import ProxyConfig, ProxyStatistics, Route
 from netem.shaper import LinkStatistics
+from services.contract.access import token_from_env
 from services.contract.events import Event, LinkStats
 from services.service import ServiceContext, link_routes, link_service_of, serve_events
 
@@ -37,8 +40,10 @@ def link_of_service(ctx: ServiceContext) -> LinkSpec:
 
 
 def proxy_routes(ctx: ServiceContext, link: LinkSpec) -> list[Route]:
+    """The link's routes, each listening on this service's bind host (senders dial its host)."""
     return [Route(listen_port=r.listen.port, upstream_port=r.upstream.port,
-                  listen_host=r.listen.host, upstream_host=r.upstream.host, reverse=r.reverse)
+                  listen_host=ctx.spec.bind_host, upstream_host=r.upstream.host,
+                  reverse=r.reverse)
             for r in link_routes(ctx.topology, link)]
 
 
@@ -82,6 +87,7 @@ async def run_link(
         address = await node.listen()
         endpoints = await tg.start(lambda task_status: serve_link(
             routes, params, ctx.option("control_port", 8474), name=link.name,
+            control_host=ctx.spec.bind_host, admin_token=token_from_env(),
             on_stats=publish, stats_interval_s=ctx.option("stats_interval", 1.0),
             config=proxy_config(ctx), task_status=task_status,
         ))

@@ -78,7 +78,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The router service's options in the topology (all optional)."""
 
-    http_host: str = "127.0.0.1"
+    # "": the router service's bind host (services.service.http_bind_host).
+    http_host: str = ""
     http_port: int = 8000
     policy: str = "prfaas"
     # Router tokens per paper token: scales t (the paper's t*), prfaas-dynamic's model

@@ -86,7 +86,12 @@ from mesh.errors import ConfigError
 from mesh.http import serve_http
 from mesh.metrics import register_process
 from mesh.transport import Address
-from services.contract.access import check_admin, require_token_beyond_loopback, token_from_env
+from services.contract.access import (
+    allowed_hosts,
+    check_admin,
+    require_token_beyond_loopback,
+    token_from_env,
+)
 from services.contract.sampling import Sampling
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.config import RouterConfig, link_ends, router_config
@@ -103,7 +108,7 @@ from services.router.requests import (
     TokenRecord,
 )
 from services.router.scheduler import Scheduler, SchedulerCollector, WorkerTable
-from services.service import ServiceContext, serve_events
+from services.service import ServiceContext, http_bind_host, serve_events
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +170,13 @@ class RouterApp:
     """The Quart app over one scheduler, its control plane and its demo workload."""
 
     def __init__(self, scheduler: Scheduler, control: RouterControl, workload: DemoWorkload,
-                 limits: Limits, admin_token: str | None = None) -> None:
+                 limits: Limits, admin_token: str | None = None,
+                 hosts: frozenset[str] | None = None) -> None:
         self.scheduler, self.control, self.workload = scheduler, control, workload
         self.limits = limits
         self.admin_token = admin_token
+        # The Host names /admin/* answers (services.contract.access.allowed_hosts; None: any).
+        self.hosts = hosts
         self.registry = CollectorRegistry(auto_describe=False)
         register_process(self.registry)
         self.registry.register(SchedulerCollector(scheduler))
@@ -202,11 +210,13 @@ class RouterApp:
         app.register_error_handler(Exception, self._internal_error)
 
     async def _check_admin(self) -> None:
-        """/admin/*: the run's admin token when one is set, and no foreign Origin."""
+        """/admin/*: the run's admin token when one is set, one of its own Host names, and no
+        foreign Origin."""
         if not request.path.startswith("/admin/"):
             return
         headers = {key.lower(): value for key, value in request.headers.items()}
-        refusal = check_admin(headers, self.admin_token, f"{request.scheme}://{request.host}")
+        refusal = check_admin(headers, self.admin_token, f"{request.scheme}://{request.host}",
+                              self.hosts)
         if refusal is not None:
             raise AdminError(refusal.status, refusal.message)
 
@@ -932,8 +942,9 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
         raise ConfigError("the router needs --backend uvloop or asyncio (Quart is asyncio-only, "
                           "docs/engineering-notes.md G6), not trio")
     config = router_config(ctx.spec.options)
+    http_host = http_bind_host(ctx.spec)
     admin_token = token_from_env()
-    require_token_beyond_loopback(config.http_host, admin_token, "the router's admin API")
+    require_token_beyond_loopback(http_host, admin_token, "the router's admin API")
     scheduler = build_scheduler(ctx, config)
     serve_events(scheduler.node, scheduler.events)
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
@@ -946,12 +957,13 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
                                 link_probes=[http_link_probe(client, url, name)
                                              for name, url in urls.items()],
                                 policy_options=config.policy_options())
-        app = RouterApp(scheduler, control, workload, limits, admin_token)
+        app = RouterApp(scheduler, control, workload, limits, admin_token,
+                        allowed_hosts(http_host, ctx.spec.host))
         address = await scheduler.node.listen()
         await group.start(scheduler.run)
         await group.start(control.run)
         group.start_soon(workload.run)
         host, port = await group.start(partial(
-            serve_http, app.app, config.http_host, config.http_port, log_name="router.http"))
+            serve_http, app.app, http_host, config.http_port, log_name="router.http"))
         log.info("router: OpenAI API on http://%s:%d/v1, policy %s", host, port, config.policy)
         task_status.started(address)
