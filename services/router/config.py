@@ -96,6 +96,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_stall_s: float = KV_STALL_S
     model: str = "prfaas"
     tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
+    # Where the router's OpenTelemetry spans go (an OTLP/HTTP traces URL); "": the standard
+    # OTEL_EXPORTER_OTLP_* variables decide, and without them tracing is off
+    # (services/contract/tracing.py).
+    otlp_endpoint: str = ""
     # Each policy's own options (fields of its config type) over the defaults that
     # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
     # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".
