@@ -67,6 +67,10 @@ end-to-end time, the time queued at the prefill worker, the time per output toke
 completion lengths; and by cluster, the prompt tokens looked up in the prefill worker's prefix
 cache and those found there. The names, units and buckets are vLLM's and NVIDIA Dynamo's
 habits (docs/observability.md); the buckets are services/service.py's.
+
+Traces (services/contract/tracing.py, with tracing on): the scheduler gives a request its
+span; the runner adds a span per attempt, whose traceparent the prefill and decode requests
+carry to the workers, a span per migration, and the first token as an event.
 """
 
 from __future__ import annotations
@@ -735,8 +739,7 @@ class RequestRunner:
         """`_migrate` inside a `migration` span: from the break to the next attempt placed
         (its lookup and decision are the span's children), or to the error that ends it."""
         assert self.tracer is not None
-        failed_on = handle.placement
-        found = breakage(broken, failed_on)
+        found = breakage(broken, handle.placement)
         with self.tracer.span("migration", handle.trace, {
                 "prfaas.migration.reason": found[0] if found else "none",
                 "prfaas.migration.failed_worker": found[1] if found else "",
