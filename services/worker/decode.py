@@ -50,6 +50,10 @@ mailbox (`tokens`) and sends each list as one `TokenChunk` (`token_chunk`). A re
 wants its text whole (`DecodeRequest.incremental` false: a non-streamed completion) has its
 tokens after the first held until its finish, or until `HELD_TOKENS` are held: two messages
 for a short answer instead of one per step, on the worker's side and on the reader's.
+
+With tracing on (services/contract/tracing.py) a decode stream whose request carries a
+traceparent is a `decode` span, with the KV's arrival and import and the wait for a place in
+the batch as children, and its first token as an event.
 """
 
 from __future__ import annotations

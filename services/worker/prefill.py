@@ -21,6 +21,9 @@ One job computes at a time, in arrival order (prefill saturates the compute). Fo
    stored and evicted blocks to the cache directory.
 
 Lanes are separate mesh nodes (one TCP connection each, the same peer), given by the caller.
+
+With tracing on (services/contract/tracing.py) a job whose request carries a traceparent is a
+`prefill` span, with its wait for the compute slot, its compute and each lane as children.
 """
 
 from __future__ import annotations
