@@ -734,6 +734,8 @@ def test_page_model_keeps_its_bounds_under_a_flood_of_events() -> None:
     assert out["waterfallOpen"] == [1, 2, 3, 9]  # a phase still open runs until now
     assert out["slider"] == [2e9, 575, 1e7, 1e11]
     assert out["migrated"] == [1, 2, 1]  # a migrated request's attempts: one timeline
+    # A traced request's timeline names its trace (RequestDone.trace_id); an untraced one not.
+    assert (out["traced"], out["untraced"]) == ("failed: x · trace 4bf92f35", "failed: x")
 
 
 def health(queued: list[int], ttft: list[float | None]) -> list[dict[str, Any]]:

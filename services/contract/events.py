@@ -42,6 +42,9 @@ class RoutingDecision(Event, frozen=True, tag="decision"):
     decode_worker: str
     bandwidth_scarce: bool
     reason: str  # one line a student can read
+    # The request's OpenTelemetry trace (32 hex digits; "" when tracing is off), to find it
+    # in Jaeger or Tempo (docs/observability.md, "Traces").
+    trace_id: str = ""
 
 
 class KVFlow(Event, frozen=True, tag="kvflow"):
@@ -112,6 +115,7 @@ class RequestDone(Event, frozen=True, tag="done"):
     cached_tokens: int
     ok: bool
     error: str = ""
+    trace_id: str = ""  # as in RoutingDecision
 
 
 MigrationReason = Literal["decode_lost", "prefill_lost", "kv_stalled", "kv_cut"]

@@ -77,6 +77,9 @@ class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # its lookup's): the worker hashes only the blocks after them, and checks the last one
     # (services.contract.prefix.check_chain_end). Empty: the worker hashes the whole prompt.
     hashes: list[BlockHash] = []
+    # The W3C traceparent of the router's span for this attempt (services/contract/tracing.py): the
+    # worker's spans join the request's trace. Empty: not traced.
+    trace: str = ""
 
 
 class PrefixPull(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +152,8 @@ class DecodeRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # The prompt's first blocks' hash chain, as in PrefillRequest: the worker hashes only the
     # rest of the prompt and its output when it keeps the finished cache.
     hashes: list[BlockHash] = []
+    # The W3C traceparent of the router's span for this attempt, as in PrefillRequest.
+    trace: str = ""
 
 
 class TokenChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):

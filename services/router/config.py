@@ -104,6 +104,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # dotted keys in a topology: "link_estimator.window_s". Its `provisioned_bps` is the rate
     # the line was bought at, if the operator says so (never read from the link itself).
     link_estimator: EstimatorConfig = EstimatorConfig()
+    # Where the router's OpenTelemetry spans go (an OTLP/HTTP traces URL); "": the standard
+    # OTEL_EXPORTER_OTLP_* variables decide, and without them tracing is off
+    # (services/contract/tracing.py).
+    otlp_endpoint: str = ""
     # Each policy's own options (fields of its config type) over the defaults that
     # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
     # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".

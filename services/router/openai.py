@@ -67,10 +67,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from functools import partial
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -93,6 +93,7 @@ from services.contract.access import (
     token_from_env,
 )
 from services.contract.sampling import Sampling
+from services.contract.tracing import Tracer, tracer_for
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.config import RouterConfig, link_ends, router_config
 from services.router.control import ControlConfig, RouterControl, http_link_probe, link_urls
@@ -110,9 +111,13 @@ from services.router.requests import (
 from services.router.scheduler import Scheduler, SchedulerCollector, WorkerTable
 from services.service import ServiceContext, http_bind_host, serve_events
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 log = logging.getLogger(__name__)
 
 CLUSTER_HEADER = "x-prfaas-cluster"
+TRACEPARENT = "traceparent"  # W3C trace context: a client's trace continues in the mesh
 # A request body at least this large is decoded, checked and tokenized in a worker thread,
 # not on the event loop, where a long prompt's encoding would stall every other request's
 # token stream as long; from a thread the loop gets the GIL back at least every switch
@@ -221,21 +226,49 @@ class RouterApp:
             raise AdminError(refusal.status, refusal.message)
 
     async def completions(self) -> Response:
-        raw = await request.get_data(True, False, False)
-        generation = await self._parse(raw, CompletionRequest, completion_generation)
-        return await self._generate("completion", generation,
-                                    unknown_fields(raw, CompletionRequest))
+        if self.scheduler.tracer is not None:
+            return await self._traced(self._completions)
+        return await self._completions(None)
 
     async def chat(self) -> Response:
+        if self.scheduler.tracer is not None:
+            return await self._traced(self._chat)
+        return await self._chat(None)
+
+    async def _completions(self, span: Span | None) -> Response:
         raw = await request.get_data(True, False, False)
-        generation = await self._parse(raw, ChatCompletionRequest, chat_generation)
-        return await self._generate("chat", generation, unknown_fields(raw, ChatCompletionRequest))
+        generation = await self._parse(raw, CompletionRequest, completion_generation, span)
+        return await self._generate("completion", generation,
+                                    unknown_fields(raw, CompletionRequest), span)
+
+    async def _chat(self, span: Span | None) -> Response:
+        raw = await request.get_data(True, False, False)
+        generation = await self._parse(raw, ChatCompletionRequest, chat_generation, span)
+        return await self._generate("chat", generation, unknown_fields(raw, ChatCompletionRequest),
+                                    span)
+
+    async def _traced(self, handler: Callable[[Span], Awaitable[Response]]) -> Response:
+        """`handler` inside the HTTP request's span, which continues the client's trace when
+        it sent a W3C `traceparent` header. A streamed response's span ends as its stream
+        begins; each choice's `request` span, its child, runs to the last token."""
+        assert self.scheduler.tracer is not None
+        with self.scheduler.tracer.span(
+                f"{request.method} {request.path}", request.headers.get(TRACEPARENT, ""),
+                {"http.request.method": request.method, "url.path": request.path},
+                kind="server") as span:
+            response = await handler(span)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
 
     async def _parse(self, raw: bytes, kind: type[R],
-                     build: Callable[[R, TokenizerLike, Limits], GenerationRequest]
-                     ) -> GenerationRequest:
-        """The body's generation request (its prompt tokenized); in a worker thread from
-        THREAD_BODY_BYTES on. Its errors (400s) are raised here either way."""
+                     build: Callable[[R, TokenizerLike, Limits], GenerationRequest],
+                     span: Span | None = None) -> GenerationRequest:
+        """The body's generation request (its prompt tokenized, in a `tokenize` span under
+        `span` if given); in a worker thread from THREAD_BODY_BYTES on. Its errors (400s) are
+        raised here either way."""
+        if span is not None:
+            return await self._traced_parse(raw, kind, build, span)
+
         def parse() -> GenerationRequest:
             return build(decode_request(raw, kind), self.scheduler.tokenizer, self.limits)
         if len(raw) < THREAD_BODY_BYTES:
@@ -244,12 +277,22 @@ class RouterApp:
             self._parse_threads = anyio.CapacityLimiter(PARSE_THREADS)
         return await anyio.to_thread.run_sync(parse, limiter=self._parse_threads)
 
-    async def _submit(self, generation: GenerationRequest) -> list[RequestHandle]:
+    async def _traced_parse(self, raw: bytes, kind: type[R],
+                            build: Callable[[R, TokenizerLike, Limits], GenerationRequest],
+                            span: Span) -> GenerationRequest:
+        assert self.scheduler.tracer is not None
+        with self.scheduler.tracer.span("tokenize", span, {"prfaas.body_bytes": len(raw)}) as step:
+            generation = await self._parse(raw, kind, build)
+            step.set_attribute("gen_ai.usage.input_tokens", len(generation.prompt))
+            return generation
+
+    async def _submit(self, generation: GenerationRequest,
+                      span: Span | None = None) -> list[RequestHandle]:
         """One handle per choice; a choice refused (the router is full) cancels the others."""
         handles: list[RequestHandle] = []
         try:
             for choice in generation.choices():
-                handles.append(await self.scheduler.submit(choice))
+                handles.append(await self.scheduler.submit(choice, span))
         except BaseException:
             for handle in handles:
                 handle.cancel()
@@ -257,8 +300,8 @@ class RouterApp:
         return handles
 
     async def _generate(self, kind: Kind, generation: GenerationRequest,
-                        ignored: list[str]) -> Response:
-        handles = await self._submit(generation)
+                        ignored: list[str], span: Span | None = None) -> Response:
+        handles = await self._submit(generation, span)
         responder = Responder(kind, handles, generation.model, generation.echo_text,
                               generation.continuous_usage)
         first = handles[0].placement
@@ -922,12 +965,13 @@ def completion_logprobs(records: Sequence[TokenRecord] | None,
         text_offset=[r.offset + shift for r in records])
 
 
-def build_scheduler(ctx: ServiceContext, config: RouterConfig) -> Scheduler:
+def build_scheduler(ctx: ServiceContext, config: RouterConfig,
+                    tracer: Tracer | None = None) -> Scheduler:
     """The router's scheduler over the topology's workers, its policy from `config`."""
     tokenizer: TokenizerLike = ByteTokenizer() if config.tokenizer == "byte" else load_default()
     policy = create_policy(config.policy, config.policy_options().get(config.policy))
     return Scheduler(ctx.node(), policy, WorkerTable.from_topology(ctx.topology), tokenizer,
-                     config.scheduler_config(link_ends(ctx.topology)))
+                     config.scheduler_config(link_ends(ctx.topology)), tracer=tracer)
 
 
 async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = (
@@ -945,7 +989,7 @@ async def run_router(ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[A
     http_host = http_bind_host(ctx.spec)
     admin_token = token_from_env()
     require_token_beyond_loopback(http_host, admin_token, "the router's admin API")
-    scheduler = build_scheduler(ctx, config)
+    scheduler = build_scheduler(ctx, config, tracer_for(ctx.name, config.otlp_endpoint))
     serve_events(scheduler.node, scheduler.events)
     workload = DemoWorkload(scheduler, corpus_tokens(scheduler.tokenizer), WorkloadConfig(
         scale=config.scale, max_prompt=config.max_context - 64))

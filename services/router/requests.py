@@ -67,6 +67,10 @@ end-to-end time, the time queued at the prefill worker, the time per output toke
 completion lengths; and by cluster, the prompt tokens looked up in the prefill worker's prefix
 cache and those found there. The names, units and buckets are vLLM's and NVIDIA Dynamo's
 habits (docs/observability.md); the buckets are services/service.py's.
+
+Traces (services/contract/tracing.py, with tracing on): the scheduler gives a request its
+span; the runner adds a span per attempt, whose traceparent the prefill and decode requests
+carry to the workers, a span per migration, and the first token as an event.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import anyio
 import msgspec
@@ -104,6 +108,7 @@ from services.contract.messages import (
     TokenChunk,
 )
 from services.contract.sampling import Sampling, TokenLogprob
+from services.contract.tracing import Tracer, failed, traceparent
 from services.contract.types import Cluster, Phase
 from services.model.sampling import continued_seed
 from services.model.tokenizer import TokenizerLike
@@ -117,6 +122,9 @@ from services.router.errors import (
 )
 from services.router.policies import Decision
 from services.service import SECONDS_BUCKETS, TOKENS_BUCKETS
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 _REPLACEMENT = "\ufffd"
 REQUEST_LABELS = ("cluster", "policy")
@@ -416,6 +424,9 @@ class RequestHandle:
         # Its histograms (`RequestMetrics`), set by the scheduler that places it.
         self.series: RequestSeries | None = None
         self.outbox = PendingDeltas()
+        # With tracing on (services/contract/tracing.py): its span, and its running migration's.
+        self.trace: Span | None = None
+        self.migration_trace: Span | None = None
 
     def cancel(self) -> None:
         self.scope.cancel()
@@ -635,10 +646,12 @@ class RequestRunner:
 
     def __init__(self, node: Node, prefilled: Callable[[str], None], tokenizer: TokenizerLike,
                  config: SchedulerConfig, events: EventBus[Event],
-                 clock: Callable[[], float], replace: Replace | None = None) -> None:
+                 clock: Callable[[], float], replace: Replace | None = None, *,
+                 tracer: Tracer | None = None) -> None:
         self.node, self._prefilled, self.tokenizer = node, prefilled, tokenizer
         self.config, self.events, self.clock = config, events, clock
         self._replace = replace
+        self.tracer = tracer
         self._migrations: dict[str, int] = {}
         self._gave_up = self._resumed = 0
         self._resume_s = 0.0
@@ -658,7 +671,10 @@ class RequestRunner:
                 break
             except DataPathBroken as broken:
                 broken_at[:] = [self.clock()]
-                await self._migrate(handle, broken, kept, avoid)
+                if handle.trace is None:
+                    await self._migrate(handle, broken, kept, avoid)
+                else:
+                    await self._traced_migrate(handle, broken, kept, avoid)
         handle.prefill = driven.prefill
         handle.outbox.put(assembler.finish())
         prompt = len(request.prompt)
@@ -676,27 +692,69 @@ class RequestRunner:
         # A whole (non-streamed) answer without stop strings needs no token before the last
         # but the first (its time is the TTFT): the worker sends the rest at the finish.
         # Only KV that crosses a link has a stall bound: within a cluster a wait is a queue.
+        span = None if handle.trace is None else self._attempt_span(handle)
+        trace = "" if span is None else traceparent(span)
         decode = DecodeRequest(request_id=p.wire_id, prompt=prompt, sampling=sampling,
                                kv_timeout=cfg.kv_timeout_s,
                                incremental=request.stream or bool(request.stop),
                                kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0,
-                               hashes=p.hashes)
+                               hashes=p.hashes, trace=trace)
         handle.awaiting_kv = True
         scope = handle.attempt_scope = native.deadline_scope()
         with scope:
             try:
                 return await drive(
-                    self.node, p.prefill_worker, self._prefill_request(handle, prompt, sampling),
+                    self.node, p.prefill_worker,
+                    self._prefill_request(handle, prompt, sampling, trace),
                     p.decode_worker, decode, timeout=cfg.request_timeout_s,
                     on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
                     on_prefilled=lambda: self._prefilled(p.prefill_worker),
                     grace_s=GRACE_S)
+            except BaseException as exc:
+                if span is not None:
+                    failed(span, exc)
+                raise
             finally:
                 handle.attempt_scope, handle.awaiting_kv = None, False
+                if span is not None:
+                    span.end()
         # Interrupted (Scheduler.observe_link): the link its KV crosses has stalled.
         stalled = KVStalled(f"the link from {p.prefill_worker} to {p.decode_worker} stalled "
                             f"with the KV of {p.wire_id} on it")
         raise DataPathBroken(str(stalled), prefill=None, decode=stalled)
+
+    def _attempt_span(self, handle: RequestHandle) -> Span:
+        """The span of the request's attempt on its placement (its workers' spans' parent)."""
+        assert self.tracer is not None and handle.trace is not None
+        p = handle.placement
+        return self.tracer.start(f"attempt {p.attempt}", handle.trace, {
+            "prfaas.attempt": p.attempt, "prfaas.attempt_id": p.wire_id,
+            "prfaas.cluster": p.cluster, "prfaas.prefill_worker": p.prefill_worker,
+            "prfaas.decode_worker": p.decode_worker, "prfaas.lanes": p.lanes,
+            "prfaas.cached_tokens": p.cached_tokens,
+            "prfaas.decode_has_tokens": p.decode_has_tokens}, kind="client")
+
+    async def _traced_migrate(self, handle: RequestHandle, broken: DataPathBroken,
+                              kept: list[int], avoid: set[str]) -> None:
+        """`_migrate` inside a `migration` span: from the break to the next attempt placed
+        (its lookup and decision are the span's children), or to the error that ends it."""
+        assert self.tracer is not None
+        found = breakage(broken, handle.placement)
+        with self.tracer.span("migration", handle.trace, {
+                "prfaas.migration.reason": found[0] if found else "none",
+                "prfaas.migration.failed_worker": found[1] if found else "",
+                "prfaas.migration.tokens_kept": len(kept),
+                "prfaas.migration.detail": broken.message}) as span:
+            handle.migration_trace = span
+            try:
+                await self._migrate(handle, broken, kept, avoid)
+            finally:
+                handle.migration_trace = None
+            p = handle.placement
+            span.set_attributes({"prfaas.migration.attempt": p.attempt,
+                                 "prfaas.migration.prefill_worker": p.prefill_worker,
+                                 "prfaas.migration.decode_worker": p.decode_worker,
+                                 "prfaas.migration.cluster": p.cluster})
 
     async def _migrate(self, handle: RequestHandle, broken: DataPathBroken, kept: list[int],
                        avoid: set[str]) -> None:
@@ -737,13 +795,13 @@ class RequestRunner:
             detail=detail))
 
     def _prefill_request(self, handle: RequestHandle, prompt: list[int],
-                         sampling: Sampling) -> PrefillRequest:
+                         sampling: Sampling, trace: str = "") -> PrefillRequest:
         p = handle.placement
         return PrefillRequest(
             request_id=p.wire_id, prompt=prompt, decode_worker=p.decode_worker,
             decode_has_tokens=p.decode_has_tokens, sampling=sampling, connections=p.lanes,
             pull=p.pull, kv_stall=self.config.kv_stall_s if p.cluster == "prfaas" else 0.0,
-            hashes=p.hashes)
+            hashes=p.hashes, trace=trace)
 
     def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
               kept: list[int], broken_at: list[float]) -> str | None:
@@ -778,6 +836,8 @@ class RequestRunner:
         if handle.first_token_at == 0.0:
             handle.first_token_at = handle.last_token_at = now
             self.phase(handle.placement.request_id, "decode", handle.placement.decode_worker)
+            if handle.trace is not None:
+                handle.trace.add_event("first_token")
             tokens -= 1
         if tokens > 0 and handle.second_token_at == 0.0:
             handle.second_token_at = now

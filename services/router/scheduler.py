@@ -77,7 +77,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -101,6 +101,7 @@ from services.contract.messages import (
     WorkerState,
 )
 from services.contract.prefix import block_hashes, reusable_blocks
+from services.contract.tracing import Tracer, event_attributes, failed, trace_id
 from services.contract.types import Cluster, Role, WorkerRole
 from services.model.tokenizer import TokenizerLike
 from services.router.config import LinkEnds, SchedulerConfig
@@ -141,6 +142,9 @@ from services.router.requests import (
     RequestRunner,
 )
 from services.service import WORKER_KINDS
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +187,11 @@ class Scheduler:
         bus: EventBus[Event] | None = None,
         clock: Callable[[], float] = native.now,
         directory: DirectoryReader | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.node = node
+        # OpenTelemetry spans of each request (services/contract/tracing.py); None: tracing is off.
+        self.tracer = tracer
         self._directory = directory
         self.policy = policy
         self.workers = workers
@@ -201,7 +208,7 @@ class Scheduler:
         self._directory_answers = True
         self._placing = 0
         self._runner = RequestRunner(node, workers.prefilled, tokenizer, self.config,
-                                     self.events, clock, self._replace)
+                                     self.events, clock, self._replace, tracer=tracer)
         self.metrics = RequestMetrics()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -219,17 +226,29 @@ class Scheduler:
         """Runs `work` in the scheduler's task group (admin actions that outlive a call)."""
         self._running().start_soon(work)
 
-    async def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Places `request` and starts it; QueueFull / NoWorkerAvailable before it starts."""
+    async def submit(self, request: GenerationRequest,
+                     parent: Span | str | None = None) -> RequestHandle:
+        """Places `request` and starts it; QueueFull / NoWorkerAvailable before it starts.
+        With tracing on, its trace continues `parent` (a span, or a W3C traceparent)."""
         group = self._running()
         started = self.clock()
-        self._admit()
-        self._placing += 1
+        trace = None if self.tracer is None else self.tracer.start(
+            "request", parent, {"gen_ai.request.max_tokens": request.sampling.max_tokens,
+                                "gen_ai.usage.input_tokens": len(request.prompt),
+                                "prfaas.stream": request.stream})
         try:
-            handle = RequestHandle(await self._place(request), request)
-        finally:
-            self._placing -= 1
-        handle.started = started
+            self._admit(trace)
+            self._placing += 1
+            try:
+                handle = RequestHandle(await self._place(request, trace), request)
+            finally:
+                self._placing -= 1
+        except BaseException as exc:
+            if trace is not None:
+                failed(trace, exc)
+                trace.end()
+            raise
+        handle.started, handle.trace = started, trace
         handle.series = self.metrics.series(
             self.workers.cluster_of(handle.placement.prefill_worker), self.policy.name)
         self._active[handle.placement.request_id] = handle
@@ -244,9 +263,13 @@ class Scheduler:
         limit = self.config.max_inflight
         return limit if capacity is None else min(limit, capacity)
 
-    def _admit(self) -> None:
+    def _admit(self, trace: Span | None = None) -> None:
         # Requests still being placed count too: placing awaits the cache directory.
         limit, inflight = self.admission_limit(), len(self._active) + self._placing
+        if trace is not None and self.tracer is not None:
+            self.tracer.mark("admission", trace, {"prfaas.inflight": inflight,
+                                                  "prfaas.admission_limit": limit},
+                             ok=inflight < limit, why="queue_full")
         if inflight >= limit:
             self._reject_full(f"{inflight} requests in flight, the router's limit ({limit}: "
                               f"max_inflight={self.config.max_inflight}, decode capacity "
@@ -256,16 +279,20 @@ class Scheduler:
         self._counts.rejected_full += 1
         raise QueueFull(f"{why}; retry later", code="queue_full")
 
-    async def _place(self, request: GenerationRequest) -> Placement:
+    async def _place(self, request: GenerationRequest, trace: Span | None = None) -> Placement:
         request_id = self._ids.next()
-        placement, inputs = await self._placement(request_id, request.prompt)
+        if trace is not None:
+            trace.set_attribute("gen_ai.request.id", request_id)
+        placement, inputs = await self._placement(request_id, request.prompt, trace=trace)
         decision = placement.decision
         self._counts.to_prfaas += decision.cluster == "prfaas"
         if self.events.subscribed:
-            self.events.publish(decision_event(
+            event = decision_event(
                 inputs, decision, policy=self.policy.name,
                 prefill_worker=placement.prefill_worker,
-                decode_worker=placement.decode_worker, ts=self.clock()))
+                decode_worker=placement.decode_worker, ts=self.clock())
+            self.events.publish(event if trace is None else msgspec.structs.replace(
+                event, trace_id=trace_id(trace)))
         self._runner.phase(request_id, "queued", placement.prefill_worker, decision.reason)
         return placement
 
@@ -278,7 +305,8 @@ class Scheduler:
             self.workers.lost(migration.failed_worker)
         if migration.reason == "kv_stalled":
             self._hold_link(old)
-        placed, _ = await self._placement(old.request_id, migration.prompt, migration)
+        placed, _ = await self._placement(old.request_id, migration.prompt, migration,
+                                          handle.migration_trace)
         self.workers.released(old.decode_worker)
         self.workers.dispatched(placed.prefill_worker, placed.decode_worker)
         handle.placement = placed
@@ -287,13 +315,34 @@ class Scheduler:
         return placed
 
     async def _placement(self, request_id: str, prompt: list[int],
-                         migration: Migration | None = None) -> tuple[Placement, RouteInputs]:
+                         migration: Migration | None = None, trace: Span | None = None
+                         ) -> tuple[Placement, RouteInputs]:
         """Where `prompt` runs: the decision, the workers, and the inputs decided on. A
-        migration names the workers to avoid and may name the kind of cluster."""
+        migration names the workers to avoid and may name the kind of cluster. With
+        `trace`, the lookup and the decision are its child spans."""
         attempt = migration.attempt if migration else 0
         avoid = migration.avoid if migration else frozenset()
         hashes = self._reusable_hashes(prompt)
+        if trace is not None and self.tracer is not None:
+            with self.tracer.span("cachedir.lookup", trace, {"prfaas.lookup.blocks": len(
+                    hashes)}) as lookup:
+                match = await self._lookup(hashes)
+                lookup.set_attribute("prfaas.lookup.answered", match is not None or not hashes)
+            with self.tracer.span("policy", trace) as decided:
+                placement, inputs = self._decided(request_id, prompt, migration, attempt,
+                                                  avoid, hashes, match)
+                decided.set_attributes(event_attributes(decision_event(
+                    inputs, placement.decision, policy=self.policy.name,
+                    prefill_worker=placement.prefill_worker,
+                    decode_worker=placement.decode_worker, ts=0.0), "prfaas.decision"))
+            return placement, inputs
         match = await self._lookup(hashes)
+        return self._decided(request_id, prompt, migration, attempt, avoid, hashes, match)
+
+    def _decided(self, request_id: str, prompt: list[int], migration: Migration | None,
+                 attempt: int, avoid: frozenset[str], hashes: list[int],
+                 match: PrefixMatch | None) -> tuple[Placement, RouteInputs]:
+        """The policy's decision and placement for `prompt`, given the lookup's `match`."""
         decode = self._choose_decode(match, avoid)
         inputs = self.policy.narrow(self._inputs(attempt_id(request_id, attempt), len(prompt),
                                                  match, self.workers.cluster_of(decode)))
@@ -467,6 +516,8 @@ class Scheduler:
         self.policy.observe(RequestFinished(
             request_id=p.request_id, cluster=p.cluster, now=self.clock(),
             ok=handle.result is not None, incremental_len=p.decision.incremental_len))
+        if handle.trace is not None:
+            _end_trace(handle.trace, handle, error)
 
     def _count(self, result: Finished | None, cancelled: bool) -> None:
         c = self._counts
@@ -496,7 +547,7 @@ class Scheduler:
             ts=now, source="router", request_id=p.request_id, cluster=p.cluster, ttft_s=ttft,
             tpot_s=tpot, e2e_s=e2e, prompt_tokens=p.prompt_tokens, output_tokens=out,
             cached_tokens=result.cached_tokens if result else 0, ok=result is not None,
-            error=error))
+            error=error, trace_id="" if handle.trace is None else trace_id(handle.trace)))
 
     def _running(self) -> anyio.abc.TaskGroup:
         if self._group is None:
@@ -975,6 +1026,23 @@ class WorkerTable:
             if worker.prefills > sum(p.prefill_worker == name for p in active):
                 raise AssertionError(f"worker {name}: {worker.prefills} prefills in flight "
                                      "exceed its active requests")
+
+
+def _end_trace(span: Span, handle: RequestHandle, error: RouterError | None) -> None:
+    """Ends a request's span with where it ran and how it ended; its TTFT is the one the
+    router's histogram observed (`RequestMetrics.finished`)."""
+    p, result = handle.placement, handle.result
+    span.set_attributes({"prfaas.cluster": p.cluster, "prfaas.attempts": p.attempt + 1})
+    if handle.first_token_at:
+        span.set_attribute("gen_ai.latency.time_to_first_token",
+                           handle.first_token_at - handle.started)
+    if result is not None:
+        span.set_attributes({"gen_ai.usage.output_tokens": result.completion_tokens,
+                             "gen_ai.response.finish_reasons": [result.finish_reason],
+                             "prfaas.cached_tokens": result.cached_tokens})
+    if error is not None:
+        failed(span, error.message)
+    span.end()
 
 
 def _full(worker: WorkerEntry) -> bool:

@@ -50,6 +50,10 @@ mailbox (`tokens`) and sends each list as one `TokenChunk` (`token_chunk`). A re
 wants its text whole (`DecodeRequest.incremental` false: a non-streamed completion) has its
 tokens after the first held until its finish, or until `HELD_TOKENS` are held: two messages
 for a short answer instead of one per step, on the worker's side and on the reader's.
+
+With tracing on (services/contract/tracing.py) a decode stream whose request carries a
+traceparent is a `decode` span, with the KV's arrival and import and the wait for a place in
+the batch as children, and its first token as an event.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import math
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 import msgspec
@@ -83,6 +87,7 @@ from services.contract.messages import (
 )
 from services.contract.prefix import extend_chain
 from services.contract.sampling import TokenLogprob
+from services.contract.tracing import Tracer, failed
 from services.model.batch import StepResult, TokenEvent, finish_reason, result_reason
 from services.model.cache import RequestCache
 from services.model.config import ModelError
@@ -98,6 +103,9 @@ from services.worker.engine import (
     sampling_params,
 )
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +189,10 @@ class DecodeWorker:
         pacing: Pacing | None = None,
         report: Callable[[StoreChange], None] | None = None,
         kv_metrics: KVTransferMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.model = as_engine(model)
+        self._tracer = tracer  # None: tracing is off (services/contract/tracing.py)
         self.store = store
         self.config = config
         self.kv_metrics = kv_metrics or KVTransferMetrics(config.name)
@@ -225,13 +235,20 @@ class DecodeWorker:
         assembly = self.inbox.claim(request.request_id)
         self._counts.requests += 1
         self._enter()
+        span = None if self._tracer is None or not request.trace else self._tracer.start(
+            "decode", request.trace, {"prfaas.worker": self.config.name,
+                                      "gen_ai.usage.input_tokens": len(request.prompt)},
+            kind="server")
         try:
-            cache = await self._await_kv(request, assembly)
+            cache = await (self._await_kv(request, assembly) if span is None
+                           else self._traced_kv(request, assembly, span))
             first = assembly.first_token
             assert first is not None and assembly.opening is not None
             reason = finish_reason(first, 1, params, self.model.cfg.eos_id)
             self._phase(request.request_id, "decode")
             logprob = assembly.first_logprob
+            if span is not None:
+                span.add_event("first_token")
             yield TokenChunk(request_id=request.request_id, tokens=[first], index=0,
                              finish_reason=reason, reused_tokens=assembly.opening.start,
                              logprobs=None if logprob is None else [logprob])
@@ -239,16 +256,20 @@ class DecodeWorker:
                 self._keep(request, [], cache)
                 self._finish(request.request_id, reason)
                 return
-            async for chunk in self._tokens(request, cache, first, params):
+            async for chunk in self._tokens(request, cache, first, params, span):
                 yield chunk
         except BaseException as exc:
             self._counts.failed += 1
             self._phase(request.request_id, "failed", f"{type(exc).__name__}: {exc}")
+            if span is not None:
+                failed(span, exc)
             raise
         finally:
             self.inbox.release(request.request_id)
             self._drop_member(request.request_id)
             self._leave()
+            if span is not None:
+                span.end()
 
     async def run(self) -> None:
         """The batch loop, and the inbox's orphan timer beside it; forever."""
@@ -303,6 +324,18 @@ class DecodeWorker:
             )
         return await self._import(request, assembly)
 
+    async def _traced_kv(self, request: DecodeRequest, assembly: KVAssembly,
+                         span: Span) -> RequestCache:
+        """`_await_kv` in a `decode.kv` span: the KV's arrival on every lane, and its import."""
+        assert self._tracer is not None
+        with self._tracer.span("decode.kv", span) as kv:
+            cache = await self._await_kv(request, assembly)
+            opening = assembly.opening
+            kv.set_attributes({"prfaas.kv.bytes": assembly.received_bytes,
+                               "prfaas.kv.from": assembly.peer,
+                               "prfaas.kv.reused_tokens": opening.start if opening else 0})
+            return cache
+
     async def _import(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
         opening = assembly.opening
         assert opening is not None
@@ -332,8 +365,12 @@ class DecodeWorker:
                                   f"but {exc}") from exc
 
     async def _tokens(self, request: DecodeRequest, cache: RequestCache, first: int,
-                      params: SamplingParams) -> AsyncIterator[TokenChunk]:
+                      params: SamplingParams, span: Span | None = None
+                      ) -> AsyncIterator[TokenChunk]:
         member = Member(request, cache, first, params, [first])
+        if span is not None and self._tracer is not None:
+            # Waiting for a place in the batch (max_batch), ended as the loop admits it.
+            member.queued = self._tracer.start("decode.queue", span)
         self._joining.append(member)
         self._waiting -= 1
         self._wakeup.wake()
@@ -343,6 +380,8 @@ class DecodeWorker:
         finally:
             member.tokens.close()  # the reader has gone: the loop's next delivery says so
             self._waiting += 1
+            if span is not None:
+                span.set_attributes({"gen_ai.usage.output_tokens": len(member.output)})
         if member.error is not None:
             raise DataPathError(member.error)
 
@@ -369,6 +408,8 @@ class DecodeWorker:
             except ModelError as exc:
                 member.fail(f"{rid!r} could not join the batch: {exc}")
                 continue
+            if member.queued is not None:
+                member.queued.end()
             self._members[rid] = member
         self._joining = waiting
         if self._leaving:
@@ -817,6 +858,8 @@ class Member:
     # What the loop has handed out and the reader has not sent yet; its reader drains a
     # backlog without a trip through the event loop per item, so a burst leaves in one write.
     tokens: Mailbox[list[TokenEvent]] = field(default_factory=lambda: Mailbox(sys.maxsize))
+    # Its `decode.queue` span while it waits to join the batch (traced requests only).
+    queued: Span | None = None
 
     def deliver(self, event: TokenEvent) -> bool:
         """Hands a token to the reader, or holds it for a request that wants its tokens at

@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -89,6 +89,9 @@ from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
 from services.model.sampling import RequestSampler, SamplingParams
 from services.paper.hardware import CostModel, Pacer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 Emit = Callable[[int, KVChunk], None]
 LaneItem = KVChunk | KVClose
@@ -147,6 +150,9 @@ class PrefillJob:
     cancelled: bool = False
     # The first token's logprob, set by the compute when the request asked for logprobs.
     first_logprob: TokenLogprob | None = None
+    # The prefill's span when the request is traced (services/contract/tracing.py): its compute's
+    # and its lanes' spans are children of it.
+    trace: Span | None = None
 
     @property
     def length(self) -> int:

@@ -21,6 +21,9 @@ One job computes at a time, in arrival order (prefill saturates the compute). Fo
    stored and evicted blocks to the cache directory.
 
 Lanes are separate mesh nodes (one TCP connection each, the same peer), given by the caller.
+
+With tracing on (services/contract/tracing.py) a job whose request carries a traceparent is a
+`prefill` span, with its wait for the compute slot, its compute and each lane as children.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import anyio
 import msgspec
@@ -48,6 +51,7 @@ from services.contract.messages import (
     PrefillRequest,
 )
 from services.contract.prefix import reusable_blocks
+from services.contract.tracing import Tracer
 from services.model.model import HybridLM
 from services.worker.engine import (
     ComputeRunner,
@@ -68,6 +72,9 @@ from services.worker.engine import (
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
 from services.worker.send_meter import SendMeter
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +160,7 @@ class PrefillWorker:
         link_of: Callable[[str], str | None] = lambda peer: None,
         runner: ComputeRunner | None = None,
         transfer: PrefixTransfer | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         if not lanes:
             raise RequestError("lanes must hold at least the worker's own node, got none")
@@ -164,6 +172,7 @@ class PrefillWorker:
         self._report = report
         self._link_of = link_of
         self._transfer = transfer
+        self._tracer = tracer  # None: tracing is off (services/contract/tracing.py)
         self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
         # The compute (FIFO, released at the compute's end) and the room to stream. A free one
@@ -197,15 +206,38 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
+        if self._tracer is None or not request.trace:
+            return await self._prefill(request, None)
+        with self._tracer.span("prefill", request.trace, {
+                "prfaas.worker": self.config.name, "gen_ai.usage.input_tokens": len(
+                    request.prompt), "prfaas.prefill.decode_has_tokens": request.decode_has_tokens,
+                "prfaas.prefill.decode_worker": request.decode_worker}, kind="server") as span:
+            done = await self._prefill(request, span)
+            span.set_attributes({
+                "prfaas.prefill.cached_tokens": done.reused_tokens,
+                "prfaas.prefill.computed_tokens": done.computed_tokens,
+                "prfaas.prefill.chunks": done.chunks, "prfaas.kv.bytes": done.kv_bytes,
+                "prfaas.kv.pieces": done.pieces, "prfaas.kv.lanes": done.lanes,
+                "prfaas.prefill.queue_s": done.queue_s,
+                "prfaas.prefill.compute_s": done.compute_s,
+                "prfaas.prefill.transfer_s": done.transfer_s})
+            return done
+
+    async def _prefill(self, request: PrefillRequest, span: Span | None) -> PrefillDone:
         queued_at = native.clock()()
         if self._transfer is not None and request.pull is not None:
             await self._transfer.pull(request)  # a cached prefix from another worker first
         job = self._plan(request)
+        job.trace = span
         place = _Place()
         self._enter()
         self._phase(request.request_id, "queued")
         try:
-            await self._slot.acquire()
+            if span is None or self._tracer is None:
+                await self._slot.acquire()
+            else:
+                with self._tracer.span("prefill.queue", span):
+                    await self._slot.acquire()
             self._move(place, "running")
             done = await self._run(job, native.clock()() - queued_at,
                                    partial(self._hand_over, place))
@@ -347,12 +379,18 @@ class PrefillWorker:
             async with anyio.create_task_group() as tg:
                 for lane, items in enumerate(lanes):
                     native.start_soon(tg, self._send_lane, job, lane, items)
+                compute = None if job.trace is None or self._tracer is None else (
+                    self._tracer.start("prefill.compute", job.trace, {
+                        "prfaas.prefill.computed_tokens": job.length - job.reused,
+                        "prfaas.prefill.chunks": len(job.chunks)}))
                 try:
                     first_token, compute_end = await self._compute.compute_and_release(
                         job, lanes)
                 finally:
                     for items in lanes:
                         items.end()
+                    if compute is not None:
+                        compute.end()
                 if request.kv_stall > 0:
                     # The stall bound: from the compute's end, the lanes' group expires
                     # kv_stall later (a deadline on its own scope, not a watcher task beside
@@ -371,6 +409,22 @@ class PrefillWorker:
         return first_token, compute_end
 
     async def _send_lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> None:
+        if job.trace is None or self._tracer is None:
+            await self._lane(job, lane, items)
+            return
+        peer = job.request.decode_worker
+        link = self._link_of(peer)
+        with self._tracer.span("kv.transfer", job.trace, {
+                "prfaas.kv.lane": lane, "prfaas.kv.to": peer, "prfaas.kv.link": link or "local",
+                "prfaas.kv.via_link": link is not None}, kind="producer") as span:
+            started = native.clock()()
+            accepted = await self._lane(job, lane, items)
+            span.set_attributes({"prfaas.kv.bytes": accepted.bytes,
+                                 "prfaas.kv.pieces": accepted.pieces,
+                                 "prfaas.kv.seconds": native.clock()() - started})
+
+    async def _lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> KVAccepted:
+        """One upload lane: open, the items as they come, the decode worker's KVAccepted."""
         request, cfg = job.request, self.model.cfg
         opening = KVOpen(
             request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
@@ -388,6 +442,7 @@ class PrefillWorker:
         if not isinstance(sink.result, KVAccepted):
             raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
                                   f"with {sink.result!r}, expected KVAccepted")
+        return sink.result
 
     def _count_sent(self, job: PrefillJob, nbytes: int) -> None:
         job.sent[0] += 1

@@ -45,6 +45,7 @@ from services.contract.messages import (
     WorkerReport,
     WorkerState,
 )
+from services.contract.tracing import Tracer, tracer_for
 from services.contract.types import Role
 from services.model.cache import dtype_name
 from services.model.config import family_config
@@ -167,10 +168,12 @@ class WorkerService:
 
     def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo,
                  runner: ComputeRunner | None = None, *,
-                 cache_reports: Callable[[CacheReport], None] | None = None) -> None:
+                 cache_reports: Callable[[CacheReport], None] | None = None,
+                 tracer: Tracer | None = None) -> None:
         """`cache_reports`: the cache directory's own intake when it runs in this event loop
         (the simulation's `CacheDirService.take`): the worker's cache reports are handed to
-        it rather than cast (`CacheReporter`)."""
+        it rather than cast (`CacheReporter`). `tracer`: the OpenTelemetry spans of its
+        prefills and decodes (services/contract/tracing.py); None: tracing is off."""
         self.ctx = ctx
         self.name = ctx.name
         self.cluster = ctx.spec.cluster
@@ -206,7 +209,7 @@ class WorkerService:
                           max_streaming=ctx.option("max_streaming", 1)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
             link_of=link_of_peer(ctx.topology, self.cluster), runner=runner,
-            transfer=self.transfer,
+            transfer=self.transfer, tracer=tracer,
         )
         self.slots = HandlerSlots(prefill=ctx.option("prefill_slots", 64),
                                   decode=ctx.option("max_streams", 64),
@@ -218,7 +221,7 @@ class WorkerService:
                                              max_batch=ctx.option("max_batch", 0),
                                              orphan_timeout=ctx.option("orphan_timeout", 120.0)),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
-            kv_metrics=self.kv_metrics,
+            kv_metrics=self.kv_metrics, tracer=tracer,
         )
         self._register()
 
@@ -353,6 +356,7 @@ async def run_worker(
     if threads > 0:
         torch.set_num_threads(threads)
     model, source = await anyio.to_thread.run_sync(load_model, ctx)
-    service = WorkerService(ctx, ModelEngine(model), model_info(model, source))
+    service = WorkerService(ctx, ModelEngine(model), model_info(model, source),
+                            tracer=tracer_for(ctx.name, ctx.option("otlp_endpoint", "")))
     ctx.expose(ctx.name, service)
     await service.run(task_status=task_status)

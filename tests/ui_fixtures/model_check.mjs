@@ -3,7 +3,7 @@
 import { readFileSync } from "node:fs";
 import { Model, MAX_FLOWS } from "../../ui/static/model.js";
 import { BoundedMap, Ring } from "../../ui/static/util.js";
-import { segments } from "../../ui/static/waterfall.js";
+import { describe, segments } from "../../ui/static/waterfall.js";
 import { bpsToSlider, sliderToBps } from "../../ui/static/controls.js";
 
 const events = readFileSync(0, "utf8").trim().split("\n").map((line) => JSON.parse(line));
@@ -51,4 +51,6 @@ console.log(JSON.stringify({
   waterfallOpen: segments(phases, 9).map((p) => p.end),
   slider: [sliderToBps(575), bpsToSlider(2e9), sliderToBps(0), sliderToBps(1000)],
   migrated: [migratedModel.requests.size, migratedRecord.phases.length, migratedRecord.migrations.length],
+  traced: describe({ done: { ok: false, error: "x", trace_id: "4bf92f35" } }),
+  untraced: describe({ done: { ok: false, error: "x", trace_id: "" } }),
 }));

@@ -98,7 +98,7 @@ export class Waterfall {
   }
 }
 
-function describe(record) {
+export function describe(record) {
   const parts = [];
   const d = record.decision;
   if (d) {
@@ -117,5 +117,8 @@ function describe(record) {
     parts.push(done.ok ? `TTFT ${fmtSeconds(done.ttft_s)}, e2e ${fmtSeconds(done.e2e_s)}, ` +
       `${done.output_tokens} tokens out` : `failed: ${done.error}`);
   }
+  // With tracing on, the request's trace id: paste it into Jaeger or Tempo.
+  const trace = (d && d.trace_id) || (done && done.trace_id);
+  if (trace) parts.push(`trace ${trace}`);
   return parts.join(" · ");
 }
