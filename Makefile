@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-paper search-paper validate-sim train browser clean prometheus
+.PHONY: demo sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -122,6 +122,14 @@ search-paper: $(STAMP)
 # in the simulation; writes validation-results/ (about 15 minutes on 2 cores).
 validate-sim: $(STAMP)
 	$(VENV)/bin/prfaas validate-sim --reprofile --out validation-results
+
+# The schedulers' scenario matrix (bandwidth dips at three loads, a slow ramp of the link, load
+# bursts, slices of the Mooncake trace) under every policy and a sweep of static thresholds
+# (the oracle), 3 seeds, on Ray; rewrites docs/policies.md's matrix section and its plots
+# (services/sim/matrix.py; SEEDS=1 for a quicker look).
+SEEDS ?= 3
+sim-scheduler: $(STAMP)
+	$(VENV)/bin/prfaas sim-scheduler --seeds $(SEEDS) --out sim-results/scheduler --docs docs/policies.md
 
 # Not part of `bench`: it runs the whole mesh three times (about 10 minutes).
 bench-policies: $(STAMP)

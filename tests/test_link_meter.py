@@ -128,3 +128,10 @@ def test_the_router_measures_the_shaped_link_of_the_simulation() -> None:
     assert after and all(s.bandwidth_bps == 10e9 for s in after)
     assert all(within(s.estimate_bps, 10e9) for s in after), \
         [(s.at, round(s.estimate_bps / 1e9, 2)) for s in after]
+
+
+def test_senders_held_a_whole_window_with_nothing_delivered_measure_a_dead_link() -> None:
+    estimator = BandwidthEstimator(EstimatorConfig(provisioned_bps=1e9))
+    estimates = [estimator.observe(float(now), {"x0": (0, float(now))}) for now in range(12)]
+    assert estimates[4].available_bps == 1e9  # under a window: nothing known yet
+    assert estimates[-1].saturated and estimates[-1].available_bps == 1.0  # known: nothing

@@ -202,9 +202,16 @@ def pd_state(prfaas_queue: int = 0, pd_queue: int = 0, decode_queue: int = 0,
     return ClusterState(workers=tuple(workers))
 
 
-def sustain(policy: PrfaasDynamicPolicy, state: ClusterState, seconds: int) -> list[object]:
+def sustain(policy: PrfaasDynamicPolicy, state: ClusterState, seconds: int,
+            rate: float = 1.5, start: int = 0) -> list[object]:
+    """`seconds` of ticks in `state`, `rate` requests decided a second (the paper's lengths,
+    seeded): the measured load a conversion must still carry."""
+    rng, lengths = random.Random(5), TruncatedLogNormal.paper()
     actions: list[object] = []
-    for now in range(seconds + 1):
+    for now in range(start, start + seconds + 1):
+        for i in range(round(rate * (now + 1)) - round(rate * now)):
+            policy.decide(RouteInputs(request_id=f"{now}-{i}", total_len=lengths.sample(rng),
+                                      now=float(now)))
         actions += policy.tick(float(now), state)
     return actions
 
@@ -218,7 +225,7 @@ def test_decode_backlog_converts_a_prefill_worker_and_t_is_resolved_lower() -> N
     policy = roles_policy()
     t0 = policy.threshold
     assert t0 is not None
-    actions = sustain(policy, pd_state(decode_queue=6), 60)
+    actions = sustain(policy, pd_state(decode_queue=6), 120)
     conversions = [a for a in actions if isinstance(a, ConvertWorker)]
     assert conversions == [ConvertWorker(
         worker="p0", from_role="prefill", to_role="decode", reason=conversions[0].reason)]
@@ -234,30 +241,30 @@ def test_a_decode_backlog_its_workers_report_converts_as_a_counted_one() -> None
     reported = ClusterState(workers=tuple(
         msgspec.structs.replace(w, queue=0, waiting=w.queue) if w.role == "decode" else w
         for w in pd_state(decode_queue=6).workers))
-    actions = sustain(roles_policy(), reported, 60)
+    actions = sustain(roles_policy(), reported, 120)
     conversions = [a for a in actions if isinstance(a, ConvertWorker)]
     assert [(c.worker, c.to_role) for c in conversions] == [("p0", "decode")]
 
 
 def test_t_is_solved_for_the_shape_a_pending_conversion_leaves() -> None:
     policy = roles_policy()
-    sustain(policy, pd_state(decode_queue=6), 60)  # converts p0 to decode
+    sustain(policy, pd_state(decode_queue=6), 120)  # converts p0 to decode
     def with_p0(role: Literal["prefill", "decode", "draining"]) -> ClusterState:
         return ClusterState(workers=tuple(
             w if w.name != "p0" else WorkerSnapshot(name="p0", kind="pd", role=role)
             for w in pd_state(decode_queue=6).workers))
 
-    policy.tick(61.0, with_p0("draining"))
+    policy.tick(121.0, with_p0("draining"))
     assert (policy.statistics().n_p, policy.statistics().n_d) == (2, 6)
-    policy.tick(62.0, with_p0("decode"))  # done: the state itself has the new shape
+    policy.tick(122.0, with_p0("decode"))  # done: the state itself has the new shape
     assert (policy.statistics().n_p, policy.statistics().n_d) == (2, 6)
-    policy.tick(63.0, pd_state())  # the conversion is forgotten: the state's shape counts
+    policy.tick(123.0, pd_state())  # the conversion is forgotten: the state's shape counts
     assert (policy.statistics().n_p, policy.statistics().n_d) == (3, 5)
 
 
 def test_prefill_backlog_converts_a_decode_worker_and_t_rises() -> None:
     policy = roles_policy()
-    actions = sustain(policy, pd_state(pd_queue=4), 60)
+    actions = sustain(policy, pd_state(pd_queue=4), 120)
     (conversion,) = [a for a in actions if isinstance(a, ConvertWorker)]
     # The least loaded decode worker: d4 runs 1 request (d0 runs 5).
     assert (conversion.worker, conversion.to_role) == ("d4", "prefill")
@@ -280,9 +287,9 @@ def test_no_conversion_when_draining_at_minimum_or_balanced(state: ClusterState)
     assert not [a for a in actions if isinstance(a, ConvertWorker)]
 
 
-def test_conversion_waits_for_a_full_period() -> None:
+def test_conversion_waits_for_two_full_periods() -> None:
     policy = roles_policy()
-    actions = sustain(policy, pd_state(decode_queue=6), 59)
+    actions = sustain(policy, pd_state(decode_queue=6), 119)
     assert not [a for a in actions if isinstance(a, ConvertWorker)]
 
 
@@ -297,10 +304,11 @@ def test_config_errors_name_the_option() -> None:
         PrfaasDynamicPolicy(DynamicConfig(prfaas_profile="cpu"))
 
 
-def test_eq8_out_of_balance_converts_within_two_periods_and_t_is_resolved() -> None:
-    """Short requests only (all under t): PD prefill outruns decode by far (Eq. 8), with no
-    queue backed up anywhere. On virtual time, the long-term loop converts one PD prefill
-    worker to decode at the end of a period, within two, then re-solves t for the new shape."""
+def test_eq8_out_of_balance_converts_within_three_periods_and_t_is_resolved() -> None:
+    """Short requests only (all under t), one a second: PD prefill outruns decode by far
+    (Eq. 8), with no queue backed up anywhere. On virtual time, the long-term loop converts
+    one PD prefill worker to decode at the end of the second period that wants it (within
+    three), then re-solves t for the new shape."""
     policy = PrfaasDynamicPolicy(DynamicConfig(
         min_samples=20, roles=RoleConfig(period_s=30.0)))
     for i in range(40):  # the recent lengths: 2K to 4K tokens
@@ -308,12 +316,15 @@ def test_eq8_out_of_balance_converts_within_two_periods_and_t_is_resolved() -> N
     state = pd_state(n_p=2, n_d=2)
     solves = policy.statistics().solves
     actions: list[object] = []
-    for now in range(61):
+    for now in range(91):
+        policy.decide(RouteInputs(request_id=f"s{now}", total_len=2_000 + 50 * (now % 40),
+                                  now=float(now)))
         actions += policy.tick(float(now), state)
         if any(isinstance(a, ConvertWorker) for a in actions):
             break
     (conversion,) = [a for a in actions if isinstance(a, ConvertWorker)]
-    assert now <= 60 and (conversion.from_role, conversion.to_role) == ("prefill", "decode")
+    assert 60 <= now <= 90 and (conversion.from_role, conversion.to_role) == ("prefill",
+                                                                               "decode")
     assert "Eq. 8" in conversion.reason and "decode is the bottleneck" in conversion.reason
     assert policy.statistics().solves > solves  # t re-solved for N_p / N_d = 1 / 3
     assert (policy.statistics().n_p, policy.statistics().n_d) == (1, 3)
@@ -325,4 +336,50 @@ def test_balanced_eq8_converts_nothing() -> None:
     policy = PrfaasDynamicPolicy(DynamicConfig(min_samples=10**6,
                                                roles=RoleConfig(period_s=30.0)))
     actions = sustain(policy, pd_state(), 130)  # the paper's shape: 3.25 vs 3.91 req/s
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+
+
+def test_a_conversion_is_not_undone_within_the_cooldown() -> None:
+    """Decode backs up for a period (p0 becomes a decode worker), then PD prefill does: the
+    next period would convert one back (flapping); within `cooldown_s` it does not."""
+    policy = roles_policy()
+    first = [a for a in sustain(policy, pd_state(decode_queue=6), 120)
+             if isinstance(a, ConvertWorker)]
+    assert [(c.worker, c.to_role) for c in first] == [("p0", "decode")]
+    after = sustain(policy, pd_state(pd_queue=4, n_p=2, n_d=6), 150, start=121)
+    assert not [a for a in after if isinstance(a, ConvertWorker)]
+    eager = roles_policy(cooldown_s=0.0)
+    sustain(eager, pd_state(decode_queue=6), 120)
+    back = sustain(eager, pd_state(pd_queue=4, n_p=2, n_d=6), 150, start=121)
+    assert "prefill" in [c.to_role for c in back if isinstance(c, ConvertWorker)]
+
+
+def test_no_conversion_leaves_a_role_short_of_the_load_it_carries() -> None:
+    """Decode is backed up, but at 2.6 req/s two PD prefill workers could not take PD
+    prefill's share: the load on N-1 is predicted, and p0 stays."""
+    policy = roles_policy()
+    actions = sustain(policy, pd_state(decode_queue=6), 130, rate=2.6)
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+
+
+def test_without_traffic_the_long_term_loop_settles() -> None:
+    """No request for 20 minutes on a shape far from Eq. 8's balance: the model alone would
+    convert; with nothing measured, nothing is converted, and t, once solved for the shape
+    the workers report, stays where it is."""
+    policy = roles_policy()
+    actions = sustain(policy, pd_state(n_p=1, n_d=7), 1200, rate=0.0)
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+    settled = policy.threshold
+    later = sustain(policy, pd_state(n_p=1, n_d=7), 600, rate=0.0, start=1201)
+    assert later == [] and policy.threshold == settled
+
+
+def test_a_load_that_changes_faster_than_a_period_is_not_chased() -> None:
+    """Decode and PD prefill back up by turns, 20 s each: over a period neither stands out,
+    so nothing is converted."""
+    policy = roles_policy()
+    actions: list[object] = []
+    for start in range(0, 600, 20):
+        state = pd_state(decode_queue=6) if (start // 20) % 2 else pd_state(pd_queue=6)
+        actions += sustain(policy, state, 19, start=start)
     assert not [a for a in actions if isinstance(a, ConvertWorker)]

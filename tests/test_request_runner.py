@@ -21,7 +21,7 @@ from services.contract.events import RequestDone, RequestMigrated
 from services.contract.messages import PrefillRequest
 from services.contract.sampling import Sampling
 from services.model.sampling import RequestSampler
-from services.router.config import SchedulerConfig
+from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
 from services.router.requests import breakage, continued
 from services.worker.engine import sampling_params
@@ -252,16 +252,23 @@ async def test_a_request_prefills_in_the_other_cluster_while_its_own_has_no_work
 @pytest.mark.trio
 async def test_a_link_that_stalls_moves_the_requests_waiting_for_kv_over_it_to_pd(
         autojump_clock: trio.testing.MockClock) -> None:
-    config = SchedulerConfig(block_size=BLOCK, connections=2, kv_stall_s=2.0)
+    config = SchedulerConfig(block_size=BLOCK, connections=2, kv_stall_s=2.0,
+                             links=(LinkEnds("", "prfaas", "pd"),))
     async with fake_mesh("prfaas", {"threshold": 100.0}, config=config) as mesh:
         mesh.set_link(bandwidth_bps=1000)  # the KV of a long prompt: minutes on the wire
         started = anyio.current_time()
         handle = await mesh.scheduler.submit(generation(range(1, 900)))
         assert handle.placement.cluster == "prfaas"
-        await anyio.sleep(0.5)
-        await mesh.control.tick()  # a link sample: its backlog is past the bound
+        # The router's ticks: once its PrfaaS worker has been held a whole estimator window
+        # with nothing delivered, the link is known to carry nothing, and its queued bytes
+        # are past the bound.
+        for _ in range(15):
+            await anyio.sleep(1.0)
+            await mesh.control.tick()
+            if handle.placement.cluster == "pd":
+                break
         _, result = await handle.collect()
-        assert result.completion_tokens == 4 and anyio.current_time() - started < 10.0
+        assert result.completion_tokens == 4 and anyio.current_time() - started < 20.0
         assert (handle.placement.cluster, handle.placement.attempt) == ("pd", 1)
         [moved] = [e for e in await mesh.take_events() if isinstance(e, RequestMigrated)]
         assert (moved.reason, moved.prefill_worker) == ("kv_stalled", "pd-prefill-0")

@@ -110,6 +110,7 @@ class Session:
         self.served: Served | None = None
         self.env = {**os.environ, "PYTHONPATH": str(repo),
                     "PRFAAS_ADMIN_TOKEN": "workshop-admin-token",
+                    "PRFAAS_MESH_SECRET": "workshop-mesh-secret-2026",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.env.pop("PRFAAS_TOPOLOGY", None)
 

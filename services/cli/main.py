@@ -43,6 +43,10 @@ COMMANDS: dict[str, Command] = {
     "sim": Command(
         "services.cli.sim", "sim_main", "the live services at paper scale on virtual time"
     ),
+    "sim-scheduler": Command(
+        "services.cli.sim_scheduler", "main",
+        "the schedulers' scenario matrix against the best static t in hindsight",
+    ),
     "search": Command(
         "services.cli.search", "search_main",
         "the best PrfaaS deployment per dollar: a search of capacity searches on Ray",

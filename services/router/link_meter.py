@@ -115,7 +115,9 @@ class BandwidthEstimator:
             return self._publish(now, 0.0, 0.0, False)
         sent, held, span = window
         throughput = 8.0 * sent / span
-        saturated = sent > 0 and held >= self.config.held_min
+        # Held throughout a whole window with nothing delivered: the link carries nothing.
+        stuck = sent == 0 and held >= self.config.held_min and span >= self.config.window_s
+        saturated = (sent > 0 or stuck) and held >= self.config.held_min
         if saturated:
             self._measured(now, throughput)
         elif sent > 0:
@@ -149,7 +151,8 @@ class BandwidthEstimator:
         samples.append((now, throughput))
         while samples and samples[0][0] < now - self.config.max_age_s:
             samples.popleft()
-        self._value = sum(rate for _, rate in samples) / len(samples)
+        # At least a bit a second: a link measured to carry nothing is known, not unknown (0).
+        self._value = max(sum(rate for _, rate in samples) / len(samples), 1.0)
         self._ceiling = max(self._ceiling, self._value)
         self._last_saturated = now
 

@@ -699,6 +699,9 @@ class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     min_backlog: float = 2.0  # mean queued requests per worker before a stage counts as backed up
     min_role_workers: int = 1  # never convert the last worker(s) of a role
     margin: float = 0.3  # Eq. 8 may be off by this fraction before a conversion
+    # No conversion undoes the last one within this long (a conversion drains a worker and
+    # reloads it: one that the next period reverses costs twice and gains nothing).
+    cooldown_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("period_s", "imbalance"):
@@ -707,8 +710,10 @@ class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                 raise PolicyError(f"roles.{name} must be a finite number > 0, got {value!r}")
         if not (math.isfinite(self.min_backlog) and self.min_backlog >= 0):
             raise PolicyError(f"roles.min_backlog must be >= 0, got {self.min_backlog!r}")
-        if not (math.isfinite(self.margin) and self.margin >= 0):
-            raise PolicyError(f"roles.margin must be >= 0, got {self.margin!r}")
+        for name in ("margin", "cooldown_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise PolicyError(f"roles.{name} must be >= 0, got {value!r}")
         if self.min_role_workers < 1:
             raise PolicyError(f"roles.min_role_workers must be >= 1, got "
                               f"{self.min_role_workers!r}")
@@ -756,14 +761,26 @@ class RoleBalancer:
        other), and never away from a stage that is backed up.
     4. The bottleneck gains the least loaded worker of the other role (the router drains it
        first); the policy then re-solves t for the new shape.
+    5. Only when the period before wanted the same (one period's evidence may be a burst or
+       the warm-up), and unless it would undo the last conversion within `cooldown_s`
+       (flapping), or the shape
+       it leaves would not carry the load measured now (`carries`: the role given away must
+       still take its share; without traffic, nothing is converted: the loop settles).
 
     It accumulates stage queues and completions over a period; at its end, at most one
-    `ConvertWorker`. `estimate` gives the model's rates for a shape.
+    `ConvertWorker`, the second period in a row that wants it. `estimate` gives the model's
+    rates for a shape.
     """
 
-    def __init__(self, config: RoleConfig, estimate: Estimator | None = None) -> None:
+    def __init__(self, config: RoleConfig, estimate: Estimator | None = None,
+                 carries: Callable[[ClusterShape], bool] | None = None) -> None:
+        """`estimate`: the model's stage rates for a shape; `carries`: whether a shape would
+        carry the load measured now (no traffic carries nothing: no conversion)."""
         self.config = config
         self._estimate = estimate
+        self._carries = carries
+        self._last: tuple[float, str] | None = None  # (when, to_role) of the last conversion
+        self._wanted: str | None = None  # the role the last period wanted a worker moved to
         self._period_start: float | None = None
         self._prefill_sum = self._decode_sum = self._prfaas_sum = 0.0
         self._samples = 0
@@ -797,7 +814,22 @@ class RoleBalancer:
         self._prefill_sum = self._decode_sum = self._prfaas_sum = 0.0
         if state.select("pd", "draining"):
             return None
-        return self._rebalance(means[1], means[2], prefill, decode, rates)
+        action = self._rebalance(means[1], means[2], prefill, decode, rates)
+        wanted, self._wanted = self._wanted, action.to_role if action else None
+        if action is None or wanted != action.to_role or not self._allowed(now, state, action):
+            return None
+        self._wanted = None
+        return self._issue(now, action)
+
+    def _allowed(self, now: float, state: ClusterState, action: ConvertWorker) -> bool:
+        """Step 5 of the class docstring: not undoing the last conversion within
+        `cooldown_s`, and only to a shape that carries the load measured now."""
+        last = self._last
+        if last is not None and last[1] != action.to_role and \
+                now - last[0] < self.config.cooldown_s:
+            return False
+        shape = self.shape_after(shape_of(state), action)
+        return self._carries is None or self._carries(shape)
 
     def _rates(self, shape: ClusterShape, queues: tuple[float, float, float],
                measured: list[float]) -> Rates | None:
@@ -821,13 +853,13 @@ class RoleBalancer:
         if rates is not None and not (to_decode or to_prefill):
             to_decode, to_prefill, stats = self._eq8(rates, len(prefill), len(decode), backed)
         if to_decode and len(prefill) > cfg.min_role_workers:
-            return self._issue(ConvertWorker(
+            return ConvertWorker(
                 worker=_least_loaded(prefill).name, from_role="prefill", to_role="decode",
-                reason=f"long-term: decode is the bottleneck ({stats})"))
+                reason=f"long-term: decode is the bottleneck ({stats})")
         if to_prefill and len(decode) > cfg.min_role_workers:
-            return self._issue(ConvertWorker(
+            return ConvertWorker(
                 worker=_least_loaded(decode).name, from_role="decode", to_role="prefill",
-                reason=f"long-term: prefill is the bottleneck ({stats})"))
+                reason=f"long-term: prefill is the bottleneck ({stats})")
         return None
 
     def _eq8(self, rates: Rates, n_p: int, n_d: int,
@@ -844,9 +876,10 @@ class RoleBalancer:
             (rates[0], rates[1] + per_p, rates[2] - per_d))) < abs(gap)
         return to_decode, to_prefill, stats
 
-    def _issue(self, action: ConvertWorker) -> ConvertWorker:
+    def _issue(self, now: float, action: ConvertWorker) -> ConvertWorker:
         self.conversions += 1
         self._pending = action
+        self._last = (now, action.to_role)
         return action
 
     def expected_shape(self, state: ClusterState) -> ClusterShape:
@@ -985,11 +1018,12 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
        t (Eqs. 3 and 4: the PrfaaS side's rate includes its link, so a congested link shows as
        a longer PrfaaS wait). The side that waits longer gets less: t is wanted at
        model t * tilt ** (-x), x = (W_pd - W_prfaas) / (W_pd + W_prfaas + wait_floor_s).
-    3. The PD-side bound: at the arrival rate measured over `rate_window_s`, t never rises
-       past the largest t that keeps PD prefill within `pd_load_max` of its rate (Eq. 4): a
-       narrow link pushes long requests to PD prefill only as far as PD prefill can take.
-       The bound only stops a rise; it never lowers t, which would push onto the link what
-       the link cannot carry.
+    3. The PD-side bound: at the arrival rate measured over `rate_window_s`, t is never
+       wanted above the largest t that keeps PD prefill within `pd_load_max` of its rate
+       (Eq. 4): a narrow link pushes long requests to PD prefill only as far as PD prefill can
+       take. When nothing fits (the link cannot carry what PD prefill cannot), the PD cluster
+       is kept serving: the requests it keeps meet their SLO, where raising t would have PD
+       prefill miss it for all of them.
     4. The move: at most once per `dwell_s`, only if the wanted t differs by more than
        `min_rel_change`, half way there in log space (all the way when that is close).
     While the link is down t holds still.
@@ -1022,12 +1056,13 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._window: deque[float] = deque(maxlen=cfg.window)
         self._arrivals: deque[float] = deque()
         self._first_arrival: float | None = None
+        self._last_rate = 0.0  # the arrival rate of the last tick
         self._link: LinkSample | None = None
         self._measured_bps = 0.0
         self._provisioned_bps = 0.0  # the line's bought rate, or the highest estimate so far
         self._queues = (Ewma(cfg.queue_smoothing_s), Ewma(cfg.queue_smoothing_s))
         self._last_change = -math.inf
-        self._roles = RoleBalancer(cfg.roles, self.stage_rates)
+        self._roles = RoleBalancer(cfg.roles, self.stage_rates, self._carries)
         self._solves = 0
         self._outlook: Outlook | None = None
         self._t = self._solve()
@@ -1107,7 +1142,9 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
             self._shape = self._roles.expected_shape(state)
         if conversion is not None:
             actions.append(conversion)
-            actions += self._move(now, self._solve(), "long-term: re-solved for N_p / N_d "
+            # The PD bound holds for the new shape too.
+            solved = min(self._solve(), self._pd_cap(self._last_rate))
+            actions += self._move(now, solved, "long-term: re-solved for N_p / N_d "
                                   f"= {self._shape.n_p} / {self._shape.n_d}", force=True)
         actions += self._short_term(now, state)
         return actions
@@ -1125,11 +1162,21 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         if math.isfinite(model_t) and model_t > 0 and math.isfinite(wait_prfaas + wait_pd):
             x = (wait_pd - wait_prfaas) / (wait_pd + wait_prfaas + cfg.wait_floor_s)
             wanted = model_t * cfg.tilt ** (-x)
-        rate = self.arrival_rate(now)
+        rate = self._last_rate = self.arrival_rate(now)
         cap = self._pd_cap(rate)
-        if wanted > self._t:
-            wanted = min(wanted, max(cap, self._t))
-        return Outlook(model_t, wait_prfaas, wait_pd, cap, wanted, rate)
+        return Outlook(model_t, wait_prfaas, wait_pd, cap, min(wanted, cap), rate)
+
+    def _carries(self, shape: ClusterShape) -> bool:
+        """Whether the PD cluster in `shape` carries the arrival rate measured now, at the
+        current t, both stages within `pd_load_max` of their rates (Eqs. 4 and 5); a rate of
+        0 carries nothing (no traffic: no evidence to convert on)."""
+        rate = self._last_rate
+        if rate <= 0:
+            return False
+        point = self._point(self._t, shape)
+        limit = self.config.pd_load_max
+        return (rate * (1.0 - point.p) <= limit * point.theta_pd_p
+                and rate <= limit * point.theta_pd_d)
 
     def _pd_cap(self, rate: float) -> float:
         """Step 3: the largest t (router tokens) at which PD prefill, fed the requests at or

@@ -80,6 +80,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cache_gib: float = 1024.0  # each worker's prefix store (Mooncake keeps it in host DRAM)
     tick_s: float = 1.0
     seed: int = 0
+    # Seconds a PD worker converting between prefill and decode serves neither role (a model
+    # reload is not free; the live worker's option of the same name).
+    conversion_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.n_prfaas, self.n_pd_prefill) < 0 or self.n_decode < 1:
@@ -104,7 +107,8 @@ def sim_topology(d: Deployment) -> Topology:
     worker_options = {"scale": d.scale, "chunk_tokens": d.chunk_tokens, "max_batch": bs_max,
                       "max_streams": 512, "prefill_slots": 512, "upload_slots": 64,
                       "connections": d.connections, "snapshot_every": d.snapshot_every,
-                      "cache_mib": d.cache_gib * 1024, "status_interval": d.tick_s}
+                      "cache_mib": d.cache_gib * 1024, "status_interval": d.tick_s,
+                      "conversion_s": d.conversion_s}
     clusters = [ClusterSpec(name="pd", kind="pd",
                             options={**worker_options, "profile": d.pd_profile})]
     services = [ServiceSpec(name="router", kind="router", host=HOST, port=100),

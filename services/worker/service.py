@@ -267,7 +267,9 @@ class WorkerService:
             raise WrongRole(f"{self.name} holds role {state}, cannot take {role} work")
 
     async def switch(self, role: Role, reason: str) -> None:
-        """Stop taking work, let what is queued and running finish, then take `role`."""
+        """Stop taking work, let what is queued and running finish, wait the topology's
+        `conversion_s` (the time a real instance takes to reload for its new role; 0 by
+        default), then take `role`."""
         if role == self.role and not self.draining:
             return
         if self.cluster_kind != "pd":
@@ -280,6 +282,8 @@ class WorkerService:
         try:
             await self.prefill.wait_idle()
             await self.decode.wait_idle()
+            # A new role is not free: reloading for it serves neither role meanwhile.
+            await anyio.sleep(self.ctx.option("conversion_s", 0.0))
         finally:
             self.draining = False
         self.role = role
