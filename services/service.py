@@ -19,6 +19,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.registry import Collector
 
+from mesh import native
 from mesh.errors import ConfigError
 from mesh.events import EventBus
 from mesh.http import serve_http
@@ -30,7 +31,7 @@ from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
 from services.contract.access import WILDCARD_HOSTS
 from services.contract.events import Event
-from services.contract.messages import CODEC_MESSAGES, Subscribe
+from services.contract.messages import CODEC_MESSAGES, ClockQuery, ClockReading, Subscribe
 
 Mode = Literal["live", "emulated"]
 WORKER_KINDS = frozenset({"prefill", "decode"})
@@ -180,8 +181,14 @@ class ServiceContext:
         self.announce(f"ready {self.name} {address}")
 
 
-def serve_events(node: Node, bus: EventBus[Event]) -> None:
-    """Any subscriber (the dashboard) reads this service's events from the moment it asks."""
+def serve_events(node: Node, bus: EventBus[Event],
+                 clock: Callable[[], float] = native.now) -> None:
+    """Any subscriber (the dashboard) reads this service's events from the moment it asks,
+    and `clock`, the one the events' `ts` are read from, to a `ClockQuery`."""
+
+    @node.handles(ClockQuery)
+    async def on_clock(msg: ClockQuery, ctx: Context) -> ClockReading:
+        return ClockReading(now=clock())
 
     @node.serves_stream(Subscribe)
     async def on_subscribe(msg: Subscribe, ctx: Context) -> Any:
