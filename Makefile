@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
+.PHONY: demo multihost sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -55,6 +55,12 @@ prometheus: $(PROMETHEUS_STAMP)
 # admin token for the run unless PRFAAS_ADMIN_TOKEN is set.
 demo: $(STAMP)
 	exec $(VENV)/bin/prfaas up --procfile Procfile
+
+# The demo mesh across two network namespaces made for the run (PrfaaS cluster | PD cluster,
+# joined by a veth the kernel shapes to the link's rate; the browser stays here): the rehearsal
+# of two machines (docs/deploy.md). Needs root; Ctrl-C removes every namespace it made.
+multihost: $(STAMP)
+	exec $(VENV)/bin/prfaas multihost --procfile Procfile
 
 # Fault scenarios against the real mesh (services/chaos/); writes docs/reliability.md.
 # About 5-10 minutes on 2 cores; CHAOS_ARGS=--quick for a short run.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -272,8 +273,14 @@ def topology_toml(data: Mapping[str, object]) -> str:
         header = f"[[{section}]]" if isinstance(value, list | tuple) else f"[{section}]"
         for table in tables:
             assert isinstance(table, Mapping)
-            lines += [header, *(f"{k} = {_toml_value(v)}" for k, v in table.items()), ""]
+            lines += [header, *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()),
+                      ""]
     return "\n".join(lines)
+
+
+def _toml_key(key: str) -> str:
+    """A bare key as it is; any other (a dotted option name) quoted, so it stays one key."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _toml_value(value: object) -> str:
@@ -286,5 +293,6 @@ def _toml_value(value: object) -> str:
         # A JSON string is a TOML basic string (the same escapes).
         return json.dumps(value)
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}"
+                                for k, v in value.items()) + " }"
     raise ConfigError(f"topology value {value!r} has no TOML form")

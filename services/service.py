@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.registry import Collector
 
+from mesh import native
 from mesh.errors import ConfigError
 from mesh.events import EventBus
 from mesh.http import serve_http
@@ -30,9 +31,11 @@ from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
 from services.contract.access import WILDCARD_HOSTS
 from services.contract.events import Event
-from services.contract.messages import CODEC_MESSAGES, Subscribe
+from services.contract.messages import CODEC_MESSAGES, ClockQuery, ClockReading, Subscribe
 
 Mode = Literal["live", "emulated"]
+KVPath = Literal["emulator", "direct"]
+KV_PATHS: tuple[KVPath, ...] = get_args(KVPath)
 WORKER_KINDS = frozenset({"prefill", "decode"})
 T = TypeVar("T")
 StatisticsSource = Callable[[], msgspec.Struct]
@@ -101,6 +104,16 @@ def link_routes(topology: Topology, link: LinkSpec) -> list[LinkRoute]:
              for i, s in enumerate(backward)])
 
 
+def link_kv_path(link: LinkSpec) -> KVPath:
+    """How KV crosses `link`: through its link service's proxy (options.kv "emulator", the
+    default) or straight to the receiving worker ("direct")."""
+    path = link.options.get("kv", "emulator")
+    if path not in KV_PATHS:
+        raise ConfigError(f"link {link.name!r}: options.kv must be one of {list(KV_PATHS)}, "
+                          f"got {path!r}")
+    return path
+
+
 def _routes_from(topology: Topology, cluster: str) -> list[tuple[LinkSpec, LinkRoute]]:
     """The routes senders in `cluster` use: forward routes of links it is side a of,
     reverse routes of links it is side b of."""
@@ -110,9 +123,11 @@ def _routes_from(topology: Topology, cluster: str) -> list[tuple[LinkSpec, LinkR
 
 def resolve_from(topology: Topology, cluster: str) -> Callable[[str], Address]:
     """The resolver of a node in `cluster`: peers in a cluster it has a link to through that
-    link's proxy, everyone else directly. A `#suffix` names a lane (another connection to
-    the same peer)."""
-    via = {r.service: r.listen for _, r in _routes_from(topology, cluster)}
+    link's proxy, everyone else directly; a link whose options.kv is "direct" is crossed
+    straight (the network between the clusters shapes it: a kernel qdisc, a real line). A
+    `#suffix` names a lane (another connection to the same peer)."""
+    via = {r.service: r.listen for link, r in _routes_from(topology, cluster)
+           if link_kv_path(link) == "emulator"}
 
     def resolve(peer: str) -> Address:
         name = peer.split("#", 1)[0]
@@ -180,8 +195,14 @@ class ServiceContext:
         self.announce(f"ready {self.name} {address}")
 
 
-def serve_events(node: Node, bus: EventBus[Event]) -> None:
-    """Any subscriber (the dashboard) reads this service's events from the moment it asks."""
+def serve_events(node: Node, bus: EventBus[Event],
+                 clock: Callable[[], float] = native.now) -> None:
+    """Any subscriber (the dashboard) reads this service's events from the moment it asks,
+    and `clock`, the one the events' `ts` are read from, to a `ClockQuery`."""
+
+    @node.handles(ClockQuery)
+    async def on_clock(msg: ClockQuery, ctx: Context) -> ClockReading:
+        return ClockReading(now=clock())
 
     @node.serves_stream(Subscribe)
     async def on_subscribe(msg: Subscribe, ctx: Context) -> Any:

@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from mesh.errors import ConfigError, UnknownPeer
@@ -16,6 +17,7 @@ from mesh.topology import (
     load_topology,
     mesh_secret,
     parse_topology,
+    topology_toml,
 )
 from mesh.transport import Address
 
@@ -168,3 +170,12 @@ def test_mesh_secret_from_a_file_without_its_trailing_newline(tmp_path: Path) ->
 def test_bad_mesh_sections_are_config_errors(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         mesh_secret(parse_topology(text))
+
+
+def test_topology_toml_keeps_a_dotted_option_one_key() -> None:
+    text = ('[[services]]\nname = "router"\nkind = "router"\nport = 7100\n'
+            'options = { "prfaas.threshold" = 64.0, http_port = 8000 }\n')
+    topology = parse_topology(text)
+    again = parse_topology(topology_toml(msgspec.to_builtins(topology)))
+    assert again == topology
+    assert again.service("router").options["prfaas.threshold"] == 64.0

@@ -28,10 +28,24 @@ from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from mesh.wire import Codec
 from services.cli.launch import in_process
 from services.cli.serve import default_topology, runner_for, serve_main
-from services.contract.events import AnyEvent, Event, KVFlow, WorkerStatus
-from services.contract.messages import CODEC_MESSAGES, Echo, Subscribe
+from services.contract.events import (
+    AnyEvent,
+    Event,
+    KVFlow,
+    RequestDone,
+    RequestPhase,
+    WorkerStatus,
+)
+from services.contract.messages import (
+    CODEC_MESSAGES,
+    ClockQuery,
+    ClockReading,
+    Echo,
+    Subscribe,
+)
 from services.contract.prefix import block_hashes
 from services.contract.sampling import Sampling
+from services.contract.types import Phase
 from services.model.config import family_config, kv_bytes
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
@@ -41,6 +55,7 @@ from services.service import serve_events
 from services.worker.engine import expected_kv_bytes
 from tests.ports import free_ports
 from tests.test_prefix_transfer import IdTokenizer
+from ui.config import DashboardConfig
 from ui.feed import (
     FeedConfig,
     MeshFeed,
@@ -50,6 +65,7 @@ from ui.feed import (
     router_http_url,
     run_ui,
 )
+from ui.state import DashboardState
 
 ADDRESSES = {name: Address(name, 1) for name in ("a", "b", "c", "dash")}
 FAST = FeedConfig(retry_min_s=0.1, retry_max_s=0.8, wall_clock=False)
@@ -65,15 +81,20 @@ def node(hub: MemoryHub, name: str) -> Node:
 
 
 class Peer:
-    """A service as the feed sees one: a node serving its bus's events at its address."""
+    """A service as the feed sees one: a node serving its bus's events at its address; its
+    event clock reads `clock_offset_s` ahead of the test's (another machine's clock)."""
 
-    def __init__(self, hub: MemoryHub, name: str) -> None:
+    def __init__(self, hub: MemoryHub, name: str, clock_offset_s: float = 0.0) -> None:
         self.hub, self.name = hub, name
         self.bus: EventBus[Event] = EventBus()
+        self.clock_offset_s = clock_offset_s
+
+    def now(self) -> float:
+        return trio.current_time() + self.clock_offset_s
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         peer = node(self.hub, self.name)
-        serve_events(peer, self.bus)
+        serve_events(peer, self.bus, clock=self.now)
         async with peer:
             await peer.listen()
             task_status.started()
@@ -211,6 +232,10 @@ class Stray(Peer):
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         peer = node(self.hub, self.name)
 
+        @peer.handles(ClockQuery)
+        async def on_clock(msg: ClockQuery, ctx: Context) -> ClockReading:
+            return ClockReading(now=trio.current_time())
+
         @peer.serves_stream(Subscribe)
         async def on_subscribe(msg: Subscribe, ctx: Context) -> Any:
             yield Echo(text="not an event")
@@ -224,7 +249,8 @@ class Stray(Peer):
 
 
 class Deaf(Peer):
-    """A peer that listens but serves no event stream: every Subscribe fails."""
+    """A peer that listens but serves no event stream: every ClockQuery (the first thing the
+    feed asks) fails."""
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         async with node(self.hub, self.name) as peer:
@@ -257,9 +283,59 @@ async def test_bad_peers_and_refused_events_cost_only_themselves(
     assert "event refused" in errors["a"]
     assert (b.events, b.rejected, b.connected) == (1, 1, True)
     assert "Echo" in errors["b"]
-    # Each of its streams opens, then fails at once; the retries back off all the same.
-    assert (c.events, c.connected) == (0, False) and c.connects == c.failures
-    assert 5 <= c.failures <= 5 / FAST.retry_max_s + 4 and "Subscribe" in errors["c"]
+    # Each attempt fails at its first question (the clock); the retries back off all the same.
+    assert (c.events, c.connected, c.connects) == (0, False, 0)
+    assert 5 <= c.failures <= 5 / FAST.retry_max_s + 4 and "ClockQuery" in errors["c"]
+
+
+@pytest.mark.trio
+async def test_timelines_line_up_across_machines_whose_clocks_differ(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The router, a prefill and a decode worker on three machines, their clocks hours apart:
+    the dashboard's timeline of one request still shows each phase's true length, and the
+    router's TTFT (one clock) is what it measured."""
+    hub, collector = MemoryHub(), Collector()
+    router, prefill, decode = Peer(hub, "a"), Peer(hub, "b", 5000.0), Peer(hub, "c", -3600.0)
+    state = DashboardState(DashboardConfig())
+    async with anyio.create_task_group() as group:
+        await start(group, router, prefill, decode)
+        feed = await feed_running(group, hub, ["a", "b", "c"], collector)
+        with trio.fail_after(30):
+            for peer in (router, prefill, decode):
+                await peer.subscribed()
+            queued = router.now()
+            router.bus.publish(phase(router, "queued", queued))
+            await trio.sleep(0.25)
+            prefill.bus.publish(phase(prefill, "prefill", prefill.now()))
+            await trio.sleep(0.5)
+            decode.bus.publish(phase(decode, "decode", decode.now()))
+            await trio.sleep(1.0)
+            router.bus.publish(done(router, ttft_s=0.75, ts=router.now()))
+            await collector.wait_for(4)
+        offsets = [p.clock_offset_s for p in feed.statistics().peers]
+        group.cancel_scope.cancel()
+    for event in collector.events:
+        state.apply(event)
+    view = state.request("req-1")
+    assert view is not None and view.done is not None
+    times = {p.phase: p.ts for p in view.phases}
+    assert times["prefill"] - times["queued"] == pytest.approx(0.25, abs=1e-6)
+    assert times["decode"] - times["prefill"] == pytest.approx(0.5, abs=1e-6)
+    assert view.done.ts - times["queued"] == pytest.approx(1.75, abs=1e-6)
+    assert view.done.ttft_s == 0.75
+    assert offsets == pytest.approx([0.0, -5000.0, 3600.0])
+
+
+def phase(peer: Peer, name: Phase, ts: float) -> RequestPhase:
+    return RequestPhase(ts=ts, source=peer.name, request_id="req-1", phase=name,
+                        worker=peer.name)
+
+
+def done(peer: Peer, *, ttft_s: float, ts: float) -> RequestDone:
+    return RequestDone(ts=ts, source=peer.name, request_id="req-1", cluster="pd",
+                       ttft_s=ttft_s, tpot_s=0.01, e2e_s=1.75, prompt_tokens=10,
+                       output_tokens=8, cached_tokens=0, ok=True)
 
 
 def test_config_errors_name_the_parameter() -> None:

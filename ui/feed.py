@@ -44,6 +44,7 @@ from services.service import (
 )
 from ui.config import DashboardConfig
 from ui.controls import HttpControlClient
+from ui.peer_clock import peer_offset
 from ui.serve import serve_ui
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class PeerFeedStatistics(msgspec.Struct, frozen=True):
     failures: int  # attempts that failed or streams that broke
     events: int  # events handed to the dashboard
     rejected: int  # items that were no event, or that the dashboard refused
+    clock_offset_s: float  # added to the peer's `ts` to read the dashboard's clock
 
 
 class MeshFeedStatistics(msgspec.Struct, frozen=True):
@@ -104,11 +106,12 @@ class _PeerState:
         self.peer = peer
         self.connected = False
         self.connects = self.failures = self.events = self.rejected = 0
+        self.clock_offset_s = 0.0
         self.last_error = ""
 
     def freeze(self) -> PeerFeedStatistics:
         return PeerFeedStatistics(self.peer, self.connected, self.connects, self.failures,
-                                  self.events, self.rejected)
+                                  self.events, self.rejected, self.clock_offset_s)
 
 
 def event_peers(topology: Topology) -> list[str]:
@@ -120,10 +123,10 @@ class MeshFeed:
     """The dashboard's `EventSource` over a mesh: one `Subscribe` stream per peer, merged.
 
     The node must be running (`async with node:`) while `run` runs; it needs no listener.
-    Live services stamp events with anyio's clock, which on asyncio and uvloop is the
-    machine-wide CLOCK_MONOTONIC: one offset turns every service's stamps into wall time, so
-    the page can show times of day (trio's clock has a per-process offset: run live services
-    on asyncio or uvloop).
+    Each service stamps events with its own clock (live: its machine's CLOCK_MONOTONIC); each
+    stream's events are moved onto this process's clock by the offset read when it opened
+    (ui/peer_clock.py), so that timelines line up across machines, and then by one more
+    offset onto wall time, so the page can show times of day.
     """
 
     def __init__(self, node: Node, peers: Iterable[str], config: FeedConfig | None = None):
@@ -161,6 +164,7 @@ class MeshFeed:
 
     async def _read(self, state: _PeerState, publish: Publish) -> None:
         """One stream from `state.peer`, until it ends."""
+        state.clock_offset_s = await peer_offset(self.node, state.peer)
         request = Subscribe(maxlen=self.config.maxlen)
         async with self.node.open_stream(state.peer, request, timeout=math.inf) as items:
             state.connected, state.connects = True, state.connects + 1
@@ -174,8 +178,8 @@ class MeshFeed:
             state.rejected += 1
             state.last_error = f"sent a {type(item).__name__}, not an event"
             return
-        if self._wall_offset:
-            item = msgspec.structs.replace(item, ts=item.ts + self._wall_offset)
+        if shift := state.clock_offset_s + self._wall_offset:
+            item = msgspec.structs.replace(item, ts=item.ts + shift)
         try:
             publish(cast(AnyEvent, item))  # EVENT_TYPES are AnyEvent's members
         except (ValueError, TypeError, KeyError) as exc:

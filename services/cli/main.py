@@ -27,6 +27,9 @@ COMMANDS: dict[str, Command] = {
     "up": Command("services.cli.up", "up_main",
                   "run the Procfile's processes under a supervisor that restarts them",
                   stops_on_signal=True),
+    "multihost": Command("services.cli.multihost", "multihost_main",
+                         "the mesh across network namespaces: a rehearsal of two machines",
+                         stops_on_signal=True),
     "chaos": Command("services.chaos.cli", "chaos_main",
                      "fault scenarios against the real mesh; writes docs/reliability.md"),
     "send": Command(

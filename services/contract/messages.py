@@ -13,7 +13,8 @@ prefill worker pushes the KV to the decode worker as upload streams, one per con
 prefill call with `PrefillDone`. The decode worker imports the pieces, joins the request to
 its batch and streams `TokenChunk`s back. Workers report their cached blocks to the cache
 directory (`BlocksStored`, `BlocksEvicted`, `WorkerReport`); it asks for a full report with
-`ReportCache` after a restart. Any service streams its dashboard events to a `Subscribe`r.
+`ReportCache` after a restart. Any service streams its dashboard events to a `Subscribe`r
+and reads its event clock to a `ClockQuery`.
 
 Errors cross the wire by exception type name (mesh `RemoteError.error`); their small tree is
 services.contract.errors.
@@ -380,6 +381,17 @@ class Subscribe(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     maxlen: Annotated[int, msgspec.Meta(ge=1, le=MAX_SUBSCRIBE_MAXLEN)] = 1024
 
 
+class ClockQuery(msgspec.Struct, frozen=True, tag=True):
+    """Asks a service for the clock its events are stamped with (`ClockReading`): the
+    dashboard maps each service's `ts` onto its own clock, machines' clocks being apart."""
+
+
+class ClockReading(msgspec.Struct, frozen=True, tag=True):
+    """A service's event clock when it answered a `ClockQuery` (seconds)."""
+
+    now: float
+
+
 class Echo(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The echo service answers with the same message, `hops` + 1."""
 
@@ -410,6 +422,8 @@ CODEC_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     BlocksEvicted,
     WorkerReport,
     Subscribe,
+    ClockQuery,
+    ClockReading,
     Echo,
     *EVENT_TYPES,
 )

@@ -1,0 +1,259 @@
+"""services/cli/multihost.py and netem/netns.py: the mesh across network namespaces.
+
+The namespace tests make their own namespaces (named with the test process's pid, addresses
+in 198.18.0.0/15) and remove them, also on failure; they skip, saying why, where this process
+may not make namespaces. `prfaas multihost` runs the smallest mesh (random-init models) as a
+subprocess: a streamed completion crosses the namespaces, a long one's KV crosses the shaped
+veth, and Ctrl-C leaves no namespace or link behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mesh.topology import load_topology
+from netem.netns import (
+    BENCHMARK_NETWORK,
+    NetLab,
+    NetnsError,
+    Veth,
+    check_address,
+    owned_names,
+    remove_stale,
+    require_netns,
+)
+from services.cli.multihost import (
+    EXIT_NO_NETNS,
+    MULTIHOST_HOSTS,
+    lab_for,
+    multihost_main,
+    multihost_topology,
+    shares,
+)
+from services.cli.procfile import ProcessSpec
+from services.service import resolve_from
+
+HERE = Path(__file__).parent / "multihost"
+ROOT = Path(__file__).parent.parent
+RATE_BPS = 200e6
+
+
+def _can_make_namespaces() -> str:
+    """Why namespaces cannot be made here ("" if they can)."""
+    try:
+        require_netns()
+        with NetLab(("probe",), []):
+            return ""
+    except NetnsError as exc:
+        return str(exc)
+
+
+NETNS_REFUSED = _can_make_namespaces()
+needs_netns = pytest.mark.skipif(bool(NETNS_REFUSED), reason=f"no namespaces: {NETNS_REFUSED}")
+
+
+NetworkState = tuple[list[str], list[str]]
+
+
+def network_state() -> NetworkState:
+    """Every namespace and root link there is, by name."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                check=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True,
+                           check=True).stdout
+    return (sorted(line.split()[0] for line in namespaces.splitlines() if line),
+            sorted(line.split()[0] for line in links.splitlines() if line))
+
+
+def test_every_service_is_placed_on_its_namespace_address() -> None:
+    topology = multihost_topology(load_topology(HERE / "topology.toml", ""), "direct")
+    for service in topology.services:
+        check_address(service.host)
+        assert service.bind_host == service.host
+    assert topology.service("prfaas-prefill-0").host == MULTIHOST_HOSTS["prfaas"]
+    assert topology.service("link-0").host == MULTIHOST_HOSTS["prfaas"]
+    assert topology.service("router").host == MULTIHOST_HOSTS["pd"]
+    split = shares(topology, [ProcessSpec(s.name, "x") for s in topology.services])
+    assert split == {"prfaas": ["prfaas-prefill-0", "link-0"],
+                     "pd": ["router", "cachedir", "pd-prefill-0", "pd-decode-0", "ui"]}
+    # kv = "direct": the PrfaaS worker dials the decode worker itself, not the link's proxy.
+    assert resolve_from(topology, "prfaas")("pd-decode-0").host == MULTIHOST_HOSTS["pd"]
+    emulated = multihost_topology(load_topology(HERE / "topology.toml", ""), "emulator")
+    assert resolve_from(emulated, "prfaas")("pd-decode-0").port == 17201
+
+
+def test_addresses_outside_the_benchmark_range_are_refused() -> None:
+    assert str(BENCHMARK_NETWORK) == "198.18.0.0/15"
+    check_address("198.19.255.254")
+    for address in ("10.0.0.1", "198.20.0.1", "127.0.0.1", "nope"):
+        with pytest.raises(NetnsError, match=r"198\.18\.0\.0/15|not an IP"):
+            Veth(None, "pd", address, "198.18.0.2")
+
+
+def test_not_root_is_told_and_makes_nothing(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    before = network_state() if not NETNS_REFUSED else None
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code = multihost_main(["--procfile", str(HERE / "Procfile"),
+                           "--topology", str(HERE / "topology.toml")])
+    assert code == EXIT_NO_NETNS
+    assert "need root" in capsys.readouterr().err
+    if before is not None:
+        assert network_state() == before
+
+
+@needs_netns
+def test_a_dead_runs_namespaces_are_removed_and_a_live_runs_kept() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = NetLab(("pd",), [Veth(None, "pd", "198.18.3.1", "198.18.3.2")],
+                   owner=int(dead.stdout))
+    with NetLab(("pd",), [Veth(None, "pd", "198.18.4.1", "198.18.4.2")]) as live:
+        try:
+            stale.create()
+            removed = remove_stale()
+            namespaces, _ = owned_names()
+        finally:
+            stale.remove()
+        assert stale.namespace("pd") in removed
+        assert live.namespace("pd") in namespaces and stale.namespace("pd") not in namespaces
+
+
+def _transfer_rate(lab: NetLab, nbytes: int) -> float:
+    """Bits per second of `nbytes` sent from namespace prfaas to pd over the shaped veth,
+    timed by the receiver from its first byte to its last."""
+    with subprocess.Popen(
+            [*lab.exec_prefix("pd"), sys.executable, "-c", RECEIVER, MULTIHOST_HOSTS["pd"]],
+            stdout=subprocess.PIPE, text=True) as receiver:
+        try:
+            assert receiver.stdout is not None
+            assert receiver.stdout.readline().strip() == "listening"
+            subprocess.run([*lab.exec_prefix("prfaas"), sys.executable, "-c", SENDER,
+                            MULTIHOST_HOSTS["pd"], str(nbytes)], check=True, timeout=60)
+            received, seconds = json.loads(receiver.stdout.readline())
+        finally:
+            receiver.kill()
+    assert received == nbytes
+    return float(received * 8 / seconds)
+
+
+RECEIVER = """
+import json, socket, sys, time
+with socket.create_server((sys.argv[1], 9700)) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    view, total, first = memoryview(bytearray(1 << 20)), 0, None
+    while (n := conn.recv_into(view)):
+        if first is None:
+            first, head = time.monotonic(), n
+        total += n
+        last = time.monotonic()
+    print(json.dumps([total, (last - first) * (total / (total - head))]), flush=True)
+"""
+SENDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], 9700)) as conn:
+    conn.sendall(bytes(int(sys.argv[2])))
+"""
+
+
+@needs_netns
+def test_kv_over_the_tbf_shaped_veth_arrives_at_the_set_rate() -> None:
+    """The cross-cluster veth of `prfaas multihost`, shaped to 200 Mbit/s: 40 MB of KV-sized
+    traffic arrives at that rate within 5%."""
+    topology = multihost_topology(load_topology(HERE / "topology.toml", ""), "direct")
+    before = network_state()
+    with lab_for(topology) as lab:
+        rate = _transfer_rate(lab, 40_000_000)
+    assert rate == pytest.approx(RATE_BPS, rel=0.05)
+    assert topology.links[0].bandwidth_bps == RATE_BPS
+    assert network_state() == before
+
+
+@pytest.fixture
+def multihost_run() -> Iterator[tuple[subprocess.Popen[str], list[str], NetworkState]]:
+    """`prfaas multihost` on the small mesh, its output lines, the namespaces and links there
+    were before it; stopped at the end, whatever happened."""
+    before = network_state()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "multihost", "--procfile",
+         str(HERE / "Procfile"), "--topology", str(HERE / "topology.toml")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # The Procfile's `python` is this one.
+        env={**os.environ, "PYTHONPATH": str(ROOT),
+             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    lines: list[str] = []
+    try:
+        yield process, lines, before
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        NetLab(("prfaas", "pd"), [], owner=process.pid).remove()
+
+
+def _until_ready(process: subprocess.Popen[str], lines: list[str], limit_s: float) -> str:
+    deadline = time.monotonic() + limit_s
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("ready:"):
+            return line
+    raise AssertionError("no ready line:\n" + "\n".join(lines[-40:]))
+
+
+def _stream(api: str, token: str, prompt: str) -> tuple[str, list[str]]:
+    """A streamed completion: the cluster that prefilled it, and its text pieces."""
+    body = {"model": "prfaas", "prompt": prompt, "max_tokens": 6, "stream": True}
+    pieces = []
+    with httpx.stream("POST", f"{api}/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {token}"}) as response:
+        assert response.status_code == 200
+        cluster = response.headers["x-prfaas-cluster"]
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return cluster, pieces
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@needs_netns
+def test_multihost_serves_across_the_namespaces_and_leaves_nothing(
+    multihost_run: tuple[subprocess.Popen[str], list[str], NetworkState],
+) -> None:
+    process, lines, before = multihost_run
+    ready = _until_ready(process, lines, 150)
+    match = re.match(r"ready: dashboard (\S+)\?token=(\S+) API (\S+)$", ready)
+    assert match, ready
+    dashboard, token, api = match.groups()
+    assert dashboard.startswith("http://198.18.") and api.startswith("http://198.18.")
+    short_cluster, short = _stream(api, token, "hello there")
+    long_cluster, long = _stream(api, token, " ".join(f"word{i}" for i in range(120)))
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=40) == 0
+    assert (short_cluster, long_cluster) == ("pd", "prfaas")
+    assert len(short) >= 1 and len(long) >= 1
+    assert network_state() == before
+    # Each side listened on its own namespace's address.
+    assert "198.18.0.1:17110" in "\n".join(lines) and "198.18.0.2:17130" in "\n".join(lines)
