@@ -133,6 +133,9 @@ def test_real_mesh_fills_the_dashboard_and_the_link_obeys_it(
         )
         assert httpx.get(f"{mesh.link_url}/link").json()["bandwidth_bps"] == 20e6
         wait_until(page, "document.getElementById('topbar-link').textContent === 'up · 20 Mbps'")
+        # Beside the rate set, the link as the router measures it from its own transfers.
+        wait_until(page, "document.querySelector('[data-testid=link-measured]')"
+                         ".textContent.startsWith('router measures ')")
         assert "ok" in (page.text_content("#ctl-status") or "")
 
         # A finished offloaded request's waterfall once the charts hold some history; the

@@ -272,6 +272,17 @@ class RouterControl:
             # Each link as the router measures it from its own transfers (link_meter.py).
             "links": {name: {**msgspec.to_builtins(e), "utilisation": e.utilisation}
                       for name, e in self.scheduler.links.estimates().items()},
+            "waits": _waits(stats),
             # The loop's counts: a client can tell how many link samples the policy has seen.
             "control": msgspec.to_builtins(self.statistics()),
         }
+
+
+def _waits(stats: object) -> dict[str, float] | None:
+    """The predicted waits a policy reports (prfaas-dynamic's), where finite; else None."""
+    prfaas, pd = (getattr(stats, name, None) for name in ("wait_prfaas_s", "wait_pd_s"))
+    if not (isinstance(prfaas, float) and isinstance(pd, float)):
+        return None
+    if not (math.isfinite(prfaas) and math.isfinite(pd)):
+        return None
+    return {"prfaas_s": prfaas, "pd_s": pd}

@@ -2,7 +2,7 @@
 // that owns the setting (the link's control API, the router's admin API). The panel reads the
 // current settings back every few seconds; the link's real state arrives as telemetry.
 
-import { fmtBps, getJSON, postJSON } from "./util.js";
+import { fmtBps, fmtSeconds, getJSON, postJSON } from "./util.js";
 
 const REFRESH_MS = 5000;
 // The bandwidth slider is logarithmic: 0..1000 spans 10 Mbps..100 Gbps.
@@ -135,6 +135,20 @@ export class Controls {
     fillSelect(this.$("ctl-worker"), workers, this.$("ctl-worker").value || workers[0]);
     const t = this.$("ctl-threshold");
     if (document.activeElement !== t) t.placeholder = router.threshold_override ? "override" : "auto";
+    this.showMeasured(router);
+  }
+
+  // The link as the router measures it from its own transfers, beside the rate set above,
+  // and the waits prfaas-dynamic predicts for each side.
+  showMeasured(router) {
+    const link = Object.values(router.links || {})[0];
+    const parts = [];
+    if (link && link.available_bps > 0) {
+      parts.push(`router measures ${fmtBps(link.available_bps)}${link.saturated ? " (saturated)" : ""}`);
+    }
+    const waits = router.waits;
+    if (waits) parts.push(`predicted wait PrfaaS ${fmtSeconds(waits.prfaas_s)} · PD ${fmtSeconds(waits.pd_s)}`);
+    this.$("ctl-link-measured").textContent = parts.join(" · ");
   }
 }
 
