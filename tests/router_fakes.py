@@ -91,6 +91,14 @@ kind = "decode"
 cluster = "pd"
 port = 7130
 """
+# The same with a second PD decode worker (a decode worker lost has one to migrate to).
+TWO_DECODERS = TOPOLOGY + """
+[[services]]
+name = "pd-decode-1"
+kind = "decode"
+cluster = "pd"
+port = 7131
+"""
 INFO = ModelInfo(family="fake", size="tiny", config_hash="0", dtype="float32", vocab_size=257,
                  block_size=BLOCK, eos_id=0, source="fake")
 
@@ -122,6 +130,9 @@ class FakeWorker:
     node: Node
     draining: bool = False
     hung: bool = False  # answers nothing (a worker that is down)
+    # Stopped (SIGSTOP): answers no status poll, and its streams and calls make no progress
+    # until `thaw` (SIGCONT).
+    _thawed: anyio.Event | None = None
     fail_prefill: bool = False
     break_prefill: bool = False  # fails as a broken data path does (DataPathError)
     prefills: list[PrefillRequest] = field(default_factory=list)
@@ -149,6 +160,18 @@ class FakeWorker:
                            draining=self.draining, queue_depth=0, running=0, cached_blocks=0,
                            model=INFO, kv_sent_bytes=sent.sent_bytes, kv_held_s=sent.held_s)
 
+    def freeze(self) -> None:
+        self.hung, self._thawed = True, anyio.Event()
+
+    def thaw(self) -> None:
+        if self._thawed is not None:
+            self._thawed.set()
+        self.hung, self._thawed = False, None
+
+    async def _unless_frozen(self) -> None:
+        if self._thawed is not None:
+            await self._thawed.wait()
+
     async def _status(self, msg: StatusQuery, ctx: Context) -> WorkerState:
         if self.hung:
             await anyio.sleep_forever()
@@ -167,6 +190,7 @@ class FakeWorker:
 
     async def _prefill(self, msg: PrefillRequest, ctx: Context) -> PrefillDone:
         self.prefills.append(msg)
+        await self._unless_frozen()
         if self.fail_prefill:
             raise RuntimeError(f"{self.name} is told to fail")
         if self.break_prefill:
@@ -225,6 +249,7 @@ class FakeWorker:
             out = [self._first.pop(msg.request_id)]
             for index in range(msg.sampling.max_tokens):
                 reason = "length" if index + 1 >= msg.sampling.max_tokens else None
+                await self._unless_frozen()
                 yield TokenChunk(request_id=msg.request_id, tokens=[out[-1]], index=index,
                                  finish_reason=reason)
                 if reason:
@@ -290,11 +315,11 @@ class FakeMesh:
 async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | None = None, *,
                     timing: Timing | None = None, config: SchedulerConfig | None = None,
                     bandwidth_bps: float = 1e9, tokenizer: Any = None,
-                    hub: MemoryHub | None = None,
-                    directory_in_process: bool = False) -> AsyncIterator[FakeMesh]:
+                    hub: MemoryHub | None = None, directory_in_process: bool = False,
+                    topology_text: str = TOPOLOGY) -> AsyncIterator[FakeMesh]:
     """Starts everything on the current event loop; stops it on exit. The router asks the
     cache directory in process (`Scheduler(directory=)`) when `directory_in_process`."""
-    topology = parse_topology(TOPOLOGY)
+    topology = parse_topology(topology_text)
     shaper = LinkShaper(LinkParams(bandwidth_bps=bandwidth_bps, delay_s=0.005),
                         anyio.current_time, random.Random(1))
     mesh = FakeMesh(topology, timing or Timing(), hub or MemoryHub(), Codec(CODEC_MESSAGES),

@@ -12,7 +12,12 @@ migrates at most once (`migration_limit = 1`) and bounds KV stalls on the link a
   does a sampled one with a seed (the continuation keeps its place in the seed's stream);
 - a request whose KV crosses a link trickling at 1000 bit/s is re-prefilled in the PD cluster
   within the stall bound (plus its compute), and the link takes no new offload for a while;
-- a request broken a second time, past the limit, ends with an explicit error naming it.
+- a request broken a second time, past the limit, ends with an explicit error naming it;
+- a decode worker frozen (SIGSTOP) after k tokens is declared lost within the silence bound
+  and the request returns the unbroken text; woken (SIGCONT), the worker rejoins and no
+  token of its stale stream reaches a client; a frozen prefill worker's request prefills in
+  the other cluster; a partition of the link for 10 s (its control API) leaves nothing hung
+  or lost.
 The unit-level paths (which breakage migrates where, the seed's stream) are in
 tests/test_request_runner.py.
 """
@@ -24,6 +29,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +48,9 @@ SCALE = 0.005  # t = 19,400 x 0.005 = 97 router tokens
 LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
 SHORT_PROMPT = "ROMEO: what light through yonder window breaks"
 STALL_S = 1.0
+SILENCE_S = 2.0
+STATUS_TIMEOUT_S = 2.0  # the router's status poll timeout (services/router/control.py)
+PARTITION_S = 10.0
 DECODERS = ("pd-decode-0", "pd-decode-1")
 MAX_TOKENS = 40
 KILL_AFTER = 12  # tokens the client has seen when the decode worker is killed
@@ -49,7 +58,7 @@ KILL_AFTER = 12  # tokens the client has seen when the decode worker is killed
 
 def topology_text(ports: list[int]) -> str:
     router = (f"http_port = {ports[1]}, scale = {SCALE}, tick_s = 0.25, migration_limit = 1, "
-              f"kv_stall_s = {STALL_S}")
+              f"kv_stall_s = {STALL_S}, silence_s = {SILENCE_S}")
     return f"""
 [[clusters]]
 name = "prfaas"
@@ -116,13 +125,14 @@ class Mesh:
         self.children.update(self.stack.enter_context(launch(self.path, names,
                                                               log_dir=self.root)))
 
-    def kill_serving_decoder(self) -> str:
-        """kill -9 of the decode worker holding the one open stream (the router's table)."""
+    def kill_serving_decoder(self, signum: int = signal.SIGKILL) -> str:
+        """kill -9 (or `signum`) of the decode worker holding the one open stream (the
+        router's table)."""
         state = httpx.get(f"{self.url}/admin/state", timeout=10).json()
         running = [w["name"] for w in state["workers"]
                    if w["name"] in DECODERS and w["running"] and w["up"]]
         assert len(running) == 1, state["workers"]
-        self.children[running[0]].send_signal(signal.SIGKILL)
+        self.children[running[0]].send_signal(signum)
         return str(running[0])
 
     def workers_up(self) -> int:
@@ -249,3 +259,73 @@ def test_a_request_broken_past_the_migration_limit_ends_with_an_explicit_error(
     assert errors(broken.events) == broken.events[-1:], broken.events[-1]
     assert "migration_limit=1" in broken.events[-1]["error"]["message"], broken.events[-1]
     mesh.start(killed)
+
+
+def test_a_decode_worker_frozen_after_k_tokens_is_lost_and_rejoins_without_a_repeat(
+        mesh: Mesh) -> None:
+    wait_until(lambda: mesh.workers_up() == 4, "four workers up")
+    unbroken = stream(mesh, SHORT_PROMPT)
+    before = metric(mesh, "decode_lost")
+    frozen: list[tuple[str, float]] = []
+
+    def freeze(seen: int) -> None:
+        if seen == KILL_AFTER:
+            frozen.append((mesh.kill_serving_decoder(signal.SIGSTOP), time.monotonic()))
+
+    try:
+        migrated = stream(mesh, SHORT_PROMPT, freeze)
+        took = time.monotonic() - frozen[0][1]
+    finally:
+        for name, _ in frozen:
+            mesh.children[name].send_signal(signal.SIGCONT)
+    assert frozen, "the stream ended before the freeze"
+    assert not errors(migrated.events), errors(migrated.events)
+    assert migrated.text == unbroken.text
+    assert migrated.usage["completion_tokens"] == MAX_TOKENS
+    assert metric(mesh, "decode_lost") == before + 1
+    # A missed poll (a tick, its timeout), the silence bound, then a re-prefill of the prompt
+    # and the tokens so far and the remaining decode steps, on one thread each.
+    assert took < 0.25 + STATUS_TIMEOUT_S + SILENCE_S + 10.0, took
+    # Woken, it answers polls again; its stale stream was aborted, and no token of it
+    # reaches the requests that follow (on either decode worker).
+    wait_until(lambda: mesh.workers_up() == 4, "the woken worker back")
+    for _ in DECODERS:
+        again = stream(mesh, SHORT_PROMPT)
+        assert not errors(again.events) and again.text == unbroken.text
+    assert metric(mesh, "decode_lost") == before + 1
+
+
+def test_a_frozen_prefill_workers_request_prefills_in_the_other_cluster(mesh: Mesh) -> None:
+    wait_until(lambda: mesh.workers_up() == 4, "four workers up")
+    unbroken = stream(mesh, SHORT_PROMPT, max_tokens=4)
+    before = metric(mesh, "prefill_lost")
+    started = time.monotonic()
+    # Frozen just before the request: the router has not missed a poll yet and places it there.
+    mesh.children["pd-prefill-0"].send_signal(signal.SIGSTOP)
+    try:
+        moved = stream(mesh, SHORT_PROMPT, max_tokens=4)
+        took = time.monotonic() - started
+    finally:
+        mesh.children["pd-prefill-0"].send_signal(signal.SIGCONT)
+    assert not errors(moved.events), errors(moved.events)
+    assert moved.text == unbroken.text
+    assert metric(mesh, "prefill_lost") == before + 1
+    assert took < 0.25 + STATUS_TIMEOUT_S + SILENCE_S + 10.0, took
+    wait_until(lambda: mesh.workers_up() == 4, "the woken worker back")
+
+
+def test_a_partitioned_link_leaves_nothing_hung_or_lost(mesh: Mesh) -> None:
+    wait_until(lambda: mesh.workers_up() == 4, "four workers up")
+    prompts = [LONG_PROMPT, SHORT_PROMPT, LONG_PROMPT + "again. "]
+    httpx.post(mesh.link_url, json={"up": False}, timeout=10).raise_for_status()
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            running = [pool.submit(stream, mesh, prompt, max_tokens=4) for prompt in prompts]
+            time.sleep(PARTITION_S)
+            httpx.post(mesh.link_url, json={"up": True}, timeout=10).raise_for_status()
+            answers = [future.result(timeout=60) for future in running]
+    finally:
+        httpx.post(mesh.link_url, json={"up": True}, timeout=10)
+    for answer in answers:
+        assert not errors(answer.events), errors(answer.events)
+        assert answer.usage["completion_tokens"] == 4 and answer.text

@@ -1,6 +1,6 @@
 """One request's run on virtual time: cancelling, a failing prefill, stop strings, and
 migration (a broken prefill continued in the other cluster, the limit, what breakage
-migrates where, a seeded request's stream).
+migrates where, a seeded request's stream, a hung worker declared lost after `silence_s`).
 
 Over the fake-but-honest mesh of tests/router_fakes.py, through the scheduler that owns the
 runner.
@@ -14,13 +14,23 @@ import pytest
 import torch
 import trio
 import trio.testing
-from router_fakes import BLOCK, fake_mesh, fake_token, generation, placed_handle
+from router_fakes import (
+    BLOCK,
+    TWO_DECODERS,
+    FakeMesh,
+    Timing,
+    fake_mesh,
+    fake_token,
+    generation,
+    placed_handle,
+)
 
 from mesh.errors import DeadlineExceeded, PeerGone, RemoteError, StreamAborted
 from services.contract.events import RequestDone, RequestMigrated
 from services.contract.messages import PrefillRequest
 from services.contract.sampling import Sampling
 from services.model.sampling import RequestSampler
+from services.model.tokenizer import ByteTokenizer
 from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
 from services.router.requests import breakage, continued
@@ -293,3 +303,105 @@ async def test_a_link_that_goes_down_moves_the_requests_waiting_for_kv_over_it_t
         assert (handle.placement.cluster, handle.placement.attempt) == ("pd", 1)
         assert mesh.scheduler.statistics().migrations == {"kv_stalled": 1}
         mesh.scheduler.check_integrity()
+
+
+# A hung worker (alive, silent: SIGSTOP); over real processes: tests/test_migration.py.
+
+SILENCE_S = 3.0
+SILENT = SchedulerConfig(block_size=BLOCK, connections=2, silence_s=SILENCE_S)
+STATUS_TIMEOUT_S = 2.0  # the control loop's default (services/router/control.py)
+
+
+async def polling(mesh: FakeMesh) -> None:
+    """The control loop's status polls, every second (a worker that does not answer is
+    down), without its policy ticks."""
+    while True:
+        await mesh.scheduler.workers.poll(mesh.scheduler.node, STATUS_TIMEOUT_S, BLOCK)
+        await anyio.sleep(1.0)
+
+
+def migrations(events: list[object]) -> list[RequestMigrated]:
+    return [e for e in events if isinstance(e, RequestMigrated)]
+
+
+@pytest.mark.trio
+async def test_a_decode_worker_that_hangs_mid_stream_is_lost_and_rejoins_when_it_wakes(
+        autojump_clock: trio.testing.MockClock) -> None:
+    prompt, max_tokens = list(range(1, 30)), 40
+    async with fake_mesh(config=SILENT, topology_text=TWO_DECODERS) as mesh, \
+            anyio.create_task_group() as group:
+        group.start_soon(polling, mesh)
+        handle = await mesh.scheduler.submit(generation(prompt, max_tokens))
+        streamed = await handle.next_delta()
+        while streamed.tokens < 5:
+            streamed += await handle.next_delta()
+        frozen = handle.placement.decode_worker
+        mesh.workers[frozen].freeze()
+        frozen_at = anyio.current_time()
+        delta, result = await handle.collect_delta()
+        [moved] = migrations(await mesh.take_events())
+        assert (moved.reason, moved.failed_worker) == ("decode_lost", frozen)
+        # Noticed within a poll, its timeout and the silence bound (plus one watch period).
+        assert moved.ts - frozen_at <= 1.0 + STATUS_TIMEOUT_S + SILENCE_S * 1.2
+        # No token repeated or missing: the client got the first attempt's tokens up to the
+        # break, then the second attempt's, which continued from exactly those.
+        kept = moved.tokens_kept
+        first = [fake_token(prompt, i) for i in range(kept)]
+        second = [fake_token(prompt + first, i) for i in range(max_tokens - kept)]
+        other = handle.placement.decode_worker
+        assert other != frozen and mesh.workers[other].decodes[-1].prompt == prompt + first
+        assert result.completion_tokens == max_tokens == streamed.tokens + delta.tokens
+        assert streamed.text + delta.text == ByteTokenizer().decode(first + second)
+        # The frozen worker's stream was given up; once it wakes it answers and takes work.
+        assert mesh.workers[frozen].aborted == [f"{handle.placement.request_id}"]
+        assert frozen in mesh.scheduler.workers.down()
+        mesh.workers[frozen].thaw()
+        await anyio.sleep(1.0 + STATUS_TIMEOUT_S)
+        assert frozen not in mesh.scheduler.workers.down()
+        mesh.scheduler.workers.lost(other)  # the woken worker is the only decode worker
+        again = await mesh.scheduler.submit(generation(prompt, 3))
+        assert again.placement.decode_worker == frozen
+        assert (await again.collect())[1].completion_tokens == 3
+        assert mesh.scheduler.statistics().migrations == {"decode_lost": 1}
+        mesh.scheduler.check_integrity()
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_prefill_worker_that_hangs_is_lost_and_its_request_prefills_elsewhere(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh(config=SILENT) as mesh, anyio.create_task_group() as group:
+        mesh.workers["pd-prefill-0"].freeze()
+        started = anyio.current_time()
+        # Placed before a poll has seen it silent.
+        handle = await mesh.scheduler.submit(generation(range(1, 30)))
+        assert handle.placement.prefill_worker == "pd-prefill-0"
+        group.start_soon(polling, mesh)
+        _, result = await handle.collect()
+        assert result.completion_tokens == 4
+        assert handle.placement.prefill_worker == "prfaas-prefill-0"
+        [moved] = migrations(await mesh.take_events())
+        assert (moved.reason, moved.failed_worker) == ("prefill_lost", "pd-prefill-0")
+        assert moved.ts - started <= STATUS_TIMEOUT_S + SILENCE_S * 1.2
+        mesh.scheduler.check_integrity()
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_slow_worker_that_answers_or_streams_is_not_declared_lost(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A prefill of 29 tokens takes 14.5 s on a worker that answers its polls; then a decode
+    # worker that answers no poll streams a token every 0.5 s: neither is silent.
+    timing = Timing(pd_s_per_token=0.5, decode_step_s=0.5)
+    async with fake_mesh(config=SILENT, timing=timing) as mesh, \
+            anyio.create_task_group() as group:
+        group.start_soon(polling, mesh)
+        handle = await mesh.scheduler.submit(generation(range(1, 30), max_tokens=20))
+        await handle.next_delta()
+        mesh.workers["pd-decode-0"].hung = True
+        _, result = await handle.collect()
+        assert anyio.current_time() > SILENCE_S * 3
+        assert "pd-decode-0" in mesh.scheduler.workers.down()
+        assert (result.completion_tokens, handle.placement.attempt) == (20, 0)
+        assert mesh.scheduler.statistics().migrations == {}
+        group.cancel_scope.cancel()

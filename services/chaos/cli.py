@@ -45,10 +45,11 @@ nor error (connection refused or reset, a stream cut without an error). *Time to
 runs from the kill (or from the end of the fault) until the service is up again, the router
 lists it up, and a probe request completes. RSS is read from /proc for each service.
 
-Acceptance: 0 hung and 0 lost; in every fault scenario (kill-*, cachedir-restart, link-down,
-link-trickle) 0 explicit errors: the router migrates a request whose worker or KV stream
-breaks (docs/architecture.md, request migration); no deaths beyond the ones the scenario
-causes; every killed service back and serving within 10 s; RSS after each scenario within
+Acceptance: 0 hung and 0 lost; in every fault scenario (kill-*, freeze-*, cachedir-restart,
+link-down, link-trickle, partition) 0 explicit errors: the router migrates a request whose
+worker or KV stream breaks, or whose worker hangs (docs/architecture.md, request migration);
+no deaths beyond the ones the scenario causes; every killed service back and serving within
+10 s, every frozen one within 10 s of its SIGCONT; RSS after each scenario within
 20% of its start (after a warm-up load); at 10x the admission limit every request answered
 (200 or 429) within 5 s of its admission decision.
 Run: {when}, {mode}, {host}, {seconds:.0f} s in all.

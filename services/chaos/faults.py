@@ -1,5 +1,6 @@
-"""The faults: kill -9 and restarts (through the supervisor), the link (its control API),
-fuzzed mesh frames at a TCP port, malformed bodies at the OpenAI API."""
+"""The faults: kill -9, SIGSTOP / SIGCONT and restarts (through the supervisor), the link
+(its control API, and its Toxiproxy API for a partition), fuzzed mesh frames at a TCP port,
+malformed bodies at the OpenAI API."""
 
 from __future__ import annotations
 
@@ -38,6 +39,28 @@ class Faults:
 
     async def kill(self, name: str) -> None:
         await self._post(f"{self.supervisor}/processes/{name}/kill", {"signal": "KILL"})
+
+    async def freeze(self, name: str) -> None:
+        """SIGSTOP: the process stays alive and its connections open, but it answers nothing."""
+        await self._post(f"{self.supervisor}/processes/{name}/kill", {"signal": "STOP"})
+
+    async def wake(self, name: str) -> None:
+        await self._post(f"{self.supervisor}/processes/{name}/kill", {"signal": "CONT"})
+
+    async def partition(self) -> str:
+        """The link cut (Toxiproxy's timeout toxic: an outage that holds the data in flight);
+        returns the proxy's name, for `heal`."""
+        response = await self.client.get(f"{self.link}/proxies", headers=self.headers)
+        response.raise_for_status()
+        proxy = next(iter(response.json()))
+        await self._post(f"{self.link}/proxies/{proxy}/toxics",
+                         {"name": "partition", "type": "timeout", "attributes": {"timeout": 0}})
+        return str(proxy)
+
+    async def heal(self, proxy: str) -> None:
+        response = await self.client.delete(f"{self.link}/proxies/{proxy}/toxics/partition",
+                                            headers=self.headers)
+        response.raise_for_status()
 
     async def restart(self, name: str) -> None:
         await self._post(f"{self.supervisor}/processes/{name}/restart")

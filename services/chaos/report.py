@@ -1,10 +1,11 @@
 """docs/reliability.md: one table per scenario and the acceptance verdict of each.
 
 Acceptance (the reliability issues): 0 hung and 0 lost; in the fault scenarios (a worker
-killed, the cache directory restarted, the link down or trickling) 0 explicit errors too: a
-request whose worker or KV stream breaks is migrated (services/router/requests.py); no service
-deaths beyond the ones the scenario causes; every killed service back and serving within
-10 s; every service's RSS after the scenario within 20% of its RSS at the scenario's start
+killed or frozen, the cache directory restarted, the link down, trickling or partitioned) 0
+explicit errors too: a request whose worker or KV stream breaks, or whose worker hangs, is
+migrated (services/router/requests.py); no service deaths beyond the ones the scenario
+causes; every killed service back and serving within 10 s, every frozen one within 10 s of
+its waking; every service's RSS after the scenario within 20% of its RSS at the scenario's start
 (after a warm-up load); at 10x the admission limit every request answered (200 or 429)
 within 5 s of its admission decision.
 """
@@ -25,8 +26,8 @@ MIB = 1024 * 1024
 
 def is_fault(name: str) -> bool:
     """A scenario that breaks a part of the mesh, which clients must not see (no errors)."""
-    return name.startswith("kill-") or name in ("cachedir-restart", "link-down",
-                                                "link-trickle")
+    return name.startswith(("kill-", "freeze-")) or name in (
+        "cachedir-restart", "link-down", "link-trickle", "partition")
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -43,7 +44,8 @@ def verdict(result: ScenarioResult) -> Verdict:
     expected_extra = {n: d - 1 for n, d in result.deaths.items() if n in result.killed and d > 1}
     if unexpected or expected_extra:
         failures.append(f"unexpected deaths {unexpected or expected_extra}")
-    if result.recover_s is None or (result.killed and result.recover_s > RECOVER_GOAL_S):
+    held = result.killed or result.frozen
+    if result.recover_s is None or (held and result.recover_s > RECOVER_GOAL_S):
         failures.append(f"not back and serving within {RECOVER_GOAL_S:.0f} s "
                         f"({_seconds(result.recover_s)})")
     grown = rss_outside(result)
@@ -132,7 +134,9 @@ def migration_cost(results: Sequence[ScenarioResult]) -> list[str]:
             f"averaged {_seconds(mean)} here (weighted by requests), which is what migration "
             "adds to a request's latency, on top of noticing the break: at once for a killed "
             "worker (its connection resets), up to the stall bound (kv_stall_s) for KV stuck "
-            "on a link, or one link sample when the link's backlog already exceeds the bound.",
+            "on a link, or one link sample when the link's backlog already exceeds the bound; "
+            "for a frozen worker, a missed status poll and then the silence bound (silence_s) "
+            "without progress on it.",
             ""]
 
 

@@ -42,6 +42,7 @@ class ScenarioResult(msgspec.Struct, frozen=True, kw_only=True):
     outcomes: dict[str, int]  # completed, error, hung, lost
     statuses: dict[str, int]  # HTTP status (or "none") -> count
     killed: tuple[str, ...]  # services the scenario killed or restarted on purpose
+    frozen: tuple[str, ...] = ()  # services it stopped (SIGSTOP) and woke on purpose
     deaths: dict[str, int]  # deaths per service during the scenario (killed ones included)
     rss_start: dict[str, int]
     rss_peak: dict[str, int]
@@ -148,8 +149,8 @@ class Run:
 
 
 async def measure(run: Run, name: str, description: str, killed: tuple[str, ...],
-                  body: Callable[[Load], Awaitable[tuple[float | None, list[str]]]]
-                  ) -> ScenarioResult:
+                  body: Callable[[Load], Awaitable[tuple[float | None, list[str]]]],
+                  frozen: tuple[str, ...] = ()) -> ScenarioResult:
     """Runs `body` (the fault, under its own load) with the RSS sampler beside it."""
     deaths_before = {n: p["deaths"] for n, p in (await run.processes()).items()}
     migrations_before = await run.migrations()
@@ -169,7 +170,8 @@ async def measure(run: Run, name: str, description: str, killed: tuple[str, ...]
         statuses[key] = statuses.get(key, 0) + 1
     return ScenarioResult(
         name=name, description=description, sent=load.sent, outcomes=counts(load.results),
-        statuses=statuses, killed=killed, deaths={n: d for n, d in deaths.items() if d},
+        statuses=statuses, killed=killed, frozen=frozen,
+        deaths={n: d for n, d in deaths.items() if d},
         rss_start=dict(run.rss_start), rss_peak=peak, rss_after=await run.rss(),
         recover_s=recover_s, max_after_admission_s=_after_admission(load.results, name),
         notes=tuple(notes), migrations=migrations, resume_s=resume_s,
@@ -222,6 +224,65 @@ def kill_scenario(services: tuple[str, ...], kind: str) -> Scenario:
                              f"({kind}) mid-stream and {'their' if len(services) > 1 else 'its'}"
                              " return", services, body)
     return go
+
+
+# A freeze outlasts the router's notice of it (a missed status poll, then silence_s of no
+# progress: services/router/config.py SILENCE_S), so the requests on the worker must move.
+FREEZE_S = 12.0
+FREEZE_BURST = 2
+PARTITION_S = 10.0
+
+
+def freeze_scenario(service: str, kind: str, pin: float | None = None) -> Scenario:
+    """SIGSTOP of `service` mid-stream (alive, its connections open, silent: what a hung host
+    looks like from the router), a burst of FREEZE_BURST requests at once (placed before the
+    router has missed a status poll of it, some land there), SIGCONT after FREEZE_S, and its
+    return. `pin`: the router's t during the scenario (1e12: every prompt prefilled in PD)."""
+    async def go(run: Run) -> ScenarioResult:
+        async def body(load: Load) -> tuple[float | None, list[str]]:
+            await run.faults.pin_threshold(pin)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(load.run, FREEZE_S + 6.0)
+                    await anyio.sleep(2.0)
+                    await run.faults.freeze(service)
+                    try:
+                        tg.start_soon(load.burst, FREEZE_BURST)
+                        await anyio.sleep(FREEZE_S)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await run.faults.wake(service)
+                    woke = time.monotonic()
+                    recover = await run.recovered(woke, (service,))
+            finally:
+                await run.faults.pin_threshold(None)
+            return recover, [f"SIGSTOP at 2 s of a {FREEZE_S + 6.0:.0f} s load at "
+                             f"{run.load_config.rate:.2f} req/s, {FREEZE_BURST} requests at "
+                             f"once then, SIGCONT {FREEZE_S:.0f} s after the SIGSTOP"
+                             + ("" if pin is None else ", every prompt prefilled in PD")
+                             + "; time to recover runs from the SIGCONT"]
+        return await measure(run, f"freeze-{kind}", f"{service} ({kind}) frozen mid-stream "
+                             "(SIGSTOP: alive and silent) and woken", (), body, (service,))
+    return go
+
+
+async def partition(run: Run) -> ScenarioResult:
+    async def body(load: Load) -> tuple[float | None, list[str]]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load.run, PARTITION_S + 4.0)
+            await anyio.sleep(1.0)
+            proxy = await run.faults.partition()
+            try:
+                await anyio.sleep(PARTITION_S)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await run.faults.heal(proxy)
+            healed = time.monotonic()
+            recover = await run.recovered(healed)
+        return recover, [f"the link's Toxiproxy timeout toxic (an outage that holds the data "
+                         f"in flight) for {PARTITION_S:.0f} s at 1 s, then removed"]
+    return await measure(run, "partition", "the link partitioned (the emulator's outage on "
+                         "one host), then healed", (), body)
 
 
 async def cachedir_restart(run: Run) -> ScenarioResult:
@@ -325,9 +386,12 @@ SCENARIOS: dict[str, Scenario] = {
     "kill-prefill-pd": kill_scenario(("pd-prefill-0",), "prefill-pd"),
     "kill-decode-and-prefill": kill_scenario(("pd-decode-0", "prfaas-prefill-0"),
                                              "decode-and-prefill"),
+    "freeze-decode": freeze_scenario("pd-decode-0", "decode", pin=1e12),
+    "freeze-prefill": freeze_scenario("pd-prefill-0", "prefill", pin=1e12),
     "cachedir-restart": cachedir_restart,
     "link-down": link_scenario("down"),
     "link-trickle": link_scenario("trickle"),
+    "partition": partition,
     "overload-3x": overload_scenario(3),
     "overload-10x": overload_scenario(10),
     "fuzz-frames": fuzz_frames,

@@ -5,7 +5,9 @@
                                      restarting, stopped), pid, restarts, deaths, since,
                                      last_exit
     POST /processes/{name}/kill      {"signal": "KILL"|"TERM"|"INT"} (default KILL): a crash,
-                                     restarted after the backoff like any death
+                                     restarted after the backoff like any death;
+                                     "STOP"|"CONT": frozen (alive, silent: a hung host) and
+                                     woken again, no death
     POST /processes/{name}/restart   a planned stop and an immediate start
 
 Errors answer `{"error": message, "status": code}`, as the other admin APIs do. The
@@ -27,11 +29,12 @@ from services.cli.supervisor import Supervisor, SupervisorError
 from services.contract.access import SUPERVISOR_URL_ENV, check_admin
 
 __all__ = ["SUPERVISOR_URL_ENV", "supervisor_app"]
-SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT,
+           "STOP": signal.SIGSTOP, "CONT": signal.SIGCONT}
 
 
 class KillBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    signal: Literal["KILL", "TERM", "INT"] = "KILL"
+    signal: Literal["KILL", "TERM", "INT", "STOP", "CONT"] = "KILL"
 
 
 def _json(value: object, status: int = 200) -> Response:

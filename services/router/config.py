@@ -27,6 +27,10 @@ from services.router.policies import POLICIES
 # router options `migration_limit` and `kv_stall_s` set them.
 MIGRATION_LIMIT = 3
 KV_STALL_S = 3.0
+# How long a request's attempt may make no progress on a worker that answers no status poll
+# (alive but hung: stopped, or cut off from the router) before that worker is declared lost
+# and the request migrated as for a crash; the router option `silence_s` sets it.
+SILENCE_S = 5.0
 
 
 class LinkEnds(msgspec.Struct, frozen=True):
@@ -58,6 +62,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # 0: no stall bound (the simulation's default: its queues may hold KV back for long);
     # the router service takes the topology's, KV_STALL_S unless it says otherwise.
     kv_stall_s: float = 0.0
+    # 0: a silent worker's requests wait (the simulation's default: its workers never hang);
+    # the router service takes the topology's, SILENCE_S unless it says otherwise.
+    silence_s: float = 0.0
     # How each link's bandwidth is estimated from its senders' transfers (link_meter.py).
     link_estimator: EstimatorConfig = EstimatorConfig()
 
@@ -70,7 +77,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("lookup_timeout_s", "request_timeout_s", "kv_timeout_s", "stall_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("migration_limit", "kv_stall_s"):
+        for name in ("migration_limit", "kv_stall_s", "silence_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -98,6 +105,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (0: off), and the seconds KV crossing a link may make no progress (0: no bound).
     migration_limit: int = MIGRATION_LIMIT
     kv_stall_s: float = KV_STALL_S
+    # Seconds a request may make no progress on a worker that answers no status poll before
+    # the worker is declared lost and the request migrated (0: never).
+    silence_s: float = SILENCE_S
     model: str = "prfaas"
     tokenizer: Literal["bpe", "byte"] = "bpe"  # "byte" for the tiny test models (vocab 512)
     # How each link's bandwidth is measured from the router's own transfers (link_meter.py);
@@ -137,7 +147,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return SchedulerConfig(block_size=self.block_size, max_inflight=self.max_inflight,
                                connections=self.connections, links=links,
                                migration_limit=self.migration_limit, kv_stall_s=self.kv_stall_s,
-                               link_estimator=self.link_estimator)
+                               silence_s=self.silence_s, link_estimator=self.link_estimator)
 
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:

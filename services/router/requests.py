@@ -42,7 +42,11 @@ elsewhere, at most `migration_limit` times, as NVIDIA Dynamo's request migration
    for that long, or the prefill worker's lanes were not accepted that long after its
    compute; a job queued at the prefill worker is not stalled) or
    the KV stream cut on its way (kv_cut); an error of the request itself (a bad value, its
-   deadline) is not a breakage and fails it as before;
+   deadline) is not a breakage and fails it as before. A worker that hangs (alive but
+   silent: stopped, or cut off) breaks nothing the runner can see: the scheduler, which
+   polls every worker's status, interrupts an attempt that made no progress for
+   `silence_s` on a worker that answers no status poll (`silence`), and the runner reads it
+   as that worker lost (decode_lost, or prefill_lost while the prefill call is pending);
 2. the prompt and every output token already streamed to the client become the new
    attempt's prompt; max_tokens and min_tokens shrink by those tokens, and a seeded sampled
    request keeps its place in its seed's stream (`continued`: token i of the new attempt is
@@ -77,7 +81,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -418,9 +422,15 @@ class RequestHandle:
         # When the second output token came (the time to second token); 0.0 until then.
         self.second_token_at = 0.0
         # The running attempt (`RequestRunner`): its scope, and whether it still
-        # waits for its KV (no token yet), so that a stalled link can move it on.
+        # waits for its KV (no token yet), so that a stalled link can move it on; whether
+        # its prefill call is pending and when it started (its progress: that, or the last
+        # token), so that a silent worker can be told from a queue (`silence`); and what
+        # broke it, once interrupted.
         self.attempt_scope: native.DeadlineScope | None = None
         self.awaiting_kv = False
+        self.prefill_pending = False
+        self.progress_at = 0.0
+        self.interrupted: DataPathBroken | None = None
         # Its histograms (`RequestMetrics`), set by the scheduler that places it.
         self.series: RequestSeries | None = None
         self.outbox = PendingDeltas()
@@ -431,10 +441,12 @@ class RequestHandle:
     def cancel(self) -> None:
         self.scope.cancel()
 
-    def interrupt(self) -> None:
-        """Gives up the running attempt (its link stalled): the runner continues the request
-        elsewhere (the request itself is not cancelled)."""
+    def interrupt(self, broken: DataPathBroken | None = None) -> None:
+        """Gives up the running attempt, broken as `broken` says (by default: its link
+        stalled): the runner continues the request elsewhere (the request itself is not
+        cancelled)."""
         if self.attempt_scope is not None:
+            self.interrupted = broken or _stalled(self.placement)
             self.attempt_scope.cancel()
 
     def release(self) -> None:
@@ -500,6 +512,33 @@ class RequestHandle:
         """The whole text and the result (non-streaming responses)."""
         delta, result = await self.collect_delta()
         return delta.text, result
+
+
+def _stalled(p: Placement) -> DataPathBroken:
+    stalled = KVStalled(f"the link from {p.prefill_worker} to {p.decode_worker} stalled "
+                        f"with the KV of {p.wire_id} on it")
+    return DataPathBroken(str(stalled), prefill=None, decode=stalled)
+
+
+def silence(handle: RequestHandle, silent: Collection[str], now: float,
+            bound: float) -> DataPathBroken | None:
+    """How a running attempt broke if its decode worker (or its prefill worker, while the
+    prefill call is pending) is among the `silent` ones (answering no status poll) and the
+    attempt made no progress for `bound` seconds; None when it did not."""
+    p, quiet = handle.placement, now - max(handle.progress_at, handle.last_token_at)
+    if handle.attempt_scope is None or quiet < bound:
+        return None
+    if p.decode_worker in silent:
+        side, worker = "decode", p.decode_worker
+    elif handle.prefill_pending and p.prefill_worker in silent:
+        side, worker = "prefill", p.prefill_worker
+    else:
+        return None
+    gone = PeerGone(f"{worker} answers no status poll and request {p.wire_id} made no "
+                    f"progress on it for {quiet:.1f} s (silence_s={bound:g}): declared lost")
+    return DataPathBroken(f"{side} on {worker} failed: {gone}",
+                          prefill=gone if side == "prefill" else None,
+                          decode=gone if side == "decode" else None)
 
 
 class RequestIds:
@@ -699,7 +738,8 @@ class RequestRunner:
                                incremental=request.stream or bool(request.stop),
                                kv_stall=cfg.kv_stall_s if p.cluster == "prfaas" else 0.0,
                                hashes=p.hashes, trace=trace)
-        handle.awaiting_kv = True
+        handle.awaiting_kv = handle.prefill_pending = True
+        handle.progress_at, handle.interrupted = self.clock(), None
         scope = handle.attempt_scope = native.deadline_scope()
         with scope:
             try:
@@ -708,7 +748,7 @@ class RequestRunner:
                     self._prefill_request(handle, prompt, sampling, trace),
                     p.decode_worker, decode, timeout=cfg.request_timeout_s,
                     on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
-                    on_prefilled=lambda: self._prefilled(p.prefill_worker),
+                    on_prefilled=lambda: self._prefill_ended(handle, p.prefill_worker),
                     grace_s=GRACE_S)
             except BaseException as exc:
                 if span is not None:
@@ -718,10 +758,12 @@ class RequestRunner:
                 handle.attempt_scope, handle.awaiting_kv = None, False
                 if span is not None:
                     span.end()
-        # Interrupted (Scheduler.observe_link): the link its KV crosses has stalled.
-        stalled = KVStalled(f"the link from {p.prefill_worker} to {p.decode_worker} stalled "
-                            f"with the KV of {p.wire_id} on it")
-        raise DataPathBroken(str(stalled), prefill=None, decode=stalled)
+        # Interrupted (Scheduler): the link its KV crosses stalled, or a worker went silent.
+        raise handle.interrupted or _stalled(p)
+
+    def _prefill_ended(self, handle: RequestHandle, worker: str) -> None:
+        handle.prefill_pending = False
+        self._prefilled(worker)
 
     def _attempt_span(self, handle: RequestHandle) -> Span:
         """The span of the request's attempt on its placement (its workers' spans' parent)."""

@@ -25,7 +25,9 @@ than failing with 503. A link whose KV stalled is taken out of the policy's choi
 `LINK_HOLD_STALLS` stall bounds; so is a link whose queued bytes would take longer than the
 stall bound to cross (its link samples' queued bytes at the router's estimate of its
 bandwidth) or that is down, and the requests still
-waiting for KV over it are moved on at once (`_link_stalled`).
+waiting for KV over it are moved on at once (`_link_stalled`). A worker that hangs (alive,
+silent) breaks no connection: once it answers no status poll, a request whose attempt made
+no progress on it for `silence_s` is moved on as if it had died (`move_off_silent`).
 
 Several PrfaaS and PD clusters: the decode worker is chosen first (its cluster is the
 request's PD cluster); the inputs hold each PrfaaS cluster's cache, queue and own link
@@ -140,6 +142,7 @@ from services.router.requests import (
     RequestIds,
     RequestMetrics,
     RequestRunner,
+    silence,
 )
 from services.service import WORKER_KINDS
 
@@ -151,6 +154,8 @@ log = logging.getLogger(__name__)
 # After KV stalled on a link, the link takes no new offload for this many stall bounds (a
 # stalled link costs each request sent over it a bound's wait).
 LINK_HOLD_STALLS = 3.0
+# The silent-worker watch looks this many times per silence bound (`_watch_silence`).
+SILENCE_CHECKS = 5
 # The finish reasons /metrics always shows for completed requests, at 0 until one is seen (the
 # decode worker's "stop" and "length", services/model/batch.py), so a rate over them exists
 # from the first scrape; any other reason a worker sends is shown once seen.
@@ -217,6 +222,8 @@ class Scheduler:
         async with anyio.create_task_group() as group:
             self._group = group
             try:
+                if self.config.silence_s > 0:
+                    group.start_soon(self._watch_silence)
                 task_status.started()
                 await anyio.sleep_forever()
             finally:
@@ -586,6 +593,28 @@ class Scheduler:
         for handle in waiting:
             handle.interrupt()
 
+    async def _watch_silence(self) -> None:
+        """Moves on, every fraction of `silence_s`, the requests stuck on a silent worker."""
+        while True:
+            await native.sleep(self.config.silence_s / SILENCE_CHECKS)
+            self.move_off_silent()
+
+    def move_off_silent(self) -> None:
+        """A worker that answers no status poll (the control loop's `poll` marked it down)
+        while a request's attempt on it made no progress for `silence_s` is hung, not slow:
+        the attempt is interrupted as that worker lost (services/router/requests.py
+        `silence`), so the runner migrates the request as for a crash, and the worker stays
+        out of placement until it answers a poll again."""
+        silent = self.workers.down()
+        if not silent:
+            return
+        now, bound = self.clock(), self.config.silence_s
+        for handle in list(self._active.values()):
+            broken = silence(handle, silent, now, bound)
+            if broken is not None:
+                log.warning("request %s: %s", handle.placement.request_id, broken.message)
+                handle.interrupt(broken)
+
     def _crosses(self, p: Placement, link: str) -> bool:
         between = self.links.between(self.workers.cluster_of(p.prefill_worker),
                                      self.workers.cluster_of(p.decode_worker))
@@ -941,6 +970,10 @@ class WorkerTable:
 
     def released(self, decode: str) -> None:
         self._workers[decode].decodes -= 1
+
+    def down(self) -> set[str]:
+        """The workers that answered no status poll or whose connection broke (not up)."""
+        return {name for name, worker in self._workers.items() if not worker.up}
 
     def lost(self, name: str) -> None:
         """A request's connection to `name` broke: it is down (placed nothing new) until it
