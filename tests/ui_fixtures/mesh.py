@@ -9,6 +9,7 @@ included, as child processes (services.cli.launch.launch) and stops them all on 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ def _table(header: str, fields: Mapping[str, Scalar | Mapping[str, Scalar]]) -> 
     lines = [f"[[{header}]]"]
     for key, value in fields.items():
         if isinstance(value, Mapping):
-            inline = ", ".join(f"{k} = {_value(v)}" for k, v in value.items())
+            # A dotted option name ("link_estimator.provisioned_bps") is quoted: one key.
+            inline = ", ".join(f"{k if re.fullmatch(r'[A-Za-z0-9_-]+', k) else json.dumps(k)}"
+                               f" = {_value(v)}" for k, v in value.items())
             lines.append(f"{key} = {{ {inline} }}")
         else:
             lines.append(f"{key} = {_value(value)}")
