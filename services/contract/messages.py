@@ -21,7 +21,7 @@ services.contract.errors.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -46,6 +46,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     eos_id: int
     source: str  # "checkpoint PATH" or "random-init seed N"
+
+
+# The KV lanes (TCP connections) a worker may stripe one KV stream over when its topology
+# gives no `connections` option: the worker opens that many, the router stripes over them.
+DEFAULT_LANES: Final = 4
 
 
 class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
