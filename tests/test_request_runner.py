@@ -24,7 +24,7 @@ from services.model.sampling import RequestSampler
 from services.router.config import SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
 from services.router.requests import breakage, continued
-from services.worker.engine import sampling_params
+from services.worker.request_checks import sampling_params
 
 
 @pytest.mark.trio

@@ -59,8 +59,9 @@ from services.service import (
     serve_events,
     serve_metrics,
 )
-from services.worker.decode import DecodeConfig, DecodeWorker, KVTransferMetrics
+from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
+from services.worker.kv_in import KVTransferMetrics
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
