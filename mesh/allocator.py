@@ -1,27 +1,22 @@
 """glibc malloc settings for the mesh's processes, given through the environment at start.
 
 glibc reads them once, before a process's first allocation, so a launcher sets them for its
-children (`allocator_env`); a process cannot set them for itself. Measured on 2 cores of an AMD
-EPYC (docs/engineering-notes.md G3 and G14):
+children (`allocator_env`); a process cannot set them for itself (the measurements behind
+each: docs/engineering-notes.md G3, G14 and 3d):
 
 * MALLOC_TOP_PAD_ = 64 MiB: receiving many transient 128 KiB-1 MiB frames made glibc grow and
-  trim the heap about once per frame; with the pad the mesh's bulk receive went from 1.0 to
-  3.4 GB/s (uvloop) and 0.47 to 3.3 GB/s (trio).
+  trim the heap about once per frame.
 * MALLOC_MMAP_THRESHOLD_ = 32 MiB: setting any of these turns off glibc's sliding mmap
   threshold, which would otherwise rise to the size of the blocks a process frees. With the
   pad alone, every block from 128 KiB up (a model's activations) was a fresh mmap, its pages
-  faulted in and unmapped again: a 4K-token prefill ran at 2,100-2,650 tokens/s against
-  4,200-4,800 with this setting (32 MiB is the most glibc allows; larger blocks are mapped).
+  faulted in and unmapped again (32 MiB is the most glibc allows; larger blocks are mapped).
 * MALLOC_ARENA_MAX = 2: the loop's thread allocates from the main arena and every other thread
   (model compute, tokenizing) shares one more. glibc gives each thread an arena of its own up
-  to 8 per core, and with blocks up to 32 MiB kept in them each arena held its own free
-  memory: 48 prefills run from 4 threads in turn grew a process to 1,089 MiB, against 528 MiB
-  with two arenas (630 with the pad alone), in 21.6 s against 23.9 (29.9 with the pad alone).
+  to 8 per core, and with blocks up to 32 MiB kept in them each arena held its own free memory.
 
 Blocks up to 32 MiB now stay in the heap when freed, so a process keeps the peak of its work
-(a prefill of a long prompt) until it calls `release_free_memory`, which the prefill worker does
-when it goes idle: 40 prefills of 256-8,192 tokens ended at 567 MiB without it, 325 with it
-(glibc's `malloc_trim`, about 9 ms each time here).
+(a prefill of a long prompt) until it calls `release_free_memory` (glibc's `malloc_trim`),
+which the prefill worker does when it goes idle.
 
 A variable already in the environment wins: `MALLOC_TOP_PAD_=0 make demo` still means zero.
 """

@@ -4,7 +4,7 @@ Two tools. `deadline_scope` is a cancel scope that turns its expiry into `Deadli
 it is used where a task may block for long (dialling, waiting for room to send). `DeadlineWatch`
 serves the hot path: a waiting caller registers its reply mailbox once and the watch task
 fails it with `DeadlineExceeded` when its time comes. A cancel scope costs about as much as a
-whole socket write on a small host (10-13 us measured under trio), so calls and stream items
+whole socket write on a small host (docs/engineering-notes.md 3d), so calls and stream items
 carry none: one watch task per node sleeps until the earliest deadline instead (on a
 `mesh.native.Alarm`, which an earlier deadline moves without waking it).
 """

@@ -5,10 +5,10 @@ gives one series, looked up once and kept by the caller; `series.observe(value, 
 `count` observations of `value` (one bisect and two additions: prometheus_client's own
 histogram takes a lock and scans its buckets in turn, per observation). It is a collector:
 register it in a service's registry, or merge several owners' (mesh.metrics.MergedCollector).
-`exposition()` writes its text directly, for a hot /metrics (the router's, scraped under load):
-about 20 times faster than prometheus_client's writer, which formats every sample anew; tests
-hold it equal to the registry's text. Observed from one thread, the event loop's, as every
-owner in the mesh is.
+`exposition()` writes its text directly, for a hot /metrics (the router's, scraped under load),
+not through prometheus_client's writer, which formats every sample anew
+(docs/engineering-notes.md 3d); tests hold it equal to the registry's text. Observed from one
+thread, the event loop's, as every owner in the mesh is.
 """
 
 from __future__ import annotations

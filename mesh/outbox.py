@@ -11,8 +11,8 @@ Three ways out, one order:
   cancellation breaks the connection instead.
 * deferred frames (casts, stream items) are queued and the sender returns; the writer task
   (`run`) joins small queued frames into one write of up to BATCH_BYTES, so a burst of small
-  messages costs one system call per batch, not per message (docs/engineering-notes.md 3a:
-  batching takes small-frame rates from ~75k to 0.5-0.8M per second). Large frames go out
+  messages costs one system call per batch, not per message (docs/engineering-notes.md 3a
+  and 3d). Large frames go out
   alone, unjoined, to avoid a copy. A sender waits only when more than `limit` bytes are
   queued.
 * a frame in parts (a bulk payload cut out of it, `mesh.wire.Codec.encode_parts`) is written

@@ -11,9 +11,9 @@ through anyio's `use_uvloop`, not the deprecated `uvloop.install()` (G7).
 objects at every message and timer (frames, envelopes, futures, cancelled sleeps' exceptions
 with their tracebacks); at Python's default (a young-generation pass every 700 net allocations)
 those passes, and the older-generation passes they trigger over every long-lived task and cache
-entry, took a third of the simulation's CPU time (docs/simulation.md), which runs inside it.
-Cycles are still collected, only in larger batches. Live services do not use it: the router
-benchmark showed no difference beyond its noise, and a worker's cycles may hold tensors.
+entry, cost the simulation, which runs inside it, much of its CPU time (docs/simulation.md,
+docs/engineering-notes.md 3d). Cycles are still collected, only in larger batches. Live
+services do not use it: a worker's cycles may hold tensors.
 """
 
 from __future__ import annotations

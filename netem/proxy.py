@@ -12,8 +12,7 @@ a flow holds `hold_bytes` (the in-flight bytes of a slow consumer). Bytes serial
 
 Sockets are driven directly with `anyio.wait_readable` / `wait_writable` and `recv_into`
 (netem/sockets.py): anyio's byte streams allocate a `bytes` per receive and cost about half
-the throughput on this stack (docs/engineering-notes.md G3; measured 1.2 against 2.5 GB/s
-through one proxy).
+the throughput on this stack (docs/engineering-notes.md G3 and 3d).
 """
 
 from __future__ import annotations

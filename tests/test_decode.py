@@ -40,13 +40,13 @@ from services.contract.messages import (
 from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
-from services.model.export import KVPiece, export_layer
+from services.model.export import KVPiece, export_layer, merge_pieces
 from services.router.errors import UpstreamFailed
 from services.router.requests import drive
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
-from services.worker.decode import DecodeWorker, KVAssembly, joined_slice
-from services.worker.engine import merge_pieces
+from services.worker.decode import DecodeWorker, joined_slice
+from services.worker.kv_in import KVAssembly, kv_arrival
 from services.worker.service import WorkerService, checkpoint_path
 from tests.kv_exact import (
     ALL_FAMILIES,
@@ -579,12 +579,12 @@ def stall_opening(lane: int) -> KVOpen:
 
 async def arrival_after(assembly: KVAssembly, kv_stall: float,
                         deadline: float = math.inf) -> tuple[str, float]:
-    """How `_kv_arrival` ended ("whole", "stalled", "not whole" at its deadline, or "still
+    """How `kv_arrival` ended ("whole", "stalled", "not whole" at its deadline, or "still
     waiting" after 20 s, when a cancel scope ends the wait) and when."""
     request = DecodeRequest(request_id="r", prompt=[1] * 8, kv_stall=kv_stall)
     with anyio.move_on_after(20.0):
         try:
-            await decode_module._kv_arrival(request, assembly, deadline)
+            await kv_arrival(request, assembly, deadline)
         except KVStalled:
             return "stalled", anyio.current_time()
         return "whole" if assembly.finished else "not whole", anyio.current_time()

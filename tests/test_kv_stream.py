@@ -12,20 +12,19 @@ from services.contract.errors import KVTransferError
 from services.contract.messages import KVChunk, KVOpen
 from services.model.cache import RequestCache
 from services.model.config import family_config
-from services.model.export import KVImportError, KVPiece, export_cache, export_layer
+from services.model.export import (
+    KVImportError,
+    KVPiece,
+    export_cache,
+    export_layer,
+    merge_pieces,
+)
 from services.model.generate import prefill
 from services.model.model import build_model
-from services.worker.decode import KVAssembly
-from services.worker.engine import (
-    PieceSpec,
-    chunk_bounds,
-    import_pieces,
-    lane_of,
-    merge_pieces,
-    out_of_range,
-    out_of_range_reference,
-    stream_plan,
-)
+from services.worker.engine import PieceSpec, import_pieces
+from services.worker.kv_in import KVAssembly
+from services.worker.kv_out import chunk_bounds, lane_of, stream_plan
+from services.worker.request_checks import out_of_range, out_of_range_reference
 
 
 def tokens(n: int) -> list[int]:

@@ -43,7 +43,7 @@ from services.contract.messages import (
 )
 from services.contract.sampling import Sampling
 from services.model.sampling import SamplingError
-from services.worker.engine import sampling_params
+from services.worker.request_checks import sampling_params
 
 INFO = ModelInfo(family="kimi-linear", size="tiny", config_hash="0123456789abcdef",
                  dtype="float32", vocab_size=512, block_size=64, eos_id=0,

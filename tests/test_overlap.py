@@ -50,15 +50,9 @@ from services.model.config import family_config, kv_layout
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
-from services.worker.decode import KVInbox
-from services.worker.engine import (
-    ComputeRunner,
-    InlineRunner,
-    Pacing,
-    chunk_bounds,
-    import_pieces,
-    step_ends,
-)
+from services.worker.engine import ComputeRunner, InlineRunner, Pacing, import_pieces
+from services.worker.kv_in import KVInbox
+from services.worker.kv_out import chunk_bounds, step_ends
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 

@@ -15,16 +15,8 @@ import trio.testing
 from mesh.mailbox import Mailbox
 from services.contract.messages import KVChunk
 from services.paper.hardware import CostModel
-from services.worker.engine import (
-    Computed,
-    ComputeRunner,
-    InlineRunner,
-    LaneItem,
-    ThreadRunner,
-    chunk_bounds,
-    release,
-    step_ends,
-)
+from services.worker.engine import Computed, ComputeRunner, InlineRunner, ThreadRunner
+from services.worker.kv_out import LaneItem, chunk_bounds, release, step_ends
 
 
 @pytest.mark.trio

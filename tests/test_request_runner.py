@@ -34,7 +34,7 @@ from services.model.tokenizer import ByteTokenizer
 from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
 from services.router.requests import breakage, continued
-from services.worker.engine import sampling_params
+from services.worker.request_checks import sampling_params
 
 
 @pytest.mark.trio

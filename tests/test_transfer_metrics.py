@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from services.contract.messages import KVChunk, KVOpen
-from services.worker.decode import KVAssembly, KVTransferMetrics
+from services.worker.kv_in import KVAssembly, KVTransferMetrics
 
 
 def opening(start: int, purpose: str = "decode") -> KVOpen:

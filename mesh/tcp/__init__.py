@@ -4,9 +4,8 @@
 anyio's streams are correct but pay for every operation: on trio each successful `recv` and
 `send` ends with a forced yield (trio's fairness checkpoint), and on asyncio every receive
 resumes and then pauses the transport's reading (two epoll_ctl calls) and every send awaits a
-checkpoint. A request/reply round trip does four such operations per side. Measured on the
-2-vCPU host, echoing 200-byte frames to a blocking client, CPU per round trip on the server:
-anyio 20 us on trio and 23 us on uvloop; these streams 12 us and 11 us; blocking sockets 8 us.
+checkpoint. A request/reply round trip does four such operations per side
+(docs/engineering-notes.md 3d has the cost per round trip).
 
 * trio (`mesh.tcp.trio_stream`): a non-blocking socket. `send` writes at once and waits
   (`wait_writable`) only for the part the kernel did not take; `receive` waits

@@ -23,7 +23,12 @@ import msgspec
 
 from services.bench.errors import BenchError
 from services.data import corpus_path
-from services.paper.workload import TRACE_BLOCK_TOKENS, TraceRecord, TruncatedLogNormal
+from services.paper.workload import (
+    PAPER_MAX_TOKENS,
+    TRACE_BLOCK_TOKENS,
+    TraceRecord,
+    TruncatedLogNormal,
+)
 
 # Measured: the packaged BPE (services/model/assets/tokenizer.json) gives 1.589 tokens per
 # word over 200 random 100-word spans of the corpus (punctuation rides on the words).
@@ -59,7 +64,7 @@ class Scaling(msgspec.Struct, frozen=True, kw_only=True):
     """Paper tokens -> the served model's tokens."""
 
     scale: float = 1.0
-    max_context: int = 131072
+    max_context: int = int(PAPER_MAX_TOKENS)
     tokens_per_word: float = TOKENS_PER_WORD
 
     def __post_init__(self) -> None:

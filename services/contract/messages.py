@@ -4,17 +4,19 @@ Every message is a tagged msgspec Struct; `CODEC_MESSAGES` lists them for the me
 (with the cache directory's own messages, services.cachedir.service, and the dashboard events,
 services.contract.events, which travel on the same connections).
 
-A request's life (docs/architecture.md section 4): the router (or `prfaas send`) asks the cache
-directory for a `PlanQuery` -> `PlanReply`; it opens a token stream at the decode worker with
-`DecodeRequest` and, at the same time, calls the prefill worker with `PrefillRequest`. The
-prefill worker pushes the KV to the decode worker as upload streams, one per connection
-("lane"): `KVOpen` first, then `KVChunk` items as each layer finishes, and on lane 0 a last
-`KVClose` with the first sampled token; each lane is answered with `KVAccepted`, and the
-prefill call with `PrefillDone`. The decode worker imports the pieces, joins the request to
-its batch and streams `TokenChunk`s back. Workers report their cached blocks to the cache
-directory (`BlocksStored`, `BlocksEvicted`, `WorkerReport`); it asks for a full report with
-`ReportCache` after a restart. Any service streams its dashboard events to a `Subscribe`r
-and reads its event clock to a `ClockQuery`.
+A request's life (docs/architecture.md section 4): the router asks the cache directory for the
+longest cached prefix per worker and cluster (`PrefixQuery` -> `PrefixReply`; `prfaas send`
+asks what its decode worker lacks instead, `PlanQuery` -> `PlanReply`); it opens a token
+stream at the decode worker with `DecodeRequest` and, at the same time, calls the prefill
+worker with `PrefillRequest`. The prefill worker pushes the KV to the decode worker as
+upload streams, one per connection ("lane"): `KVOpen` first, then `KVChunk` items as each
+layer finishes, and on lane 0 a last `KVClose` with the first sampled token; each lane is
+answered with `KVAccepted`, and the prefill call with `PrefillDone`. The decode worker
+imports the pieces, joins the request to its batch and streams `TokenChunk`s back. Workers
+report their cached blocks to the cache directory (`BlocksStored`, `BlocksEvicted`,
+`WorkerReport`); it asks for a full report with `ReportCache` after a restart. Any service
+streams its dashboard events to a `Subscribe`r and reads its event clock to a
+`ClockQuery`.
 
 Errors cross the wire by exception type name (mesh `RemoteError.error`); their small tree is
 services.contract.errors.
@@ -22,7 +24,7 @@ services.contract.errors.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -47,6 +49,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     eos_id: int
     source: str  # "checkpoint PATH" or "random-init seed N"
+
+
+# The KV lanes (TCP connections) a worker may stripe one KV stream over when its topology
+# gives no `connections` option: the worker opens that many, the router stripes over them.
+DEFAULT_LANES: Final = 4
 
 
 class PrefillRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -193,7 +200,7 @@ class KVOpen(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class KVChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """One exported KV piece (services.model.export: header + payload, crc32): a layer's
-    full-attention KV from token `start` on, or its state (services.worker.engine)."""
+    full-attention KV from token `start` on, or its state (services.worker.kv_out)."""
 
     request_id: str
     layer: int

@@ -6,12 +6,10 @@
   on a CPU with AVX512-BF16 but no AMX it is `causal_attention_rows` instead (below).
 - `causal_attention_rows`: the same maths a block of query rows and one head at a time,
   through oneDNN. torch's CPU flash kernel multiplies bf16 through MKL, which on such CPUs
-  (an AMD EPYC of the Zen 5 family, 2 threads) widened both operands to fp32 and ran MKL's
-  fp32 kernel: perf put 54% of a 4K kimi-linear attention in `mkl_blas_def_sgemm_kernel_0_zen`,
-  and the kernel took as long in fp32 as in bf16 (85-96 ms a layer, about 135 GFLOP/s).
-  Here Q K^T is oneDNN's fp32 matmul (460 against MKL's 196 GFLOP/s on that host, exact
-  products of the bf16 inputs, fp32 sums), the softmax runs in fp32, and P V is oneDNN's
-  bf16 matmul on P rounded to bf16 (as the flash kernel rounds it): 49-60 ms a layer there.
+  widened both operands to fp32 and ran MKL's fp32 kernel, as slow as in fp32
+  (docs/engineering-notes.md 3d). Here Q K^T is oneDNN's fp32 matmul (exact products of the
+  bf16 inputs, fp32 sums), the softmax runs in fp32, and P V is oneDNN's bf16 matmul on P
+  rounded to bf16 (as the flash kernel rounds it).
   Where the CPU has AMX the flash kernel takes oneDNN's AMX path, so it is kept.
 - `sliding_window_attention`: a query at position t sees keys t - W .. t (the W previous
   tokens and itself; the request state is the last W tokens' K/V). Learnable sinks add one
@@ -20,8 +18,9 @@
 - `window_decode_attention`: one query per request against its ring of W slots plus itself.
 - `ragged_decode_attention`: one query per request against its own full-attention KV (lengths
   differ): the requests' keys are packed into one zero-padded fp32 batch and attended with
-  two batched matmuls and a masked softmax, instead of one SDPA call per request (CPU SDPA
-  costs about 0.7 ms per single-query call in bf16, most of a batch-32 decode step).
+  two batched matmuls and a masked softmax, instead of one SDPA call per request (a
+  single-query SDPA call on CPU costs most of what a batch's decode step may take:
+  docs/engineering-notes.md 3d).
 - `padded_decode_attention`: the same over a decode batch's zero-padded KV (`PaddedKV`), with
   the matmuls in the cache's dtype: no per-step copy or fp32 conversion of the cached tokens.
 """

@@ -9,7 +9,8 @@ length, crc32), then the raw tensor bytes. A prefill worker streams pieces layer
 `KVImporter`, optionally on top of a cache that already holds [0, start) - "only what the
 decode side lacks". Payload bytes of a whole export equal `kv_bytes(cfg, length, dtype)`
 exactly. The header names the model's dtype (linear states are fp32 in either); an importer
-refuses a piece of another dtype with `KVDtypeError` rather than converting it.
+refuses a piece of another dtype with `KVDtypeError` rather than converting it. A layer's
+pieces over consecutive token ranges join into one (`merge_pieces`) before they are imported.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
 import msgspec
@@ -205,6 +207,29 @@ def _decode_tensors(piece: KVPiece) -> list[Tensor]:
         out.append(chunk.view(torch_dtype(spec.dtype)).reshape(spec.shape))
         offset += size
     return out
+
+
+def merge_pieces(pieces: list[KVPiece]) -> KVPiece:
+    """One full-attention piece from several of one layer over consecutive token ranges
+    (each piece's checksum is checked before its bytes are trusted)."""
+    for piece in pieces:
+        if zlib.crc32(piece.payload) != piece.header.checksum:
+            raise KVImportError("checksum", piece.header.checksum, zlib.crc32(piece.payload),
+                                piece.header.layer)
+    for a, b in pairwise(p.header for p in pieces):
+        if (b.start, b.layer, b.kind) != (a.end, a.layer, "full_attn") or b.kind != a.kind:
+            raise KVImportError("start", a.end, b.start, b.layer)
+    parts = [_decode_tensors(p) for p in pieces]
+    joined = [torch.cat(group, dim=1) for group in zip(*parts, strict=True)]  # [A, n, X] each
+    payload = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                       for t in joined)
+    first, last = pieces[0].header, pieces[-1].header
+    specs = tuple(TensorSpec(s.name, s.dtype, tuple(t.shape))
+                  for s, t in zip(first.tensors, joined, strict=True))
+    header = msgspec.structs.replace(first, end=last.end, tensors=specs,
+                                     payload_bytes=len(payload), checksum=zlib.crc32(payload))
+    return KVPiece(header, payload)
+
 
 
 class KVImporterStatistics(msgspec.Struct, frozen=True):

@@ -3,9 +3,8 @@
 torch's bf16 matmul on CPU (oneDNN underneath) takes the weight in its plain layout on every
 call. oneDNN's own linear, given the weight reordered once into its blocked layout (what
 torch.compile's freezing does for CPU), gives the same results bit for bit (tests/test_linear)
-and costs less the fewer the rows: per call on this project's host, 2 threads, the decode
-step's shapes (rows x in -> out) measured 1.2x faster at 32 x 384 -> 1152, 1.6x at
-32 x 1024 -> 384 and 2.3x at 1 x 384 -> 1152; a 4K prefill's 4096 rows 1.02-1.03x.
+and costs less the fewer the rows: most at the decode step's shapes, little at a prefill's
+thousands of rows (docs/engineering-notes.md 3d).
 
 `WeightPack` holds that reordered copy of one weight: made on first use, made again when the
 weight changes (its storage, dtype or in-place version: `load_state_dict`, an optimizer step,

@@ -1,9 +1,9 @@
 """Which floating-point type the model serves in: bfloat16 where the hardware has it, else fp32.
 
-On CPUs with native bf16 dot products (AVX512-BF16 or AMX) a bf16 matmul runs about 4x faster
-than fp32 (benchmarks/bench_model.py measured 920-970 against 217-220 GFLOP/s on this host);
-without them PyTorch emulates bf16 and it is slower than fp32. On CUDA, bf16 needs compute
-capability 8.0 or newer. The choice is made once, at start: `resolve_dtype("auto")`.
+On CPUs with native bf16 dot products (AVX512-BF16 or AMX) a bf16 matmul runs several times
+faster than fp32 (benchmarks/bench_model.py; docs/engineering-notes.md 3d); without them
+PyTorch emulates bf16 and it is slower than fp32. On CUDA, bf16 needs compute capability 8.0
+or newer. The choice is made once, at start: `resolve_dtype("auto")`.
 
 Whatever the model dtype, the linear-attention recurrent states stay fp32 (the delta-rule
 kernels' contract), and so do logits, norms' statistics and softmax sums.

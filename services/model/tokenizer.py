@@ -4,7 +4,7 @@ The BPE is trained with Hugging Face `tokenizers` on the Tiny Shakespeare corpus
 standard `tokenizer.json` in `services/model/assets/`, so any HF-compatible tool can load it
 offline. It is byte-level (GPT-2 style pre-tokenizer over the 256 byte symbols), so every string
 encodes. In both tokenizers the end-of-text token is id 0. `Tokenizer.encode` takes ASCII text
-through a word cache (services.model.words, 5-6x faster) and everything else through the
+through a word cache (services.model.words) and everything else through the
 Hugging Face encoder, which stays the reference (`encode_reference`).
 """
 

@@ -3,10 +3,9 @@
 A byte-level BPE (GPT-2's scheme, which the packaged tokenizer uses) first cuts text into words
 with one regular expression, then merges bytes within each word; no merge crosses a word's
 edge, so a word's ids depend on the word alone. The Hugging Face tokenizer redoes both for
-every call, and its Unicode regular expression is most of its cost: about 230 ns a character
-here, 0.1 ms for a short prompt and 22 ms for 60,000 characters. `Words` cuts ASCII text with
-the same expression written for ASCII (Python's `re`, in C) and looks each word up in a dict,
-asking the BPE model only for a word it has not seen: 5-6x faster on Shakespeare, short or long.
+every call, and its Unicode regular expression is most of its cost. `Words` cuts ASCII text
+with the same expression written for ASCII (Python's `re`, in C) and looks each word up in a
+dict, asking the BPE model only for a word it has not seen (docs/engineering-notes.md 3d).
 
 Only ASCII text without added tokens (`<|endoftext|>`) takes this path; everything else, and
 any tokenizer whose configuration differs from the one this split assumes (`Words.for_backend`

@@ -26,7 +26,14 @@ import msgspec
 
 from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 from services.paper.hardware import CostModel
-from services.paper.workload import LengthDistribution, TruncatedLogNormal
+from services.paper.workload import (
+    PAPER_MAX_TOKENS,
+    PAPER_MIN_TOKENS,
+    PAPER_MU,
+    PAPER_SIGMA,
+    LengthDistribution,
+    TruncatedLogNormal,
+)
 
 
 @dataclass(frozen=True)
@@ -273,10 +280,10 @@ class Scenario:
     n_homogeneous: int = 12
     bandwidth_gbps: float = 100.0
     output_len: int = 1024
-    mu: float = 9.90
-    sigma: float = 1.00
-    min_len: float = 128.0
-    max_len: float = 131072.0
+    mu: float = PAPER_MU
+    sigma: float = PAPER_SIGMA
+    min_len: float = PAPER_MIN_TOKENS
+    max_len: float = PAPER_MAX_TOKENS
 
     def distribution(self) -> TruncatedLogNormal:
         return TruncatedLogNormal(self.mu, self.sigma, self.min_len, self.max_len)

@@ -26,11 +26,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 
 TRACE_BLOCK_TOKENS = 512
+# The case-study workload (section 4.1): ln(prompt tokens) ~ N(PAPER_MU, PAPER_SIGMA^2),
+# truncated to [PAPER_MIN_TOKENS, PAPER_MAX_TOKENS] (128K read as 2**17, module docstring).
+PAPER_MU: Final = 9.90
+PAPER_SIGMA: Final = 1.00
+PAPER_MIN_TOKENS: Final = 128.0
+PAPER_MAX_TOKENS: Final = 131072.0
 _SQRT2 = math.sqrt(2.0)
 _STANDARD_NORMAL = NormalDist()
 
@@ -91,7 +97,7 @@ class TruncatedLogNormal:
     @classmethod
     def paper(cls) -> TruncatedLogNormal:
         """The case-study workload of the paper (section 4.1), 128K read as 131072."""
-        return cls(mu=9.90, sigma=1.00, lo=128.0, hi=131072.0)
+        return cls(mu=PAPER_MU, sigma=PAPER_SIGMA, lo=PAPER_MIN_TOKENS, hi=PAPER_MAX_TOKENS)
 
     def _z(self, x: float) -> float:
         return (math.log(x) - self.mu) / self.sigma

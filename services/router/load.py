@@ -20,7 +20,13 @@ from mesh.errors import ConfigError
 from services.contract.sampling import Sampling
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.model.tokenizer import TokenizerLike, default_corpus_path
-from services.paper.workload import TruncatedLogNormal
+from services.paper.workload import (
+    PAPER_MAX_TOKENS,
+    PAPER_MIN_TOKENS,
+    PAPER_MU,
+    PAPER_SIGMA,
+    TruncatedLogNormal,
+)
 from services.router.errors import InvalidRequest, RouterError
 from services.router.requests import GenerationRequest
 
@@ -62,10 +68,10 @@ class WorkloadStatistics(msgspec.Struct, frozen=True):
 class DemoWorkload:
     """The built-in demo load: open-loop Poisson arrivals of corpus prompts, bounded.
 
-    Prompt lengths follow the paper's log-normal (mu 9.90, sigma 1.00, 128..128K tokens,
-    section 4.1) times `scale`, so "mixed" straddles the default threshold the way the
-    paper's workload straddles t*; "short" and "long" keep the halves below and above
-    its median. Prompts are spans of the tokenized corpus at random offsets.
+    Prompt lengths follow the paper's log-normal (services.paper.workload, section 4.1)
+    times `scale`, so "mixed" straddles the default threshold the way the paper's workload
+    straddles t*; "short" and "long" keep the halves below and above its median.
+    Prompts are spans of the tokenized corpus at random offsets.
     """
 
     def __init__(self, scheduler: Scheduler, corpus: Sequence[int],
@@ -75,8 +81,9 @@ class DemoWorkload:
         self.scheduler = scheduler
         self.config = cfg = config or WorkloadConfig()
         self._corpus = list(corpus)
-        self._lengths = TruncatedLogNormal(9.90 + math.log(cfg.scale), 1.0, 128 * cfg.scale,
-                                           min(131072 * cfg.scale, cfg.max_prompt))
+        self._lengths = TruncatedLogNormal(
+            PAPER_MU + math.log(cfg.scale), PAPER_SIGMA, PAPER_MIN_TOKENS * cfg.scale,
+            min(PAPER_MAX_TOKENS * cfg.scale, cfg.max_prompt))
         self._rng = random.Random(cfg.seed)
         self._wake = anyio.Event()
         self.rate, self.kind, self.running = 0.0, "mixed", False

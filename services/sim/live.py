@@ -25,7 +25,7 @@ import msgspec
 from mesh.errors import ConfigError
 from services.contract.events import AnyEvent
 from services.contract.sampling import Sampling
-from services.paper.workload import TruncatedLogNormal
+from services.paper.workload import PAPER_MU, TruncatedLogNormal
 from services.router.errors import RouterError
 from services.router.requests import GenerationRequest
 from services.sim.clock import PacedClock
@@ -37,7 +37,7 @@ from services.sim.world import Deployment, SimWorld, open_world
 LoadKind = Literal["mixed", "short", "long"]
 LOAD_KINDS: tuple[LoadKind, ...] = ("mixed", "short", "long")
 # exp(mu) of the paper's log-normal: "short" and "long" keep the halves below and above it.
-MEDIAN_PAPER_TOKENS = math.exp(9.90)
+MEDIAN_PAPER_TOKENS = math.exp(PAPER_MU)
 MAX_LOAD_RATE = 1000.0
 
 

@@ -34,7 +34,7 @@ from netem.params import LinkParams
 from services.data import trace_path
 from services.paper.case_study import DEPLOYMENTS, HOMOGENEOUS, NAIVE, PRFAAS_PD
 from services.paper.planner import OperatingPoint, PlanResult, Scenario, solve_scenario
-from services.paper.workload import TruncatedLogNormal
+from services.paper.workload import PAPER_MAX_TOKENS, PAPER_MIN_TOKENS, TruncatedLogNormal
 from services.router.policies import REGISTERED
 from services.sim.capacity import Capacity, CapacityConfig, RunMap, measure_capacity
 from services.sim.run import LinkChange, Record, SimResult, run_virtual
@@ -304,7 +304,7 @@ def burst(rate: float = 2.2, duration_s: float = 1800.0, cv: float = 4.0, seed: 
     d = msgspec.structs.replace(base, name="burst", policy="prfaas-dynamic", policy_options={})
     third = duration_s / 3
     shape = 1.0 / cv ** 2
-    short = TruncatedLogNormal(7.6, 1.0, 128.0, 131072.0)
+    short = TruncatedLogNormal(7.6, 1.0, PAPER_MIN_TOKENS, PAPER_MAX_TOKENS)
     arrivals = (lognormal(rate, third, d.scale, seed, burstiness=shape)
                 + lognormal(rate * 1.6, third, d.scale, seed + 1, burstiness=shape,
                             lengths=short, start_s=third)

@@ -82,7 +82,7 @@ def lognormal(rate: float, duration_s: float, scale: float, seed: int, *,
               burstiness: float = 1.0, output_len: int = 1024,
               lengths: TruncatedLogNormal | None = None, start_s: float = 0.0,
               ) -> list[Arrival]:
-    """The paper's workload (truncated log-normal, mu 9.90, sigma 1.00) at `rate` req/s for
+    """The paper's workload (services.paper.workload's truncated log-normal) at `rate` req/s for
     `duration_s`; burstiness 1 is Poisson, below 1 burstier (gamma shape; CV = 1/sqrt(k)).
     `lengths` replaces the paper's distribution; arrivals start at `start_s`."""
     rng = random.Random(seed)

@@ -1,34 +1,10 @@
-"""The engine: what a worker's prefill and decode sides ask of the model, and the KV stream
-between them.
+"""The engine: what the prefill and decode workers ask of the model.
 
-The prefill and decode workers (queueing, the KV stream protocol, the prefix store, continuous
-batching) are the same in every mode; only the engine under them changes. `ModelEngine` runs
-the real hybrid model (live and emulated modes). The simulation swaps in a modeled engine
-(services/sim/engine.py) whose caches and KV pieces carry sizes instead of tensors and whose
-compute takes the hardware profile's time on the loop's clock.
-
-One prefill meets this module in the order it is written:
-
-1. The job. The prefill worker plans a `PrefillJob`: the computed suffix cut into chunks of
-   tokens (`chunk_bounds`: chunked prefill) and, per chunk, the pieces its layers export as
-   they finish (`stream_plan`): the full-attention KV of the chunk's new tokens that the
-   decode side lacks and, in the last chunk only, each linear or window layer's fixed-size
-   state at the prompt's end (services.model.export).
-2. The compute. `PrefillCompute` runs the engine's `compute_prefill` through a
-   `ComputeRunner` (a worker thread live, so the loop keeps sending; the loop itself on a
-   virtual clock). Each finished layer's piece goes to the loop, where `release` deals it to
-   the next upload lane, in emulated mode once the modeled hardware has finished its
-   (chunk, layer) step (`step_ends`), never earlier. The first token comes back as the return
-   value, with the compute's end; the prefill worker's lane tasks send what they are dealt.
-   Chunks keep the last piece small, so little is left to send once the compute is done:
-   with transfer as long as compute, the time to "KV fully received" is about (1 + tail) / 2
-   of compute-then-transfer, tail being the states' and the last chunk's share of the bytes
-   (layer-wise streaming alone leaves a whole full-attention layer, often the largest, for
-   the end).
-3. The receiving side. The decode worker collects a request's pieces from all its lanes
-   (services/worker/decode.py, `KVInbox`), then the engine's `import_kv` rebuilds the cache
-   (`import_pieces`: each layer's consecutive full-attention pieces joined, checksums
-   checked first, on top of the KV the decode side already holds).
+The workers (queueing, the KV stream, the prefix store, continuous batching) are the same in
+every mode; only the engine under them changes. `ModelEngine` runs the real hybrid model (live
+and emulated modes). The simulation swaps in a modeled engine (services/sim/engine.py) whose
+caches and KV pieces carry sizes instead of tensors and whose compute takes the hardware
+profile's time on the loop's clock.
 
 An engine answers:
 - `cfg`: the model's shape as the workers read it (block_size, n_layers, layer_kinds,
@@ -41,50 +17,41 @@ An engine answers:
 - `new_batch(slots)`, `step(batch, interrupt)`: the decode batch and one step of it (a modeled
   batch may take several steps at once, sleeping on `interrupt`, a `mesh.native.Alarm`, which
   the worker wakes when a request joins: that cuts the run short);
-- `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces;
+- `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces
+  (`import_pieces` for the real model: each layer's consecutive full-attention pieces joined,
+  checksums checked first, on top of the KV the decode side already holds);
 - `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
   stretches each real step);
 - `release_memory()`: give the memory a finished computation freed back to the system (the
   prefill worker calls it, through its compute, when it goes idle).
 
-The types both sides hand an engine live here too: `PrefillJob`, `Pacing` (emulated mode's
-modeled times) and `sampling_params` (a request's sampling as the model takes it).
+The types the workers hand an engine live here too: `PrefillJob` (one planned prefill and its
+stream plan of `PieceSpec`s), `Pacing` (emulated mode's modeled times), and where a prefill's
+compute runs: a `ComputeRunner` (a worker thread live, so the loop keeps sending; the loop
+itself on a virtual clock), to which `piece_emitter` hands each finished layer's piece for the
+loop.
 """
 
 from __future__ import annotations
 
-import array
-import itertools
 import logging
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import anyio
-import msgspec
-import torch
 
 from mesh import native
 from mesh.allocator import release_free_memory
-from mesh.mailbox import Mailbox
 from mesh.native import soon_from_thread
-from services.contract.errors import DataPathError, KVTransferError, RequestError
-from services.contract.messages import KVChunk, KVClose, KVOpen, PrefillRequest
-from services.contract.prefix import check_chain_end
-from services.contract.sampling import Sampling, TokenLogprob
+from services.contract.errors import KVTransferError
+from services.contract.messages import KVChunk, KVOpen, PrefillRequest
+from services.contract.sampling import TokenLogprob
 from services.model.batch import DecodeBatch, StepResult
-from services.model.cache import RequestCache, dtype_name, torch_dtype
-from services.model.config import (
-    FULL_ATTENTION_KINDS,
-    ModelConfig,
-    ModelError,
-    kv_bytes,
-    kv_layout,
-)
-from services.model.export import KVImporter, KVImportError, KVPiece, TensorSpec, export_layer
+from services.model.cache import RequestCache, dtype_name
+from services.model.config import ModelConfig, ModelError, kv_bytes, kv_layout
+from services.model.export import KVImporter, KVPiece, export_layer, merge_pieces
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM
 from services.model.sampling import RequestSampler, SamplingParams
@@ -94,7 +61,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 Emit = Callable[[int, KVChunk], None]
-LaneItem = KVChunk | KVClose
 Computed = tuple[int, KVChunk]  # (step, piece): step = chunk * n_layers + layer
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,131 +130,6 @@ class PrefillJob:
         return sum(map(len, self.plan))
 
 
-def sampling_params(sampling: Sampling) -> SamplingParams:
-    """The model's SamplingParams for a request's `Sampling`; SamplingError names a bad value."""
-    return SamplingParams(
-        max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
-        logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
-        stop_token_ids=tuple(sampling.stop_token_ids),
-    )
-
-
-def chunk_bounds(reused: int, length: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """Token ranges of the computed suffix [reused, length), cut at multiples of
-    chunk_tokens (0: one chunk)."""
-    if chunk_tokens <= 0:
-        return [(reused, length)]
-    cuts = list(range((reused // chunk_tokens + 1) * chunk_tokens, length, chunk_tokens))
-    edges = [reused, *cuts, length]
-    return list(pairwise(edges))
-
-
-def stream_plan(cfg: ModelConfig, chunks: list[tuple[int, int]],
-                sent_from: int) -> list[list[PieceSpec]]:
-    """Per chunk, the pieces exported as its layers finish, in order.
-
-    The first chunk's full-attention pieces start at `sent_from` (the decode side holds the
-    tokens before it; the prefill side may hold more than it computes), later chunks at
-    their own start; states go once, in the last chunk."""
-    length = chunks[-1][1]
-    plan: list[list[PieceSpec]] = []
-    for index, (start, end) in enumerate(chunks):
-        low = sent_from if index == 0 else max(sent_from, start)
-        pieces = []
-        for layer, kind in enumerate(cfg.layer_kinds):
-            if kind in FULL_ATTENTION_KINDS:
-                if end > low:
-                    pieces.append(PieceSpec(layer, low, end))
-            elif end == length:
-                pieces.append(PieceSpec(layer, length, length))
-        plan.append(pieces)
-    return plan
-
-
-class PrefillCompute:
-    """Computes one job at a time on `engine` through `runner`, paced when `pacing` is given
-    (module docstring, step 2)."""
-
-    def __init__(self, engine: Engine, snapshot_every: int, runner: ComputeRunner,
-                 pacing: Pacing | None = None) -> None:
-        self.engine = engine
-        self._snapshot_every = snapshot_every
-        self._runner = runner
-        self._pacing = pacing
-
-    async def compute_and_release(
-        self, job: PrefillJob, lanes: Sequence[Mailbox[LaneItem]]
-    ) -> tuple[int, float]:
-        """Runs the compute beside the release of its pieces, then puts the stream's KVClose
-        (the first token) on lane 0 and ends the lanes at once, so that the close and the
-        streams' ends leave with the last pieces; (first token, compute end)."""
-        start = native.clock()()
-        computed = Mailbox[Computed](job.pieces + 1)
-        first: list[int] = []
-        if self._runner.inline:
-            # Nothing runs beside an inline compute: it is done (every piece in `computed`)
-            # before the release deals the pieces at their step ends, at the times the task
-            # below would give, without the task.
-            await self._compute_task(job, computed, first)
-            compute_end = await self._release(job, computed, lanes, start, first)
-        else:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._compute_task, job, computed, first)
-                compute_end = await self._release(job, computed, lanes, start, first)
-        return first[0], compute_end
-
-    async def _release(self, job: PrefillJob, computed: Mailbox[Computed],
-                       lanes: Sequence[Mailbox[LaneItem]], start: float,
-                       first: list[int]) -> float:
-        """The computed pieces to the lanes, then the close with the first token and the
-        lanes' ends (unless the compute failed: its error is raised where it ran)."""
-        ends = self._step_ends(job, start)
-        try:
-            compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
-        except BaseException:
-            job.cancelled = True
-            raise
-        if first:
-            lanes[0].put_nowait(KVClose(request_id=job.request.request_id,
-                                        first_token=first[0], first_logprob=job.first_logprob))
-            for lane in lanes:
-                lane.end()
-        return compute_end
-
-    async def release_memory(self) -> None:
-        """The engine gives back what its computations freed, on the compute's side."""
-        await self._runner.run(self.engine.release_memory)
-
-    async def _compute_task(self, job: PrefillJob, computed: Mailbox[Computed],
-                            first: list[int]) -> None:
-        def emit(step: int, chunk: KVChunk) -> None:
-            if not job.cancelled:
-                self._runner.to_loop(partial(computed.put_nowait, (step, chunk)))
-
-        try:
-            clock = native.clock()
-            began = clock()
-            first.append(await self._runner.run(partial(self._compute, job, emit)))
-            if self._pacing is not None:
-                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
-                self._pacing.pacer.remaining(clock() - began, modeled)
-        finally:
-            computed.end()
-
-    def _compute(self, job: PrefillJob, emit: Emit) -> int:
-        """Through the runner: the engine prefills the suffix chunk by chunk, emitting each
-        piece as its layer finishes; returns the first token."""
-        return self.engine.compute_prefill(job, emit, self._snapshot_every)
-
-    def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
-        """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""
-        if self._pacing is None:
-            return []
-        scale = self._pacing.pacer.time_scale
-        modeled = step_ends(job.chunks, self.engine.cfg.n_layers, self._pacing.prefill_time)
-        return [start + scale * end for end in modeled]
-
 
 class ComputeRunner(Protocol):
     """Where the model compute runs, and how it hands a piece back to the event loop.
@@ -348,71 +189,14 @@ class InlineRunner:
         call()
 
 
-def step_ends(chunks: list[tuple[int, int]], n_layers: int,
-              prefill_time: Callable[[int, int], float]) -> list[float]:
-    """When each (chunk, layer) step of a paced prefill ends, in modeled seconds from its
-    start: step k = chunk * n_layers + layer; a piece may leave once its step has ended.
-
-    `prefill_time(new, cached)` is the modeled time of the whole suffix (CostModel): its
-    length-dependent part is charged per chunk (a later chunk attends to a longer prefix),
-    the fixed part spread evenly over the new tokens, each chunk's time evenly over layers."""
-    reused, length = chunks[0][0], chunks[-1][1]
-    fixed = prefill_time(0, reused)
-    new = max(1, length - reused)
-
-    def until(token: int) -> float:
-        done = token - reused
-        return prefill_time(done, reused) - fixed + fixed * done / new
-
-    ends: list[float] = []
-    # A chunk starts where the one before it ended: each edge's time is computed once.
-    low = until(reused)
-    for _, end in chunks:
-        high = until(end)
-        ends.extend(low + (high - low) * (layer + 1) / n_layers for layer in range(n_layers))
-        low = high
-    return ends
-
-
-def lane_of(sequence: int, lanes: int) -> int:
-    """Pieces are dealt to lanes in turn, in the order they are produced."""
-    return sequence % lanes
-
-
-async def release(pieces: Mailbox[Computed], lanes: Sequence[Mailbox[LaneItem]],
-                  ends: Sequence[float], *, hold: bool = False) -> float:
-    """Deals each computed piece to the next lane once its step has ended (`ends`, on the
-    loop's clock; none: at once), or holds them all until the compute is done (`hold`: the
-    one-after-the-other baseline). Returns when the compute is done: the last piece in, and
-    the last step ended. Pieces that are in together are passed on together: mailboxes hand
-    over a backlog without a trip through the scheduler, so the lane sends them in one write
-    (an anyio memory stream took a loop turn per piece, and the lane a write per piece)."""
-    held: list[tuple[int, KVChunk]] = []
-    sequence = itertools.count()
-    clock = native.clock()
-    async for step, chunk in pieces:
-        if ends:
-            await _sleep_until(clock, ends[step])
-        lane = lane_of(next(sequence), len(lanes))
-        if hold:
-            held.append((lane, chunk))
-        else:
-            lanes[lane].put_nowait(chunk)
-    # Past the last step's end (it ended with the last piece) no sleep, not even a zero one:
-    # a checkpoint there would let the lane send the last piece alone, and the caller's close
-    # and the lanes' ends would follow in another write and another wake-up.
-    if ends and ends[-1] > clock():
-        await _sleep_until(clock, ends[-1])
-    compute_end = clock()
-    for lane, chunk in held:
-        lanes[lane].put_nowait(chunk)
-    return compute_end
-
-
-async def _sleep_until(clock: Callable[[], float], deadline: float) -> None:
-    """`anyio.sleep_until` on the loop's own sleep (`mesh.native`): the same arithmetic, so
-    the same wake-up instant to the bit, without two backend lookups per piece released."""
-    await native.sleep(max(deadline - clock(), 0))
+def piece_emitter(job: PrefillJob, runner: ComputeRunner,
+                  put: Callable[[Computed], object]) -> Emit:
+    """The `emit` a compute calls with each finished layer's piece: the piece handed to the
+    loop's `put` through `runner`, unless the job was given up meanwhile."""
+    def emit(step: int, chunk: KVChunk) -> None:
+        if not job.cancelled:
+            runner.to_loop(partial(put, (step, chunk)))
+    return emit
 
 
 class Engine(Protocol):
@@ -544,93 +328,3 @@ def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,
         return importer.finish()
     except ModelError as exc:
         raise KVTransferError(f"KV rejected: {exc}") from exc
-
-
-def merge_pieces(pieces: list[KVPiece]) -> KVPiece:
-    """One full-attention piece from several of one layer over consecutive token ranges
-    (each piece's checksum is checked before its bytes are trusted)."""
-    for piece in pieces:
-        if zlib.crc32(piece.payload) != piece.header.checksum:
-            raise KVImportError("checksum", piece.header.checksum, zlib.crc32(piece.payload),
-                                piece.header.layer)
-    for a, b in pairwise(p.header for p in pieces):
-        if (b.start, b.layer, b.kind) != (a.end, a.layer, "full_attn") or b.kind != a.kind:
-            raise KVImportError("start", a.end, b.start, b.layer)
-    parts = [_tensors(p) for p in pieces]
-    joined = [torch.cat(group, dim=1) for group in zip(*parts, strict=True)]  # [A, n, X] each
-    payload = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                       for t in joined)
-    first, last = pieces[0].header, pieces[-1].header
-    specs = tuple(TensorSpec(s.name, s.dtype, tuple(t.shape))
-                  for s, t in zip(first.tensors, joined, strict=True))
-    header = msgspec.structs.replace(first, end=last.end, tensors=specs,
-                                     payload_bytes=len(payload), checksum=zlib.crc32(payload))
-    return KVPiece(header, payload)
-
-
-def _tensors(piece: KVPiece) -> list[torch.Tensor]:
-    raw = torch.frombuffer(bytearray(piece.payload), dtype=torch.uint8)
-    out, offset = [], 0
-    for spec in piece.header.tensors:
-        size = spec.nbytes()
-        out.append(raw[offset : offset + size].view(torch_dtype(spec.dtype)).reshape(spec.shape))
-        offset += size
-    return out
-
-
-def stream_failure(
-    group: BaseExceptionGroup[BaseException], request_id: str, peer: str
-) -> Exception | None:
-    """The error that started a failed stream (lane errors over the broken-channel echoes);
-    None when only cancellation is in the group (it must propagate as it is)."""
-    errors = [e for e in leaves(group) if isinstance(e, Exception)]
-    if not errors:
-        return None
-    primary = next((e for e in errors if not isinstance(e, anyio.BrokenResourceError)),
-                   errors[0])
-    if isinstance(primary, DataPathError):
-        return primary
-    return KVTransferError(f"KV stream of {request_id!r} to {peer!r} failed: "
-                           f"{type(primary).__name__}: {primary}")
-
-
-def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    """The exceptions inside a (nested) exception group, in order."""
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
-
-
-def check_hashes(prompt: Sequence[int], block_size: int, hashes: Sequence[int]) -> None:
-    """RequestError unless `hashes` (a request's chain of its prompt's first blocks) names at
-    most the prompt's full blocks and its last hash is that of its block: a sender that hashes
-    another way would fill the prefix store with chains no lookup matches."""
-    try:
-        check_chain_end(prompt, block_size, hashes)
-    except ValueError as exc:
-        raise RequestError(f"hashes: {exc}") from exc
-
-
-def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:
-    """The first token id outside [0, vocab), or None; `out_of_range_reference`, faster on
-    ids that are all in range (every request the workers take: its prompt is checked twice)."""
-    if not tokens:
-        return None
-    try:
-        # Packing to C unsigned ints checks in one pass that each id is an int >= 0, at half
-        # the cost of min. (numpy's max over the packed ids, quick in a loop of its own, cost
-        # more than min in the simulation, where its code is never warm.)
-        array.array("I", tokens)
-    except (TypeError, OverflowError):
-        return out_of_range_reference(tokens, vocab)
-    if max(tokens) < vocab:
-        return None
-    return out_of_range_reference(tokens, vocab)
-
-
-def out_of_range_reference(tokens: Sequence[int], vocab: int) -> int | None:
-    """`out_of_range` by min and max over the list and a scan (the slow, obvious reference)."""
-    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
-        return None
-    return next(t for t in tokens if not 0 <= t < vocab)

@@ -2,22 +2,20 @@
 
 One job computes at a time, in arrival order (prefill saturates the compute). For each job:
 
+0. With `request.pull`, first fetch that cached prefix from the worker holding it
+   (services/worker/prefix_pull.py).
 1. Resume from the longest prefix of the prompt in this worker's own `PrefixStore` that ends
-   at a state snapshot, so only the suffix is computed.
-2. Open one upload stream per lane (connection) to the decode worker; compute the suffix in
-   chunks of tokens through `PrefillCompute` (services/worker/engine.py), which hands each
-   finished layer's piece to the loop as it goes, dealt to the next lane: transfer overlaps
-   compute (paper section 3.3). In emulated mode pieces are released at their modeled times.
-3. Sample the first token; lane 0 ends with `KVClose` carrying it. The compute slot passes
-   to the next job as soon as there is room to stream (`PrefillConfig.max_streaming`), while
-   this job's KV keeps crossing: an instance computes its next prompt while the last one's
-   KV drains, as Eq. 3's min(compute, bandwidth) assumes. Wait until the decode
-   worker has accepted every lane ("KV fully received"); with `request.kv_stall`, at most
-   that long after the compute is done, else the job fails with `KVStalled` (KV stuck on
-   a stalled link: the router re-prefills it in the PD cluster).
-(0. With `request.pull`, first fetch that cached prefix from the worker holding it:
-   services.worker.prefix_pull.)
-4. Keep the new cache (with snapshots at block boundaries) in the store and report the
+   at a state snapshot, so only the suffix is computed; plan its chunks and the pieces they
+   export (services/worker/kv_out.py).
+2. Compute the suffix while its KV streams to the decode worker over its lanes (`KVSender`,
+   services/worker/kv_out.py): transfer overlaps compute (paper section 3.3). The compute slot
+   passes to the next job as soon as there is room to stream (`PrefillConfig.max_streaming`),
+   while this job's KV keeps crossing: an instance computes its next prompt while the last
+   one's KV drains, as Eq. 3's min(compute, bandwidth) assumes. The job is done when the
+   decode worker has accepted every lane ("KV fully received"), or fails with `KVStalled`
+   when `request.kv_stall` passes first after the compute's end (the router re-prefills it
+   in the PD cluster).
+3. Keep the new cache (with snapshots at block boundaries) in the store and report the
    stored and evicted blocks to the cache directory.
 
 Lanes are separate mesh nodes (one TCP connection each, the same peer), given by the caller.
@@ -39,39 +37,25 @@ import msgspec
 
 from mesh import native
 from mesh.events import EventBus
-from mesh.mailbox import Mailbox
 from mesh.node import Node
-from services.contract.errors import KVStalled, KVTransferError, RequestError
-from services.contract.events import Event, KVFlow, RequestPhase
-from services.contract.messages import (
-    KVAccepted,
-    KVChunk,
-    KVOpen,
-    PrefillDone,
-    PrefillRequest,
-)
+from services.contract.errors import RequestError
+from services.contract.events import Event, RequestPhase
+from services.contract.messages import PrefillDone, PrefillRequest
 from services.contract.prefix import reusable_blocks
 from services.contract.tracing import Tracer
 from services.model.model import HybridLM
 from services.worker.engine import (
     ComputeRunner,
     Engine,
-    LaneItem,
     Pacing,
-    PrefillCompute,
     PrefillJob,
     ThreadRunner,
     as_engine,
-    check_hashes,
-    chunk_bounds,
-    out_of_range,
-    sampling_params,
-    stream_failure,
-    stream_plan,
 )
+from services.worker.kv_out import KVSender, PrefillCompute, chunk_bounds, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
-from services.worker.send_meter import SendMeter
+from services.worker.request_checks import check_prefill
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -170,11 +154,15 @@ class PrefillWorker:
         self._lanes = list(lanes)
         self._bus = bus or EventBus()
         self._report = report
-        self._link_of = link_of
         self._transfer = transfer
         self._tracer = tracer  # None: tracing is off (services/contract/tracing.py)
         self._compute = PrefillCompute(self.model, config.snapshot_every, runner or ThreadRunner(),
                                        pacing)
+        self._sender = KVSender(config.name, self.model, lanes, self._compute,
+                                config.transfer_timeout, bus=self._bus, link_of=link_of,
+                                tracer=tracer)
+        # What this sender sees of its KV transfers (the router estimates the link from it).
+        self.meter = self._sender.meter
         # The compute (FIFO, released at the compute's end) and the room to stream. A free one
         # is taken without a scheduler pass (fast_acquire); a waiting job still comes first,
         # as a release hands the semaphore straight to it.
@@ -185,9 +173,6 @@ class PrefillWorker:
         self._idle = anyio.Event()
         self._idle.set()
         self._counts = _Counts()
-        self._sent = [0, 0]  # pieces, bytes over all jobs
-        # What this sender sees of its KV transfers (the router estimates the link from it).
-        self.meter = SendMeter(native.now)
 
     @property
     def busy(self) -> int:
@@ -225,9 +210,7 @@ class PrefillWorker:
 
     async def _prefill(self, request: PrefillRequest, span: Span | None) -> PrefillDone:
         queued_at = native.clock()()
-        if self._transfer is not None and request.pull is not None:
-            await self._transfer.pull(request)  # a cached prefix from another worker first
-        job = self._plan(request)
+        job = await self._plan(request)
         job.trace = span
         place = _Place()
         self._enter()
@@ -266,8 +249,8 @@ class PrefillWorker:
             queue_depth=self.queue_depth, running=self.running,
             streaming=self._in["streaming"], jobs=self._counts.jobs,
             failures=self._counts.failures, computed_tokens=self._counts.computed_tokens,
-            reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sent[1],
-            pieces_sent=self._sent[0], cancelled=self._counts.cancelled,
+            reused_tokens=self._counts.reused_tokens, kv_bytes_sent=self._sender.sent[1],
+            pieces_sent=self._sender.sent[0], cancelled=self._counts.cancelled,
         )
 
     def check_integrity(self) -> None:
@@ -309,10 +292,14 @@ class PrefillWorker:
         if self.busy == 0:
             self._idle.set()
 
-    def _plan(self, request: PrefillRequest) -> PrefillJob:
+    async def _plan(self, request: PrefillRequest) -> PrefillJob:
+        """Steps 0-1 of the module docstring: the request checked, a cached prefix pulled,
+        the cache resumed, the chunks and their pieces planned."""
         cfg, length = self.model.cfg, len(request.prompt)
-        _check_request(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
+        params = check_prefill(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
         hashes = prompt_hashes(request.prompt, cfg.block_size, request.hashes)
+        if self._transfer is not None and request.pull is not None:
+            await self._transfer.pull(request, hashes)  # a cached prefix from another worker
         # At least one token must be computed: its logits give the first output token.
         cache = self.store.resume(hashes, reusable_blocks(length, cfg.block_size))
         if cache is None:
@@ -322,38 +309,23 @@ class PrefillWorker:
         if size % cfg.block_size:
             raise RequestError(f"chunk_tokens must be a multiple of {cfg.block_size}, got {size}")
         chunks = chunk_bounds(cache.length, length, size)
-        return PrefillJob(request, hashes, cache, cache.length, sampling_params(request.sampling),
-                          request.connections, chunks,
+        return PrefillJob(request, hashes, cache, cache.length, params, request.connections, chunks,
                           stream_plan(cfg, chunks, request.decode_has_tokens))
 
     async def _run(self, job: PrefillJob, queue_s: float,
                    computed: Callable[[], Awaitable[None]]) -> PrefillDone:
-        """Steps 2-4 of the module docstring, for a job that holds the compute slot;
+        """Steps 2-3 of the module docstring, for a job that holds the compute slot;
         `computed` is awaited at the compute's end (it may give the slot away)."""
         request = job.request
         self._phase(request.request_id, "prefill", f"{job.length - job.reused} new tokens")
-        self._flow(job, "start", 0)
         start = native.clock()()
-        crossing = [False]
-
-        async def compute_ended() -> None:
-            # From here until the lanes are accepted, this job's KV is held back by the link.
-            crossing[0] = True
-            self.meter.waiting()
-            await computed()
-
         try:
-            first_token, compute_end = await self._stream(job, compute_ended)
+            async with self._sender.streaming(job) as (first_token, compute_end):
+                await computed()
         except BaseException as exc:
-            self._flow(job, "failed", 0)
             self._phase(request.request_id, "failed", str(exc))
             raise
-        finally:
-            if crossing[0]:
-                self.meter.crossed()
-        self.meter.delivered(job.sent[1])
         done = native.clock()()
-        self._flow(job, "done", self.model.cfg.n_layers)
         self._counts.jobs += 1
         self._counts.computed_tokens += job.length - job.reused
         self._counts.reused_tokens += job.reused
@@ -368,108 +340,11 @@ class PrefillWorker:
             total_s=done - start,
         )
 
-    async def _stream(self, job: PrefillJob,
-                      computed: Callable[[], Awaitable[None]]) -> tuple[int, float]:
-        """Computes while one task per lane sends, awaits `computed` once the compute is done
-        (the lanes still sending, the stall bound already counting); (first token, compute
-        end)."""
-        lanes = [Mailbox[LaneItem](job.pieces + 1) for _ in range(job.lanes)]
-        request = job.request
-        try:
-            async with anyio.create_task_group() as tg:
-                for lane, items in enumerate(lanes):
-                    native.start_soon(tg, self._send_lane, job, lane, items)
-                compute = None if job.trace is None or self._tracer is None else (
-                    self._tracer.start("prefill.compute", job.trace, {
-                        "prfaas.prefill.computed_tokens": job.length - job.reused,
-                        "prfaas.prefill.chunks": len(job.chunks)}))
-                try:
-                    first_token, compute_end = await self._compute.compute_and_release(
-                        job, lanes)
-                finally:
-                    for items in lanes:
-                        items.end()
-                    if compute is not None:
-                        compute.end()
-                if request.kv_stall > 0:
-                    # The stall bound: from the compute's end, the lanes' group expires
-                    # kv_stall later (a deadline on its own scope, not a watcher task beside
-                    # the lanes to wake and cancel, nor a scope of its own around them).
-                    tg.cancel_scope.deadline = native.now() + request.kv_stall
-                await computed()
-        except BaseExceptionGroup as group:
-            cause = stream_failure(group, request.request_id, request.decode_worker)
-            if cause is None:
-                raise
-            raise cause from group
-        if tg.cancel_scope.cancelled_caught:
-            raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
-                            f"{request.decode_worker} within kv_stall={request.kv_stall:g} s "
-                            "of the compute's end")
-        return first_token, compute_end
-
-    async def _send_lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> None:
-        if job.trace is None or self._tracer is None:
-            await self._lane(job, lane, items)
-            return
-        peer = job.request.decode_worker
-        link = self._link_of(peer)
-        with self._tracer.span("kv.transfer", job.trace, {
-                "prfaas.kv.lane": lane, "prfaas.kv.to": peer, "prfaas.kv.link": link or "local",
-                "prfaas.kv.via_link": link is not None}, kind="producer") as span:
-            started = native.clock()()
-            accepted = await self._lane(job, lane, items)
-            span.set_attributes({"prfaas.kv.bytes": accepted.bytes,
-                                 "prfaas.kv.pieces": accepted.pieces,
-                                 "prfaas.kv.seconds": native.clock()() - started})
-
-    async def _lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> KVAccepted:
-        """One upload lane: open, the items as they come, the decode worker's KVAccepted."""
-        request, cfg = job.request, self.model.cfg
-        opening = KVOpen(
-            request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
-            dtype=job.cache.dtype_name, start=request.decode_has_tokens, end=job.length,
-            pieces=len(range(lane, job.pieces, job.lanes)), lane=lane,
-            lanes=job.lanes,
-        )
-        node, peer = self._lanes[lane], request.decode_worker
-        async with node.stream_to(peer, opening, timeout=self.config.transfer_timeout) as sink:
-            async for item in items:
-                await sink.send(item)
-                if isinstance(item, KVChunk):
-                    self._count_sent(job, item.size)
-                    self._flow(job, "progress", job.sent[0])
-        if not isinstance(sink.result, KVAccepted):
-            raise KVTransferError(f"{peer} answered lane {lane} of {request.request_id!r} "
-                                  f"with {sink.result!r}, expected KVAccepted")
-        return sink.result
-
-    def _count_sent(self, job: PrefillJob, nbytes: int) -> None:
-        job.sent[0] += 1
-        job.sent[1] += nbytes
-        self._sent[0] += 1
-        self._sent[1] += nbytes
-
     def _keep(self, job: PrefillJob) -> None:
         change = self.store.store(job.hashes, job.cache)
         if self._report is not None:
             self._report(change)
 
-    def _flow(self, job: PrefillJob, phase: str, layers_done: int) -> None:
-        if not self._bus.subscribed:  # the dashboard's; a few per piece are not free
-            return
-        cfg, request = self.model.cfg, job.request
-        self._bus.publish(KVFlow(
-            ts=native.clock()(), source=self.config.name, request_id=request.request_id,
-            src=self.config.name, dst=request.decode_worker,
-            via_link=self._link_of(request.decode_worker),
-            phase=phase,  # type: ignore[arg-type]
-            layers_done=layers_done, layers_total=cfg.n_layers, bytes_done=job.sent[1],
-            bytes_total=self.model.kv_bytes(job.length, request.decode_has_tokens,
-                                            job.cache.dtype_name),
-            incremental=request.decode_has_tokens > 0,
-            tokens_sent=job.length - request.decode_has_tokens,
-        ))
 
     def _phase(self, request_id: str, phase: str, detail: str = "") -> None:
         if not self._bus.subscribed:
@@ -479,20 +354,3 @@ class PrefillWorker:
             phase=phase,  # type: ignore[arg-type]
             worker=self.config.name, detail=detail,
         ))
-
-
-def _check_request(request: PrefillRequest, vocab: int, block: int, max_lanes: int) -> None:
-    length = len(request.prompt)
-    if length < 1:
-        raise RequestError(f"prompt must hold at least one token, got {length}")
-    bad = out_of_range(request.prompt, vocab)
-    if bad is not None:
-        raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-    check_hashes(request.prompt, block, request.hashes)
-    has = request.decode_has_tokens
-    if has % block or not 0 <= has < length:
-        raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "
-                           f"got {has}")
-    if not 1 <= request.connections <= max_lanes:
-        raise RequestError(f"connections must be in [1, {max_lanes}], got "
-                           f"{request.connections}")

@@ -3,7 +3,7 @@
 Paper section 3.3: when bandwidth is abundant the best cache anywhere counts, and "when the
 cluster with the longer cache differs from the compute cluster, a cross-cluster cache transfer
 is performed". Here that is one KV upload over the existing stream protocol
-(services/worker/engine.py), from the worker that holds the prefix to the prefill worker that
+(services/worker/kv_out.py), from the worker that holds the prefix to the prefill worker that
 will compute the rest:
 
 1. the router names the holder and the prefix length in `PrefillRequest.pull`;
@@ -48,8 +48,9 @@ from services.contract.messages import (
 from services.model.cache import RequestCache, dtype_name
 from services.model.export import export_layer
 from services.model.model import HybridLM
-from services.worker.decode import KVInbox, KVTransferMetrics
-from services.worker.engine import PieceSpec, import_pieces, stream_plan
+from services.worker.engine import PieceSpec, import_pieces
+from services.worker.kv_in import KVInbox, KVTransferMetrics
+from services.worker.kv_out import stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
 log = logging.getLogger(__name__)
@@ -97,14 +98,16 @@ class PrefixTransfer:
 
     # The target's side -------------------------------------------------------------------
 
-    async def pull(self, request: PrefillRequest) -> int:
+    async def pull(self, request: PrefillRequest, chain: Sequence[int]) -> int:
         """Fetches `request.pull` into the store unless the store has it; tokens moved (0
-        when nothing moved, also when the pull failed: the prefill computes more then)."""
+        when nothing moved, also when the pull failed: the prefill computes more then).
+        `chain`: the prompt's block hashes (`prompt_hashes`), of which the prefix's lead."""
         pull = request.pull
         if pull is None:
             return 0
-        hashes = prompt_hashes(request.prompt[:pull.tokens], self.model.cfg.block_size)
-        _check_pull(pull, len(request.prompt), self.model.cfg.block_size, len(hashes))
+        block = self.model.cfg.block_size
+        _check_pull(pull, len(request.prompt), block)
+        hashes = list(chain[: pull.tokens // block])
         if self.store.match(hashes).resumable >= len(hashes):
             return 0
         try:
@@ -209,8 +212,8 @@ def _dtype(model: HybridLM) -> str:
     return dtype_name(model.dtype)
 
 
-def _check_pull(pull: PrefixPull, length: int, block: int, blocks: int) -> None:
-    if pull.tokens % block or not 0 < pull.tokens < length or blocks * block != pull.tokens:
+def _check_pull(pull: PrefixPull, length: int, block: int) -> None:
+    if pull.tokens % block or not 0 < pull.tokens < length:
         raise RequestError(f"pull.tokens must be a multiple of {block} in (0, {length}), got "
                            f"{pull.tokens}")
     if pull.connections < 1:

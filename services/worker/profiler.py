@@ -31,13 +31,9 @@ from services.contract.sampling import Sampling
 from services.model.batch import DecodeBatch
 from services.model.cache import RequestCache
 from services.model.sampling import SamplingParams
-from services.worker.engine import (
-    ModelEngine,
-    PrefillJob,
-    chunk_bounds,
-    sampling_params,
-    stream_plan,
-)
+from services.worker.engine import ModelEngine, PrefillJob
+from services.worker.kv_out import chunk_bounds, stream_plan
+from services.worker.request_checks import sampling_params
 
 Clock = Callable[[], float]
 

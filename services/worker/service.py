@@ -30,6 +30,7 @@ from mesh.transport import Address
 from services.contract.errors import WrongRole
 from services.contract.events import Event, RoleChanged, WorkerStatus
 from services.contract.messages import (
+    DEFAULT_LANES,
     CacheReport,
     DecodeRequest,
     KVAccepted,
@@ -58,8 +59,9 @@ from services.service import (
     serve_events,
     serve_metrics,
 )
-from services.worker.decode import DecodeConfig, DecodeWorker, KVTransferMetrics
+from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
+from services.worker.kv_in import KVTransferMetrics
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
@@ -184,7 +186,7 @@ class WorkerService:
         self.bus: EventBus[Event] = EventBus()
         self.node = ctx.node()
         lane_config = NodeConfig(max_concurrency=1)
-        lanes = ctx.option("connections", 4)
+        lanes = ctx.option("connections", DEFAULT_LANES)
         self.lanes = [self.node] + [ctx.node(f"{self.name}#{k}", lane_config)
                                     for k in range(1, lanes)]
         budget = int(ctx.option("cache_mib", 256.0) * MIB)

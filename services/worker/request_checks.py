@@ -1,0 +1,99 @@
+"""What both workers check of a request before they take it, and its sampling as the model
+takes it: a prompt of token ids in the vocabulary, a hash chain that ends where the prompt's
+blocks do, the prefill's lanes and the decode's timeouts in range.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+from services.contract.errors import RequestError
+from services.contract.messages import DecodeRequest, PrefillRequest
+from services.contract.prefix import check_chain_end
+from services.contract.sampling import Sampling
+from services.model.sampling import SamplingParams
+
+
+def check_prefill(request: PrefillRequest, vocab: int, block: int,
+                  max_lanes: int) -> SamplingParams:
+    """Its sampling as the model takes it (SamplingError names a bad value); RequestError
+    naming any other bad field of a prefill request."""
+    params = sampling_params(request.sampling)
+    length = len(request.prompt)
+    if length < 1:
+        raise RequestError(f"prompt must hold at least one token, got {length}")
+    bad = out_of_range(request.prompt, vocab)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    check_hashes(request.prompt, block, request.hashes)
+    has = request.decode_has_tokens
+    if has % block or not 0 <= has < length:
+        raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "
+                           f"got {has}")
+    if not 1 <= request.connections <= max_lanes:
+        raise RequestError(f"connections must be in [1, {max_lanes}], got "
+                           f"{request.connections}")
+    return params
+
+
+def check_decode(request: DecodeRequest, vocab: int, block: int) -> SamplingParams:
+    """Its sampling as the model takes it (SamplingError names a bad value); RequestError
+    naming any other bad field of a decode request."""
+    params = sampling_params(request.sampling)
+    if not request.prompt:
+        raise RequestError("prompt must hold at least one token, got 0")
+    bad = out_of_range(request.prompt, vocab)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    check_hashes(request.prompt, block, request.hashes)
+    if not request.kv_timeout > 0:
+        raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
+    if request.kv_stall < 0:
+        raise RequestError(f"kv_stall must be >= 0 seconds, got {request.kv_stall}")
+    return params
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The model's SamplingParams for a request's `Sampling`; SamplingError names a bad value."""
+    return SamplingParams(
+        max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, seed=sampling.seed, stop_on_eos=sampling.stop_on_eos,
+        logprobs=sampling.logprobs, min_tokens=sampling.min_tokens,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+    )
+
+
+
+def check_hashes(prompt: Sequence[int], block_size: int, hashes: Sequence[int]) -> None:
+    """RequestError unless `hashes` (a request's chain of its prompt's first blocks) names at
+    most the prompt's full blocks and its last hash is that of its block: a sender that hashes
+    another way would fill the prefix store with chains no lookup matches."""
+    try:
+        check_chain_end(prompt, block_size, hashes)
+    except ValueError as exc:
+        raise RequestError(f"hashes: {exc}") from exc
+
+
+def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:
+    """The first token id outside [0, vocab), or None; `out_of_range_reference`, faster on
+    ids that are all in range (every request the workers take: its prompt is checked twice)."""
+    if not tokens:
+        return None
+    try:
+        # Packing to C unsigned ints checks in one pass that each id is an int >= 0, at half
+        # the cost of min. (numpy's max over the packed ids, quick in a loop of its own, cost
+        # more than min in the simulation, where its code is never warm.)
+        array.array("I", tokens)
+    except (TypeError, OverflowError):
+        return out_of_range_reference(tokens, vocab)
+    if max(tokens) < vocab:
+        return None
+    return out_of_range_reference(tokens, vocab)
+
+
+def out_of_range_reference(tokens: Sequence[int], vocab: int) -> int | None:
+    """`out_of_range` by min and max over the list and a scan (the slow, obvious reference)."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):
+        return None
+    return next(t for t in tokens if not 0 <= t < vocab)
