@@ -16,6 +16,7 @@ import msgspec
 
 from mesh.errors import ConfigError
 from mesh.topology import Topology
+from services.contract.messages import DEFAULT_LANES
 from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.paper.case_study import T_STAR_TOKENS
 from services.router.link_meter import EstimatorConfig
@@ -55,7 +56,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     request_timeout_s: float = 600.0
     kv_timeout_s: float = 60.0
     # KV lanes for a cross-cluster prefill, at most the worker's own (1 within a cluster)
-    connections: int = 4
+    connections: int = DEFAULT_LANES
     stall_window_s: float = 30.0
     links: tuple[LinkEnds, ...] = ()  # the topology's links (which joins which clusters)
     migration_limit: int = MIGRATION_LIMIT  # 0: a broken data path fails its request
@@ -99,7 +100,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_context: int = 4096
     max_inflight: int = 64
     block_size: int = 64  # must equal the workers' model block size
-    connections: int = 4
+    connections: int = DEFAULT_LANES
     tick_s: float = 1.0
     # Times one request may continue elsewhere after a worker or its KV stream failed
     # (0: off), and the seconds KV crossing a link may make no progress (0: no bound).

@@ -49,6 +49,7 @@ from typing import ClassVar, Generic, Literal, Protocol, TypeVar
 import msgspec
 
 from services.contract.events import RoleChanged, RoutingDecision, ThresholdChanged
+from services.contract.messages import DEFAULT_LANES
 from services.contract.types import Cluster, WorkerRole
 from services.paper.case_study import T_STAR_TOKENS
 from services.paper.hardware import CostModel
@@ -58,7 +59,15 @@ from services.paper.planner import (
     ThroughputModel,
     solve_threshold,
 )
-from services.paper.workload import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+from services.paper.workload import (
+    PAPER_MAX_TOKENS,
+    PAPER_MIN_TOKENS,
+    PAPER_MU,
+    PAPER_SIGMA,
+    EmpiricalLengths,
+    LengthDistribution,
+    TruncatedLogNormal,
+)
 from services.router.link_meter import LinkEstimate
 
 BandwidthMode = Literal["auto", "scarce", "abundant"]
@@ -170,8 +179,6 @@ class LinkSample(msgspec.Struct, frozen=True, kw_only=True):
 Feedback = RequestFinished | LinkSample | LinkEstimate
 
 
-# A worker's `connections` option when the topology gives none (services/worker/service.py).
-DEFAULT_LANES = 4
 
 
 class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -929,10 +936,10 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     n_p: int = 3
     n_d: int = 5
     output_len: int = 1024
-    mu: float = 9.90
-    sigma: float = 1.00
-    min_len: float = 128.0
-    max_len: float = 131072.0
+    mu: float = PAPER_MU
+    sigma: float = PAPER_SIGMA
+    min_len: float = PAPER_MIN_TOKENS
+    max_len: float = PAPER_MAX_TOKENS
     token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
     abundant_below: float = 0.5
     bandwidth: BandwidthMode = "auto"

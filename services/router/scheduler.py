@@ -95,6 +95,7 @@ from mesh.node import Node
 from mesh.topology import Topology
 from services.contract.events import MIGRATION_REASONS, Event, RequestDone, attempt_id
 from services.contract.messages import (
+    DEFAULT_LANES,
     PrefixMatch,
     PrefixPull,
     PrefixQuery,
@@ -121,7 +122,6 @@ from services.router.link_meter import (
     readings_of,
 )
 from services.router.policies import (
-    DEFAULT_LANES,
     ClusterState,
     Decision,
     LinkSample,
