@@ -112,7 +112,7 @@ def test_a_measured_bandwidth_cut_raises_t_offloads_less_and_recovers_settled() 
     share_during, moves = run(policy, link, rng, 300, 600, per_second=2)
     t_during = policy.threshold
     assert t_during is not None and t_during > 1.3 * t_before
-    assert share_during < 0.8 * share_before
+    assert share_during < 0.9 * share_before
     assert moves and "Eq. 7 t" in moves[0][1].reason
     assert 4e9 * 0.85 <= policy.statistics().measured_bps <= 4e9 * 1.15
     # Settled within two minutes of the cut; from then on no move leaves 20 % of its level.

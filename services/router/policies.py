@@ -919,9 +919,10 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
       cache transfers;
     - `tilt` 2: the queues move t at most a factor 2 either side of Eq. 7's, enough to drain a
       backlog in a few minutes, not enough to undo what the link's measurement says;
-    - `wait_floor_s` 2: waits well under the TTFT SLO (10 s) are noise, not imbalance;
-    - `pd_load_max` 0.9: PD prefill is never planned above 90 % busy at the arrival rate
-      measured over `rate_window_s` (60 s);
+    - `wait_floor_s` 5: waits well under the TTFT SLO (10 s) are noise, not imbalance;
+    - `pd_load_max` 0.85: PD prefill is never planned above 85 % busy at the arrival rate
+      measured over `rate_window_s` (60 s): Eq. 4 takes every request at the mean length of
+      its side, which underrates a side's load (prefill time grows faster than length);
     - `dwell_s` 5 and `min_rel_change` 0.1: t moves at most once per one long prefill's time,
       and only by more than 10 %, half way in log space toward where it is wanted, so one move
       shows its effect on the queues before the next.
@@ -945,8 +946,8 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     bandwidth: BandwidthMode = "auto"
     headroom: float = 0.2
     tilt: float = 2.0
-    wait_floor_s: float = 2.0
-    pd_load_max: float = 0.9
+    wait_floor_s: float = 5.0
+    pd_load_max: float = 0.85
     rate_window_s: float = 60.0
     min_rel_change: float = 0.1
     dwell_s: float = 5.0
