@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo multihost sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
+.PHONY: demo multihost sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-kernel-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -96,6 +96,11 @@ bench-model: $(STAMP)
 
 bench-link: $(STAMP)
 	$(PY) benchmarks/bench_link.py
+
+# Not part of `bench`: it needs root (two network namespaces, tbf). The same KV transfers
+# through the link emulator and over a tbf-shaped veth (docs/deploy.md); about a minute.
+bench-kernel-link: $(STAMP)
+	$(PY) benchmarks/bench_kernel_link.py
 
 bench-cachedir: $(STAMP)
 	$(PY) benchmarks/bench_cachedir.py
