@@ -22,9 +22,10 @@ The estimator is a pure function of (time, readings), so the readings are fed to
 run, as they would have been live.
 
     sudo .venv/bin/python benchmarks/bench_kernel_link.py [--rates 1e9,10e9] [--seconds 6]
+        [--window 3]
 
-The last line is one JSON object. For each requested rate, tagged by it in whole Gbit/s
-("1g", "10g"; Mbit/s below one: "200m"): `{tag}_set_bps` (the rate used), and per path
+The last line is one JSON object. For each rate, tagged by it in Gbit/s ("1g", "10g";
+in Mbit/s below one: "200m"): `{tag}_set_bps`, and per path
 (`emulator`, `kernel`): `{path}_{tag}_rate_ratio` (delivered / set),
 `{path}_{tag}_delivered_bps`, `{path}_{tag}_transfer_p50_ms`, `{path}_{tag}_transfer_p90_ms`,
 `{path}_{tag}_estimate_ratio` (the estimator's bandwidth / delivered), `{path}_{tag}_held` (the
