@@ -26,6 +26,16 @@ median of each round's pair, its threads' CPU read to the nanosecond; and the ro
 scrape measured alone, 200 scrapes back to back once the histograms are full, with the share
 of a request's CPU that makes at the scraped rate).
 
+`--against PATH` adds a fourth target to every round: the router from the code at PATH (a
+checkout of another commit; its own `prfaas serve router`, run in PATH with PATH alone on its
+PYTHONPATH, on ports of its own) over the same backend processes and client, taking turns with
+this tree's router, first in every other round (`against` in the JSON: per kind, each router's
+CPU per request read to the nanosecond, their ratio over the whole phase and the median of
+each round's pair, at the throughput concurrency and at concurrency 1; whether tracing was
+on). The other router talks to this tree's backend as long as the contract's messages only
+gained fields with defaults (msgspec structs skip fields they do not know). `cpu` in the JSON
+names the machine's CPU (services/bench/host.py).
+
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
 completions, router and baseline taking turns (`--rounds`) in the same run. added_ms = router
@@ -36,7 +46,8 @@ added latency); `kinds` has each one. `rps_ratio_spread` is the lowest and highe
 one round (router and baseline back to back): how far the host's load moved the ratio.
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
-        [--tokens-per-message N] [--rounds N] [--long-senders N]
+        [--tokens-per-message N] [--rounds N] [--long-senders N] [--scrape-every S]
+        [--against PATH]
 
 The last line is one JSON object; `failures` in it names the commonest reasons requests failed.
 """
@@ -55,10 +66,10 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import h11
@@ -69,7 +80,10 @@ from mesh.allocator import allocator_env
 from mesh.cputime import cpu_seconds
 from mesh.ports import free_ports
 from mesh.run import run as run_on
+from services.bench.host import cpu_name
 from services.cli.launch import launch
+from services.cli.lifeline import child_env
+from services.contract.tracing import endpoint_from_env
 from services.data import corpus_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,22 +202,40 @@ async def serve_baseline(port: int, tokens_per_message: int) -> None:
 
 
 @contextmanager
-def child(*args: str) -> Iterator[subprocess.Popen[str]]:
-    """This script in another role, once it has printed its ready line."""
-    env = allocator_env(os.environ)
-    process = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE,
-                               text=True, env=env)
+def ready_process(argv: list[str], env: dict[str, str], cwd: Path | None = None,
+                  log: IO[str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`argv` as a child process, once it has printed its ready line; its stderr to `log`."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                               cwd=cwd)
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
         if not line.startswith("ready"):
-            raise RuntimeError(f"{args[0]} did not start (exit code {process.wait()})")
+            raise RuntimeError(f"{argv[1:]} did not start (exit code {process.wait()})")
         yield process
     finally:
         process.terminate()
         process.wait(timeout=10)
         if process.stdout is not None:
             process.stdout.close()
+
+
+def child(*args: str) -> AbstractContextManager[subprocess.Popen[str]]:
+    """This script in another role, once it has printed its ready line."""
+    return ready_process([sys.executable, __file__, *args], allocator_env(os.environ))
+
+
+@contextmanager
+def other_router(tree: Path, topology: Path, log_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """`prfaas serve router` from the code at `tree` (`--against`): run there with only that
+    tree on its PYTHONPATH, it imports that tree's services and mesh; its log is
+    log_dir/against.log."""
+    env = {**child_env(allocator_env(os.environ)), "PYTHONPATH": str(tree)}
+    argv = [sys.executable, "-m", "services.cli.main", "serve", "router", "--topology",
+            str(topology)]
+    with open(log_dir / "against.log", "w") as log, \
+            ready_process(argv, env, cwd=tree, log=log) as process:
+        yield process
 
 
 # --- the client ---------------------------------------------------------------------------
@@ -296,7 +328,7 @@ class Run:
     # The router's CPU per request of each added round, in ms, to the nanosecond
     # (`thread_cpu_seconds`): the scrape A/B pairs rounds (--scrape-every).
     round_router_ms: list[float] = field(default_factory=list)
-    router_ns_s: float = 0.0  # that CPU over this (one round's) phase, in seconds
+    router_ns_s: float = 0.0  # that CPU over the phase (its rounds added), in seconds
 
     def add(self, other: Run) -> None:
         """Another round of the same phase."""
@@ -307,6 +339,7 @@ class Run:
         self.wall_s += other.wall_s
         self.failures += other.failures
         self.scrapes += other.scrapes
+        self.router_ns_s += other.router_ns_s
         for name, seconds in other.cpu_s.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
 
@@ -314,6 +347,11 @@ class Run:
         """That process's CPU per completed request: cost apart from the machine's load."""
         done = len(self.latencies)
         return round(1e3 * self.cpu_s.get(process, 0.0) / done, 3) if done else 0.0
+
+    def router_ns_ms(self) -> float:
+        """The router's CPU per completed request in ms, read to the nanosecond."""
+        done = len(self.latencies)
+        return round(1e3 * self.router_ns_s / done, 4) if done else 0.0
 
     def rps(self) -> float:
         return len(self.latencies) / self.wall_s if self.wall_s else 0.0
@@ -362,6 +400,7 @@ class Options(msgspec.Struct, frozen=True):
     rounds: int = 4
     long_senders: int = 2
     scrape_s: float = 0.0  # 0: no scraped turn
+    against: str = ""  # another tree whose router takes turns with this one's ("": none)
 
 
 def thread_cpu_seconds(pid: int) -> float:
@@ -463,6 +502,17 @@ def split(total: int, rounds: int) -> list[int]:
     return [total // rounds + (i < total % rounds) for i in range(rounds)]
 
 
+def turn_order(targets: list[str], scraped: bool, round_index: int) -> list[str]:
+    """The turns of one round: the targets, the scraped turn after them if asked. The
+    router's A/B partners (the scraped turn, the other tree's router) go first in every
+    other round, so that the order within a round moves neither side of a pair."""
+    turns = [*targets, *(["scraped"] if scraped else [])]
+    if round_index % 2:
+        partners = [t for t in ("against", "scraped") if t in turns]
+        turns = [*partners, *(t for t in turns if t not in partners)]
+    return turns
+
+
 async def measure(targets: dict[str, tuple[int, dict[str, int]]],
                   options: Options) -> dict[str, dict[str, Run]]:
     """Per target (its port and the processes serving it) and kind: `lat` (concurrency 1)
@@ -477,13 +527,8 @@ async def measure(targets: dict[str, tuple[int, dict[str, int]]],
         for key, concurrency, total in (("lat", 1, options.latency_requests),
                                         ("rps", options.concurrency, options.requests)):
             for i, requests in enumerate(split(total, options.rounds)):
-                # The scraped turn beside the router's own, first in every other round: the
-                # order within a round moves neither side of the pair.
-                turns = [*targets, *(["scraped"] if key == "rps" and options.scrape_s else [])]
-                if i % 2 and "scraped" in turns:
-                    turns.remove("scraped")
-                    turns.insert(0, "scraped")
-                for target in turns:
+                for target in turn_order(list(targets), key == "rps" and options.scrape_s > 0,
+                                         i):
                     scraping = target == "scraped"
                     port, pids = targets["router" if scraping else target]
                     run = await (scraped_phase if scraping else measured_phase)(
@@ -548,7 +593,42 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
            if "long" in runs["router"] else {}),
         **({"scrape": scrape_report(runs["router"], runs["scraped"], options)}
            if "scraped" in runs else {}),
+        **({"against": against_report(runs["router"], runs["against"], options)}
+           if "against" in runs else {}),
+        "cpu": cpu_name(),
     }
+
+
+def cpu_pair(ours: Run, theirs: Run) -> dict[str, Any]:
+    """Both routers' CPU per request over one phase (ns-exact), their ratio, and the ratio
+    of each round's pair (the two turns back to back) with its median."""
+    a, b = ours.router_ns_ms(), theirs.router_ns_ms()
+    pairs = [x / y for x, y in zip(ours.round_router_ms, theirs.round_router_ms, strict=True)
+             if y]
+    return {"router_cpu_ms_per_request": a, "against_cpu_ms_per_request": b,
+            "ratio": round(a / b, 4) if b else 0.0,
+            "rounds_ratio": [round(x, 4) for x in pairs],
+            "median_ratio": round(statistics.median(pairs), 4) if pairs else 0.0}
+
+
+def against_report(router: dict[str, Run], against: dict[str, Run],
+                   options: Options) -> dict[str, Any]:
+    """This tree's router against the other tree's (`--against`), per kind: CPU per request
+    at the throughput concurrency, and at concurrency 1 (`at_concurrency_1`)."""
+    kinds = {kind: {**cpu_pair(router[f"{kind}/rps"], against[f"{kind}/rps"]),
+                    "at_concurrency_1": cpu_pair(router[f"{kind}/lat"], against[f"{kind}/lat"])}
+             for kind in KINDS}
+    return {"tree": options.against, "commit": tree_commit(Path(options.against)),
+            "tracing": "on" if endpoint_from_env(os.environ) else "off",
+            "ratio": max(k["ratio"] for k in kinds.values()),
+            "median_ratio": max(k["median_ratio"] for k in kinds.values()), "kinds": kinds}
+
+
+def tree_commit(tree: Path) -> str:
+    """The commit checked out at `tree` ("" where it is no git checkout)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def scrape_report(router: dict[str, Run], scraped: dict[str, Run],
@@ -627,6 +707,13 @@ def print_table(result: dict[str, Any]) -> None:
                           f"{k['scraped_cpu_ms_per_request']:.3f} ms ({k['ab_added_pct']:+.2f}%, "
                           f"median of rounds {k['ab_median_added_pct']:+.2f}%)"
                           for kind, k in scrape["kinds"].items()))
+    against = result.get("against")
+    if against:
+        print(f"router CPU ms per request against {against['tree']} ({against['commit']}, "
+              f"tracing {against['tracing']}) on {result['cpu']}: " + ", ".join(
+                  f"{kind} {k['router_cpu_ms_per_request']:.4f} vs "
+                  f"{k['against_cpu_ms_per_request']:.4f} (ratio {k['ratio']:.4f}, median of "
+                  f"rounds {k['median_ratio']:.4f})" for kind, k in against["kinds"].items()))
     print(f"completed {result['completed']}, failed {result['failed']}")
     for reason, count in result["failures"].items():
         print(f"  {count} x {reason}")
@@ -642,21 +729,40 @@ def wait_healthy(port: int, deadline_s: float = 60.0) -> None:
 
 
 def bench(options: Options, log_dir: Path) -> dict[str, Any]:
-    # Every child (the router too, through `launch`) runs this checkout's code.
+    # Every child (the router too, through `launch`) runs this checkout's code; the other
+    # tree's router (`--against`) runs its own.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    ports = free_ports(6)
+    ports = free_ports(8)
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
     per_message = ("--tokens-per-message", str(options.tokens_per_message))
     with child("--serve-backend", str(topology), *per_message) as backend, \
             child("--serve-baseline", str(ports[5]), *per_message) as baseline, \
-            launch(topology, ["router"], log_dir=log_dir) as children:
+            launch(topology, ["router"], log_dir=log_dir) as children, \
+            against_router(options, ports, log_dir) as against:
         wait_healthy(ports[1])
         targets = {"router": (ports[1], {"router": children["router"].pid,
                                          "backend": backend.pid}),
                    "baseline": (ports[5], {"baseline": baseline.pid})}
+        if against is not None:
+            wait_healthy(ports[7])
+            targets["against"] = (ports[7], {"router": against.pid, "backend": backend.pid})
         return report(run_on(measure, targets, options, backend="uvloop"), options)
+
+
+@contextmanager
+def against_router(options: Options, ports: list[int],
+                   log_dir: Path) -> Iterator[subprocess.Popen[str] | None]:
+    """The other tree's router (`--against`) on ports[6:8], over the same backend; None
+    without one."""
+    if not options.against:
+        yield None
+        return
+    topology = log_dir / "topology-against.toml"
+    topology.write_text(topology_text([ports[6], ports[7], *ports[2:5]]))
+    with other_router(Path(options.against), topology, log_dir) as process:
+        yield process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,6 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-every", type=float, default=0.0, metavar="S",
                         help="also run the router while its /metrics is scraped every S "
                              "seconds, in the same rounds (0: not)")
+    parser.add_argument("--against", metavar="PATH",
+                        help="also run the router from the code at PATH (a checkout of "
+                             "another commit), taking turns with this one's in every round "
+                             "over the same backend: CPU per request of each")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -697,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
                       tokens_per_message=args.tokens_per_message,
                       rounds=max(1, min(args.rounds, args.requests)),
                       long_senders=max(0, args.long_senders),
-                      scrape_s=max(0.0, args.scrape_every))
+                      scrape_s=max(0.0, args.scrape_every),
+                      against=str(Path(args.against).resolve()) if args.against else "")
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         result = bench(options, Path(log_dir))
     print_table(result)

@@ -39,3 +39,23 @@ def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None
     assert result["router_rps"] > 0 and result["baseline_rps"] > 0
     low, high = result["rps_ratio_spread"]
     assert 0 < low <= high
+
+
+def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None:
+    # This tree against itself: the second router runs from the tree named, in its own
+    # process over the same backend, in every round beside this tree's.
+    done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20",
+                           "--rounds", "2", "--long-senders", "0", "--against", str(ROOT)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    against = result["against"]
+    assert against["tree"] == str(ROOT) and against["tracing"] in ("on", "off")
+    assert result["cpu"]
+    for kind in against["kinds"].values():
+        for pair in (kind, kind["at_concurrency_1"]):
+            assert pair["router_cpu_ms_per_request"] > 0
+            assert pair["against_cpu_ms_per_request"] > 0
+            assert len(pair["rounds_ratio"]) == 2 and pair["median_ratio"] > 0
+    # Three targets, two kinds: 20 at concurrency 16 and 5 at concurrency 1 each.
+    assert (result["failed"], result["completed"]) == (0, 3 * 2 * (20 + 5))
