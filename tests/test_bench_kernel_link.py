@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from netem.netns import NetLab, NetnsError, require_netns
 from services.cli.multihost import EXIT_NO_NETNS
 from services.model.config import family_config, kv_bytes
 from services.router.link_meter import EstimatorConfig
+from tests.netns_probe import NETNS_REFUSED, needs_netns, network_state
 
 RATE_BPS = 200e6
 
@@ -38,24 +37,6 @@ def load_bench() -> ModuleType:
 bench = load_bench()
 
 
-def _can_make_namespaces() -> str:
-    """Why namespaces cannot be made here ("" if they can)."""
-    try:
-        require_netns()
-        with NetLab(("probe",), []):
-            return ""
-    except NetnsError as exc:
-        return str(exc)
-
-
-NETNS_REFUSED = _can_make_namespaces()
-needs_netns = pytest.mark.skipif(bool(NETNS_REFUSED), reason=f"no namespaces: {NETNS_REFUSED}")
-
-
-def network_state() -> list[str]:
-    """Every namespace and root link there is."""
-    return [subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            for command in (["ip", "netns", "list"], ["ip", "-br", "link"])]
 
 
 def test_both_paths_get_the_same_kv_sized_transfers() -> None:

@@ -31,7 +31,6 @@ from netem.netns import (
     check_address,
     owned_names,
     remove_stale,
-    require_netns,
 )
 from services.cli.multihost import (
     EXIT_NO_NETNS,
@@ -43,37 +42,15 @@ from services.cli.multihost import (
 )
 from services.cli.procfile import ProcessSpec
 from services.service import resolve_from
+from tests.netns_probe import NETNS_REFUSED, NetworkState, needs_netns, network_state
 
 HERE = Path(__file__).parent / "multihost"
 ROOT = Path(__file__).parent.parent
 RATE_BPS = 200e6
 
 
-def _can_make_namespaces() -> str:
-    """Why namespaces cannot be made here ("" if they can)."""
-    try:
-        require_netns()
-        with NetLab(("probe",), []):
-            return ""
-    except NetnsError as exc:
-        return str(exc)
 
 
-NETNS_REFUSED = _can_make_namespaces()
-needs_netns = pytest.mark.skipif(bool(NETNS_REFUSED), reason=f"no namespaces: {NETNS_REFUSED}")
-
-
-NetworkState = tuple[list[str], list[str]]
-
-
-def network_state() -> NetworkState:
-    """Every namespace and root link there is, by name."""
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                                check=True).stdout
-    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True,
-                           check=True).stdout
-    return (sorted(line.split()[0] for line in namespaces.splitlines() if line),
-            sorted(line.split()[0] for line in links.splitlines() if line))
 
 
 def test_every_service_is_placed_on_its_namespace_address() -> None:
