@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from services.sim import matrix
 from services.sim.matrix import (
     ORACLE,
     PeriodResult,
@@ -55,7 +56,8 @@ def test_every_policy_and_every_static_t_runs_at_every_seed() -> None:
 
 
 def test_a_period_counts_what_arrived_in_it_unfinished_included() -> None:
-    """Requests that never finished count against the period they arrived in."""
+    """Requests that never finished count against the period they arrived in; the cache hit
+    share is over the completed requests' prompt tokens."""
     from services.sim.matrix import Period, Setup
     from services.sim.run import Record
     from services.sim.workload import Arrival
@@ -65,7 +67,7 @@ def test_a_period_counts_what_arrived_in_it_unfinished_included() -> None:
     setup = Setup(Deployment(), arrivals, [], [Period("p", 0.0, 10.0)])
 
     def record(i: int, ttft: float) -> Record:
-        return Record(f"r{i}", float(i), 10, 10, "prfaas" if i % 2 else "pd", 10, 0, 1.0,
+        return Record(f"r{i}", float(i), 10, 10, "prfaas" if i % 2 else "pd", 10 - i, i, 1.0,
                       ttft, 0.01, 1.0, 4, True)
 
     class Result(msgspec.Struct):
@@ -75,3 +77,15 @@ def test_a_period_counts_what_arrived_in_it_unfinished_included() -> None:
     result = period_result(setup, Result(done), setup.periods[0])  # type: ignore[arg-type]
     assert (result.arrived, result.met) == (10, 6)
     assert result.slo_attainment == pytest.approx(0.6)
+    # Cached over prompt tokens of the completed: (0 + 1 + ... + 6) / 70.
+    assert result.cache_hit_share == pytest.approx(21 / 70)
+
+
+def test_prfaas_dynamic_applies_the_same_prefix_rule_as_prfaas() -> None:
+    """The two differ only in how t is chosen: the deployment's `bandwidth` pin (which cache
+    counts) reaches both, and dynamo keeps its own options."""
+    setup = matrix.SCENARIOS["trace-100g"](0)
+    static = matrix.deployment_for(setup, "prfaas").policy_options
+    dynamic = matrix.deployment_for(setup, "prfaas-dynamic").policy_options
+    assert static["bandwidth"] == "scarce" and dynamic == {"bandwidth": static["bandwidth"]}
+    assert "bandwidth" not in matrix.deployment_for(setup, "dynamo").policy_options

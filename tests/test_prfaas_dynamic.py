@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from services.paper.hardware import CostModel
+from services.paper.planner import ClusterShape
 from services.paper.workload import TruncatedLogNormal
 from services.router.link_meter import BandwidthEstimator, EstimatorConfig, LinkEstimate
 from services.router.policies import (
@@ -383,3 +384,18 @@ def test_a_load_that_changes_faster_than_a_period_is_not_chased() -> None:
         state = pd_state(decode_queue=6) if (start // 20) % 2 else pd_state(pd_queue=6)
         actions += sustain(policy, state, 19, start=start)
     assert not [a for a in actions if isinstance(a, ConvertWorker)]
+
+
+def test_under_a_light_load_eq8_keeps_the_deployed_split() -> None:
+    """One PD prefill worker against seven decode workers, far from Eq. 8's balance. At 0.2
+    req/s no stage is `min_load` busy: the split limits nothing and is kept (its headroom is
+    what a burst needs). At 2 req/s the same shape converts decode workers to prefill."""
+    light = roles_policy()
+    actions = sustain(light, pd_state(n_p=1, n_d=7), 300, rate=0.2)
+    assert not [a for a in actions if isinstance(a, ConvertWorker)]
+    loads = light._loads(ClusterShape(4, 1, 7))
+    assert loads is not None and max(loads) < light.config.roles.min_load
+    busy = roles_policy()
+    actions = sustain(busy, pd_state(n_p=1, n_d=7), 300, rate=2.0)
+    moves = {(c.from_role, c.to_role) for c in actions if isinstance(c, ConvertWorker)}
+    assert moves == {("decode", "prefill")}

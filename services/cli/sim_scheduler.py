@@ -10,7 +10,8 @@ each policy against the oracle's t per period); with `--docs`, the section betwe
 markers `<!-- sim-scheduler:begin -->` and `<!-- sim-scheduler:end -->` of that file becomes the
 tables, and the plots go beside it. The last line printed is one JSON line: per scenario and
 policy, `slo_attainment` per period and `oracle_ratio` (the policy's attainment over the
-oracle's in its worst period), and the wall time.
+oracle's in its worst period), `cache_hit_share` (the prompt tokens served from a cached
+prefix), and the wall time.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def figures_line(cells: dict[str, dict[str, Cell]], wall: float, runs: int,
     out: dict[str, Any] = {}
     for scenario, policies in cells.items():
         out[scenario] = {name: {"slo_attainment": {p: a[0] for p, a in c.attainment.items()},
-                                "oracle_ratio": c.oracle_ratio}
+                                "oracle_ratio": c.oracle_ratio,
+                                "cache_hit_share": c.cache_hits}
                          for name, c in policies.items()}
     line: dict[str, Any] = rounded({"bench": "sim-scheduler", "scenarios": out,
                                     "wall_s": wall, "runs": runs, "seeds": seeds,
@@ -144,10 +146,12 @@ def markdown_report(cells: dict[str, dict[str, Cell]], plots: dict[str, Path], b
             rows.append([name, *(_cell_text(cell.attainment[p]) for p in periods),
                          *(f"{cell.ttft_p90[p]:.2f}" for p in periods),
                          *(f"{cell.offload[p]:.2f}" for p in periods),
+                         f"{cell.cache_hits:.3f}",
                          "-" if name == ORACLE else f"{cell.oracle_ratio:.2f}"])
         oracle_t = policies[ORACLE].oracle_t or {}
         header = ["policy", *(f"SLO {p}" for p in periods), *(f"P90 TTFT {p} (s)"
-                  for p in periods), *(f"offload {p}" for p in periods), "oracle ratio"]
+                  for p in periods), *(f"offload {p}" for p in periods), "cache hits",
+                  "oracle ratio"]
         parts.append(f"### {scenario}\n\nThe oracle's t per period: " + ", ".join(
             f"{p} {t:,.0f}" for p, t in oracle_t.items()) + " (paper tokens).\n\n"
             + markdown_table(header, rows)

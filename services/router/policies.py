@@ -697,6 +697,9 @@ class Ewma:
 # The model's (Theta_prfaas, Theta_pd-p, Theta_pd-d) in requests/s for a shape
 Rates = tuple[float, float, float]
 Estimator = Callable[[ClusterShape], Rates]
+# Each stage's load (its arrivals over its rate) for a shape at the arrival rate measured now;
+# None without traffic
+Loads = Callable[[ClusterShape], Rates | None]
 
 
 class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -706,6 +709,10 @@ class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     min_backlog: float = 2.0  # mean queued requests per worker before a stage counts as backed up
     min_role_workers: int = 1  # never convert the last worker(s) of a role
     margin: float = 0.3  # Eq. 8 may be off by this fraction before a conversion
+    # Eq. 8 converts only while the busiest stage runs at least this loaded at the measured
+    # arrival rate: below it the shape limits nothing, and a conversion would only cost its
+    # drain and reload and spend the headroom of the role it takes from (a burst needs it).
+    min_load: float = 0.6
     # No conversion undoes the last one within this long (a conversion drains a worker and
     # reloads it: one that the next period reverses costs twice and gains nothing).
     cooldown_s: float = 300.0
@@ -717,7 +724,7 @@ class RoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                 raise PolicyError(f"roles.{name} must be a finite number > 0, got {value!r}")
         if not (math.isfinite(self.min_backlog) and self.min_backlog >= 0):
             raise PolicyError(f"roles.min_backlog must be >= 0, got {self.min_backlog!r}")
-        for name in ("margin", "cooldown_s"):
+        for name in ("margin", "cooldown_s", "min_load"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise PolicyError(f"roles.{name} must be >= 0, got {value!r}")
@@ -762,17 +769,20 @@ class RoleBalancer:
        delivered exactly its capacity, so its measured completions per second replace the model.
     2. Queue evidence first: the stage whose mean queue per worker is `imbalance` times the
        other's (and >= `min_backlog`) is the bottleneck.
-    3. Else Eq. 8: prefill (Theta_prfaas + Theta_pd-p) below Theta_pd-d / (1 + margin) makes
+    3. Else Eq. 8, while the busiest stage is at least `min_load` loaded at the measured
+       arrival rate: prefill (Theta_prfaas + Theta_pd-p) below Theta_pd-d / (1 + margin) makes
        prefill the bottleneck, above Theta_pd-d * (1 + margin) decode; such a conversion is made
        only if it brings Eq. 8 closer to balance (one worker's rate moves from one side to the
-       other), and never away from a stage that is backed up.
+       other), and never away from a stage that is backed up. Under a light load the shape
+       limits nothing: the deployed split is kept, with its headroom for a burst.
     4. The bottleneck gains the least loaded worker of the other role (the router drains it
        first); the policy then re-solves t for the new shape.
     5. Only when the period before wanted the same (one period's evidence may be a burst or
        the warm-up), and unless it would undo the last conversion within `cooldown_s`
        (flapping), or the shape
-       it leaves would not carry the load measured now (`carries`: the role given away must
-       still take its share; without traffic, nothing is converted: the loop settles).
+       it leaves would not carry the load measured now (both PD stages within `max_load`: the
+       role given away must still take its share; without traffic, nothing is converted: the
+       loop settles).
 
     It accumulates stage queues and completions over a period; at its end, at most one
     `ConvertWorker`, the second period in a row that wants it. `estimate` gives the model's
@@ -780,12 +790,14 @@ class RoleBalancer:
     """
 
     def __init__(self, config: RoleConfig, estimate: Estimator | None = None,
-                 carries: Callable[[ClusterShape], bool] | None = None) -> None:
-        """`estimate`: the model's stage rates for a shape; `carries`: whether a shape would
-        carry the load measured now (no traffic carries nothing: no conversion)."""
+                 loads: Loads | None = None, max_load: float = 1.0) -> None:
+        """`estimate`: the model's stage rates for a shape; `loads`: each stage's load for a
+        shape at the arrival rate measured now (None without traffic: no conversion);
+        `max_load`: the most a PD stage may be loaded in the shape a conversion leaves."""
         self.config = config
         self._estimate = estimate
-        self._carries = carries
+        self._loads = loads
+        self._max_load = max_load
         self._last: tuple[float, str] | None = None  # (when, to_role) of the last conversion
         self._wanted: str | None = None  # the role the last period wanted a worker moved to
         self._period_start: float | None = None
@@ -821,7 +833,8 @@ class RoleBalancer:
         self._prefill_sum = self._decode_sum = self._prfaas_sum = 0.0
         if state.select("pd", "draining"):
             return None
-        action = self._rebalance(means[1], means[2], prefill, decode, rates)
+        action = self._rebalance(means[1], means[2], prefill, decode, rates,
+                                 self._busy(shape_of(state)))
         wanted, self._wanted = self._wanted, action.to_role if action else None
         if action is None or wanted != action.to_role or not self._allowed(now, state, action):
             return None
@@ -835,8 +848,15 @@ class RoleBalancer:
         if last is not None and last[1] != action.to_role and \
                 now - last[0] < self.config.cooldown_s:
             return False
-        shape = self.shape_after(shape_of(state), action)
-        return self._carries is None or self._carries(shape)
+        if self._loads is None:
+            return True
+        loads = self._loads(self.shape_after(shape_of(state), action))
+        return loads is not None and max(loads[1], loads[2]) <= self._max_load
+
+    def _busy(self, shape: ClusterShape) -> bool:
+        """Whether the busiest stage is at least `min_load` loaded (step 3's gate)."""
+        loads = self._loads(shape) if self._loads is not None else (1.0, 1.0, 1.0)
+        return loads is not None and max(loads) >= self.config.min_load
 
     def _rates(self, shape: ClusterShape, queues: tuple[float, float, float],
                measured: list[float]) -> Rates | None:
@@ -850,14 +870,15 @@ class RoleBalancer:
         return self.last_rates
 
     def _rebalance(self, pre: float, dec: float, prefill: list[WorkerSnapshot],
-                   decode: list[WorkerSnapshot], rates: Rates | None) -> ConvertWorker | None:
+                   decode: list[WorkerSnapshot], rates: Rates | None,
+                   busy: bool) -> ConvertWorker | None:
         cfg = self.config
         stats = (f"mean queue per worker over {cfg.period_s:g} s: decode {dec:.1f}, "
                  f"PD prefill {pre:.1f}")
         backed = (pre >= cfg.min_backlog, dec >= cfg.min_backlog)
         to_decode = backed[1] and dec >= cfg.imbalance * pre
         to_prefill = backed[0] and pre >= cfg.imbalance * dec
-        if rates is not None and not (to_decode or to_prefill):
+        if rates is not None and busy and not (to_decode or to_prefill):
             to_decode, to_prefill, stats = self._eq8(rates, len(prefill), len(decode), backed)
         if to_decode and len(prefill) > cfg.min_role_workers:
             return ConvertWorker(
@@ -1070,7 +1091,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._provisioned_bps = 0.0  # the line's bought rate, or the highest estimate so far
         self._queues = (Ewma(cfg.queue_smoothing_s), Ewma(cfg.queue_smoothing_s))
         self._last_change = -math.inf
-        self._roles = RoleBalancer(cfg.roles, self.stage_rates, self._carries)
+        self._roles = RoleBalancer(cfg.roles, self.stage_rates, self._loads, cfg.pd_load_max)
         self._solves = 0
         self._outlook: Outlook | None = None
         self._t = self._solve()
@@ -1174,17 +1195,19 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         cap = self._pd_cap(rate)
         return Outlook(model_t, wait_prfaas, wait_pd, cap, min(wanted, cap), rate)
 
-    def _carries(self, shape: ClusterShape) -> bool:
-        """Whether the PD cluster in `shape` carries the arrival rate measured now, at the
-        current t, both stages within `pd_load_max` of their rates (Eqs. 4 and 5); a rate of
-        0 carries nothing (no traffic: no evidence to convert on)."""
+    def _loads(self, shape: ClusterShape) -> Rates | None:
+        """Each stage's load in `shape` at the arrival rate measured now and the current t:
+        its arrivals over its rate (Eqs. 3-5); None at a rate of 0 (no traffic: no evidence
+        to convert on)."""
         rate = self._last_rate
         if rate <= 0:
-            return False
+            return None
         point = self._point(self._t, shape)
-        limit = self.config.pd_load_max
-        return (rate * (1.0 - point.p) <= limit * point.theta_pd_p
-                and rate <= limit * point.theta_pd_d)
+
+        def load(arrivals: float, theta: float) -> float:
+            return arrivals / theta if theta > 0 else (math.inf if arrivals > 0 else 0.0)
+        return (load(rate * point.p, point.theta_prfaas),
+                load(rate * (1.0 - point.p), point.theta_pd_p), load(rate, point.theta_pd_d))
 
     def _pd_cap(self, rate: float) -> float:
         """Step 3: the largest t (router tokens) at which PD prefill, fed the requests at or

@@ -67,6 +67,7 @@ class PeriodResult(msgspec.Struct, frozen=True):
     ttft_p50_s: float
     ttft_p90_s: float
     offload_share: float  # of the period's completed requests, prefilled on PrfaaS
+    cache_hit_share: float = 0.0  # of their prompt tokens, served from a cached prefix
 
 
 class RunResult(msgspec.Struct, frozen=True):
@@ -178,8 +179,12 @@ def deployment_for(setup: Setup, policy: str) -> Deployment:
         factor = float(policy.removeprefix("static x"))
         return msgspec.structs.replace(base, name=policy, policy="prfaas", policy_options={
             **base.policy_options, "threshold": t * factor})
+    # prfaas-dynamic applies the same prefix rule as prfaas (the deployment's `bandwidth`
+    # pin): the two differ only in how t is chosen.
+    rule = {k: v for k, v in base.policy_options.items() if k != "threshold"}
     options: dict[str, object] = {
         "prfaas": dict(base.policy_options),
+        "prfaas-dynamic": rule,
         "dynamo": {"max_local_prefill_length": round(t)},
     }.get(policy, {})
     return msgspec.structs.replace(base, name=policy, policy=policy, policy_options=options)
@@ -195,7 +200,9 @@ def period_result(setup: Setup, result: SimResult, period: Period) -> PeriodResu
         arrived=arrived, met=met, slo_attainment=met / arrived if arrived else math.nan,
         goodput_rps=met / (period.end_s - period.start_s),
         ttft_p50_s=quantile(ttfts, 0.5), ttft_p90_s=quantile(ttfts, 0.9),
-        offload_share=sum(r.cluster == "prfaas" for r in done) / len(done) if done else 0.0)
+        offload_share=sum(r.cluster == "prfaas" for r in done) / len(done) if done else 0.0,
+        cache_hit_share=sum(r.cached_tokens for r in done) / max(
+            1, sum(r.prompt_tokens for r in done)))
 
 
 def run_job(scenario: str, policy: str, seed: int) -> RunResult:
@@ -228,6 +235,7 @@ class Cell:
     ttft_p90: dict[str, float]
     offload: dict[str, float]
     oracle_ratio: float  # worst period: this policy's mean attainment over the oracle's
+    cache_hits: float = 0.0  # mean over periods and seeds of `cache_hit_share`
     oracle_t: dict[str, float] | None = None  # the oracle's: its best t per period
 
 
@@ -282,7 +290,8 @@ def _cell(runs: Sequence[RunResult], periods: Sequence[str], oracle: Cell | None
     return Cell(attainment, {p: _mean(values(p, "goodput_rps")) for p in periods},
                 {p: _mean(values(p, "ttft_p50_s")) for p in periods},
                 {p: _mean(values(p, "ttft_p90_s")) for p in periods},
-                {p: _mean(values(p, "offload_share")) for p in periods}, ratio)
+                {p: _mean(values(p, "offload_share")) for p in periods}, ratio,
+                _mean(v for p in periods for v in values(p, "cache_hit_share")))
 
 
 def planner_t_of(scenario: str) -> float:
