@@ -30,6 +30,8 @@ from services.cli.validation import (
     bench_line,
     compare,
     completed_rps,
+    derive_profiles,
+    evaluate,
     jobs,
     profile_for,
     run_live,
@@ -65,9 +67,10 @@ def slower(profile: Path, factor: float, out: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, LiveRun]) -> None:
+def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, LiveRun],
+                                          tmp_path: Path) -> None:
     config, live = measured
-    row = against_sim(config, live).rows[0]
+    row = evaluate(config, live, tmp_path).rows[0]
     # The load's own requests are compared; its probes rode in it (flagged on both sides).
     from services.paper.hardware import read_profile_spec
     spec = read_profile_spec(config.profile)  # one probe per profiled length
@@ -88,11 +91,10 @@ def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, Live
 def test_a_wrong_profile_is_caught(measured: tuple[ValidationConfig, LiveRun],
                                    tmp_path: Path) -> None:
     config, live = measured
-    wrong = slower(Path(live.profile), SLOWER, tmp_path / "slower.toml")
-    assert set(live.load_profiles) == {"light"}  # the load's own fit, from its probes
-    own = slower(Path(live.load_profiles["light"]), SLOWER, tmp_path / "slower-light.toml")
-    row = against_sim(config, msgspec.structs.replace(
-        live, profile=str(wrong), load_profiles={"light": str(own)})).rows[0]
+    profiles = derive_profiles(config, live, tmp_path)
+    assert set(profiles.calibrated) == {"light"}  # the load's own fit, from its probes
+    wrong = slower(Path(profiles.in_situ), SLOWER, tmp_path / "slower.toml")
+    row = against_sim(config, live, {"light": str(wrong)})[0][0]
     assert row.errors["ttft_p50"] > BOUND and row.errors["tpot_p50"] > BOUND, row.errors
 
 
@@ -150,12 +152,16 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
     live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
     sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
     row = compare("light", 1.0, live, sim)
+    calibrated = compare("light", 1.0, live, live)
     result = Validation(SMALL, 3.0, 3.1, [row], {"light": {k: 0.1 for k in (
         "ttft", "queue", "compute", "profile", "rest")}}, {"light": {"live": live, "sim": sim}},
-        12.0, {"light": "0.50"}, {"light": 1.2})
+        12.0, {"light": "0.50"}, {"light": 1.2}, [calibrated])
     text = write_report(tmp_path, result, "a test machine")
     assert "| light | 1.00 | 10 | ttft_p50 |" in text and "light pass" in text
-    assert "as the decode worker timed them: light 1.200." in text
+    # The calibrated rows are a labelled diagnostic after the predicted ones, never the headline.
+    predicted, diagnostic = text.split("Diagnostic, calibrated on the load itself")
+    assert "Predicted:" in predicted and "-5.0%" in predicted and "+0.0%" in diagnostic
+    assert "(light 1.200)" in diagnostic
     assert "light 0.50" in text and "a test machine" in text
     assert (tmp_path / "cdf_light.png").stat().st_size > 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 20
@@ -290,17 +296,61 @@ def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
         assert seconds == pytest.approx(1.2 * cost.prefill_time(round(length)), rel=1e-4)
     assert own.decode.seconds == base.decode.seconds
     assert "rode in load light" in own.description
-    # against_sim reads each load's own profile: a live run that is that simulation agrees
+    # against_sim reads the profile it is given: a live run that is that simulation agrees
     # exactly on the load's own requests, and the in-situ block's profile does not.
     config = msgspec.structs.replace(config, loads=(("light", 0.5),))
     sim = simulate(msgspec.structs.replace(config, profile=str(tmp_path / "p.toml")), load)
-    live = LiveRun(2.0, {"light": sim}, 1.0, profile=str(situ),
-                   load_profiles={"light": str(tmp_path / "p.toml")})
-    row = against_sim(config, live).rows[0]
+    live = LiveRun(2.0, {"light": sim}, 1.0)
+    row = against_sim(config, live, {"light": str(tmp_path / "p.toml")})[0][0]
     assert row.requests == config.requests
     assert all(abs(row.errors[k]) < 1e-9 for k in ("ttft_p50", "ttft_p90", "tpot_p50")), row
-    blind = against_sim(config, msgspec.structs.replace(live, load_profiles={})).rows[0]
+    blind = against_sim(config, live, {"light": str(situ)})[0][0]
     assert blind.errors["ttft_p50"] < -0.05, blind.errors
+
+
+def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -> LiveRun:
+    """A live run made of simulations with the engine's profile, the prefill worker's compute
+    reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
+    `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
+    from services.cli.validation import DecodeSteps, load_jobs, probe_jobs, simulate
+    from services.paper.hardware import CostModel
+
+    cost = CostModel.load(config.profile, config.model)
+
+    def reported(outcomes: list[Outcome], factor: float) -> list[Outcome]:
+        return [msgspec.structs.replace(
+            o, ttft_s=o.ttft_s * factor, tpot_s=o.tpot_s * factor,
+            compute_s=cost.prefill_time(o.prompt_tokens) * factor) for o in outcomes]
+
+    situ = reported(simulate(config, probe_jobs(config, config.probe_load * 2.0)), 1.1)
+    rate = config.loads[0][1] * 2.0
+    load = reported(simulate(config, load_jobs(config, 0, rate)), slow)
+    window = DecodeSteps(0.5, 40, 80, 24000)
+    return LiveRun(2.0, {"in-situ": situ, "light": load}, 1.0, decode_steps={
+        "in-situ": window, "light": msgspec.structs.replace(window, seconds=0.5 * steps)})
+
+
+def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -> None:
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
+                                     loads=(("light", 0.5),), probe_repeats=1,
+                                     load_probe_repeats=1, probe_load=0.5)
+    before = evaluate(config, fake_live(config), tmp_path / "a")
+    # The same live run, its load's timings (compute, TTFT, TPOT, the decode worker's own
+    # steps) changed after the fact: the prediction must not move.
+    after = evaluate(config, fake_live(config, slow=1.5, steps=1.5), tmp_path / "b")
+    assert after.records["light"]["sim"] == before.records["light"]["sim"]
+    assert after.rows[0].sim == before.rows[0].sim
+    assert after.rows[0].live != before.rows[0].live  # the live side did change
+    # The perturbation reaches the calibrated diagnostic, which reads the load.
+    assert after.calibrated[0].sim["ttft_p50"] > 1.2 * before.calibrated[0].sim["ttft_p50"]
+    assert after.decode_drift["light"] == pytest.approx(1.5)
+    # What was measured before the loads does reach it.
+    situ = fake_live(config)
+    slower_probes = [msgspec.structs.replace(o, compute_s=o.compute_s * 1.5)
+                     for o in situ.outcomes["in-situ"]]
+    moved = evaluate(config, msgspec.structs.replace(
+        situ, outcomes={**situ.outcomes, "in-situ": slower_probes}), tmp_path / "c")
+    assert moved.rows[0].sim["ttft_p50"] > 1.2 * before.rows[0].sim["ttft_p50"]
 
 
 def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(

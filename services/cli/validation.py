@@ -19,19 +19,24 @@ probes one at a time are enough); then for each load (a fraction of that capacit
 seeded Poisson arrival list, prompt lengths and output lengths to both sides, and compare TTFT
 p50 / p90, TPOT p50 / p90 and completed requests per second over the load's own requests.
 Probes ride in each load too (every profiled length a few times, in seeded places of the same
-arrival list, so the load is offered at its rate with them): each load is simulated with the
-prefill fit of its own probes (`load_profile`), since the worker's speed drifts on a shared host,
-and with the decode steps scaled by the decode engine's own step speed during the load over
-during the probes, as the decode worker times its steps (`decode_drift`; no TPOT is read).
-Errors are signed, sim over live minus 1. The same live run is also simulated with the
-engine-alone profile and reported beside.
+arrival list, so the load is offered at its rate with them); they are compared on neither side.
+
+The headline is predicted: every load is simulated with the profile measured before the loads
+(the engine's profile with its prefill points re-measured by the in-situ probes, its decode
+steps scaled by the probes' TPOT), so no figure measured during a compared load feeds its
+simulation (`evaluate`). Beside it, as a labelled diagnostic, each load simulated calibrated on
+itself: the prefill fit of its own probes (`load_profile`) and its decode steps scaled by the
+decode engine's own step speed during the load over during the probes (`decode_drift`); the
+two apart is the host's drift, what the calibrated one leaves is modelling. The same live run
+is also simulated with the engine-alone profile.
+Errors are signed, sim over live minus 1.
 Beside them, what the live TTFT is made of, measured from the prefill worker's own report:
 queueing, compute, and the rest (the router's dispatch, the KV's trip through the link, its
 import on the decode side and the first token's way back).
 
 Writes DIR/summary.json, DIR/table.md, DIR/records.jsonl (probes flagged),
-DIR/profile-in-situ.toml, DIR/profile-<load>.toml and a CDF plot per load (DIR/cdf_<load>.png),
-and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
+DIR/profile-in-situ.toml, DIR/profile-<load>-calibrated.toml and a CDF plot per load
+(DIR/cdf_<load>.png), and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
 """
 
 from __future__ import annotations
@@ -493,24 +498,35 @@ def parse_decode_steps(text: str) -> DecodeSteps:
 
 
 class LiveRun(msgspec.Struct, frozen=True):
-    """What the live mesh did: its capacity (measured, or as configured), each load's
-    outcomes (the in-situ probes' under "in-situ", the capacity burst's under "capacity",
-    when measured) and the in-situ profile written from the probes (`in_situ_profile`)."""
+    """What the live mesh did, as measured: its capacity (measured, or as configured), each
+    phase's outcomes (the in-situ probes' under "in-situ", the capacity burst's under
+    "capacity", when measured, then each load's) and the decode worker's own step timing over
+    each phase. Nothing here is derived: the profiles are (`derive_profiles`)."""
 
     capacity_rps: float
     outcomes: dict[str, list[Outcome]]
     wall_s: float
     # The machine's 1-minute load average as each phase began: what else was running.
     load_averages: dict[str, str] = {}
-    profile: str = ""
-    # Each load's own profile (load_profile), by load name, where its probes rode in it.
-    load_profiles: dict[str, str] = {}
     # The decode worker's own step timing over each phase (DecodeSteps), by phase name.
     decode_steps: dict[str, DecodeSteps] = {}
 
 
+class Profiles(msgspec.Struct, frozen=True):
+    """The profiles derived from a live run (`derive_profiles`). `in_situ`: the profile
+    measured before the loads (the engine's, its prefill re-measured by the in-situ probes), the
+    only one a prediction reads; `calibrated`: each load's diagnostic profile (its own probes'
+    prefill fit, its decode steps times `decode_drift`), read from the load it is compared with."""
+
+    in_situ: str
+    calibrated: dict[str, str] = {}
+    decode_drift: dict[str, float] = {}
+
+
 class Validation(msgspec.Struct, frozen=True):
-    """A whole run: the capacities, each load's row, its TTFT parts, and each side's records."""
+    """A whole run: the capacities, each load's row (predicted: the headline), its TTFT
+    parts, each side's records, and the diagnostics beside (calibrated on the load; the
+    engine's profile alone)."""
 
     config: ValidationConfig
     live_capacity_rps: float
@@ -520,8 +536,10 @@ class Validation(msgspec.Struct, frozen=True):
     records: dict[str, dict[str, list[Outcome]]]
     wall_s: float
     load_averages: dict[str, str] = {}
-    # Each load's decode drift (decode_drift): its decode steps' scale in the simulation.
+    # Each load's decode drift (decode_drift): its decode steps' scale in the calibrated rows.
     decode_drift: dict[str, float] = {}
+    calibrated: list[Row] = []
+    engine_alone: list[Row] = []
 
 
 def _burst(config: ValidationConfig) -> list[Job]:
@@ -589,26 +607,32 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
     return capacity, out
 
 
-def run_live(config: ValidationConfig, log_dir: Path, say: Callable[[str], None] = print,
-             profile_out: Path | None = None) -> LiveRun:
-    """The live side of the comparison (module docstring); service logs go to `log_dir`,
-    the in-situ profile to `profile_out` (default: beside the logs)."""
+def run_live(config: ValidationConfig, log_dir: Path,
+             say: Callable[[str], None] = print) -> LiveRun:
+    """The live side of the comparison (module docstring); service logs go to `log_dir`."""
     began = time.perf_counter()
     loads: dict[str, str] = {}
     steps: dict[str, DecodeSteps] = {}
     with live_mesh(config, log_dir) as topology:
         capacity, outcomes = anyio.run(_drive_live, config, topology, say, loads, steps,
                                        backend="trio")
-    profile = in_situ_profile(config, outcomes["in-situ"],
-                              profile_out or log_dir / "profile-in-situ.toml",
-                              config.probe_load * capacity)
-    say(f"in-situ profile: {profile}")
-    per_load = {name: str(load_profile(profile, outcomes[name],
-                                       profile.parent / f"profile-{_slug(name)}.toml", name,
-                                       decode_drift(config, steps, name)))
-                for name, _ in config.loads if config.load_probe_repeats > 0}
-    return LiveRun(capacity, outcomes, time.perf_counter() - began, loads, str(profile),
-                   per_load, steps)
+    return LiveRun(capacity, outcomes, time.perf_counter() - began, loads, steps)
+
+
+def derive_profiles(config: ValidationConfig, live: LiveRun, out: Path) -> Profiles:
+    """The profiles of `live`, written to `out`: the in-situ one from the probes sent before
+    the loads (`in_situ_profile`), and each load's calibrated one from the probes that rode in
+    it and its decode drift (`load_profile`), a diagnostic only."""
+    out.mkdir(parents=True, exist_ok=True)
+    situ = in_situ_profile(config, live.outcomes["in-situ"], out / "profile-in-situ.toml",
+                           config.probe_load * live.capacity_rps)
+    names = [name for name, _ in config.loads if name in live.outcomes]
+    drift = {name: decode_drift(config, live.decode_steps, name) for name in names}
+    calibrated = {name: str(load_profile(situ, live.outcomes[name],
+                                         out / f"profile-{_slug(name)}-calibrated.toml", name,
+                                         drift[name]))
+                  for name in names if config.load_probe_repeats > 0}
+    return Profiles(str(situ), calibrated, drift)
 
 
 def decode_drift(config: ValidationConfig, steps: dict[str, DecodeSteps], load: str) -> float:
@@ -750,33 +774,48 @@ def decode_factor(config: ValidationConfig, live: Sequence[Outcome],
     return tpot_p50(live) / tpot_p50(simulate(config, probes))
 
 
-def against_sim(config: ValidationConfig, live: LiveRun, isolated: bool = False) -> Validation:
-    """The simulation of every load of `live`, compared with it: with the in-situ profile
-    the live run wrote, or (`isolated`, or none written) with `config`'s own."""
-    engine_profile, sent = config.profile, config
-    if live.profile and not isolated:
-        config = msgspec.structs.replace(config, profile=live.profile)
-    sim_capacity = service_rate(simulate(config, _burst(config))) if (
+def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str],
+                ) -> tuple[list[Row], dict[str, list[Outcome]]]:
+    """Each load of `live` simulated with its profile in `profiles` (by load name) and
+    compared with it: the rows and the simulated outcomes, by load. What a load is simulated
+    from is its arrival list as sent (its probes' lengths are the engine profile's) and the
+    profile named: nothing of the load's own measurements."""
+    rows, sims = [], {}
+    for index, (name, fraction) in enumerate(config.loads):
+        if name not in profiles:
+            continue
+        rate = fraction * live.capacity_rps
+        own = msgspec.structs.replace(config, profile=profiles[name])
+        sims[name] = sim = simulate(own, load_jobs(config, index, rate))
+        rows.append(compare(name, rate, compared(live.outcomes[name]), compared(sim)))
+    return rows, sims
+
+
+def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
+    """The whole comparison of a live run, its profiles written to `out`. The headline rows
+    are predicted: every load simulated with the in-situ profile, measured before the loads.
+    Beside them, as diagnostics, each load simulated with its calibrated profile (read from
+    the load itself: what is left between it and the live run is modelling, not drift) and
+    with the engine's profile alone."""
+    profiles = derive_profiles(config, live, out)
+    names = [name for name, _ in config.loads if name in live.outcomes]
+    rows, sims = against_sim(config, live, dict.fromkeys(names, profiles.in_situ))
+    calibrated, _ = against_sim(config, live, profiles.calibrated)
+    engine_alone, _ = against_sim(config, live, dict.fromkeys(names, config.profile))
+    predicted = msgspec.structs.replace(config, profile=profiles.in_situ)
+    sim_capacity = service_rate(simulate(predicted, _burst(config))) if (
         "capacity" in live.outcomes) else 0.0
-    rows, parts = [], {}
     records: dict[str, dict[str, list[Outcome]]] = {
         name: {"live": live.outcomes[name]} for name in ("in-situ", "capacity")
         if name in live.outcomes}
-    for index, (name, fraction) in enumerate(config.loads):
-        rate = fraction * live.capacity_rps
-        own = config
-        if name in live.load_profiles and not isolated:
-            own = msgspec.structs.replace(config, profile=live.load_profiles[name])
-        # The arrival list as sent: its probes' lengths are the engine profile's.
-        sim = simulate(own, load_jobs(sent, index, rate))
-        mine = compared(live.outcomes[name])
-        rows.append(compare(name, rate, mine, compared(sim)))
-        parts[name] = ttft_parts(own, mine, engine_profile, config.profile)
-        records[name] = {"live": live.outcomes[name], "sim": sim}
-    drift = {name: decode_drift(sent, live.decode_steps, name)
-             for name, _ in config.loads if live.decode_steps and not isolated}
+    parts = {}
+    for name in names:
+        records[name] = {"live": live.outcomes[name], "sim": sims[name]}
+        parts[name] = ttft_parts(predicted, compared(live.outcomes[name]), config.profile,
+                                 profiles.in_situ)
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
-                      live.wall_s, live.load_averages, drift)
+                      live.wall_s, live.load_averages, profiles.decode_drift, calibrated,
+                      engine_alone)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -803,10 +842,8 @@ def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> Val
     return msgspec.structs.replace(config, profile=str(out), model=str(model))
 
 
-def write_report(out: Path, result: Validation, machine: str,
-                 isolated: Validation | None = None) -> str:
-    """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text.
-    `isolated`: the same live run simulated with the engine's profile alone, beside."""
+def write_report(out: Path, result: Validation, machine: str) -> str:
+    """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text."""
     out.mkdir(parents=True, exist_ok=True)
     for row in result.rows:
         sides = result.records[row.load]
@@ -822,27 +859,29 @@ def write_report(out: Path, result: Validation, machine: str,
         f"{result.sim_capacity_rps:.2f}); {machine}; {result.wall_s:.0f} s in all; load "
         f"average as each phase began: " + ", ".join(
             f"{k} {v}" for k, v in result.load_averages.items()) + ".", "",
+        "Predicted: every load simulated with the profile measured before the loads "
+        "(profile-in-situ.toml); nothing measured during a load reaches its simulation.", "",
         table(result.rows),
-        "Each load is simulated with the prefill fit of the probes that rode in it "
-        "(profile-<load>.toml, when written); \"in-situ block's\" is the fit of the probes "
-        "sent before the loads, for the same prompts: the two apart is the host's drift."
-        + ("" if not result.decode_drift else " Its decode steps are the in-situ profile's "
-           "times the decode engine's own step speed during the load over during the probes, "
-           "as the decode worker timed them: " + ", ".join(
-               f"{k} {v:.3f}" for k, v in result.decode_drift.items()) + "."), "",
         "What the live TTFT is made of (means, the load's own requests):", "",
         parts_table(result.parts),
-        "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load): " +
-        ", ".join(f"{r.load} {'pass' if accepted(r) else 'FAIL'}" for r in result.rows) +
+        "Acceptance (|error| <= 15% on TTFT p50, p90 and TPOT p50, light and 60% load, "
+        "predicted): " + ", ".join(
+            f"{r.load} {'pass' if accepted(r) else 'FAIL'}" for r in result.rows) +
         f"; Vidur's goal: {VIDUR_GOAL:.0%}.", ""])
-    if isolated is not None:
-        text += (f"\nThe same live run simulated with the engine's profile alone "
-                 f"({isolated.config.profile}, no in-situ probes):\n\n{table(isolated.rows)}")
+    if result.calibrated:
+        text += ("\nDiagnostic, calibrated on the load itself (not a prediction): each load "
+                 "simulated with the prefill fit of the probes that rode in it and its decode "
+                 "steps times the decode worker's own step speed during the load over during "
+                 "the in-situ probes (" + ", ".join(
+                     f"{k} {v:.3f}" for k, v in result.decode_drift.items()) +
+                 "). Predicted minus calibrated is the host's drift between the profile and "
+                 f"the load; what calibrated leaves is modelling.\n\n{table(result.calibrated)}")
+    if result.engine_alone:
+        text += (f"\nDiagnostic, the engine's profile alone ({result.config.profile}, no "
+                 f"in-situ probes):\n\n{table(result.engine_alone)}")
     (out / "table.md").write_text(text)
     summary = _summary(result)
     summary["machine"] = machine
-    if isolated is not None:
-        summary["isolated_profile"] = _summary(isolated)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return text
 
@@ -890,9 +929,9 @@ def validate_main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="validate-sim-") as temp:
         log_dir = args.log_dir or Path(temp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        live = run_live(config, log_dir, say, args.out / "profile-in-situ.toml")
-    result = against_sim(config, live)
-    print(write_report(args.out, result, end_line(), against_sim(config, live, True)))
+        live = run_live(config, log_dir, say)
+    result = evaluate(config, live, args.out)
+    print(write_report(args.out, result, end_line()))
     print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
     print(bench_line(result.rows))
     return 0
