@@ -133,17 +133,67 @@ def test_completed_rps_spans_first_arrival_to_last_finish() -> None:
 
 def test_errors_are_signed_sim_over_live() -> None:
     rng = random.Random(0)
-    live = [outcome(i, 1.0, ttft=0.2 + rng.random() / 100, tpot=0.02) for i in range(20)]
-    sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 1.1, tpot_s=o.tpot_s * 0.9)
-           for o in live]
+    live = [outcome(i, 1.0 + i / 10, ttft=0.2 + rng.random() / 100, tpot=0.02)
+            for i in range(20)]
+    sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 1.1, tpot_s=o.tpot_s * 0.9,
+                                   e2e_s=o.e2e_s * 1.2) for o in live]
     row = compare("light", 1.0, live, sim)
-    assert row.errors["ttft_p50"] == pytest.approx(0.1)
-    assert row.errors["tpot_p50"] == pytest.approx(-0.1)
-    assert set(row.errors) == set(METRICS)
-    line = json.loads(bench_line([row]))
+    for p in ("p50", "p90", "p99"):
+        assert row.errors[f"ttft_{p}"] == pytest.approx(0.1)
+        assert row.errors[f"tpot_{p}"] == pytest.approx(-0.1)
+        assert row.errors[f"e2e_{p}"] == pytest.approx(0.2)
+    assert row.live["ttft_p99"] > row.live["ttft_p90"] > row.live["ttft_p50"]
+    # Every request finishes 1.2x later: completions per second over the longer span.
+    def span(outs: list[Outcome]) -> float:
+        return max(o.at + o.e2e_s for o in outs) - min(o.at for o in outs)
+    assert row.errors["completed_rps"] == pytest.approx(span(live) / span(sim) - 1.0)
+    assert set(row.errors) == set(METRICS) and row.live_spread == {}
+    line = json.loads(bench_line([row], replay=[compare("light", 1.0, live, live)]))
     assert line["bench"] == "validate-sim"
-    assert set(line["rows"][0]) == {"load", "requests", "ttft_p50_err", "ttft_p90_err",
-                                    "tpot_p50_err", "completed_rps_err"}
+    got = line["rows"][0]
+    assert {"ttft_p50_err", "ttft_p90_err", "ttft_p99_err", "tpot_p50_err", "tpot_p90_err",
+            "e2e_p50_err", "completed_rps_err", "live_spread", "replay"} <= set(got)
+    assert got["deployment"] and got["load"] == "light" and got["live_spread"] is None
+    assert got["ttft_p99_err"] == pytest.approx(0.1, abs=1e-4)
+    assert got["replay"]["ttft_p50_err"] == 0.0 and set(got["replay"]) == {
+        f"{k}_err" for k in METRICS}
+
+
+def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
+    from services.cli.validation import live_figures, live_spread
+
+    base = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(20)]
+    runs = [[msgspec.structs.replace(o, ttft_s=o.ttft_s * f) for o in base]
+            for f in (1.0, 1.1, 0.95)]
+    spread = live_spread(runs)
+    assert spread["ttft_p50"] == pytest.approx(0.15) and spread["ttft_p99"] == pytest.approx(0.15)
+    assert spread["tpot_p50"] == 0.0 and set(spread) == set(METRICS)
+    assert live_spread(runs[:1]) == {}
+    # The live side compared is the runs' median: 1.0x here, so a sim equal to run 1 is exact.
+    assert live_figures(runs)["ttft_p50"] == pytest.approx(
+        live_figures(runs[:1])["ttft_p50"])
+    row = compare("light", 1.0, runs[0], runs[0], runs[1:])
+    assert row.errors["ttft_p50"] == pytest.approx(0.0, abs=1e-12)
+    assert row.live_spread == spread
+
+
+def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
+    from services.cli.validation import rerun_jobs, rerun_name, reruns_of
+
+    load = jobs(SMALL, 2.0, 12, seed=1)
+    again = rerun_jobs(SMALL, load, 1)
+    assert rerun_jobs(SMALL, load, 0) == load
+    assert [(j.arrival.at, j.arrival.length, j.arrival.output_len, j.probe) for j in again] == [
+        (j.arrival.at, j.arrival.length, j.arrival.output_len, j.probe) for j in load]
+    assert all(len(a.prompt) == len(b.prompt) and a.prompt != b.prompt
+               for a, b in zip(load, again, strict=True))
+    blocks = [b for run in (load, again, rerun_jobs(SMALL, load, 2)) for j in run
+              for b in j.arrival.blocks]
+    assert len(blocks) == len(set(blocks))
+    outcomes: dict[str, list[Outcome]] = {"light": [], "light run 2": [], "light run 3": []}
+    assert rerun_name("light", 0) == "light"
+    assert reruns_of("light", outcomes) == ["light run 2", "light run 3"]
+    assert reruns_of("60%", outcomes) == []
 
 
 def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:

@@ -96,6 +96,9 @@ from services.sim.workload import BLOCK, Arrival
 from services.sim.world import Deployment
 from services.worker.profiler import DecodePoint, PrefillPoint
 
+# `--quick`: the fewest probes and burst requests the fits and the capacity still work with.
+QUICK = {"probe_repeats": 2, "load_probe_repeats": 1, "capacity_requests": 16,
+         "warmup_requests": 2}
 MESH = ("cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0")
 # Vidur's reported error against the real engine (its paper): the goal to state against.
 VIDUR_GOAL = 0.09
@@ -128,6 +131,9 @@ class ValidationConfig(msgspec.Struct, frozen=True, kw_only=True):
     bandwidth_bps: float = 10e9
     delay_s: float = 0.001
     seed: int = 0
+    # Each load sent this many times over (fresh prompts, the same arrivals): the live side's
+    # own run-to-run spread (`live_spread`), the floor any simulation can reach.
+    repeats: int = 1
     pin: bool = True  # pin_cores: the prefill worker on a core of its own
 
 
@@ -157,15 +163,23 @@ class Outcome(msgspec.Struct, frozen=True):
 
 
 class Row(msgspec.Struct, frozen=True):
+    """One load compared: the live figures (the median over its runs), the simulated ones,
+    the signed errors, and the live side's own spread over its runs (empty: one run)."""
+
     load: str
     rate: float
     requests: int
     live: dict[str, float]
     sim: dict[str, float]
     errors: dict[str, float]
+    live_spread: dict[str, float] = {}
 
 
-METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "completed_rps")
+METRICS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
+           "e2e_p50", "e2e_p90", "e2e_p99", "completed_rps")
+PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
+# What the deployment validated is called in the JSON line (one per deployment and load).
+DEPLOYMENT = "remote-1p1d"
 
 
 def jobs(config: ValidationConfig, rate: float, count: int, seed: int,
@@ -358,19 +372,44 @@ def service_rate(outcomes: Sequence[Outcome]) -> float:
 
 
 def metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """Every figure of METRICS over the completed requests, and how many completed."""
     ok = [o for o in outcomes if o.ok]
-    ttft = [o.ttft_s for o in ok]
-    tpot = [o.tpot_s for o in ok if o.output_tokens > 1]
-    return {"ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90),
-            "tpot_p50": percentile(tpot, 50), "tpot_p90": percentile(tpot, 90),
-            "completed_rps": completed_rps(outcomes), "completed": float(len(ok))}
+    series = {"ttft": [o.ttft_s for o in ok], "e2e": [o.e2e_s for o in ok],
+              "tpot": [o.tpot_s for o in ok if o.output_tokens > 1]}
+    figures = {f"{name}_{p}": percentile(values, q) if values else math.nan
+               for name, values in series.items() for p, q in PERCENTILES.items()}
+    return {**figures, "completed_rps": completed_rps(outcomes), "completed": float(len(ok))}
 
 
-def compare(load: str, rate: float, live: Sequence[Outcome], sim: Sequence[Outcome]) -> Row:
-    """Signed relative errors, sim over live minus 1, per metric."""
-    a, b = metrics(live), metrics(sim)
+def live_figures(runs: Sequence[Sequence[Outcome]]) -> dict[str, float]:
+    """The live side's figures over its runs of one load: each the median of the runs'."""
+    each = [metrics(run) for run in runs]
+    return {k: statistics.median(m[k] for m in each) for k in each[0]}
+
+
+def live_spread(runs: Sequence[Sequence[Outcome]]) -> dict[str, float]:
+    """The live side's own run-to-run spread on one load: per figure, the range of its runs'
+    values over their median (0.1: the runs lie within 10% of each other); empty with
+    fewer than two runs. No simulation can be held closer than this."""
+    if len(runs) < 2:
+        return {}
+    each = [metrics(run) for run in runs]
+    spread = {}
+    for key in METRICS:
+        values = [m[key] for m in each]
+        middle = statistics.median(values)
+        spread[key] = (max(values) - min(values)) / middle if middle else math.inf
+    return spread
+
+
+def compare(load: str, rate: float, live: Sequence[Outcome], sim: Sequence[Outcome],
+            reruns: Sequence[Sequence[Outcome]] = ()) -> Row:
+    """Signed relative errors, sim over live minus 1, per metric; the live side is the
+    median over `live` and its `reruns` (the same load sent again), their spread beside."""
+    runs = [live, *reruns]
+    a, b = live_figures(runs), metrics(sim)
     errors = {k: b[k] / a[k] - 1.0 if a[k] else math.inf for k in METRICS}
-    return Row(load, rate, len(live), a, b, errors)
+    return Row(load, rate, len(live), a, b, errors, live_spread(runs))
 
 
 def ttft_parts(config: ValidationConfig, live: Sequence[Outcome],
@@ -417,14 +456,16 @@ def _slug(load: str) -> str:
 
 
 def table(rows: Sequence[Row]) -> str:
-    header = ["load", "req/s", "requests", "metric", "live", "sim", "error"]
+    header = ["load", "req/s", "requests", "metric", "live", "sim", "error", "live spread"]
     lines = []
     for row in rows:
         for key in METRICS:
             scale, unit = (1e3, " ms") if key.startswith("tpot") else (1.0, "")
+            spread = f"{row.live_spread[key]:.1%}" if key in row.live_spread else "-"
             lines.append([row.load, f"{row.rate:.2f}", row.requests, key,
                           f"{row.live[key] * scale:.3f}{unit}",
-                          f"{row.sim[key] * scale:.3f}{unit}", f"{row.errors[key]:+.1%}"])
+                          f"{row.sim[key] * scale:.3f}{unit}", f"{row.errors[key]:+.1%}",
+                          spread])
     return markdown_table(header, lines)
 
 
@@ -436,12 +477,21 @@ def parts_table(parts: dict[str, dict[str, float]]) -> str:
         for load, p in parts.items()])
 
 
-def bench_line(rows: Sequence[Row]) -> str:
+def errors_line(row: Row) -> dict[str, float]:
+    """A row's signed errors under the JSON line's keys (`ttft_p50_err`, ...)."""
+    return {f"{k}_err": round(row.errors[k], 4) for k in METRICS}
+
+
+def bench_line(rows: Sequence[Row], replay: Sequence[Row] = (),
+               deployment: str = DEPLOYMENT) -> str:
+    """The run's last line: per deployment and load, every signed error (predicted), the
+    live side's own spread (null with one run per load) and the replay's errors."""
+    replayed = {r.load: errors_line(r) for r in replay}
     return json.dumps({"bench": "validate-sim", "rows": [{
-        "load": r.load, "requests": r.requests, "ttft_p50_err": round(r.errors["ttft_p50"], 4),
-        "ttft_p90_err": round(r.errors["ttft_p90"], 4),
-        "tpot_p50_err": round(r.errors["tpot_p50"], 4),
-        "completed_rps_err": round(r.errors["completed_rps"], 4)} for r in rows]})
+        "deployment": deployment, "load": r.load, "requests": r.requests, **errors_line(r),
+        "live_spread": ({k: round(v, 4) for k, v in r.live_spread.items()}
+                        if r.live_spread else None),
+        "replay": replayed.get(r.load)} for r in rows]})
 
 
 def accepted(row: Row, bound: float = ACCEPT) -> bool:
@@ -542,6 +592,36 @@ class Validation(msgspec.Struct, frozen=True):
     engine_alone: list[Row] = []
 
 
+def rerun_name(load: str, index: int) -> str:
+    """The live outcomes' key of a load's `index`th run (0: the load's own name)."""
+    return load if index == 0 else f"{load} run {index + 1}"
+
+
+def reruns_of(load: str, outcomes: dict[str, list[Outcome]]) -> list[str]:
+    """The keys of `load`'s runs after its first, in order, as far as they were run."""
+    names: list[str] = []
+    while rerun_name(load, len(names) + 1) in outcomes:
+        names.append(rerun_name(load, len(names) + 1))
+    return names
+
+
+def rerun_jobs(config: ValidationConfig, load: Sequence[Job], index: int) -> list[Job]:
+    """The same load sent again (its `index`th run): the same arrival times, lengths, output
+    lengths and probe places, with fresh prompts and blocks, so nothing of an earlier run is
+    cached. The simulation of every run is the same (it is one arrival list)."""
+    if index == 0:
+        return list(load)
+    rng = random.Random(config.seed * 1000 + 500 + index)
+    vocab = family_config(config.family, config.size).vocab_size
+    # Past every seed's billion of blocks (`jobs`).
+    shift = index * 1_000_000_000_000
+    return [msgspec.structs.replace(
+        job, prompt=[rng.randrange(1, vocab) for _ in job.prompt],
+        arrival=msgspec.structs.replace(
+            job.arrival, blocks=tuple(b + shift for b in job.arrival.blocks)))
+        for job in load]
+
+
 def _burst(config: ValidationConfig) -> list[Job]:
     return jobs(config, 1.0, config.capacity_requests, config.seed + 98, burst_s=1.0)
 
@@ -600,10 +680,13 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
                             leave=False):
                 out["in-situ"] += await router.run([job])
         for index, (name, fraction) in enumerate(config.loads):
-            loads[name] = f"{load_average():.2f}"
-            say(f"live load {name}: {fraction * capacity:.2f} req/s, {config.requests} "
-                f"requests (load average {loads[name]})")
-            await timed(name, load_jobs(config, index, fraction * capacity), f"live {name}")
+            load = load_jobs(config, index, fraction * capacity)
+            for again in range(config.repeats):
+                key = rerun_name(name, again)
+                loads[key] = f"{load_average():.2f}"
+                say(f"live load {key}: {fraction * capacity:.2f} req/s, {config.requests} "
+                    f"requests (load average {loads[key]})")
+                await timed(key, rerun_jobs(config, load, again), f"live {key}")
     return capacity, out
 
 
@@ -787,7 +870,8 @@ def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str
         rate = fraction * live.capacity_rps
         own = msgspec.structs.replace(config, profile=profiles[name])
         sims[name] = sim = simulate(own, load_jobs(config, index, rate))
-        rows.append(compare(name, rate, compared(live.outcomes[name]), compared(sim)))
+        reruns = [compared(live.outcomes[again]) for again in reruns_of(name, live.outcomes)]
+        rows.append(compare(name, rate, compared(live.outcomes[name]), compared(sim), reruns))
     return rows, sims
 
 
@@ -907,6 +991,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=defaults.requests,
                         help="requests per load")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats,
+                        help="runs of each load (the live side's own spread needs two or more)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke check: fewer probes, a smaller capacity burst")
     parser.add_argument("--out", type=Path, default=Path("validation-results"))
     parser.add_argument("--log-dir", type=Path, help="the services' logs (default: a temp dir)")
     return parser.parse_args(argv)
@@ -920,7 +1008,9 @@ def end_line() -> str:
 def validate_main(argv: list[str]) -> int:
     args = _parse(argv)
     config = ValidationConfig(profile=args.profile, model=args.model, requests=args.requests,
-                              seed=args.seed)
+                              seed=args.seed, repeats=args.repeats)
+    if args.quick:
+        config = msgspec.structs.replace(config, **QUICK)
     args.out.mkdir(parents=True, exist_ok=True)
     say = partial(print, file=sys.stderr)
     if args.reprofile:
