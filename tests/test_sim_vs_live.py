@@ -25,6 +25,7 @@ from services.cli.validation import (
     METRICS,
     LiveRun,
     Outcome,
+    Validation,
     ValidationConfig,
     against_sim,
     bench_line,
@@ -197,7 +198,7 @@ def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
 
 
 def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:
-    from services.cli.validation import Validation, write_report
+    from services.cli.validation import write_report
 
     live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
     sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
@@ -380,6 +381,46 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
         "in-situ": window, "light": msgspec.structs.replace(window, seconds=0.5 * steps)})
 
 
+def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
+        tmp_path: Path) -> None:
+    from services.cli.validation import probe_jobs, simulate, unmodelled_s, with_unmodelled
+    from services.paper.hardware import CostModel
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
+                                     loads=(("light", 0.5),), probe_repeats=2,
+                                     load_probe_repeats=1, probe_load=0.5)
+    cost = CostModel.load(config.profile, config.model)
+    live = fake_live(config)
+    # Probes that are the simulation plus 12 ms past the compute (dispatch, import, the way
+    # back), whose worker reports the profile's compute: 12 ms is what the sim leaves out.
+    sim = simulate(config, probe_jobs(config, config.probe_load * live.capacity_rps))
+    probes = [msgspec.structs.replace(o, ttft_s=o.ttft_s + 0.012,
+                                      compute_s=cost.prefill_time(o.prompt_tokens))
+              for o in sim]
+    assert unmodelled_s(cost, probes, sim) == pytest.approx(0.012, abs=1e-9)
+    # A queue is not left out: the live side's wait is its own, the sim's its own.
+    queued = [msgspec.structs.replace(o, ttft_s=o.ttft_s + 0.5, queue_s=o.queue_s + 0.5)
+              for o in probes]
+    assert unmodelled_s(cost, queued, sim) == pytest.approx(0.012, abs=1e-9)
+    with pytest.raises(ValueError, match="unmodelled"):
+        unmodelled_s(cost, [msgspec.structs.replace(o, ok=False) for o in probes], sim)
+    result = evaluate(config, msgspec.structs.replace(
+        live, outcomes={**live.outcomes, "in-situ": probes}), tmp_path)
+    assert result.unmodelled_s == pytest.approx(0.012, abs=2e-3)
+    # Added to every simulated request's TTFT and end to end, nothing else.
+    done = sim[0]
+    moved = with_unmodelled([done, msgspec.structs.replace(done, ok=False)], 0.012)
+    assert moved[0].ttft_s == pytest.approx(done.ttft_s + 0.012)
+    assert moved[0].e2e_s == pytest.approx(done.e2e_s + 0.012)
+    assert moved[0].tpot_s == done.tpot_s and moved[1].ttft_s == done.ttft_s
+    assert "12." in write_report_text(tmp_path, result)
+
+
+def write_report_text(out: Path, result: Validation) -> str:
+    from services.cli.validation import write_report
+    return write_report(out / "report", result, "a test machine")
+
+
 def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -> None:
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
                                      loads=(("light", 0.5),), probe_repeats=1,
@@ -396,7 +437,8 @@ def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -
     assert after.decode_drift["light"] == pytest.approx(1.5)
     # What was measured before the loads does reach it.
     situ = fake_live(config)
-    slower_probes = [msgspec.structs.replace(o, compute_s=o.compute_s * 1.5)
+    slower_probes = [msgspec.structs.replace(o, compute_s=o.compute_s * 1.5,
+                                             ttft_s=o.ttft_s + o.compute_s * 0.5)
                      for o in situ.outcomes["in-situ"]]
     moved = evaluate(config, msgspec.structs.replace(
         situ, outcomes={**situ.outcomes, "in-situ": slower_probes}), tmp_path / "c")

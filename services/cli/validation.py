@@ -223,7 +223,7 @@ def simulate(config: ValidationConfig, load: Sequence[Job]) -> list[Outcome]:
         raise RuntimeError(f"the simulation recorded {len(result.records)} of {len(load)} "
                            f"requests")
     return [Outcome(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
-                    r.ok, error=r.error, probe=j.probe)
+                    r.ok, queue_s=r.queue_s, error=r.error, probe=j.probe)
             for r, j in zip(result.records, load, strict=True)]
 
 
@@ -571,6 +571,9 @@ class Profiles(msgspec.Struct, frozen=True):
     in_situ: str
     calibrated: dict[str, str] = {}
     decode_drift: dict[str, float] = {}
+    # What the simulation leaves out of every request's TTFT (`unmodelled_s`), measured on the
+    # in-situ probes: the router's dispatch, the KV's import and the first token's way back.
+    unmodelled_s: float = 0.0
 
 
 class Validation(msgspec.Struct, frozen=True):
@@ -590,6 +593,7 @@ class Validation(msgspec.Struct, frozen=True):
     decode_drift: dict[str, float] = {}
     calibrated: list[Row] = []
     engine_alone: list[Row] = []
+    unmodelled_s: float = 0.0  # Profiles.unmodelled_s: added to the predicted and calibrated
 
 
 def rerun_name(load: str, index: int) -> str:
@@ -715,7 +719,37 @@ def derive_profiles(config: ValidationConfig, live: LiveRun, out: Path) -> Profi
                                          out / f"profile-{_slug(name)}-calibrated.toml", name,
                                          drift[name]))
                   for name in names if config.load_probe_repeats > 0}
-    return Profiles(str(situ), calibrated, drift)
+    rate = config.probe_load * live.capacity_rps
+    probes = simulate(msgspec.structs.replace(config, profile=str(situ)),
+                      probe_jobs(config, rate))
+    left_out = unmodelled_s(CostModel.load(situ, config.model), live.outcomes["in-situ"], probes)
+    return Profiles(str(situ), calibrated, drift, left_out)
+
+
+def unmodelled_s(cost: CostModel, live: Sequence[Outcome], sim: Sequence[Outcome]) -> float:
+    """The part of a request's TTFT that the simulation does not time, from the probes sent
+    before the loads: the median of the live TTFT past the prefill worker's queue and compute
+    (the router's dispatch, the KV's trip and import, the first token's way back), less the
+    median of the same past the simulation's queue and the profile's compute (the link's
+    trip, modelled). A constant on the way in and out of one prefill worker: it moves no queue.
+    """
+
+    def rest(outcomes: Sequence[Outcome], compute: Callable[[Outcome], float]) -> float:
+        parts = [o.ttft_s - o.queue_s - compute(o) for o in outcomes
+                 if o.ok and not math.isnan(o.queue_s)]
+        if not parts:
+            raise ValueError("no completed probe to measure the unmodelled TTFT on")
+        return statistics.median(parts)
+
+    return (rest(live, lambda o: o.compute_s)
+            - rest(sim, lambda o: cost.prefill_time(o.prompt_tokens)))
+
+
+def with_unmodelled(outcomes: Sequence[Outcome], seconds: float) -> list[Outcome]:
+    """The simulated outcomes with `seconds` (`unmodelled_s`) added to every completed
+    request's TTFT and end-to-end latency."""
+    return [msgspec.structs.replace(o, ttft_s=o.ttft_s + seconds, e2e_s=o.e2e_s + seconds)
+            if o.ok else o for o in outcomes]
 
 
 def decode_drift(config: ValidationConfig, steps: dict[str, DecodeSteps], load: str) -> float:
@@ -858,18 +892,20 @@ def decode_factor(config: ValidationConfig, live: Sequence[Outcome],
 
 
 def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str],
-                ) -> tuple[list[Row], dict[str, list[Outcome]]]:
-    """Each load of `live` simulated with its profile in `profiles` (by load name) and
-    compared with it: the rows and the simulated outcomes, by load. What a load is simulated
-    from is its arrival list as sent (its probes' lengths are the engine profile's) and the
-    profile named: nothing of the load's own measurements."""
+                unmodelled: float = 0.0) -> tuple[list[Row], dict[str, list[Outcome]]]:
+    """Each load of `live` simulated with its profile in `profiles` (by load name), the
+    `unmodelled` seconds added (`with_unmodelled`), and compared with it: the rows and the
+    simulated outcomes, by load. What a load is simulated from is its arrival list as sent
+    (its probes' lengths are the engine profile's) and the profile named: nothing of the
+    load's own measurements."""
     rows, sims = [], {}
     for index, (name, fraction) in enumerate(config.loads):
         if name not in profiles:
             continue
         rate = fraction * live.capacity_rps
         own = msgspec.structs.replace(config, profile=profiles[name])
-        sims[name] = sim = simulate(own, load_jobs(config, index, rate))
+        sims[name] = sim = with_unmodelled(simulate(own, load_jobs(config, index, rate)),
+                                           unmodelled)
         reruns = [compared(live.outcomes[again]) for again in reruns_of(name, live.outcomes)]
         rows.append(compare(name, rate, compared(live.outcomes[name]), compared(sim), reruns))
     return rows, sims
@@ -883,8 +919,9 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
     with the engine's profile alone."""
     profiles = derive_profiles(config, live, out)
     names = [name for name, _ in config.loads if name in live.outcomes]
-    rows, sims = against_sim(config, live, dict.fromkeys(names, profiles.in_situ))
-    calibrated, _ = against_sim(config, live, profiles.calibrated)
+    rows, sims = against_sim(config, live, dict.fromkeys(names, profiles.in_situ),
+                             profiles.unmodelled_s)
+    calibrated, _ = against_sim(config, live, profiles.calibrated, profiles.unmodelled_s)
     engine_alone, _ = against_sim(config, live, dict.fromkeys(names, config.profile))
     predicted = msgspec.structs.replace(config, profile=profiles.in_situ)
     sim_capacity = service_rate(simulate(predicted, _burst(config))) if (
@@ -899,7 +936,7 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
                                  profiles.in_situ)
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
                       live.wall_s, live.load_averages, profiles.decode_drift, calibrated,
-                      engine_alone)
+                      engine_alone, profiles.unmodelled_s)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -944,7 +981,10 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
         f"average as each phase began: " + ", ".join(
             f"{k} {v}" for k, v in result.load_averages.items()) + ".", "",
         "Predicted: every load simulated with the profile measured before the loads "
-        "(profile-in-situ.toml); nothing measured during a load reaches its simulation.", "",
+        "(profile-in-situ.toml), and the TTFT the simulation does not time (dispatch, KV "
+        f"import, the first token's way back: {result.unmodelled_s * 1e3:.1f} ms, measured on "
+        "the in-situ probes) added to each request; nothing measured during a load reaches "
+        "its simulation.", "",
         table(result.rows),
         "What the live TTFT is made of (means, the load's own requests):", "",
         parts_table(result.parts),
