@@ -23,6 +23,7 @@ import pytest
 
 from services.cli.validation import (
     METRICS,
+    Job,
     LiveRun,
     Outcome,
     Validation,
@@ -421,6 +422,35 @@ def write_report_text(out: Path, result: Validation) -> str:
     return write_report(out / "report", result, "a test machine")
 
 
+def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path) -> None:
+    from services.cli.validation import simulate
+    from services.paper.hardware import CostModel, read_profile_spec
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=16,
+                                     loads=(("light", 0.5),), probe_repeats=1,
+                                     load_probe_repeats=0, probe_load=0.5)
+    cost = CostModel.load(config.profile, config.model)
+    # The load's requests report 1.3x the engine's compute: the replay's prefill is that.
+    result = evaluate(config, fake_live(config, slow=1.3), tmp_path)
+    spec = read_profile_spec(tmp_path / "profile-light-replay.toml")
+    assert spec.prefill is not None and "requests in load light" in spec.description
+    for length, seconds in zip(spec.prefill.lengths, spec.prefill.seconds, strict=True):
+        assert seconds == pytest.approx(1.3 * cost.prefill_time(round(length)), rel=1e-3)
+    assert not result.calibrated  # no probes rode in the load: no calibrated rows
+    replayed = simulate(msgspec.structs.replace(
+        config, profile=str(tmp_path / "profile-light-replay.toml")),
+        load_jobs_of(config, 1.0))
+    assert result.replay[0].sim["ttft_p50"] == pytest.approx(
+        compare("light", 1.0, replayed, replayed).sim["ttft_p50"] + result.unmodelled_s)
+    assert json.loads(bench_line(result.rows, result.replay))["rows"][0]["replay"] == {
+        f"{k}_err": round(v, 4) for k, v in result.replay[0].errors.items()}
+
+
+def load_jobs_of(config: ValidationConfig, rate: float) -> list[Job]:
+    from services.cli.validation import load_jobs
+    return load_jobs(config, 0, rate)
+
+
 def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -> None:
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
                                      loads=(("light", 0.5),), probe_repeats=1,
@@ -435,6 +465,8 @@ def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -
     # The perturbation reaches the calibrated diagnostic, which reads the load.
     assert after.calibrated[0].sim["ttft_p50"] > 1.2 * before.calibrated[0].sim["ttft_p50"]
     assert after.decode_drift["light"] == pytest.approx(1.5)
+    # And the replay, which is the load's own compute fed back, a figure apart.
+    assert after.replay[0].sim["ttft_p50"] > 1.2 * before.replay[0].sim["ttft_p50"]
     # What was measured before the loads does reach it.
     situ = fake_live(config)
     slower_probes = [msgspec.structs.replace(o, compute_s=o.compute_s * 1.5,

@@ -571,6 +571,9 @@ class Profiles(msgspec.Struct, frozen=True):
     in_situ: str
     calibrated: dict[str, str] = {}
     decode_drift: dict[str, float] = {}
+    # Each load's replay profile: the prefill fit of all its requests' reported compute, its
+    # decode steps times its drift (`load_profile` with replay).
+    replay: dict[str, str] = {}
     # What the simulation leaves out of every request's TTFT (`unmodelled_s`), measured on the
     # in-situ probes: the router's dispatch, the KV's import and the first token's way back.
     unmodelled_s: float = 0.0
@@ -594,6 +597,9 @@ class Validation(msgspec.Struct, frozen=True):
     calibrated: list[Row] = []
     engine_alone: list[Row] = []
     unmodelled_s: float = 0.0  # Profiles.unmodelled_s: added to the predicted and calibrated
+    # Each load simulated with its own requests' measured compute (`Profiles.replay`): the
+    # queueing, batching and transfer judged alone. A separate figure, never the prediction.
+    replay: list[Row] = []
 
 
 def rerun_name(load: str, index: int) -> str:
@@ -719,11 +725,14 @@ def derive_profiles(config: ValidationConfig, live: LiveRun, out: Path) -> Profi
                                          out / f"profile-{_slug(name)}-calibrated.toml", name,
                                          drift[name]))
                   for name in names if config.load_probe_repeats > 0}
+    replay = {name: str(load_profile(situ, live.outcomes[name],
+                                     out / f"profile-{_slug(name)}-replay.toml", name,
+                                     drift[name], replay=True)) for name in names}
     rate = config.probe_load * live.capacity_rps
     probes = simulate(msgspec.structs.replace(config, profile=str(situ)),
                       probe_jobs(config, rate))
     left_out = unmodelled_s(CostModel.load(situ, config.model), live.outcomes["in-situ"], probes)
-    return Profiles(str(situ), calibrated, drift, left_out)
+    return Profiles(str(situ), calibrated, drift, replay, left_out)
 
 
 def unmodelled_s(cost: CostModel, live: Sequence[Outcome], sim: Sequence[Outcome]) -> float:
@@ -839,7 +848,7 @@ def in_situ_profile(config: ValidationConfig, probes: Sequence[Outcome], out: Pa
 
 
 def load_profile(in_situ: Path, outcomes: Sequence[Outcome], out: Path, load: str,
-                 drift: float = 1.0) -> Path:
+                 drift: float = 1.0, replay: bool = False) -> Path:
     """The profile a load is simulated with, written to `out`: the in-situ profile with its
     prefill points re-measured by the probes that rode in that load (`load_jobs`) and its
     decode steps times `drift`, the decode engine's own step speed during the load over its
@@ -848,18 +857,20 @@ def load_profile(in_situ: Path, outcomes: Sequence[Outcome], out: Path, load: st
     in-situ probes' fit, a minute earlier, against 0.4-3.7% in the other two, and the
     simulation's TTFT at 60% load went from within 9% to 17-24% low; what the probes beside
     the load's own requests measure is the speed the load met. The load's own requests are
-    not used, nor any request's TPOT: they are what is checked."""
+    not used, nor any request's TPOT: they are what is checked. `replay`: the fit of every
+    request of the load, its own and its probes (the replay's profile, `evaluate`)."""
     spec = read_profile_spec(str(in_situ))
     if spec.prefill is None or spec.decode is None:
         raise ProfileError(f"profile {str(in_situ)!r} needs prefill and decode points")
-    probes = [o for o in outcomes if o.probe]
+    probes = [o for o in outcomes if o.probe or replay]
     chunk = spec.prefill.chunk_tokens
     points = _prefill_points(probes, chunk, f"load {load}'s profile")
     dec = spec.decode
     decode = [DecodePoint(b, c, s * drift, 0.0)
               for b, c, s in zip(dec.batches, dec.contexts, dec.seconds, strict=True)]
-    where = (f"in situ, the live prefill worker's compute over the {len(probes)} probes that "
-             f"rode in load {load}; decode: the steps of {in_situ.stem} x {drift:.3f} (the "
+    what = "requests" if replay else "probes that rode"
+    where = (f"in situ, the live prefill worker's compute over the {len(probes)} {what} "
+             f"in load {load}; decode: the steps of {in_situ.stem} x {drift:.3f} (the "
              f"decode worker's own step timing, this load over the in-situ probes); "
              f"{machine_line(1)}")
     write_profile(out, profile_toml(out.stem, where, points, decode, chunk), ProfileSpec)
@@ -923,6 +934,7 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
                              profiles.unmodelled_s)
     calibrated, _ = against_sim(config, live, profiles.calibrated, profiles.unmodelled_s)
     engine_alone, _ = against_sim(config, live, dict.fromkeys(names, config.profile))
+    replay, _ = against_sim(config, live, profiles.replay, profiles.unmodelled_s)
     predicted = msgspec.structs.replace(config, profile=profiles.in_situ)
     sim_capacity = service_rate(simulate(predicted, _burst(config))) if (
         "capacity" in live.outcomes) else 0.0
@@ -936,7 +948,7 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
                                  profiles.in_situ)
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
                       live.wall_s, live.load_averages, profiles.decode_drift, calibrated,
-                      engine_alone, profiles.unmodelled_s)
+                      engine_alone, profiles.unmodelled_s, replay)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -1000,6 +1012,12 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
                      f"{k} {v:.3f}" for k, v in result.decode_drift.items()) +
                  "). Predicted minus calibrated is the host's drift between the profile and "
                  f"the load; what calibrated leaves is modelling.\n\n{table(result.calibrated)}")
+    if result.replay:
+        text += ("\nReplay (a separate figure, not a prediction): each load simulated with "
+                 "its own requests' measured compute, the prefill worker's reported compute "
+                 "fitted per length and the decode steps scaled as the calibrated rows': the "
+                 "simulation's queueing, batching and transfer judged alone.\n\n"
+                 f"{table(result.replay)}")
     if result.engine_alone:
         text += (f"\nDiagnostic, the engine's profile alone ({result.config.profile}, no "
                  f"in-situ probes):\n\n{table(result.engine_alone)}")
@@ -1063,5 +1081,5 @@ def validate_main(argv: list[str]) -> int:
     result = evaluate(config, live, args.out)
     print(write_report(args.out, result, end_line()))
     print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
-    print(bench_line(result.rows))
+    print(bench_line(result.rows, result.replay))
     return 0
