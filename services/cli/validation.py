@@ -16,8 +16,10 @@ completions per second over the middle half of the finishes); probe the prefill 
 own at half that capacity: the worker's own compute report becomes the profile's prefill points,
 its decode steps stay the engine's; see `in_situ_profile` for why neither the engine alone nor
 probes one at a time are enough); then for each load (a fraction of that capacity) send the same
-seeded Poisson arrival list, prompt lengths and output lengths to both sides, and compare TTFT
-p50 / p90, TPOT p50 / p90 and completed requests per second over the load's own requests.
+seeded Poisson arrival list, prompt lengths and output lengths to both sides (`repeats` times
+on the live side, fresh prompts each time: its own spread), and compare TTFT, TPOT and
+end-to-end latency at P50, P90 and P99 and completed requests per second over the load's own
+requests.
 Probes ride in each load too (every profiled length a few times, in seeded places of the same
 arrival list, so the load is offered at its rate with them); they are compared on neither side.
 
@@ -28,7 +30,9 @@ simulation (`evaluate`). Beside it, as a labelled diagnostic, each load simulate
 itself: the prefill fit of its own probes (`load_profile`) and its decode steps scaled by the
 decode engine's own step speed during the load over during the probes (`decode_drift`); the
 two apart is the host's drift, what the calibrated one leaves is modelling. The same live run
-is also simulated with the engine-alone profile.
+is also simulated with the engine-alone profile, and replayed: each load with its own requests'
+reported compute (a separate figure). The predicted, calibrated and replayed simulations add
+the TTFT the simulation does not time, measured on the in-situ probes (`unmodelled_s`).
 Errors are signed, sim over live minus 1.
 Beside them, what the live TTFT is made of, measured from the prefill worker's own report:
 queueing, compute, and the rest (the router's dispatch, the KV's trip through the link, its
