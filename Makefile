@@ -132,7 +132,7 @@ search-paper: $(STAMP)
 # live system"): profiles the engine first, then three loads of 150 requests on the live mesh and
 # in the simulation; writes validation-results/ (about 15 minutes on 2 cores).
 validate-sim: $(STAMP)
-	$(VENV)/bin/prfaas validate-sim --reprofile --out validation-results
+	$(VENV)/bin/prfaas validate-sim --reprofile --repeats 3 --out validation-results
 
 # The schedulers' scenario matrix (bandwidth dips at three loads, a slow ramp of the link, load
 # bursts, slices of the Mooncake trace) under every policy and a sweep of static thresholds

@@ -23,13 +23,17 @@ import pytest
 
 from services.cli.validation import (
     METRICS,
+    Job,
     LiveRun,
     Outcome,
+    Validation,
     ValidationConfig,
     against_sim,
     bench_line,
     compare,
     completed_rps,
+    derive_profiles,
+    evaluate,
     jobs,
     profile_for,
     run_live,
@@ -65,9 +69,10 @@ def slower(profile: Path, factor: float, out: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, LiveRun]) -> None:
+def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, LiveRun],
+                                          tmp_path: Path) -> None:
     config, live = measured
-    row = against_sim(config, live).rows[0]
+    row = evaluate(config, live, tmp_path).rows[0]
     # The load's own requests are compared; its probes rode in it (flagged on both sides).
     from services.paper.hardware import read_profile_spec
     spec = read_profile_spec(config.profile)  # one probe per profiled length
@@ -88,11 +93,10 @@ def test_the_sim_lands_near_the_live_mesh(measured: tuple[ValidationConfig, Live
 def test_a_wrong_profile_is_caught(measured: tuple[ValidationConfig, LiveRun],
                                    tmp_path: Path) -> None:
     config, live = measured
-    wrong = slower(Path(live.profile), SLOWER, tmp_path / "slower.toml")
-    assert set(live.load_profiles) == {"light"}  # the load's own fit, from its probes
-    own = slower(Path(live.load_profiles["light"]), SLOWER, tmp_path / "slower-light.toml")
-    row = against_sim(config, msgspec.structs.replace(
-        live, profile=str(wrong), load_profiles={"light": str(own)})).rows[0]
+    profiles = derive_profiles(config, live, tmp_path)
+    assert set(profiles.calibrated) == {"light"}  # the load's own fit, from its probes
+    wrong = slower(Path(profiles.in_situ), SLOWER, tmp_path / "slower.toml")
+    row = against_sim(config, live, {"light": str(wrong)})[0][0]
     assert row.errors["ttft_p50"] > BOUND and row.errors["tpot_p50"] > BOUND, row.errors
 
 
@@ -131,31 +135,85 @@ def test_completed_rps_spans_first_arrival_to_last_finish() -> None:
 
 def test_errors_are_signed_sim_over_live() -> None:
     rng = random.Random(0)
-    live = [outcome(i, 1.0, ttft=0.2 + rng.random() / 100, tpot=0.02) for i in range(20)]
-    sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 1.1, tpot_s=o.tpot_s * 0.9)
-           for o in live]
+    live = [outcome(i, 1.0 + i / 10, ttft=0.2 + rng.random() / 100, tpot=0.02)
+            for i in range(20)]
+    sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 1.1, tpot_s=o.tpot_s * 0.9,
+                                   e2e_s=o.e2e_s * 1.2) for o in live]
     row = compare("light", 1.0, live, sim)
-    assert row.errors["ttft_p50"] == pytest.approx(0.1)
-    assert row.errors["tpot_p50"] == pytest.approx(-0.1)
-    assert set(row.errors) == set(METRICS)
-    line = json.loads(bench_line([row]))
+    for p in ("p50", "p90", "p99"):
+        assert row.errors[f"ttft_{p}"] == pytest.approx(0.1)
+        assert row.errors[f"tpot_{p}"] == pytest.approx(-0.1)
+        assert row.errors[f"e2e_{p}"] == pytest.approx(0.2)
+    assert row.live["ttft_p99"] > row.live["ttft_p90"] > row.live["ttft_p50"]
+    # Every request finishes 1.2x later: completions per second over the longer span.
+    def span(outs: list[Outcome]) -> float:
+        return max(o.at + o.e2e_s for o in outs) - min(o.at for o in outs)
+    assert row.errors["completed_rps"] == pytest.approx(span(live) / span(sim) - 1.0)
+    assert set(row.errors) == set(METRICS) and row.live_spread == {}
+    line = json.loads(bench_line([row], replay=[compare("light", 1.0, live, live)]))
     assert line["bench"] == "validate-sim"
-    assert set(line["rows"][0]) == {"load", "requests", "ttft_p50_err", "ttft_p90_err",
-                                    "tpot_p50_err", "completed_rps_err"}
+    got = line["rows"][0]
+    assert {"ttft_p50_err", "ttft_p90_err", "ttft_p99_err", "tpot_p50_err", "tpot_p90_err",
+            "e2e_p50_err", "completed_rps_err", "live_spread", "replay"} <= set(got)
+    assert got["deployment"] and got["load"] == "light" and got["live_spread"] is None
+    assert got["ttft_p99_err"] == pytest.approx(0.1, abs=1e-4)
+    assert got["replay"]["ttft_p50_err"] == 0.0 and set(got["replay"]) == {
+        f"{k}_err" for k in METRICS}
+
+
+def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
+    from services.cli.validation import live_figures, live_spread
+
+    base = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(20)]
+    runs = [[msgspec.structs.replace(o, ttft_s=o.ttft_s * f) for o in base]
+            for f in (1.0, 1.1, 0.95)]
+    spread = live_spread(runs)
+    assert spread["ttft_p50"] == pytest.approx(0.15) and spread["ttft_p99"] == pytest.approx(0.15)
+    assert spread["tpot_p50"] == 0.0 and set(spread) == set(METRICS)
+    assert live_spread(runs[:1]) == {}
+    # The live side compared is the runs' median: 1.0x here, so a sim equal to run 1 is exact.
+    assert live_figures(runs)["ttft_p50"] == pytest.approx(
+        live_figures(runs[:1])["ttft_p50"])
+    row = compare("light", 1.0, runs[0], runs[0], runs[1:])
+    assert row.errors["ttft_p50"] == pytest.approx(0.0, abs=1e-12)
+    assert row.live_spread == spread
+
+
+def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
+    from services.cli.validation import rerun_jobs, rerun_name, reruns_of
+
+    load = jobs(SMALL, 2.0, 12, seed=1)
+    again = rerun_jobs(SMALL, load, 1)
+    assert rerun_jobs(SMALL, load, 0) == load
+    assert [(j.arrival.at, j.arrival.length, j.arrival.output_len, j.probe) for j in again] == [
+        (j.arrival.at, j.arrival.length, j.arrival.output_len, j.probe) for j in load]
+    assert all(len(a.prompt) == len(b.prompt) and a.prompt != b.prompt
+               for a, b in zip(load, again, strict=True))
+    blocks = [b for run in (load, again, rerun_jobs(SMALL, load, 2)) for j in run
+              for b in j.arrival.blocks]
+    assert len(blocks) == len(set(blocks))
+    outcomes: dict[str, list[Outcome]] = {"light": [], "light run 2": [], "light run 3": []}
+    assert rerun_name("light", 0) == "light"
+    assert reruns_of("light", outcomes) == ["light run 2", "light run 3"]
+    assert reruns_of("60%", outcomes) == []
 
 
 def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:
-    from services.cli.validation import Validation, write_report
+    from services.cli.validation import write_report
 
     live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
     sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
     row = compare("light", 1.0, live, sim)
+    calibrated = compare("light", 1.0, live, live)
     result = Validation(SMALL, 3.0, 3.1, [row], {"light": {k: 0.1 for k in (
         "ttft", "queue", "compute", "profile", "rest")}}, {"light": {"live": live, "sim": sim}},
-        12.0, {"light": "0.50"}, {"light": 1.2})
+        12.0, {"light": "0.50"}, {"light": 1.2}, [calibrated])
     text = write_report(tmp_path, result, "a test machine")
     assert "| light | 1.00 | 10 | ttft_p50 |" in text and "light pass" in text
-    assert "as the decode worker timed them: light 1.200." in text
+    # The calibrated rows are a labelled diagnostic after the predicted ones, never the headline.
+    predicted, diagnostic = text.split("Diagnostic, calibrated on the load itself")
+    assert "Predicted:" in predicted and "-5.0%" in predicted and "+0.0%" in diagnostic
+    assert "(light 1.200)" in diagnostic
     assert "light 0.50" in text and "a test machine" in text
     assert (tmp_path / "cdf_light.png").stat().st_size > 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 20
@@ -290,17 +348,133 @@ def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
         assert seconds == pytest.approx(1.2 * cost.prefill_time(round(length)), rel=1e-4)
     assert own.decode.seconds == base.decode.seconds
     assert "rode in load light" in own.description
-    # against_sim reads each load's own profile: a live run that is that simulation agrees
+    # against_sim reads the profile it is given: a live run that is that simulation agrees
     # exactly on the load's own requests, and the in-situ block's profile does not.
     config = msgspec.structs.replace(config, loads=(("light", 0.5),))
     sim = simulate(msgspec.structs.replace(config, profile=str(tmp_path / "p.toml")), load)
-    live = LiveRun(2.0, {"light": sim}, 1.0, profile=str(situ),
-                   load_profiles={"light": str(tmp_path / "p.toml")})
-    row = against_sim(config, live).rows[0]
+    live = LiveRun(2.0, {"light": sim}, 1.0)
+    row = against_sim(config, live, {"light": str(tmp_path / "p.toml")})[0][0]
     assert row.requests == config.requests
     assert all(abs(row.errors[k]) < 1e-9 for k in ("ttft_p50", "ttft_p90", "tpot_p50")), row
-    blind = against_sim(config, msgspec.structs.replace(live, load_profiles={})).rows[0]
+    blind = against_sim(config, live, {"light": str(situ)})[0][0]
     assert blind.errors["ttft_p50"] < -0.05, blind.errors
+
+
+def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -> LiveRun:
+    """A live run made of simulations with the engine's profile, the prefill worker's compute
+    reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
+    `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
+    from services.cli.validation import DecodeSteps, load_jobs, probe_jobs, simulate
+    from services.paper.hardware import CostModel
+
+    cost = CostModel.load(config.profile, config.model)
+
+    def reported(outcomes: list[Outcome], factor: float) -> list[Outcome]:
+        return [msgspec.structs.replace(
+            o, ttft_s=o.ttft_s * factor, tpot_s=o.tpot_s * factor,
+            compute_s=cost.prefill_time(o.prompt_tokens) * factor) for o in outcomes]
+
+    situ = reported(simulate(config, probe_jobs(config, config.probe_load * 2.0)), 1.1)
+    rate = config.loads[0][1] * 2.0
+    load = reported(simulate(config, load_jobs(config, 0, rate)), slow)
+    window = DecodeSteps(0.5, 40, 80, 24000)
+    return LiveRun(2.0, {"in-situ": situ, "light": load}, 1.0, decode_steps={
+        "in-situ": window, "light": msgspec.structs.replace(window, seconds=0.5 * steps)})
+
+
+def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
+        tmp_path: Path) -> None:
+    from services.cli.validation import probe_jobs, simulate, unmodelled_s, with_unmodelled
+    from services.paper.hardware import CostModel
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
+                                     loads=(("light", 0.5),), probe_repeats=2,
+                                     load_probe_repeats=1, probe_load=0.5)
+    cost = CostModel.load(config.profile, config.model)
+    live = fake_live(config)
+    # Probes that are the simulation plus 12 ms past the compute (dispatch, import, the way
+    # back), whose worker reports the profile's compute: 12 ms is what the sim leaves out.
+    sim = simulate(config, probe_jobs(config, config.probe_load * live.capacity_rps))
+    probes = [msgspec.structs.replace(o, ttft_s=o.ttft_s + 0.012,
+                                      compute_s=cost.prefill_time(o.prompt_tokens))
+              for o in sim]
+    assert unmodelled_s(cost, probes, sim) == pytest.approx(0.012, abs=1e-9)
+    # A queue is not left out: the live side's wait is its own, the sim's its own.
+    queued = [msgspec.structs.replace(o, ttft_s=o.ttft_s + 0.5, queue_s=o.queue_s + 0.5)
+              for o in probes]
+    assert unmodelled_s(cost, queued, sim) == pytest.approx(0.012, abs=1e-9)
+    with pytest.raises(ValueError, match="unmodelled"):
+        unmodelled_s(cost, [msgspec.structs.replace(o, ok=False) for o in probes], sim)
+    result = evaluate(config, msgspec.structs.replace(
+        live, outcomes={**live.outcomes, "in-situ": probes}), tmp_path)
+    assert result.unmodelled_s == pytest.approx(0.012, abs=2e-3)
+    # Added to every simulated request's TTFT and end to end, nothing else.
+    done = sim[0]
+    moved = with_unmodelled([done, msgspec.structs.replace(done, ok=False)], 0.012)
+    assert moved[0].ttft_s == pytest.approx(done.ttft_s + 0.012)
+    assert moved[0].e2e_s == pytest.approx(done.e2e_s + 0.012)
+    assert moved[0].tpot_s == done.tpot_s and moved[1].ttft_s == done.ttft_s
+    assert "12." in write_report_text(tmp_path, result)
+
+
+def write_report_text(out: Path, result: Validation) -> str:
+    from services.cli.validation import write_report
+    return write_report(out / "report", result, "a test machine")
+
+
+def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path) -> None:
+    from services.cli.validation import simulate
+    from services.paper.hardware import CostModel, read_profile_spec
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=16,
+                                     loads=(("light", 0.5),), probe_repeats=1,
+                                     load_probe_repeats=0, probe_load=0.5)
+    cost = CostModel.load(config.profile, config.model)
+    # The load's requests report 1.3x the engine's compute: the replay's prefill is that.
+    result = evaluate(config, fake_live(config, slow=1.3), tmp_path)
+    spec = read_profile_spec(tmp_path / "profile-light-replay.toml")
+    assert spec.prefill is not None and "requests in load light" in spec.description
+    for length, seconds in zip(spec.prefill.lengths, spec.prefill.seconds, strict=True):
+        assert seconds == pytest.approx(1.3 * cost.prefill_time(round(length)), rel=1e-3)
+    assert not result.calibrated  # no probes rode in the load: no calibrated rows
+    replayed = simulate(msgspec.structs.replace(
+        config, profile=str(tmp_path / "profile-light-replay.toml")),
+        load_jobs_of(config, 1.0))
+    assert result.replay[0].sim["ttft_p50"] == pytest.approx(
+        compare("light", 1.0, replayed, replayed).sim["ttft_p50"] + result.unmodelled_s)
+    assert json.loads(bench_line(result.rows, result.replay))["rows"][0]["replay"] == {
+        f"{k}_err": round(v, 4) for k, v in result.replay[0].errors.items()}
+
+
+def load_jobs_of(config: ValidationConfig, rate: float) -> list[Job]:
+    from services.cli.validation import load_jobs
+    return load_jobs(config, 0, rate)
+
+
+def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -> None:
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
+                                     loads=(("light", 0.5),), probe_repeats=1,
+                                     load_probe_repeats=1, probe_load=0.5)
+    before = evaluate(config, fake_live(config), tmp_path / "a")
+    # The same live run, its load's timings (compute, TTFT, TPOT, the decode worker's own
+    # steps) changed after the fact: the prediction must not move.
+    after = evaluate(config, fake_live(config, slow=1.5, steps=1.5), tmp_path / "b")
+    assert after.records["light"]["sim"] == before.records["light"]["sim"]
+    assert after.rows[0].sim == before.rows[0].sim
+    assert after.rows[0].live != before.rows[0].live  # the live side did change
+    # The perturbation reaches the calibrated diagnostic, which reads the load.
+    assert after.calibrated[0].sim["ttft_p50"] > 1.2 * before.calibrated[0].sim["ttft_p50"]
+    assert after.decode_drift["light"] == pytest.approx(1.5)
+    # And the replay, which is the load's own compute fed back, a figure apart.
+    assert after.replay[0].sim["ttft_p50"] > 1.2 * before.replay[0].sim["ttft_p50"]
+    # What was measured before the loads does reach it.
+    situ = fake_live(config)
+    slower_probes = [msgspec.structs.replace(o, compute_s=o.compute_s * 1.5,
+                                             ttft_s=o.ttft_s + o.compute_s * 0.5)
+                     for o in situ.outcomes["in-situ"]]
+    moved = evaluate(config, msgspec.structs.replace(
+        situ, outcomes={**situ.outcomes, "in-situ": slower_probes}), tmp_path / "c")
+    assert moved.rows[0].sim["ttft_p50"] > 1.2 * before.rows[0].sim["ttft_p50"]
 
 
 def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(
