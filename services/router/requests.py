@@ -79,6 +79,7 @@ carry to the workers, a span per migration, and the first token as an event.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
@@ -129,6 +130,8 @@ from services.service import SECONDS_BUCKETS, TOKENS_BUCKETS
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
 REQUEST_LABELS = ("cluster", "policy")
@@ -407,10 +410,35 @@ class PendingDeltas:
         self.done.set()
 
 
-class RequestHandle:
-    """A running request: iterate for text deltas, then read `result`; `cancel` stops it."""
+@dataclass(frozen=True)
+class RequestEnd:
+    """How one request ended, recorded once (`RequestHandle.ended`): the one source of its
+    counts, its histograms, its `RequestDone` event, the policy's observation and its span."""
 
-    def __init__(self, placement: Placement, request: GenerationRequest) -> None:
+    at: float
+    result: Finished | None
+    error: RouterError | None  # what its client meets: its own error, or "cancelled"
+    cancelled: bool
+    ttft_s: float | None  # sent to the first token; None when no token came
+    e2e_s: float  # sent to the end
+    tpot_s: float | None  # (e2e - TTFT) / (completion tokens - 1); None below two tokens
+
+    @property
+    def why(self) -> str:
+        """The end in words: "" when it completed."""
+        if self.cancelled:
+            return "cancelled"
+        return self.error.message if self.error is not None else ""
+
+
+class RequestHandle:
+    """A running request: iterate for text deltas, then read `result`; `cancel` stops it.
+    The router's one record of the request: `RequestRunner` writes it as the request runs,
+    and `ended` records its end once."""
+
+    def __init__(self, placement: Placement, request: GenerationRequest, *,
+                 started: float = 0.0, trace: Span | None = None,
+                 series: RequestSeries | None = None) -> None:
         self.placement = placement
         self.request = request
         # The loop's own scopes (mesh.native): anyio's wrapper finds the backend each time.
@@ -418,7 +446,8 @@ class RequestHandle:
         self.prefill: PrefillDone | None = None
         self.error: RouterError | None = None
         self.result: Finished | None = None
-        self.started = self.first_token_at = self.last_token_at = 0.0
+        self.started = started
+        self.first_token_at = self.last_token_at = 0.0
         # When the second output token came (the time to second token); 0.0 until then.
         self.second_token_at = 0.0
         # The running attempt (`RequestRunner`): its scope, and whether it still
@@ -431,12 +460,28 @@ class RequestHandle:
         self.prefill_pending = False
         self.progress_at = 0.0
         self.interrupted: DataPathBroken | None = None
-        # Its histograms (`RequestMetrics`), set by the scheduler that places it.
-        self.series: RequestSeries | None = None
+        # Its histograms (`RequestMetrics`), chosen by the scheduler that places it.
+        self.series = series
         self.outbox = PendingDeltas()
         # With tracing on (services/contract/tracing.py): its span, and its running migration's.
-        self.trace: Span | None = None
+        self.trace = trace
         self.migration_trace: Span | None = None
+        self.end: RequestEnd | None = None
+
+    def ended(self, now: float) -> RequestEnd:
+        """Records the request's end at `now` (its timings computed here, once) and closes
+        its outbox: the client gets the result, or the error (cancelled when neither)."""
+        result, cancelled = self.result, self.result is None and self.error is None
+        error = UpstreamFailed(f"request {self.placement.request_id} was cancelled") \
+            if cancelled else self.error
+        ttft = self.first_token_at - self.started if self.first_token_at else None
+        e2e = now - self.started
+        tpot = (e2e - ttft) / (result.completion_tokens - 1) if (
+            ttft is not None and result is not None and result.completion_tokens > 1) else None
+        self.end = RequestEnd(at=now, result=result, error=error, cancelled=cancelled,
+                              ttft_s=ttft, e2e_s=e2e, tpot_s=tpot)
+        self.outbox.close(result, error)
+        return self.end
 
     def cancel(self) -> None:
         self.scope.cancel()
@@ -694,6 +739,20 @@ class RequestRunner:
         self._migrations: dict[str, int] = {}
         self._gave_up = self._resumed = 0
         self._resume_s = 0.0
+
+    async def serve(self, handle: RequestHandle) -> None:
+        """Runs one request to its end (`run`), its result or its error on its handle: its
+        failure is the request's, never the router's."""
+        try:
+            with handle.scope:
+                handle.result = await self.run(handle)
+        except RouterError as exc:
+            handle.error = exc
+        except MeshError as exc:
+            handle.error = UpstreamFailed(f"request {handle.placement.request_id}: {exc}")
+        except Exception as exc:
+            log.exception("request %s failed in the router", handle.placement.request_id)
+            handle.error = RouterError(f"internal error: {type(exc).__name__}: {exc}")
 
     async def run(self, handle: RequestHandle) -> Finished:
         """`drive` with the tokens going through a TextAssembler into the request's outbox,
@@ -1066,29 +1125,27 @@ class RequestMetrics(Collector):
             self._series[key] = found
         return found
 
-    def finished(self, handle: RequestHandle, now: float) -> None:
-        """Observes a request that has ended: its first token and prefill whatever the
-        outcome, its duration and lengths when it completed."""
-        series, result = handle.series, handle.result
+    @staticmethod
+    def finished(handle: RequestHandle, end: RequestEnd) -> None:
+        """Observes a request's `end`: its first token and prefill whatever the outcome, its
+        duration and lengths when it completed."""
+        series, result = handle.series, end.result
         if series is None:
             return
-        ttft = handle.first_token_at - handle.started if handle.first_token_at else None
-        if ttft is not None:
-            series.ttft.observe(ttft)
+        if end.ttft_s is not None:
+            series.ttft.observe(end.ttft_s)
         if handle.prefill is not None:
             series.queue.observe(handle.prefill.queue_s)
             series.cache.queried += handle.prefill.prompt_tokens
             series.cache.hit += handle.prefill.reused_tokens
         if result is None:
             return
-        duration = now - handle.started
-        series.duration.observe(duration)
+        series.duration.observe(end.e2e_s)
         series.prompt.observe(result.prompt_tokens)
         series.completion.observe(result.completion_tokens)
-        if ttft is not None and result.completion_tokens > 1:
-            tpot = (duration - ttft) / (result.completion_tokens - 1)
-            series.tpot.observe(tpot)
-            series.tpot_alias.observe(tpot)
+        if end.tpot_s is not None:
+            series.tpot.observe(end.tpot_s)
+            series.tpot_alias.observe(end.tpot_s)
 
     def histogram_exposition(self) -> str:
         """The histograms' text, as `collect` through a registry writes them but written

@@ -112,8 +112,6 @@ from services.router.errors import (
     NotFound,
     NoWorkerAvailable,
     QueueFull,
-    RouterError,
-    UpstreamFailed,
 )
 from services.router.link_meter import (
     BandwidthEstimator,
@@ -134,10 +132,10 @@ from services.router.policies import (
     decision_event,
 )
 from services.router.requests import (
-    Finished,
     GenerationRequest,
     Migration,
     Placement,
+    RequestEnd,
     RequestHandle,
     RequestIds,
     RequestMetrics,
@@ -247,7 +245,7 @@ class Scheduler:
             self._admit(trace)
             self._placing += 1
             try:
-                handle = RequestHandle(await self._place(request, trace), request)
+                placement = await self._place(request, trace)
             finally:
                 self._placing -= 1
         except BaseException as exc:
@@ -255,9 +253,10 @@ class Scheduler:
                 failed(trace, exc)
                 trace.end()
             raise
-        handle.started, handle.trace = started, trace
-        handle.series = self.metrics.series(
-            self.workers.cluster_of(handle.placement.prefill_worker), self.policy.name)
+        handle = RequestHandle(placement, request, started=started, trace=trace,
+                               series=self.metrics.series(
+                                   self.workers.cluster_of(placement.prefill_worker),
+                                   self.policy.name))
         self._active[handle.placement.request_id] = handle
         self.workers.dispatched(handle.placement.prefill_worker, handle.placement.decode_worker)
         self._counts.admitted += 1
@@ -495,40 +494,30 @@ class Scheduler:
             and not self.links.held(name, pd, self.clock()))
 
     async def _serve(self, handle: RequestHandle) -> None:
-        """Runs one request to its end; its failure is the request's, never the router's."""
+        """Runs one request to its end, then records the end once and feeds it on."""
         try:
-            with handle.scope:
-                handle.result = await self._runner.run(handle)
-        except RouterError as exc:
-            handle.error = exc
-        except MeshError as exc:
-            handle.error = UpstreamFailed(f"request {handle.placement.request_id}: {exc}")
-        except Exception as exc:
-            log.exception("request %s failed in the router", handle.placement.request_id)
-            handle.error = RouterError(f"internal error: {type(exc).__name__}: {exc}")
+            await self._runner.serve(handle)
         finally:
-            self._finish(handle)
+            self._finish(handle, handle.ended(self.clock()))
 
-    def _finish(self, handle: RequestHandle) -> None:
+    def _finish(self, handle: RequestHandle, end: RequestEnd) -> None:
+        """The request's end, to the worker table, the counts, the histograms, the
+        dashboard's event, the policy and the trace."""
         p = handle.placement
         del self._active[p.request_id]
         self.workers.released(p.decode_worker)
-        cancelled = handle.result is None and handle.error is None
-        error = UpstreamFailed(f"request {p.request_id} was cancelled") if cancelled \
-            else handle.error
-        self._count(handle.result, cancelled)
-        self.metrics.finished(handle, self.clock())
-        handle.outbox.close(handle.result, error)
-        self._publish_done(handle, cancelled)
+        self._count(end)
+        self.metrics.finished(handle, end)
+        self._publish_done(handle, end)
         self.policy.observe(RequestFinished(
-            request_id=p.request_id, cluster=p.cluster, now=self.clock(),
-            ok=handle.result is not None, incremental_len=p.decision.incremental_len))
+            request_id=p.request_id, cluster=p.cluster, now=end.at,
+            ok=end.result is not None, incremental_len=p.decision.incremental_len))
         if handle.trace is not None:
-            _end_trace(handle.trace, handle, error)
+            _end_trace(handle.trace, p, end)
 
-    def _count(self, result: Finished | None, cancelled: bool) -> None:
-        c = self._counts
-        if cancelled:
+    def _count(self, end: RequestEnd) -> None:
+        c, result = self._counts, end.result
+        if end.cancelled:
             c.cancelled += 1
         elif result is None:
             c.failed += 1
@@ -540,21 +529,19 @@ class Scheduler:
             c.completion_tokens += result.completion_tokens
             c.cached_tokens += result.cached_tokens
 
-    def _publish_done(self, handle: RequestHandle, cancelled: bool) -> None:
+    def _publish_done(self, handle: RequestHandle, end: RequestEnd) -> None:
         if not self.events.subscribed:  # the dashboard's and the simulation's
             return
-        p, result, now = handle.placement, handle.result, self.clock()
-        ttft = handle.first_token_at - handle.started if handle.first_token_at else 0.0
-        e2e = now - handle.started
-        out = result.completion_tokens if result else 0
-        tpot = (e2e - ttft) / (out - 1) if out > 1 and ttft else 0.0
-        error = "cancelled" if cancelled else (handle.error.message if handle.error else "")
-        self._runner.phase(p.request_id, "finished" if result else "failed", p.decode_worker, error)
+        p, result = handle.placement, end.result
+        self._runner.phase(p.request_id, "finished" if result else "failed", p.decode_worker,
+                           end.why)
+        # The event's schema has no "missing": a timing the request never had is 0.0.
         self.events.publish(RequestDone(
-            ts=now, source="router", request_id=p.request_id, cluster=p.cluster, ttft_s=ttft,
-            tpot_s=tpot, e2e_s=e2e, prompt_tokens=p.prompt_tokens, output_tokens=out,
-            cached_tokens=result.cached_tokens if result else 0, ok=result is not None,
-            error=error, trace_id="" if handle.trace is None else trace_id(handle.trace)))
+            ts=end.at, source="router", request_id=p.request_id, cluster=p.cluster,
+            ttft_s=end.ttft_s or 0.0, tpot_s=end.tpot_s or 0.0, e2e_s=end.e2e_s,
+            prompt_tokens=p.prompt_tokens, output_tokens=result.completion_tokens if result
+            else 0, cached_tokens=result.cached_tokens if result else 0, ok=result is not None,
+            error=end.why, trace_id="" if handle.trace is None else trace_id(handle.trace)))
 
     def _running(self) -> anyio.abc.TaskGroup:
         if self._group is None:
@@ -1061,14 +1048,13 @@ class WorkerTable:
                                      "exceed its active requests")
 
 
-def _end_trace(span: Span, handle: RequestHandle, error: RouterError | None) -> None:
-    """Ends a request's span with where it ran and how it ended; its TTFT is the one the
-    router's histogram observed (`RequestMetrics.finished`)."""
-    p, result = handle.placement, handle.result
+def _end_trace(span: Span, p: Placement, end: RequestEnd) -> None:
+    """Ends a request's span with where it ran and how it ended (`end`: the same TTFT the
+    router's histogram observed)."""
+    result, error = end.result, end.error
     span.set_attributes({"prfaas.cluster": p.cluster, "prfaas.attempts": p.attempt + 1})
-    if handle.first_token_at:
-        span.set_attribute("gen_ai.latency.time_to_first_token",
-                           handle.first_token_at - handle.started)
+    if end.ttft_s is not None:
+        span.set_attribute("gen_ai.latency.time_to_first_token", end.ttft_s)
     if result is not None:
         span.set_attributes({"gen_ai.usage.output_tokens": result.completion_tokens,
                              "gen_ai.response.finish_reasons": [result.finish_reason],
