@@ -25,7 +25,7 @@ from services.cli import main as cli_main
 from services.cli.launch import launch
 from services.contract.errors import KVTransferError
 from services.contract.messages import CODEC_MESSAGES, StatusQuery, WorkerState
-from services.router.scheduler import WorkerTable
+from services.router.workers import WorkerTable
 from tests.ports import distinct_ports
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
@@ -78,9 +78,9 @@ async def test_a_worker_still_starting_is_info_not_a_warning(
     workers = WorkerTable.from_topology(topology)
     node = Node("router", Codec(CODEC_MESSAGES), MemoryTransport(MemoryHub()), topology.address)
     async with node:
-        with caplog.at_level(logging.INFO, "services.router.scheduler"):
+        with caplog.at_level(logging.INFO, "services.router.workers"):
             await workers.poll(node, timeout=1.0, block_size=64)
-    records = [r for r in caplog.records if r.name == "services.router.scheduler"]
+    records = [r for r in caplog.records if r.name == "services.router.workers"]
     assert records and all(r.levelno == logging.INFO for r in records)
     assert all("is not up yet" in r.getMessage() for r in records)
     assert not any(workers.get(name).up for name in workers.names)

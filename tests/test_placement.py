@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.policies import PolicyError, WorkerSnapshot
-from services.router.scheduler import (
+from services.router.placement import (
     PlacementConfig,
     PlacementError,
     choose_decode_worker,
@@ -15,6 +14,7 @@ from services.router.scheduler import (
     choose_worker,
     choose_worker_reference,
 )
+from services.router.policies import PolicyError, WorkerSnapshot
 
 
 def decode(name: str, cached: int = 0, running: int = 0, queue: int = 0,

@@ -34,7 +34,8 @@ from services.model.config import ModelConfig, family_config
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest, RequestHandle
-from services.router.scheduler import Scheduler, WorkerTable
+from services.router.scheduler import Scheduler
+from services.router.workers import WorkerTable
 from services.worker import engine as engine_module
 from services.worker import prefix_pull as prefix_pull_module
 from services.worker.engine import expected_kv_bytes
@@ -251,7 +252,7 @@ async def test_the_pull_check_fails_when_the_pulled_prefix_is_perturbed(
 
 async def _cached(scheduler: Scheduler, prompt: list[int], worker: str = "p") -> bool:
     """The directory knows `worker` can resume the prompt's first 3 blocks."""
-    match = await scheduler._lookup(block_hashes(prompt, scheduler.config.block_size))
+    match = await scheduler.placer._lookup(block_hashes(prompt, scheduler.config.block_size))
     return scheduler.workers.resumable_of(worker, match) >= 3
 
 

@@ -8,21 +8,32 @@ every thread records each project file as Python first calls into it while one s
 `[DONE]`. The list, `mesh/` and the test's own files left out, must equal the numbered list of
 docs/architecture.md section 10, so that list cannot rot. The model's files are listed but are
 not counted: the model is a library the workers call.
+
+No call chain may go back into a file it left. A chain is a call's stack, and a task started
+while the request runs (`create_task`, a task group's `start_soon`, `mesh.native.start_soon`)
+continues the chain of the code that started it: a callback that a task or mesh/ calls is a
+call too. A task the runtime starts for itself (mesh/ starts it: a handler pool's worker, a
+connection's session) begins a chain of its own, the receiving service's, as over TCP.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import importlib.util
 import re
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import Any
+from weakref import WeakKeyDictionary
 
 import anyio
 import httpx
+import pytest
 
 from mesh.topology import Topology, parse_topology
 from services.cli.launch import in_process
@@ -58,15 +69,29 @@ def topology_text(ports: list[int]) -> str:
 
 
 class FileTrace:
-    """Project files in the order of their first call, recorded only while `active`, and
-    every call chain that goes back into a file it has left (`returns`)."""
+    """Project files (those under `root`) in the order of their first call, recorded only
+    while `active`, and every call chain that goes back into a file it has left (`returns`).
+    A task created while `active` (`task_factory`, set on the loop) carries the chain that
+    created it (`_origins`): its calls continue that chain."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path = ROOT) -> None:
+        self.root = root
         self.active = False
         self.files: list[str] = []
         self.returns: set[tuple[str, ...]] = set()
         self._names: dict[str, str | None] = {}
         self._lock = threading.Lock()
+        self._origins: WeakKeyDictionary[asyncio.Task[Any], tuple[str, ...]] = \
+            WeakKeyDictionary()
+
+    def task_factory(self, loop: asyncio.AbstractEventLoop, coro: Any,
+                     **options: Any) -> asyncio.Task[Any]:
+        """The loop's task factory: a task started while active remembers who started it."""
+        task = asyncio.Task(coro, loop=loop, **options)
+        starter = sys._getframe(1)
+        if self.active and not _started_by_runtime(starter):
+            self._origins[task] = self._chain(starter)
+        return task
 
     def profile(self, frame: FrameType, event: str, arg: object) -> None:
         if not self.active or event != "call":
@@ -88,28 +113,58 @@ class FileTrace:
         """The counted files of the call chain that ends in `frame`, outermost first, each run
         of calls within one file as one step (mesh/ and the model's frames in between are
         passed over: the runtime and the library calling back are not the project's path)."""
-        chain: list[str] = []
+        chain: list[str] = list(self._origin())
+        stack: list[str] = []
         while frame is not None:
             name = self._project_file(frame.f_code.co_filename)
-            if name is not None and not name.startswith(LIBRARY) and (
-                    not chain or chain[-1] != name):
-                chain.append(name)
+            if name is not None and not name.startswith(LIBRARY):
+                stack.append(name)
             frame = frame.f_back
-        return tuple(reversed(chain))
+        for name in reversed(stack):
+            if not chain or chain[-1] != name:
+                chain.append(name)
+        return tuple(chain)
+
+    def _origin(self) -> tuple[str, ...]:
+        """The chain that started the running task (none in a thread without a loop)."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return ()
+        return self._origins.get(task, ()) if task is not None else ()
 
     def _project_file(self, filename: str) -> str | None:
         if filename not in self._names:
-            self._names[filename] = _relative(filename)
+            self._names[filename] = _relative(filename, self.root)
         return self._names[filename]
 
 
-def _relative(filename: str) -> str | None:
-    """The repository path of a project source file outside SKIPPED, else None."""
+RUNTIME, START_SOON = ROOT / "mesh", ROOT / "mesh" / "native.py"
+
+
+def _started_by_runtime(frame: FrameType | None) -> bool:
+    """Whether the code that starts a task (`frame` and out, past the libraries and
+    `mesh.native.start_soon`, which the project calls too) is mesh/'s own."""
+    while frame is not None:
+        path = _resolved(frame.f_code.co_filename)
+        if path.is_relative_to(ROOT) and path != START_SOON:
+            return path.is_relative_to(RUNTIME)
+        frame = frame.f_back
+    return False
+
+
+@functools.cache
+def _resolved(filename: str) -> Path:
+    return Path(filename).resolve()
+
+
+def _relative(filename: str, root: Path) -> str | None:
+    """The path under `root` of a project source file outside SKIPPED, else None."""
     path = Path(filename)
     if not path.is_absolute() or path.suffix != ".py":
         return None
     try:
-        name = path.resolve().relative_to(ROOT).as_posix()
+        name = path.resolve().relative_to(root).as_posix()
     except ValueError:
         return None
     return None if name.startswith(SKIPPED) else name
@@ -138,6 +193,7 @@ async def wait_for_workers(client: httpx.AsyncClient, url: str, count: int) -> N
 async def traced_completion(topology: Topology, url: str, trace: FileTrace) -> str:
     """Streams one completion with `trace` active; returns the prefill cluster it names."""
     body = {"model": "prfaas", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    asyncio.get_running_loop().set_task_factory(trace.task_factory)
     async with in_process(topology, SERVICES), httpx.AsyncClient(timeout=60) as client:
         await wait_for_workers(client, url, 3)
         trace.active = True
@@ -198,3 +254,67 @@ def test_the_doc_states_the_count_of_its_list() -> None:
     section = DOC.read_text().split(HEADING, 1)[1]
     stated = re.search(r"crosses (\d+) files outside\s+`services/model/`", section)
     assert stated is not None and int(stated.group(1)) == len(counted(files))
+
+
+# A planted request path of two files: `caller.py` hands `lower.py` a task group and a
+# callback; `lower.py` starts a task (by the task group, or by mesh/) that calls it.
+CALLER = """
+import anyio
+
+def done() -> None:
+    pass
+
+async def request(lower, callback_up: bool, via_mesh: bool) -> None:
+    async with anyio.create_task_group() as group:
+        lower.start(group, done if callback_up else lower.stays, via_mesh)
+"""
+LOWER = """
+import anyio
+from mesh import native
+
+def stays() -> None:
+    pass
+
+def start(group, callback, via_mesh: bool) -> None:
+    if via_mesh:
+        native.start_soon(group, later, callback)
+    else:
+        group.start_soon(later, callback)
+
+async def later(callback) -> None:
+    await anyio.sleep(0)
+    callback()
+"""
+
+
+def _module(path: Path, text: str) -> ModuleType:
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"planted_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def planted_returns(root: Path, callback_up: bool, via_mesh: bool) -> set[tuple[str, ...]]:
+    caller, lower = _module(root / "caller.py", CALLER), _module(root / "lower.py", LOWER)
+    trace = FileTrace(root)
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_task_factory(trace.task_factory)
+        trace.active = True
+        await caller.request(lower, callback_up, via_mesh)
+        trace.active = False
+
+    with profiling(trace):
+        anyio.run(main, backend="asyncio")
+    return trace.returns
+
+
+@pytest.mark.parametrize("via_mesh", [False, True])
+def test_a_callback_up_from_a_task_is_a_return(tmp_path: Path, via_mesh: bool) -> None:
+    # The task's own stack is lower.py alone: only the chain it was started from shows the
+    # callback going back into caller.py. A callback that stays in lower.py is no return.
+    assert planted_returns(tmp_path, callback_up=True, via_mesh=via_mesh) == {
+        ("caller.py", "lower.py", "caller.py")}
+    assert planted_returns(tmp_path, callback_up=False, via_mesh=via_mesh) == set()

@@ -23,7 +23,7 @@ from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
 from services.router.link_meter import EstimatorConfig
 from services.router.policies import Action, ClusterState, ConvertWorker, PrfaasPolicy, SetThreshold
-from services.router.scheduler import ModelMismatch
+from services.router.workers import ModelMismatch
 
 
 @pytest.mark.trio

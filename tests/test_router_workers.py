@@ -10,9 +10,9 @@ from mesh.errors import ConfigError, PeerGone
 from mesh.topology import parse_topology
 from services.contract.messages import PrefixMatch, WorkerMatch, WorkerState
 from services.router.errors import NotFound
+from services.router.placement import Placement
 from services.router.policies import RouteInputs, WorkerSnapshot, threshold_rule
-from services.router.requests import Placement
-from services.router.scheduler import (
+from services.router.workers import (
     ModelMismatch,
     WorkerEntry,
     WorkerTable,
@@ -93,11 +93,11 @@ def test_integrity_counts_open_streams_against_active_requests() -> None:
     placement = Placement(request_id="r", cluster="pd", prefill_worker="pd-prefill-0",
                           decode_worker="pd-decode-0", prompt_tokens=10, cached_tokens=0,
                           decode_has_tokens=0, decision=threshold_rule(inputs, 100, True))
-    workers.check_integrity([placement])
+    workers.check_integrity([(placement.prefill_worker, placement.decode_worker)])
     workers.prefilled("pd-prefill-0")
     workers.prefilled("pd-prefill-0")
     with pytest.raises(AssertionError, match="prefills -1"):
-        workers.check_integrity([placement])
+        workers.check_integrity([(placement.prefill_worker, placement.decode_worker)])
 
 
 def test_draining_and_down_workers_are_not_candidates() -> None:

@@ -50,7 +50,8 @@ from services.model.config import family_config, kv_bytes
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest
-from services.router.scheduler import Scheduler, WorkerTable
+from services.router.scheduler import Scheduler
+from services.router.workers import WorkerTable
 from services.service import serve_events
 from services.worker.engine import expected_kv_bytes
 from tests.ports import free_ports
@@ -566,4 +567,4 @@ async def test_real_workers_kv_flows_reach_the_feed_with_their_true_size() -> No
 
 
 async def lookup(scheduler: Scheduler, prompt: list[int]) -> Any:
-    return await scheduler._lookup(block_hashes(prompt, scheduler.config.block_size))
+    return await scheduler.placer._lookup(block_hashes(prompt, scheduler.config.block_size))

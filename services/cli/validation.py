@@ -91,7 +91,8 @@ from services.router.control import ControlConfig, RouterControl
 from services.router.errors import RouterError
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest, RequestHandle
-from services.router.scheduler import Scheduler, WorkerTable
+from services.router.scheduler import Scheduler
+from services.router.workers import WorkerTable
 from services.service import ServiceContext
 from services.sim.engine import ModeledConfig, ModeledTokenizer
 from services.sim.report import markdown_table

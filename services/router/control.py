@@ -42,7 +42,8 @@ from services.router.policies import (
     create_policy,
     json_threshold,
 )
-from services.router.scheduler import Scheduler, StatusReader, WorkerEntry
+from services.router.scheduler import Scheduler
+from services.router.workers import StatusReader, WorkerEntry
 from services.service import link_service_of
 
 log = logging.getLogger(__name__)

@@ -108,7 +108,8 @@ from services.router.requests import (
     RequestHandle,
     TokenRecord,
 )
-from services.router.scheduler import Scheduler, SchedulerCollector, WorkerTable
+from services.router.scheduler import Scheduler, SchedulerCollector
+from services.router.workers import WorkerTable
 from services.service import ServiceContext, http_bind_host, serve_events
 
 if TYPE_CHECKING:

@@ -31,8 +31,9 @@ a stop token (stop_token_ids) counts but, as in vLLM, adds no text. The first er
 side meets is the request's (`UpstreamFailed`) and cancels the other; cancelling the request's
 scope (the client left) aborts the decode stream at its worker and gives up the prefill call.
 `prfaas send` (services/cli/send.py) drives a prompt through two workers it names on the same
-`drive`. Counting and events of the request's end are the scheduler's
-(services/router/scheduler.py).
+`drive`. The handle is the request's one record: the runner writes it, and `ended` records
+its end once (`RequestEnd`: TTFT, TPOT and end-to-end computed there), which the scheduler
+feeds to its counts, the histograms, the `RequestDone` event and the policy.
 
 Migration (`RequestRunner.run`): when an attempt's data path breaks, the request continues
 elsewhere, at most `migration_limit` times, as NVIDIA Dynamo's request migration does:
@@ -52,10 +53,11 @@ elsewhere, at most `migration_limit` times, as NVIDIA Dynamo's request migration
    request keeps its place in its seed's stream (`continued`: token i of the new attempt is
    drawn as token k + i of the old). The model is deterministic at temperature 0, so a
    greedy request gives the text it would have given unbroken;
-3. the scheduler places it again (`Migration`): decode_lost by the current policy, away from
-   the lost worker; prefill_lost in the same kind of cluster on another worker, else the
-   other kind; kv_stalled and a cut cross-cluster stream in the PD cluster. A worker whose
-   connection broke is marked down until it answers a status poll again;
+3. the runner places it again (`Migration`, services/router/placement.py): decode_lost by
+   the current policy, away from the lost worker; prefill_lost in the same kind of cluster on
+   another worker, else the other kind; kv_stalled and a cut cross-cluster stream in the PD
+   cluster. A worker whose connection broke is marked down until it answers a status poll
+   again;
 4. the client's stream goes on from the same TextAssembler: no token repeated or missing,
    usage counts the whole answer. Each migration is a `RequestMigrated` event (the request's
    timeline) and counted by reason (`statistics`, /metrics). Past the limit, or with no
@@ -79,9 +81,10 @@ carry to the workers, a span per migration, and the first token as an event.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -102,13 +105,11 @@ from services.contract.events import (
     MigrationReason,
     RequestMigrated,
     RequestPhase,
-    attempt_id,
 )
 from services.contract.messages import (
     DecodeRequest,
     PrefillDone,
     PrefillRequest,
-    PrefixPull,
     TokenChunk,
 )
 from services.contract.sampling import Sampling, TokenLogprob
@@ -124,11 +125,14 @@ from services.router.errors import (
     RouterError,
     UpstreamFailed,
 )
-from services.router.policies import Decision
+from services.router.placement import Migration, Placement, Placer
+from services.router.workers import WorkerTable
 from services.service import SECONDS_BUCKETS, TOKENS_BUCKETS
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
 REQUEST_LABELS = ("cluster", "policy")
@@ -161,46 +165,6 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     # An odd multiplier (2^64 / golden ratio) spreads the choices over the int64 range.
     mixed = (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
     return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
-
-
-class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one request runs, decided before it starts."""
-
-    request_id: str
-    cluster: Cluster
-    prefill_worker: str
-    decode_worker: str
-    prompt_tokens: int
-    cached_tokens: int  # the prefix the prefill worker resumes from (the policy's view)
-    decode_has_tokens: int  # the prefix whose KV the decode worker already holds
-    decision: Decision
-    pull: PrefixPull | None = None  # the cached prefix the prefill worker fetches first
-    # Connections the prefill worker stripes the KV over: across clusters the scheduler's
-    # `connections`, at most the worker's own lanes; within a cluster one.
-    lanes: int = 1
-    # 0 for the request as placed; n after its n-th migration (`RequestRunner`).
-    attempt: int = 0
-    # The hash chain of the prompt's blocks that a cache may supply (the lookup's), sent
-    # with the prompt: the workers hash only what follows (PrefillRequest.hashes).
-    hashes: list[int] = []
-
-    @property
-    def wire_id(self) -> str:
-        """The id the workers know this attempt by (the router's own for attempt 0)."""
-        return attempt_id(self.request_id, self.attempt)
-
-
-class Migration(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a request whose data path broke is to continue (`RequestRunner`):
-    the runner's ask, the scheduler's placement answers it."""
-
-    reason: MigrationReason
-    attempt: int  # this continuation's number, from 1
-    prompt: list[int]  # the request's prompt and every output token streamed so far
-    failed_worker: str
-    worker_lost: bool  # its connection broke: it is down until it answers a status poll
-    avoid: frozenset[str]  # the workers that failed this request so far
-    cluster: Cluster | None  # the kind of cluster to prefill in; None: the policy decides
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
@@ -407,10 +371,35 @@ class PendingDeltas:
         self.done.set()
 
 
-class RequestHandle:
-    """A running request: iterate for text deltas, then read `result`; `cancel` stops it."""
+@dataclass(frozen=True)
+class RequestEnd:
+    """How one request ended, recorded once (`RequestHandle.ended`): the one source of its
+    counts, its histograms, its `RequestDone` event, the policy's observation and its span."""
 
-    def __init__(self, placement: Placement, request: GenerationRequest) -> None:
+    at: float
+    result: Finished | None
+    error: RouterError | None  # what its client meets: its own error, or "cancelled"
+    cancelled: bool
+    ttft_s: float | None  # sent to the first token; None when no token came
+    e2e_s: float  # sent to the end
+    tpot_s: float | None  # (e2e - TTFT) / (completion tokens - 1); None below two tokens
+
+    @property
+    def why(self) -> str:
+        """The end in words: "" when it completed."""
+        if self.cancelled:
+            return "cancelled"
+        return self.error.message if self.error is not None else ""
+
+
+class RequestHandle:
+    """A running request: iterate for text deltas, then read `result`; `cancel` stops it.
+    The router's one record of the request: `RequestRunner` writes it as the request runs,
+    and `ended` records its end once."""
+
+    def __init__(self, placement: Placement, request: GenerationRequest, *,
+                 started: float = 0.0, trace: Span | None = None,
+                 series: RequestSeries | None = None) -> None:
         self.placement = placement
         self.request = request
         # The loop's own scopes (mesh.native): anyio's wrapper finds the backend each time.
@@ -418,7 +407,8 @@ class RequestHandle:
         self.prefill: PrefillDone | None = None
         self.error: RouterError | None = None
         self.result: Finished | None = None
-        self.started = self.first_token_at = self.last_token_at = 0.0
+        self.started = started
+        self.first_token_at = self.last_token_at = 0.0
         # When the second output token came (the time to second token); 0.0 until then.
         self.second_token_at = 0.0
         # The running attempt (`RequestRunner`): its scope, and whether it still
@@ -431,12 +421,28 @@ class RequestHandle:
         self.prefill_pending = False
         self.progress_at = 0.0
         self.interrupted: DataPathBroken | None = None
-        # Its histograms (`RequestMetrics`), set by the scheduler that places it.
-        self.series: RequestSeries | None = None
+        # Its histograms (`RequestMetrics`), chosen by the scheduler that places it.
+        self.series = series
         self.outbox = PendingDeltas()
         # With tracing on (services/contract/tracing.py): its span, and its running migration's.
-        self.trace: Span | None = None
+        self.trace = trace
         self.migration_trace: Span | None = None
+        self.end: RequestEnd | None = None
+
+    def ended(self, now: float) -> RequestEnd:
+        """Records the request's end at `now` (its timings computed here, once) and closes
+        its outbox: the client gets the result, or the error (cancelled when neither)."""
+        result, cancelled = self.result, self.result is None and self.error is None
+        error = UpstreamFailed(f"request {self.placement.request_id} was cancelled") \
+            if cancelled else self.error
+        ttft = self.first_token_at - self.started if self.first_token_at else None
+        e2e = now - self.started
+        tpot = (e2e - ttft) / (result.completion_tokens - 1) if (
+            ttft is not None and result is not None and result.completion_tokens > 1) else None
+        self.end = RequestEnd(at=now, result=result, error=error, cancelled=cancelled,
+                              ttft_s=ttft, e2e_s=e2e, tpot_s=tpot)
+        self.outbox.close(result, error)
+        return self.end
 
     def cancel(self) -> None:
         self.scope.cancel()
@@ -667,9 +673,6 @@ GRACE_S = 0.5
 # wrong (services/contract/errors.py): a request meeting one of them may continue elsewhere.
 BREAKAGES = frozenset({"KVTransferError", "KVStalled", "DataPathError", "WrongRole"})
 
-Replace = Callable[[RequestHandle, Migration], Awaitable[Placement]]
-
-
 class RunnerStatistics(msgspec.Struct, frozen=True):
     migrations: dict[str, int]  # by reason (MigrationReason)
     gave_up: int  # requests past migration_limit
@@ -678,22 +681,35 @@ class RunnerStatistics(msgspec.Struct, frozen=True):
 
 
 class RequestRunner:
-    """Runs placed requests (module docstring); `phase` publishes a request's progress.
-    `prefilled` tells the worker table that a prefill call ended (its worker's queue is one
-    shorter); `replace` is the scheduler's placement of a migrated request (None: none
-    migrates)."""
+    """Runs placed requests (module docstring); `phase` publishes a request's progress. It
+    keeps `workers` told of its requests (a prefill ended, an attempt moved) and places a
+    migrated request's next attempt with `placer` (None: none migrates)."""
 
-    def __init__(self, node: Node, prefilled: Callable[[str], None], tokenizer: TokenizerLike,
+    def __init__(self, node: Node, workers: WorkerTable, tokenizer: TokenizerLike,
                  config: SchedulerConfig, events: EventBus[Event],
-                 clock: Callable[[], float], replace: Replace | None = None, *,
+                 clock: Callable[[], float], placer: Placer | None = None, *,
                  tracer: Tracer | None = None) -> None:
-        self.node, self._prefilled, self.tokenizer = node, prefilled, tokenizer
+        self.node, self.workers, self.tokenizer = node, workers, tokenizer
         self.config, self.events, self.clock = config, events, clock
-        self._replace = replace
+        self.placer = placer
         self.tracer = tracer
         self._migrations: dict[str, int] = {}
         self._gave_up = self._resumed = 0
         self._resume_s = 0.0
+
+    async def serve(self, handle: RequestHandle) -> None:
+        """Runs one request to its end (`run`), its result or its error on its handle: its
+        failure is the request's, never the router's."""
+        try:
+            with handle.scope:
+                handle.result = await self.run(handle)
+        except RouterError as exc:
+            handle.error = exc
+        except MeshError as exc:
+            handle.error = UpstreamFailed(f"request {handle.placement.request_id}: {exc}")
+        except Exception as exc:
+            log.exception("request %s failed in the router", handle.placement.request_id)
+            handle.error = RouterError(f"internal error: {type(exc).__name__}: {exc}")
 
     async def run(self, handle: RequestHandle) -> Finished:
         """`drive` with the tokens going through a TextAssembler into the request's outbox,
@@ -763,7 +779,7 @@ class RequestRunner:
 
     def _prefill_ended(self, handle: RequestHandle, worker: str) -> None:
         handle.prefill_pending = False
-        self._prefilled(worker)
+        self.workers.prefilled(worker)
 
     def _attempt_span(self, handle: RequestHandle) -> Span:
         """The span of the request's attempt on its placement (its workers' spans' parent)."""
@@ -804,7 +820,7 @@ class RequestRunner:
         the error that ends it."""
         p, limit = handle.placement, self.config.migration_limit
         found = breakage(broken, p)
-        if found is None or limit == 0 or self._replace is None:
+        if found is None or limit == 0 or self.placer is None:
             raise broken
         reason, worker, lost = found
         if p.attempt >= limit:
@@ -818,12 +834,31 @@ class RequestRunner:
             failed_worker=worker, worker_lost=lost, avoid=frozenset(avoid),
             cluster=_cluster_after(reason, p))
         try:
-            placed = await self._replace(handle, migration)
+            placed = await self._placed_again(handle, self.placer, migration)
         except (NoWorkerAvailable, QueueFull) as exc:
             raise UpstreamFailed(f"{broken.message}; request {p.request_id} could not be "
                                  f"continued: {exc.message}") from broken
         self._migrations[reason] = self._migrations.get(reason, 0) + 1
         self._published(migration, placed, len(kept), broken.message)
+
+    async def _placed_again(self, handle: RequestHandle, placer: Placer,
+                            migration: Migration) -> Placement:
+        """Places a migrated request's next attempt and moves the request's share of the
+        worker table there; NoWorkerAvailable when nothing can take it (the request's
+        placement is then unchanged)."""
+        old = handle.placement
+        if migration.worker_lost:
+            self.workers.lost(migration.failed_worker)
+        if migration.reason == "kv_stalled":
+            placer.hold_link(old)
+        placed, _ = await placer.place(old.request_id, migration.prompt, migration,
+                                       handle.migration_trace)
+        self.workers.released(old.decode_worker)
+        self.workers.dispatched(placed.prefill_worker, placed.decode_worker)
+        handle.placement = placed
+        self.phase(old.request_id, "queued", placed.prefill_worker,
+                   f"migrated ({migration.reason}): {placed.decision.reason}")
+        return placed
 
     def _published(self, migration: Migration, placed: Placement, kept: int,
                    detail: str) -> None:
@@ -1066,29 +1101,27 @@ class RequestMetrics(Collector):
             self._series[key] = found
         return found
 
-    def finished(self, handle: RequestHandle, now: float) -> None:
-        """Observes a request that has ended: its first token and prefill whatever the
-        outcome, its duration and lengths when it completed."""
-        series, result = handle.series, handle.result
+    @staticmethod
+    def finished(handle: RequestHandle, end: RequestEnd) -> None:
+        """Observes a request's `end`: its first token and prefill whatever the outcome, its
+        duration and lengths when it completed."""
+        series, result = handle.series, end.result
         if series is None:
             return
-        ttft = handle.first_token_at - handle.started if handle.first_token_at else None
-        if ttft is not None:
-            series.ttft.observe(ttft)
+        if end.ttft_s is not None:
+            series.ttft.observe(end.ttft_s)
         if handle.prefill is not None:
             series.queue.observe(handle.prefill.queue_s)
             series.cache.queried += handle.prefill.prompt_tokens
             series.cache.hit += handle.prefill.reused_tokens
         if result is None:
             return
-        duration = now - handle.started
-        series.duration.observe(duration)
+        series.duration.observe(end.e2e_s)
         series.prompt.observe(result.prompt_tokens)
         series.completion.observe(result.completion_tokens)
-        if ttft is not None and result.completion_tokens > 1:
-            tpot = (duration - ttft) / (result.completion_tokens - 1)
-            series.tpot.observe(tpot)
-            series.tpot_alias.observe(tpot)
+        if end.tpot_s is not None:
+            series.tpot.observe(end.tpot_s)
+            series.tpot_alias.observe(end.tpot_s)
 
     def histogram_exposition(self) -> str:
         """The histograms' text, as `collect` through a registry writes them but written

@@ -37,8 +37,10 @@ from services.paper.hardware import CostModel
 from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
 from services.router.link_meter import EstimatorConfig
+from services.router.placement import DirectoryReader
 from services.router.policies import LinkSample, create_policy
-from services.router.scheduler import DirectoryReader, Scheduler, StatusReader, WorkerTable
+from services.router.scheduler import Scheduler
+from services.router.workers import StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
 from services.worker.engine import InlineRunner
