@@ -140,6 +140,7 @@ class FileTrace:
 
 
 RUNTIME, START_SOON = ROOT / "mesh", ROOT / "mesh" / "native.py"
+VENV = ROOT / ".venv"  # make's environment lives in the checkout: its libraries are not ours
 
 
 def _started_by_runtime(frame: FrameType | None) -> bool:
@@ -147,7 +148,7 @@ def _started_by_runtime(frame: FrameType | None) -> bool:
     `mesh.native.start_soon`, which the project calls too) is mesh/'s own."""
     while frame is not None:
         path = _resolved(frame.f_code.co_filename)
-        if path.is_relative_to(ROOT) and path != START_SOON:
+        if path.is_relative_to(ROOT) and not path.is_relative_to(VENV) and path != START_SOON:
             return path.is_relative_to(RUNTIME)
         frame = frame.f_back
     return False
