@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -20,6 +19,7 @@ from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
 from mesh.wire import Codec, Item
+from tests.backends import backends_fixture
 
 
 class Nap(msgspec.Struct, frozen=True, tag=True):
@@ -354,15 +354,7 @@ async def test_peer_dying_during_a_call_is_peer_gone(
         assert trio.current_time() == pytest.approx(1)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture()
 
 
 def tcp_server(address: Address) -> Node:

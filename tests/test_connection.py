@@ -16,10 +16,7 @@ from mesh.errors import FrameDecodeError, HandshakeError, PeerGone
 from mesh.tcp import AsyncioSocketStream
 from mesh.transport import Address, TcpTransport, memory_pipe
 from mesh.wire import BULK_BYTES, Call, Cast, Codec, Envelope, Fail, Hello, Item, Reply
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
+from tests.ping import Ping
 
 
 class Blob(msgspec.Struct, frozen=True, tag=True):

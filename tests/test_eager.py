@@ -9,17 +9,9 @@ import anyio
 import pytest
 
 from mesh.eager import Eager
+from tests.backends import backends_fixture
 
-
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture()
 
 
 async def returns_at_once(log: list[str]) -> int:

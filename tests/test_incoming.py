@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import anyio
-import msgspec
 import pytest
 import trio
 import trio.testing
@@ -14,15 +13,7 @@ from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
 from mesh.wire import HEADER_SIZE, Codec
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
-
-class Pong(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
+from tests.ping import Ping, Pong
 
 CODEC = Codec([Ping, Pong])
 # A frame whose body is not msgpack, sent where the client's Hello belongs.

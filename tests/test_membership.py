@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import msgspec
 import pytest
 
 from mesh.connection import Connection
@@ -23,31 +21,15 @@ from mesh.node import Node
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
 from mesh.wire import PROTOCOL_VERSION, Call, Codec, Fail, Hello, Proof, Reply
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
-
-class Pong(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
+from tests.backends import backends_fixture
+from tests.ping import Ping, Pong
 
 CODEC = Codec([Ping, Pong])
 SECRET = b"the mesh's shared secret, 32 b.."
 OTHER = b"another secret, also long enough"
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("asyncio", {}), id="asyncio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture(plain_asyncio=True)
 
 
 def service(transport: Transport, secret: bytes | None, handled: list[int]) -> Node:

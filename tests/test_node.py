@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import pytest
 import trio
@@ -22,14 +20,8 @@ from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
-
-class Pong(msgspec.Struct, frozen=True, tag=True):
-    n: int
+from tests.backends import backends_fixture
+from tests.ping import Ping, Pong
 
 
 class Note(msgspec.Struct, frozen=True, tag=True):
@@ -76,15 +68,7 @@ async def test_call_and_cast_in_memory(autojump_clock: trio.testing.MockClock) -
     assert b.notes == ["no reply from a", "hello from a"]  # type: ignore[attr-defined]
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture()
 
 
 @pytest.mark.anyio

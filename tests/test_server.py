@@ -20,14 +20,8 @@ from mesh.node import Node, NodeConfig
 from mesh.server import Context
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport
 from mesh.wire import HEADER_SIZE, Codec, Item, Open
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
-
-
-class Pong(msgspec.Struct, frozen=True, tag=True):
-    n: int
+from tests.backends import backends_fixture
+from tests.ping import Ping, Pong
 
 
 class Boom(msgspec.Struct, frozen=True, tag=True):
@@ -145,15 +139,7 @@ async def test_bad_frame_drops_that_client_only_in_memory(
     assert dropped and errors == 1
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture()
 
 
 @pytest.mark.parametrize("frame", [OVERSIZED, GARBAGE], ids=["oversized", "garbage"])

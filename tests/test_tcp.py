@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import socket
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -13,18 +12,9 @@ import trio
 
 from mesh import tcp
 from mesh.tcp import BULK_READ, FAIR_READS, READ_BUFFER, TrioSocketStream, asyncio_stream
+from tests.backends import backends_fixture
 
-
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("asyncio", {}), id="asyncio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture(plain_asyncio=True)
 
 
 def tcp_socket_pair() -> tuple[socket.socket, socket.socket]:

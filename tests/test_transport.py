@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import anyio.abc
 import pytest
 
 from mesh.errors import ConfigError
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport, Transport, memory_pipe
+from tests.backends import backends_fixture
 
 LOCAL = Address("127.0.0.1", 0)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {}), id="trio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+anyio_backend = backends_fixture()
 
 
 async def echo_once(transport: Transport) -> tuple[bytes, Address]:

@@ -40,10 +40,7 @@ from mesh.wire import (
     Reply,
     wire_timeout,
 )
-
-
-class Ping(msgspec.Struct, frozen=True, tag=True):
-    n: int
+from tests.ping import Ping
 
 
 class Blob(msgspec.Struct, frozen=True, tag=True):
