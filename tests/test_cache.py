@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import torch
@@ -13,15 +11,7 @@ from services.model.config import FAMILIES, ModelConfig, family_config, kv_bytes
 from services.model.generate import block_boundaries, prefill
 from services.model.model import HybridLM, build_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and OpenMP spin-waits burn the
-    shared cores; restore the setting for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sharp(family: str) -> ModelConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -14,7 +13,7 @@ import torch
 
 from services.model.batch import DecodeBatch
 from services.model.cache import LinearState, RequestCache, TokenKV, WindowKV
-from services.model.config import FAMILIES, ModelConfig, family_config, kv_bytes, kv_bytes_split
+from services.model.config import FAMILIES, kv_bytes, kv_bytes_split
 from services.model.export import (
     KVDtypeError,
     KVImporter,
@@ -28,26 +27,11 @@ from services.model.generate import generate, prefill
 from services.model.kv_replay import ReplayJob, ReplayResult
 from services.model.model import HybridLM, build_model
 from services.model.sampling import SamplingParams
+from tests.tiny_models import sharp, tokens
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and OpenMP spin-waits burn the
-    shared cores; restore the setting for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def sharp(family: str) -> ModelConfig:
-    return msgspec.structs.replace(family_config(family, "tiny"), init_std=0.1, eos_id=511)
-
-
-def tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(1, 511, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import torch
 
 from services.model.batch import SHRINK_FLOOR_BLOCKS, DecodeBatch
 from services.model.cache import CacheError, LinearState, RequestCache, TokenKV, WindowKV
-from services.model.config import FAMILIES, ModelConfig, family_config
+from services.model.config import FAMILIES
 from services.model.generate import generate, prefill
 from services.model.model import BatchLayerState, HybridLM, build_model
 from services.model.sampling import RequestSampler, SamplingError, SamplingParams, top_p_filter
+from tests.tiny_models import sharp, tokens
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and OpenMP spin-waits burn the
-    shared cores; restore the setting for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sharp(family: str) -> ModelConfig:
-    return msgspec.structs.replace(family_config(family, "tiny"), init_std=0.1, eos_id=511)
-
-
-def tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(1, 511, (n,), generator=torch.Generator().manual_seed(seed))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -12,7 +12,7 @@ after the compute.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -61,14 +61,7 @@ CHUNK = 64
 DECODE = Address("127.0.0.1", 2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """A tiny model gains nothing from a second thread, and OpenMP spin-waits on the shared
-    cores slow it down many times over; restore the setting for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
