@@ -60,47 +60,12 @@ from services.router.requests import Finished, GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
 from services.worker.send_meter import SendMeter
+from tests.topologies import MEMORY_PORTS, mesh_toml
 
 BLOCK = 16
-TOPOLOGY = """
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-[[clusters]]
-name = "pd"
-kind = "pd"
-[[services]]
-name = "router"
-kind = "router"
-port = 7100
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = 7101
-[[services]]
-name = "prfaas-prefill-0"
-kind = "prefill"
-cluster = "prfaas"
-port = 7110
-[[services]]
-name = "pd-prefill-0"
-kind = "prefill"
-cluster = "pd"
-port = 7120
-[[services]]
-name = "pd-decode-0"
-kind = "decode"
-cluster = "pd"
-port = 7130
-"""
+TOPOLOGY = mesh_toml(MEMORY_PORTS)
 # The same with a second PD decode worker (a decode worker lost has one to migrate to).
-TWO_DECODERS = TOPOLOGY + """
-[[services]]
-name = "pd-decode-1"
-kind = "decode"
-cluster = "pd"
-port = 7131
-"""
+TWO_DECODERS = mesh_toml({**MEMORY_PORTS, "pd-decode-1": 7131})
 INFO = ModelInfo(family="fake", size="tiny", config_hash="0", dtype="float32", vocab_size=257,
                  block_size=BLOCK, eos_id=0, source="fake")
 

@@ -31,26 +31,14 @@ from services.worker.engine import InlineRunner, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 from services.worker.service import WorkerService, serve_decode, serve_prefill
+from tests.topologies import mesh_toml
 
 ORPHAN_S = 8.0
 ADDRESSES = {"q": Address("q", 1), "d": Address("d", 2)}
-TOPOLOGY = f"""
-[[clusters]]
-name = "pd"
-kind = "pd"
-options = {{ family = "kimi-linear", size = "tiny", checkpoint = "none", chunk_tokens = 128 }}
-[[services]]
-name = "q"
-kind = "prefill"
-cluster = "pd"
-port = 1
-[[services]]
-name = "d"
-kind = "decode"
-cluster = "pd"
-port = 2
-options = {{ orphan_timeout = {ORPHAN_S} }}
-"""
+TOPOLOGY = mesh_toml(
+    {"q": 1, "d": 2},
+    worker='family = "kimi-linear", size = "tiny", checkpoint = "none", chunk_tokens = 128',
+    options={"d": f"orphan_timeout = {ORPHAN_S}"})
 
 
 def tokens(n: int, salt: int) -> list[int]:

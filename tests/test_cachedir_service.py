@@ -17,32 +17,12 @@ from services.contract.messages import PlanQuery, PlanReply, PrefixQuery, Prefix
 from services.contract.sampling import Sampling
 from services.worker.prefix_store import prompt_hashes
 from services.worker.service import WorkerService
+from tests.topologies import mesh_toml
 
-TOPOLOGY = parse_topology("""
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-options = { family = "qwen-next", size = "tiny", checkpoint = "none" }
-[[clusters]]
-name = "pd"
-kind = "pd"
-options = { family = "qwen-next", size = "tiny", checkpoint = "none" }
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = 1
-[[services]]
-name = "p"
-kind = "prefill"
-cluster = "prfaas"
-port = 2
-options = { cache_mib = 0.25 }
-[[services]]
-name = "d"
-kind = "decode"
-cluster = "pd"
-port = 3
-""")
+TOPOLOGY = parse_topology(mesh_toml(
+    {"cachedir": 1, "p": 2, "d": 3},
+    worker='family = "qwen-next", size = "tiny", checkpoint = "none"',
+    options={"p": "cache_mib = 0.25"}))
 SAMPLING = Sampling(max_tokens=8, stop_on_eos=False)
 
 

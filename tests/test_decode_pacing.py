@@ -18,24 +18,12 @@ from services.contract.messages import TokenChunk
 from services.contract.sampling import Sampling
 from services.paper.hardware import CostModel, Pacer
 from services.worker.engine import Pacing
+from tests.topologies import mesh_toml
 
 TIME_SCALE = 4.0
-TOPOLOGY = """
-[[clusters]]
-name = "pd"
-kind = "pd"
-options = { family = "kimi-linear", size = "tiny", checkpoint = "none", profile = "h20" }
-[[services]]
-name = "q"
-kind = "prefill"
-cluster = "pd"
-port = 1
-[[services]]
-name = "d"
-kind = "decode"
-cluster = "pd"
-port = 2
-"""
+TOPOLOGY = mesh_toml(
+    {"q": 1, "d": 2},
+    worker='family = "kimi-linear", size = "tiny", checkpoint = "none", profile = "h20"')
 PROMPT = [(i * 7) % 500 + 1 for i in range(200)]
 NEW_TOKENS = 12
 

@@ -26,11 +26,12 @@ import pytest
 
 from services.cli.launch import launch
 from tests.ports import free_ports
+from tests.topologies import launched_toml
 
 pytestmark = pytest.mark.slow
 
-WORKER = ('options = { family = "kimi-linear", size = "default", checkpoint = "none", '
-          'threads = 1, profile = "h200" }')
+WORKER = ('family = "kimi-linear", size = "default", checkpoint = "none", '
+          'threads = 1, profile = "h200"')
 # About 270 BPE tokens, well past t = 97.
 LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
 SHORT_PROMPT = "short"
@@ -61,50 +62,7 @@ ROUTER = (f"scale = {SCALE}, max_inflight = 1, tick_s = 0.25, migration_limit = 
 
 def topology_text(ports: list[int]) -> str:
     # t = 19,400 x 0.005 = 97 tokens: the long prompt is offloaded, the short one is not.
-    return f"""
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-{WORKER}
-[[clusters]]
-name = "pd"
-kind = "pd"
-{WORKER}
-[[services]]
-name = "router"
-kind = "router"
-port = {ports[0]}
-options = {{ http_port = {ports[1]}, {ROUTER} }}
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = {ports[2]}
-[[services]]
-name = "link-0"
-kind = "link"
-port = {ports[3]}
-options = {{ control_port = {ports[4]}, proxy_base_port = {ports[5]} }}
-[[services]]
-name = "prfaas-prefill-0"
-kind = "prefill"
-cluster = "prfaas"
-port = {ports[6]}
-[[services]]
-name = "pd-prefill-0"
-kind = "prefill"
-cluster = "pd"
-port = {ports[7]}
-[[services]]
-name = "pd-decode-0"
-kind = "decode"
-cluster = "pd"
-port = {ports[8]}
-[[links]]
-name = "link-0"
-a = "prfaas"
-b = "pd"
-bandwidth_bps = {LINK_BPS:g}
-"""
+    return launched_toml(ports, worker=WORKER, router=ROUTER, link_bps=LINK_BPS)
 
 
 class Mesh:

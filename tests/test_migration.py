@@ -39,11 +39,12 @@ import pytest
 
 from services.cli.launch import launch
 from tests.ports import free_ports
+from tests.topologies import launched_toml
 
 pytestmark = pytest.mark.slow
 
-WORKER = ('options = { family = "kimi-linear", size = "default", checkpoint = "auto", '
-          'threads = 1, dtype = "float32" }')
+WORKER = ('family = "kimi-linear", size = "default", checkpoint = "auto", '
+          'threads = 1, dtype = "float32"')
 SCALE = 0.005  # t = 19,400 x 0.005 = 97 router tokens
 LONG_PROMPT = "a long prompt that the threshold sends to the PrfaaS cluster. " * 12
 SHORT_PROMPT = "ROMEO: what light through yonder window breaks"
@@ -57,57 +58,9 @@ KILL_AFTER = 12  # tokens the client has seen when the decode worker is killed
 
 
 def topology_text(ports: list[int]) -> str:
-    router = (f"http_port = {ports[1]}, scale = {SCALE}, tick_s = 0.25, migration_limit = 1, "
+    router = (f"scale = {SCALE}, tick_s = 0.25, migration_limit = 1, "
               f"kv_stall_s = {STALL_S}, silence_s = {SILENCE_S}")
-    return f"""
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-{WORKER}
-[[clusters]]
-name = "pd"
-kind = "pd"
-{WORKER}
-[[services]]
-name = "router"
-kind = "router"
-port = {ports[0]}
-options = {{ {router} }}
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = {ports[2]}
-[[services]]
-name = "link-0"
-kind = "link"
-port = {ports[3]}
-options = {{ control_port = {ports[4]}, proxy_base_port = {ports[5]} }}
-[[services]]
-name = "prfaas-prefill-0"
-kind = "prefill"
-cluster = "prfaas"
-port = {ports[6]}
-[[services]]
-name = "pd-prefill-0"
-kind = "prefill"
-cluster = "pd"
-port = {ports[7]}
-[[services]]
-name = "pd-decode-0"
-kind = "decode"
-cluster = "pd"
-port = {ports[8]}
-[[services]]
-name = "pd-decode-1"
-kind = "decode"
-cluster = "pd"
-port = {ports[9]}
-[[links]]
-name = "link-0"
-a = "prfaas"
-b = "pd"
-bandwidth_bps = 400e6
-"""
+    return launched_toml(ports, worker=WORKER, router=router, decoders=len(DECODERS))
 
 
 class Mesh:

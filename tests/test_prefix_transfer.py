@@ -50,6 +50,7 @@ from tests.kv_exact import (
     write_checkpoint,
 )
 from tests.ports import free_ports
+from tests.topologies import mesh_toml
 
 pytestmark = pytest.mark.slow
 
@@ -80,18 +81,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def topology(checkpoint: Path) -> Topology:
     cachedir, link, control, proxy, p, q, d = free_ports(7)
-    worker = (f'options = {{ family = "kimi-linear", size = "tiny", checkpoint = "{checkpoint}", '
-              'threads = 1, connections = 2 }')
-    return parse_topology(
-        f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{worker}\n'
-        f'[[clusters]]\nname = "pd"\nkind = "pd"\n{worker}\n'
-        f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {cachedir}\n'
-        f'[[services]]\nname = "p"\nkind = "prefill"\ncluster = "prfaas"\nport = {p}\n'
-        f'[[services]]\nname = "q"\nkind = "prefill"\ncluster = "pd"\nport = {q}\n'
-        f'[[services]]\nname = "d"\nkind = "decode"\ncluster = "pd"\nport = {d}\n'
-        f'[[services]]\nname = "link"\nkind = "link"\nport = {link}\n'
-        f"options = {{ control_port = {control}, proxy_base_port = {proxy} }}\n"
-        '[[links]]\nname = "link"\na = "prfaas"\nb = "pd"\nbandwidth_bps = 1e9\n')
+    worker = (f'family = "kimi-linear", size = "tiny", checkpoint = "{checkpoint}", threads = 1, '
+              'connections = 2')
+    return parse_topology(mesh_toml(
+        {"cachedir": cachedir, "p": p, "q": q, "d": d, "link": link}, worker=worker,
+        options={"link": f"control_port = {control}, proxy_base_port = {proxy}"}, link_bps=1e9))
 
 
 async def link_bytes(topo: Topology) -> int:

@@ -40,6 +40,7 @@ from services.model.tokenizer import load_default
 from services.router.openai import ChatMessage, render_chat
 from services.service import ServiceContext
 from tests.ports import free_port
+from tests.topologies import MEMORY_PORTS, mesh_toml
 
 pytestmark = pytest.mark.slow
 
@@ -48,41 +49,10 @@ THRESHOLD = 97  # 19,400 x scale 0.005: a long prompt is offloaded, a short one 
 
 
 def topology(http_port: int) -> Topology:
-    return parse_topology(f"""
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-options = {{ family = "kimi-linear", size = "default", checkpoint = "none", seed = 3 }}
-[[clusters]]
-name = "pd"
-kind = "pd"
-options = {{ family = "kimi-linear", size = "default", checkpoint = "none", seed = 3 }}
-[[services]]
-name = "router"
-kind = "router"
-port = 7100
-options = {{ http_port = {http_port}, scale = 0.005, max_context = 2048, tick_s = 0.5 }}
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = 7101
-[[services]]
-name = "prfaas-prefill-0"
-kind = "prefill"
-cluster = "prfaas"
-port = 7110
-options = {{ connections = 2 }}
-[[services]]
-name = "pd-prefill-0"
-kind = "prefill"
-cluster = "pd"
-port = 7120
-[[services]]
-name = "pd-decode-0"
-kind = "decode"
-cluster = "pd"
-port = 7130
-""")
+    worker = 'family = "kimi-linear", size = "default", checkpoint = "none", seed = 3'
+    return parse_topology(mesh_toml(MEMORY_PORTS, worker=worker, options={
+        "router": f"http_port = {http_port}, scale = 0.005, max_context = 2048, tick_s = 0.5",
+        "prfaas-prefill-0": "connections = 2"}))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from mesh.transport import Address, MemoryHub, MemoryTransport
 from services.cli.serve import run_service
 from services.service import ServiceContext
 from tests.ports import free_port
+from tests.topologies import MEMORY_PORTS, mesh_toml
 
 pytestmark = pytest.mark.slow
 
@@ -33,41 +34,9 @@ WORKERS = ("cachedir", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0")
 
 def topology(http_port: int) -> Topology:
     worker = 'family = "kimi-linear", size = "tiny", checkpoint = "none", seed = 3'
-    return parse_topology(f"""
-[[clusters]]
-name = "prfaas"
-kind = "prfaas"
-options = {{ {worker} }}
-[[clusters]]
-name = "pd"
-kind = "pd"
-options = {{ {worker} }}
-[[services]]
-name = "router"
-kind = "router"
-port = 7100
-options = {{ http_port = {http_port}, max_context = 1024, tick_s = 0.2 }}
-[[services]]
-name = "cachedir"
-kind = "cachedir"
-port = 7101
-[[services]]
-name = "prfaas-prefill-0"
-kind = "prefill"
-cluster = "prfaas"
-port = 7110
-[[services]]
-name = "pd-prefill-0"
-kind = "prefill"
-cluster = "pd"
-port = 7120
-[[services]]
-name = "pd-decode-0"
-kind = "decode"
-cluster = "pd"
-port = 7130
-options = {{ max_streams = {MAX_BATCH} }}
-""")
+    return parse_topology(mesh_toml(MEMORY_PORTS, worker=worker, options={
+        "router": f"http_port = {http_port}, max_context = 1024, tick_s = 0.2",
+        "pd-decode-0": f"max_streams = {MAX_BATCH}"}))
 
 
 @dataclass

@@ -49,6 +49,7 @@ from services.contract.tracing import (
     tracer_for,
 )
 from tests.ports import free_port, free_ports
+from tests.topologies import launched_toml
 
 
 def memory_tracer(service: str) -> tuple[Tracer, InMemorySpanExporter]:
@@ -217,24 +218,9 @@ def collector_at(port: int) -> Iterator[Collector]:
 
 
 def topology_text(ports: list[int], otlp: str) -> str:
-    router = (f'http_port = {ports[1]}, scale = {SCALE}, tick_s = 0.25, migration_limit = 1, '
-              f'otlp_endpoint = "{otlp}"')
-    worker = f'options = {{ {WORKER}, otlp_endpoint = "{otlp}" }}'
-    services = [("cachedir", "cachedir", "", ports[2]),
-                ("prfaas-prefill-0", "prefill", "prfaas", ports[6]),
-                ("pd-prefill-0", "prefill", "pd", ports[7]),
-                ("pd-decode-0", "decode", "pd", ports[8]),
-                ("pd-decode-1", "decode", "pd", ports[9])]
-    text = (f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{worker}\n'
-            f'[[clusters]]\nname = "pd"\nkind = "pd"\n{worker}\n'
-            f'[[services]]\nname = "router"\nkind = "router"\nport = {ports[0]}\n'
-            f"options = {{ {router} }}\n"
-            f'[[services]]\nname = "link-0"\nkind = "link"\nport = {ports[3]}\n'
-            f"options = {{ control_port = {ports[4]}, proxy_base_port = {ports[5]} }}\n")
-    for name, kind, cluster, port in services:
-        text += (f'[[services]]\nname = "{name}"\nkind = "{kind}"\n'
-                 + (f'cluster = "{cluster}"\n' if cluster else "") + f"port = {port}\n")
-    return text + '[[links]]\nname = "link-0"\na = "prfaas"\nb = "pd"\nbandwidth_bps = 400e6\n'
+    router = f'scale = {SCALE}, tick_s = 0.25, migration_limit = 1, otlp_endpoint = "{otlp}"'
+    worker = f'{WORKER}, otlp_endpoint = "{otlp}"'
+    return launched_toml(ports, worker=worker, router=router, decoders=2)
 
 
 @dataclass

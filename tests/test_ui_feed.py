@@ -56,6 +56,7 @@ from services.service import serve_events
 from services.worker.engine import expected_kv_bytes
 from tests.ports import free_ports
 from tests.test_prefix_transfer import IdTokenizer
+from tests.topologies import mesh_toml
 from ui.config import DashboardConfig
 from ui.feed import (
     FeedConfig,
@@ -490,18 +491,11 @@ def kv_topology() -> Any:
     """A PrfaaS prefill, a PD prefill and a PD decode worker of the tiny kimi-linear model, the
     cache directory and the link, on free ports (as tests/test_prefix_transfer.py's)."""
     cachedir, link, control, proxy, p, q, d = free_ports(7)
-    worker = ('options = { family = "kimi-linear", size = "tiny", checkpoint = "none", '
-              f'threads = 1, connections = 2, dtype = "{KV_DTYPE}" }}')
-    return parse_topology(
-        f'[[clusters]]\nname = "prfaas"\nkind = "prfaas"\n{worker}\n'
-        f'[[clusters]]\nname = "pd"\nkind = "pd"\n{worker}\n'
-        f'[[services]]\nname = "cachedir"\nkind = "cachedir"\nport = {cachedir}\n'
-        f'[[services]]\nname = "p"\nkind = "prefill"\ncluster = "prfaas"\nport = {p}\n'
-        f'[[services]]\nname = "q"\nkind = "prefill"\ncluster = "pd"\nport = {q}\n'
-        f'[[services]]\nname = "d"\nkind = "decode"\ncluster = "pd"\nport = {d}\n'
-        f'[[services]]\nname = "link"\nkind = "link"\nport = {link}\n'
-        f"options = {{ control_port = {control}, proxy_base_port = {proxy} }}\n"
-        '[[links]]\nname = "link"\na = "prfaas"\nb = "pd"\nbandwidth_bps = 1e9\n')
+    worker = ('family = "kimi-linear", size = "tiny", checkpoint = "none", threads = 1, '
+              f'connections = 2, dtype = "{KV_DTYPE}"')
+    return parse_topology(mesh_toml(
+        {"cachedir": cachedir, "p": p, "q": q, "d": d, "link": link}, worker=worker,
+        options={"link": f"control_port = {control}, proxy_base_port = {proxy}"}, link_bps=1e9))
 
 
 class KvCollector(Collector):
