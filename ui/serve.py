@@ -25,9 +25,9 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
+from mesh.membership import is_loopback
 from services.contract.access import (
     allowed_hosts,
-    is_loopback,
     require_token_beyond_loopback,
     token_from_env,
 )

@@ -21,7 +21,6 @@ generates one per run when neither gives one. Without one a service listens on l
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -29,7 +28,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from mesh.errors import ConfigError
-from mesh.membership import check_secret
+from mesh.membership import check_secret, is_loopback
 from mesh.topology import Topology, mesh_secret
 
 TOKEN_ENV = "PRFAAS_ADMIN_TOKEN"
@@ -74,15 +73,6 @@ def service_secret(topology: Topology, environ: Mapping[str, str] | None = None
         return mesh_secret(topology, environ)
     value = environ.get(MESH_SECRET_ENV, "")
     return check_secret(value.encode()) if value else None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def require_token_beyond_loopback(host: str, token: str | None, what: str) -> None:

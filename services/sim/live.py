@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import ClassVar, Literal
+from typing import Literal
 
 import anyio
 import anyio.abc
@@ -27,6 +27,7 @@ from services.contract.events import AnyEvent
 from services.contract.sampling import Sampling
 from services.paper.workload import PAPER_MU, TruncatedLogNormal
 from services.router.errors import RouterError
+from services.router.load import WorkloadStatistics
 from services.router.requests import GenerationRequest
 from services.sim.clock import PacedClock
 from services.sim.feed import SimFeed
@@ -61,21 +62,6 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if min(self.output_len, self.max_outstanding) < 1:
             raise ConfigError(f"output_len and max_outstanding must be >= 1, got "
                               f"{self.output_len} and {self.max_outstanding}")
-
-
-class LoadStatistics(msgspec.Struct, frozen=True):
-    """The shape of the router's demo load (GET /admin/state's "workload")."""
-
-    counters: ClassVar[frozenset[str]] = frozenset({"sent", "completed", "failed", "dropped"})
-
-    running: bool
-    rate: float
-    kind: str
-    outstanding: int
-    sent: int
-    completed: int
-    failed: int
-    dropped: int
 
 
 async def send_arrival(world: SimWorld, arrival: Arrival) -> bool:
@@ -168,9 +154,10 @@ class LiveLoad:
                     self.kind == "short"):
                 return paper_len
 
-    def statistics(self) -> LoadStatistics:
-        return LoadStatistics(self.running, self.rate, self.kind, self._outstanding,
-                              **self._counts)
+    def statistics(self) -> WorkloadStatistics:
+        """The shape of the router's demo load (GET /admin/state's "workload")."""
+        return WorkloadStatistics(self.running, self.rate, self.kind, self._outstanding,
+                                  **self._counts)
 
 
 class LiveSim:
