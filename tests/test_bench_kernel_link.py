@@ -8,33 +8,20 @@ the benchmark says so, exits 3 and makes nothing.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from services.cli.multihost import EXIT_NO_NETNS
 from services.model.config import family_config, kv_bytes
 from services.router.link_meter import EstimatorConfig
+from tests.benchmark_scripts import load_benchmark
 from tests.netns_probe import NETNS_REFUSED, needs_netns, network_state
 
 RATE_BPS = 200e6
 
 
-def load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernel_link.py"
-    spec = importlib.util.spec_from_file_location("bench_kernel_link", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_benchmark("bench_kernel_link")
 
 
 

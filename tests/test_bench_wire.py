@@ -3,30 +3,16 @@ naming it. Its figures are the benchmark's business, not this test's."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import trio
 
 from mesh.errors import DeadlineExceeded
 from mesh.run import Backend, run
+from tests.benchmark_scripts import load_benchmark
 
-
-def load_bench_wire() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_wire.py"
-    spec = importlib.util.spec_from_file_location("bench_wire", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_wire = load_bench_wire()
+bench_wire = load_benchmark("bench_wire")
 
 
 @pytest.mark.trio
