@@ -18,31 +18,9 @@ from services.sim.capacity import SeedCapacity
 from services.sim.search.explorer import Summary, frontier, run_search
 from services.sim.search.pool import RayPool, SerialPool
 from services.sim.search.space import SearchSpace, configurations, load_space
+from tests.constant_profile import constant_profile
 
 pytestmark = pytest.mark.slow
-
-
-def constant_profile(seconds: float) -> str:
-    """An instance whose prefill takes `seconds` whatever the length, with a decode so fast it
-    never matters: one prefill instance saturates at 1 / seconds requests per second."""
-    return f'''
-name = "constant-{seconds:g}"
-description = "a prefill of {seconds} s whatever the length, a decode step of 1 ms"
-gpus_per_instance = 1
-paced = true
-sources = ["tests/test_search.py: a closed-form deployment"]
-[prefill]
-fit = "quadratic"
-lengths = [1000, 2000, 3000]
-seconds = [{seconds}, {seconds}, {seconds}]
-source = {{ kind = "assumed", detail = "a test" }}
-[decode]
-bs_max = 64
-step_s = 0.001
-reference_context = 1000
-hbm_bytes_per_s = 1e18
-source = {{ kind = "assumed", detail = "a test" }}
-'''
 
 
 @pytest.fixture(scope="module")

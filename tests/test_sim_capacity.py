@@ -29,36 +29,19 @@ from services.sim.report import paper_report, write_summary
 from services.sim.scenarios import PaperOutcome, deployment_summary, paper_deployments
 from services.sim.workload import Workload
 from services.sim.world import Deployment
+from tests.constant_profile import constant_profile
 
 pytestmark = pytest.mark.slow
 
+# The one prefill instance takes SERVICE_S for any prompt of one chunk (constant_profile):
+# the deployment saturates at 1 / SERVICE_S requests per second.
 SERVICE_S = 2.0
-# One prefill instance that takes SERVICE_S for any prompt of one chunk, and a decode so fast
-# it never matters: the deployment saturates at 1 / SERVICE_S requests per second.
-CONSTANT_PROFILE = f'''
-name = "constant"
-description = "a prefill of {SERVICE_S} s whatever the length, a decode step of 1 ms"
-gpus_per_instance = 1
-paced = true
-sources = ["tests/test_sim_capacity.py: a closed-form deployment"]
-[prefill]
-fit = "quadratic"
-lengths = [1000, 2000, 3000]
-seconds = [{SERVICE_S}, {SERVICE_S}, {SERVICE_S}]
-source = {{ kind = "assumed", detail = "a test" }}
-[decode]
-bs_max = 64
-step_s = 0.001
-reference_context = 1000
-hbm_bytes_per_s = 1e18
-source = {{ kind = "assumed", detail = "a test" }}
-'''
 
 
 @pytest.fixture
 def one_stage(tmp_path: Path) -> Deployment:
     profile = tmp_path / "constant.toml"
-    profile.write_text(CONSTANT_PROFILE)
+    profile.write_text(constant_profile(SERVICE_S))
     return Deployment(name="closed", n_prfaas=0, n_pd_prefill=1, n_decode=1,
                       policy="homogeneous", pd_profile=str(profile))
 
