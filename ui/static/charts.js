@@ -1,5 +1,6 @@
 // Charts panel: six small canvas line charts drawn by hand from the server's series points.
 
+import { drawGrid, drawLine, fitCanvas } from "./canvas.js";
 import { el, fmtPct, fmtScale, fmtSeconds, fmtTokens, rateUnit } from "./util.js";
 
 const WINDOW_S = 120; // the charts show the last two minutes of event time
@@ -60,7 +61,7 @@ class LineChart {
 
   draw(rawPoints) {
     const points = this.inUnit(rawPoints);
-    const ctx = this.fit();
+    const { ctx, ratio } = fitCanvas(this.canvas);
     const { width, height } = this.canvas;
     ctx.clearRect(0, 0, width, height);
     this.canvas.dataset.points = String(points.length);
@@ -68,10 +69,11 @@ class LineChart {
     const end = points[points.length - 1].ts;
     const visible = points.filter((p) => p.ts > end - WINDOW_S);
     const top = this.top(visible);
-    this.grid(ctx, width, height, top);
-    const x = (ts) => ((ts - (end - WINDOW_S)) / WINDOW_S) * width;
+    drawGrid(ctx, ratio, top, this.spec.format);
+    const x = (p) => ((p.ts - (end - WINDOW_S)) / WINDOW_S) * width;
     const y = (v) => height - 4 - (v / top) * (height - 16);
-    this.spec.lines.forEach((line, i) => this.line(ctx, visible, line, this.colors[i], x, y));
+    this.spec.lines.forEach((line, i) =>
+      drawLine(ctx, ratio, visible, { ...line, color: this.colors[i], width: 1.6 }, x, y));
     const last = points[points.length - 1];
     const value = this.spec.value ?? this.spec.format;
     this.value.textContent = this.spec.lines
@@ -95,59 +97,10 @@ class LineChart {
     });
   }
 
-  fit() {
-    const ratio = window.devicePixelRatio || 1;
-    const width = Math.round(this.canvas.clientWidth * ratio) || 300;
-    const height = Math.round(this.canvas.clientHeight * ratio) || 110;
-    if (this.canvas.width !== width || this.canvas.height !== height) {
-      this.canvas.width = width;
-      this.canvas.height = height;
-    }
-    const ctx = this.canvas.getContext("2d");
-    ctx.setTransform(1, 0, 0, 1, 0, 0);
-    this.ratio = ratio;
-    return ctx;
-  }
-
   top(points) {
     if (this.spec.max) return this.spec.max;
     let top = 0;
     for (const p of points) for (const line of this.spec.lines) top = Math.max(top, p[line.key] ?? 0);
     return top > 0 ? top * 1.15 : 1;
-  }
-
-  grid(ctx, width, height, top) {
-    ctx.strokeStyle = "#eceff2";
-    ctx.fillStyle = "#8a949e";
-    ctx.lineWidth = 1;
-    ctx.font = `${10 * this.ratio}px system-ui, sans-serif`;
-    for (const f of [0.5, 1]) {
-      const gy = height - 4 - f * (height - 16);
-      ctx.beginPath();
-      ctx.moveTo(0, gy);
-      ctx.lineTo(width, gy);
-      ctx.stroke();
-      ctx.fillText(this.spec.format(top * f), 2, gy - 2);
-    }
-  }
-
-  line(ctx, points, line, color, x, y) {
-    ctx.strokeStyle = color;
-    ctx.lineWidth = 1.6 * this.ratio;
-    ctx.setLineDash(line.dashed ? [4 * this.ratio, 3 * this.ratio] : []);
-    ctx.beginPath();
-    let pen = false;
-    for (const p of points) {
-      const v = p[line.key];
-      if (v === null || v === undefined) {
-        pen = false;
-        continue;
-      }
-      if (pen) ctx.lineTo(x(p.ts), y(v));
-      else ctx.moveTo(x(p.ts), y(v));
-      pen = true;
-    }
-    ctx.stroke();
-    ctx.setLineDash([]);
   }
 }

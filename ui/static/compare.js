@@ -4,6 +4,7 @@
 // its topology); the charts and the summary are the simulation's own samples, polled, one
 // line per deployment. Every collection is bounded, whatever the speed or the run's length.
 
+import { drawGrid, drawLine, fitCanvas } from "./canvas.js";
 import { Feed } from "./feed.js";
 import { Model } from "./model.js";
 import { Topology } from "./topology.js";
@@ -86,75 +87,26 @@ class CompareChart {
   }
 
   draw(columns) {
-    const ctx = this.fit();
+    const { ctx, ratio } = fitCanvas(this.canvas);
     const { width, height } = this.canvas;
     ctx.clearRect(0, 0, width, height);
     const series = columns.map((column) => column.samples.toArray());
     const end = Math.max(0, ...series.map((s) => (s.length ? s[s.length - 1].at : 0)));
     const visible = series.map((s) => s.filter((p) => p.at > end - WINDOW_S));
     this.canvas.dataset.points = String(visible.reduce((n, s) => n + s.length, 0));
-    const lines = columns.map((column, i) => ({ points: visible[i], key: this.spec.key, color: column.color }));
-    if (this.spec.offered && visible[0]) lines.unshift({ points: visible[0], key: this.spec.offered, color: OFFERED_COLOR, dashed: true });
+    const lines = columns.map((column, i) => ({ points: visible[i], key: this.spec.key, color: column.color, width: 1.8 }));
+    if (this.spec.offered && visible[0]) lines.unshift({ points: visible[0], key: this.spec.offered, color: OFFERED_COLOR, dashed: true, width: 1.8 });
     const top = this.spec.max ?? Math.max(1e-9, ...lines.flatMap((l) => l.points.map((p) => p[l.key] ?? 0))) * 1.15;
-    const x = (at) => ((at - (end - WINDOW_S)) / WINDOW_S) * width;
+    const x = (p) => ((p.at - (end - WINDOW_S)) / WINDOW_S) * width;
     const y = (v) => height - 4 - (v / top) * (height - 16);
-    this.grid(ctx, width, height, top);
-    for (const line of lines) this.line(ctx, line, x, y);
+    drawGrid(ctx, ratio, top, this.spec.format);
+    for (const line of lines) drawLine(ctx, ratio, line.points, line, x, y);
     this.value.textContent = columns
       .map((column) => {
         const last = column.samples.last();
         return last && last[this.spec.key] !== null ? this.spec.format(last[this.spec.key]) : "-";
       })
       .join(" / ");
-  }
-
-  fit() {
-    const ratio = window.devicePixelRatio || 1;
-    const width = Math.round(this.canvas.clientWidth * ratio) || 300;
-    const height = Math.round(this.canvas.clientHeight * ratio) || 110;
-    if (this.canvas.width !== width || this.canvas.height !== height) {
-      this.canvas.width = width;
-      this.canvas.height = height;
-    }
-    this.ratio = ratio;
-    const ctx = this.canvas.getContext("2d");
-    ctx.setTransform(1, 0, 0, 1, 0, 0);
-    return ctx;
-  }
-
-  grid(ctx, width, height, top) {
-    ctx.strokeStyle = "#eceff2";
-    ctx.fillStyle = "#8a949e";
-    ctx.lineWidth = 1;
-    ctx.font = `${10 * this.ratio}px system-ui, sans-serif`;
-    for (const f of [0.5, 1]) {
-      const gy = height - 4 - f * (height - 16);
-      ctx.beginPath();
-      ctx.moveTo(0, gy);
-      ctx.lineTo(width, gy);
-      ctx.stroke();
-      ctx.fillText(this.spec.format(top * f), 2, gy - 2);
-    }
-  }
-
-  line(ctx, { points, key, color, dashed }, x, y) {
-    ctx.strokeStyle = color;
-    ctx.lineWidth = 1.8 * this.ratio;
-    ctx.setLineDash(dashed ? [4 * this.ratio, 3 * this.ratio] : []);
-    ctx.beginPath();
-    let pen = false;
-    for (const p of points) {
-      const v = p[key];
-      if (v === null || v === undefined) {
-        pen = false;
-        continue;
-      }
-      if (pen) ctx.lineTo(x(p.at), y(v));
-      else ctx.moveTo(x(p.at), y(v));
-      pen = true;
-    }
-    ctx.stroke();
-    ctx.setLineDash([]);
   }
 }
 
