@@ -14,6 +14,7 @@ simulation sits beside the dashboard, not above it (services never import ui).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -22,6 +23,7 @@ from mesh.errors import ConfigError
 from netem.params import LinkError
 from netem.toxics import apply_link_update, params_view
 from services.contract.errors import ControlError
+from services.router.control import RouterControl
 from services.router.errors import RouterError
 from services.sim.clock import MAX_RATE, PacedClock
 from services.sim.compare import CompareSim
@@ -127,20 +129,10 @@ class SimControls:
         return self._link_view(world) or {}
 
     async def set_policy(self, request: PolicyChange) -> JsonObject:
-        world = self._world()
-        try:
-            world.control.set_policy(request.policy)
-        except RouterError as exc:
-            raise _refused(exc) from exc
-        return self._router_view(world)
+        return self._change_router(lambda control: control.set_policy(request.policy))
 
     async def set_threshold(self, request: ThresholdChange) -> JsonObject:
-        world = self._world()
-        try:
-            world.control.set_threshold(request.t)
-        except RouterError as exc:
-            raise _refused(exc) from exc
-        return self._router_view(world)
+        return self._change_router(lambda control: control.set_threshold(request.t))
 
     async def workload(self, request: LoadChange) -> JsonObject:
         world = self._world()
@@ -154,18 +146,19 @@ class SimControls:
         return self._router_view(world)
 
     async def set_role(self, worker: str, request: RoleChange) -> JsonObject:
-        world = self._world()
-        try:
-            world.control.convert(worker, request.role,
-                                  f"converted to {request.role} from the dashboard")
-        except RouterError as exc:
-            raise _refused(exc) from exc
-        return self._router_view(world)
+        reason = f"converted to {request.role} from the dashboard"
+        return self._change_router(lambda control: control.convert(worker, request.role, reason))
 
     async def drain(self, worker: str) -> JsonObject:
+        reason = "drained from the dashboard"
+        return self._change_router(lambda control: control.drain(worker, reason))
+
+    def _change_router(self, change: Callable[[RouterControl], object]) -> JsonObject:
+        """`change` made to the router's control loop; the router's view after it (a refusal is
+        the caller's error)."""
         world = self._world()
         try:
-            world.control.drain(worker, "drained from the dashboard")
+            change(world.control)
         except RouterError as exc:
             raise _refused(exc) from exc
         return self._router_view(world)

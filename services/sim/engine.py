@@ -150,6 +150,20 @@ class _Members:
     """Who is in a modeled batch, by request id (the two batches' common ground)."""
 
     _runs: Mapping[str, object]
+    _slots: int
+    steps: int
+    tokens: int
+    joined: int
+    left: int
+
+    def context(self) -> int:
+        """Served tokens in the members' caches (each batch counts them its own way)."""
+        raise NotImplementedError
+
+    def statistics(self) -> DecodeBatchStatistics:
+        return DecodeBatchStatistics(members=len(self._runs), slots=self._slots,
+                                     steps=self.steps, tokens=self.tokens, joined=self.joined,
+                                     left=self.left, tokens_in_cache=self.context())
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -228,11 +242,6 @@ class ModeledBatch(_Members):
                 finished[rid] = self._runs.pop(rid).cache
         self.steps += steps
         return StepResult(tuple(events), finished)  # type: ignore[arg-type]
-
-    def statistics(self) -> DecodeBatchStatistics:
-        return DecodeBatchStatistics(members=len(self._runs), slots=self._slots,
-                                     steps=self.steps, tokens=self.tokens, joined=self.joined,
-                                     left=self.left, tokens_in_cache=self.context())
 
     def check_integrity(self) -> None:
         for rid, run in self._runs.items():
@@ -323,11 +332,6 @@ class CountingBatch(_Members):
                 events.append(TokenEvent(rid, MODELED_TOKEN, first, "length", generated - first))
             finished[rid] = self._remove(rid)
         return StepResult(tuple(events), finished)  # type: ignore[arg-type]
-
-    def statistics(self) -> DecodeBatchStatistics:
-        return DecodeBatchStatistics(members=len(self._runs), slots=self._slots,
-                                     steps=self.steps, tokens=self.tokens, joined=self.joined,
-                                     left=self.left, tokens_in_cache=self.context())
 
     def check_integrity(self) -> None:
         for rid, run in self._runs.items():
