@@ -8,16 +8,16 @@ from __future__ import annotations
 import msgspec
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick tokens: greedy when temperature is 0 (services.model.sampling).
+class TokenChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """How each token is picked: greedy when temperature is 0 (services.model.sampling).
 
     logprobs: None computes none (the default costs nothing); k >= 0 sends each sampled
     token's logprob and its k most likely alternatives (`TokenLogprob`). min_tokens: no
     end-of-text or stop token before that many output tokens. stop_token_ids: tokens that end
-    the generation like end-of-text does (even with stop_on_eos False).
+    the generation like end-of-text does (even with stop_on_eos False). The wire's `Sampling`
+    and the model's `SamplingParams` add how many tokens, each in its own words.
     """
 
-    max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -25,6 +25,12 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+
+
+class Sampling(TokenChoice, frozen=True, kw_only=True):
+    """How to pick a request's tokens (`TokenChoice`), and at most how many."""
+
+    max_tokens: int = 64
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
 import torch
 from torch import Tensor
 
-from services.contract.sampling import TokenLogprob
+from services.contract.sampling import TokenChoice, TokenLogprob
 from services.model.config import ModelError
 
 
@@ -16,7 +15,7 @@ class SamplingError(ModelError, ValueError):
     """A sampling parameter is out of range."""
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingParams(TokenChoice, frozen=True, kw_only=True):
     """temperature 0 is greedy; seed None draws a fresh seed; generation stops at end-of-text
     (when stop_on_eos) or a stop token, or after max_new_tokens tokens (the first, from
     prefill, included). Before min_tokens tokens, end-of-text and stop tokens cannot be drawn
@@ -24,13 +23,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     token's logprob and its k most likely alternatives (`token_logprob`)."""
 
     max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_on_eos: bool = True
-    logprobs: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
