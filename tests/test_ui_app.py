@@ -35,6 +35,7 @@ from services.cli.supervisor import RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
 from services.contract import events as t
 from services.contract.access import bearer_headers
+from services.contract.events import write_event_log
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
 from services.sim.controls import SimControls
@@ -56,7 +57,7 @@ from ui.errors import ControlError, ReplayError, UiConfigError
 from ui.feed import dashboard_config
 from ui.guard import AccessGuard
 from ui.hub import EventHub, FeedBatch, NoSource
-from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay, write_log
+from ui.replay import PACKAGED_REPLAYS, ReplayControl, read_log, run_replay
 from ui.series import MAX_GAP_POINTS, SeriesAggregator, SeriesPoint, percentile
 from ui.serve import serve_ui
 from ui.sse import encode_batch, event_stream
@@ -448,7 +449,7 @@ async def test_event_stream_says_hello_batches_bursts_beats_and_ends(
 def test_log_round_trip_and_the_packaged_sample(tmp_path: Path) -> None:
     events = list(sim_events(10.0))
     path = tmp_path / "run.jsonl"
-    assert write_log(path, events) == len(events)
+    assert write_event_log(path, events) == len(events)
     assert read_log(path) == events
     sample = PACKAGED_REPLAYS / "sample.jsonl"
     assert sample.stat().st_size < 500_000
@@ -913,7 +914,7 @@ async def test_app_replays_a_log_then_returns_to_live(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     recorded = await record_events(SMALL, 12.0, arrivals=conversations(12.0))
-    write_log(tmp_path / "mine.jsonl", recorded)
+    write_event_log(tmp_path / "mine.jsonl", recorded)
     # The live simulation's events are stamped as times of day, told apart from the log's.
     sim = LiveSim(SMALL, config=LiveConfig(rate=2.0, output_len=16))
     app = build_app(sim, SimControls(sim), replay_dirs=(tmp_path,))

@@ -8,7 +8,7 @@ within `max_step_s` of wall time. The sleep is injected so tests run on trio's v
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +16,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from services.contract.events import AnyEvent, decode_json, encode_json
+from services.contract.events import AnyEvent, decode_json
 from ui.errors import ReplayError
 from ui.hub import EventHub
 
@@ -60,16 +60,6 @@ def _decode_line(path: Path, number: int, line: bytes) -> AnyEvent:
         return decode_json(line)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise ReplayError(f"{path.name} line {number}: {exc}") from exc
-
-
-def write_log(path: Path, events: Iterable[AnyEvent]) -> int:
-    """Writes `events` as a JSON-lines log; returns how many."""
-    count = 0
-    with path.open("wb") as file:
-        for event in events:
-            file.write(encode_json(event) + b"\n")
-            count += 1
-    return count
 
 
 def find_logs(dirs: Sequence[Path]) -> dict[str, Path]:

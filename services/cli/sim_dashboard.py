@@ -39,6 +39,7 @@ import trio
 
 from mesh.errors import ConfigError, MeshError
 from mesh.run import fewer_collections
+from services.contract.events import write_event_log
 from services.paper.case_study import T_STAR_TOKENS
 from services.router.policies import POLICIES
 from services.sim.clock import PacedClock
@@ -50,7 +51,7 @@ from services.sim.compare import (
 )
 from services.sim.controls import CompareControls, SimControls
 from services.sim.live import LOAD_KINDS, LiveConfig, LiveSim
-from services.sim.record import record_virtual, write_events
+from services.sim.record import record_virtual
 from services.sim.run import LinkChange
 from services.sim.workload import Arrival
 from services.sim.world import DEFAULT_SCALE, Deployment
@@ -208,7 +209,7 @@ def sim_dashboard_main(argv: Sequence[str] | None = None) -> int:
         if args.record is not None:
             sim = live_sim(args)
             events = record_virtual(sim.deployment, args.seconds, config=sim.config)
-            count = write_events(args.record, events)
+            count = write_event_log(args.record, events)
             print(f"{count} events, {args.record.stat().st_size} bytes -> {args.record}")
             return 0
         run_sim_dashboard(live_sim(args, clock=PacedClock(args.speed)), args.host, args.port,

@@ -2,21 +2,20 @@
 
 `record_events` runs a `LiveSim` for `seconds` of virtual time and keeps every event it
 publishes, in time order, with virtual timestamps from the world's opening; `record_virtual`
-does it under trio on an autojumping clock (seconds of wall time for minutes of traffic), and
-`write_events` writes JSON lines, one event a line, the format the dashboard reads.
+does it under trio on an autojumping clock (seconds of wall time for minutes of traffic);
+`services.contract.events.write_event_log` writes them as the log the dashboard reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import anyio
 import msgspec
 import trio
 
 from mesh.run import fewer_collections
-from services.contract.events import AnyEvent, encode_json
+from services.contract.events import AnyEvent
 from services.sim.clock import JumpClock
 from services.sim.live import LiveConfig, LiveSim
 from services.sim.run import LinkChange
@@ -46,13 +45,3 @@ def record_virtual(deployment: Deployment, seconds: float, **options: object
 
     with fewer_collections():
         return trio.run(main, clock=JumpClock())
-
-
-def write_events(path: Path, events: Iterable[AnyEvent]) -> int:
-    """Writes a JSON-lines event log; returns how many events."""
-    count = 0
-    with path.open("wb") as file:
-        for event in events:
-            file.write(encode_json(event) + b"\n")
-            count += 1
-    return count
