@@ -38,6 +38,7 @@ import httpx
 import pytest
 
 from services.cli.launch import launch
+from tests.polling import wait_until
 from tests.ports import free_ports
 from tests.topologies import launched_toml
 
@@ -104,15 +105,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                     "router"])
         wait_until(lambda: mesh.workers_up() == 4, "four workers up")
         yield mesh
-
-
-def wait_until(done: Callable[[], bool], what: str, polls: int = 300) -> None:
-    """Polls `done` every 0.1 s, at most `polls` times (a bound, not a pace)."""
-    for _ in range(polls):
-        if done():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"never {what}")
 
 
 class Streamed(NamedTuple):

@@ -148,6 +148,13 @@ DROP_MANYS = st.builds(DropMany, HOLDERS, CHOSEN, st.integers(0, 7),
                        st.lists(st.integers(0, 40), max_size=10).map(tuple), st.booleans())
 
 
+def tree_with_two_holders() -> PrefixTree:
+    """An empty tree with two holders."""
+    tree = PrefixTree()
+    tree.add_holder(), tree.add_holder()
+    return tree
+
+
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(st.one_of(ADDS, DROPS), max_size=25))
 def test_add_run_equals_its_reference_through_gaps_refills_and_drops(
@@ -155,9 +162,7 @@ def test_add_run_equals_its_reference_through_gaps_refills_and_drops(
     """Runs anywhere in branching chains (gaps, refills, re-reports with new snapshots),
     between drops: the fast `add_run` (told by the check where the new blocks begin) leaves
     the tree `add_run_reference` leaves, and says the same (blocks, snapshots)."""
-    fast, slow = PrefixTree(), PrefixTree()
-    for tree in (fast, slow):
-        tree.add_holder(), tree.add_holder()
+    fast, slow = tree_with_two_holders(), tree_with_two_holders()
     for step in steps:
         if isinstance(step, Add):
             run = step.run()
@@ -177,9 +182,7 @@ def test_drop_many_equals_its_reference(steps: list[Add | DropMany]) -> None:
     """Eviction reports (chains from a block down, or any blocks, with repeats and unknown
     hashes, whole blocks or snapshots only) between runs stored by two holders: `drop_many`
     leaves the tree its block-by-block reference leaves, and says the same."""
-    fast, slow = PrefixTree(), PrefixTree()
-    for tree in (fast, slow):
-        tree.add_holder(), tree.add_holder()
+    fast, slow = tree_with_two_holders(), tree_with_two_holders()
     for step in steps:
         if isinstance(step, Add):
             run = step.run()

@@ -186,12 +186,7 @@ def test_prfaas_up_prints_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> 
         env={**os.environ, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."},
         cwd=tmp_path)
     try:
-        assert child.stdout is not None
-        seen: list[str] = []
-        for line in child.stdout:
-            seen.append(line)
-            if line.startswith("ready:") or len(seen) > 50:
-                break
+        seen = lines_until_ready(child, 50)
         assert seen[-1].strip() == (f"ready: dashboard http://127.0.0.1:8080/ "
                                     f"API http://127.0.0.1:{port}/v1"), seen
         assert any(line.startswith("sleeper") and "| up" in line for line in seen), seen
@@ -267,12 +262,7 @@ def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: boo
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**env, "PRFAAS_ADMIN_TOKEN": "an-admin-token-of-32-characters."}, cwd=tmp_path)
     try:
-        assert child.stdout is not None
-        seen: list[str] = []
-        for line in child.stdout:
-            seen.append(line)
-            if line.startswith("ready:") or len(seen) > 80:
-                break
+        seen = lines_until_ready(child, 80)
         assert seen[-1].startswith("ready:"), seen
         assert any("refused without the secret" in line for line in seen), seen
         child.send_signal(signal.SIGTERM)
@@ -283,6 +273,17 @@ def test_prfaas_up_hands_every_service_the_mesh_secret(tmp_path: Path, here: boo
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def lines_until_ready(child: subprocess.Popen[str], most: int) -> list[str]:
+    """`prfaas up`'s output lines up to its "ready:" line, or its first `most` + 1 lines."""
+    assert child.stdout is not None
+    seen: list[str] = []
+    for line in child.stdout:
+        seen.append(line)
+        if line.startswith("ready:") or len(seen) > most:
+            break
+    return seen
 
 
 def socket_inodes(pid: int | str) -> set[str]:

@@ -163,11 +163,17 @@ class FakeTransport:
         self.calls.append("resume")
 
 
-@pytest.mark.anyio
-async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
+def connected_protocol() -> tuple[asyncio_stream._StreamProtocol, FakeTransport]:
+    """The asyncio stream's protocol, connected to a FakeTransport."""
     protocol = asyncio_stream._StreamProtocol()
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
+    return protocol, transport
+
+
+@pytest.mark.anyio
+async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
+    protocol, transport = connected_protocol()
     chunk = b"z" * (READ_BUFFER // 4)
     for _ in range(5):
         protocol.data_received(chunk)
@@ -181,9 +187,7 @@ async def test_asyncio_reading_pauses_while_too_much_waits_unread() -> None:
 
 @pytest.mark.anyio
 async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued() -> None:
-    protocol = asyncio_stream._StreamProtocol()
-    transport = FakeTransport()
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = connected_protocol()
     stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
     target = bytearray(10)
     landed: list[int] = []
@@ -216,9 +220,7 @@ async def test_asyncio_reads_into_the_readers_buffer_only_when_nothing_is_queued
 
 @pytest.mark.anyio
 async def test_asyncio_reads_into_the_readers_buffer_a_bulk_step_at_a_time() -> None:
-    protocol = asyncio_stream._StreamProtocol()
-    transport = FakeTransport()
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = connected_protocol()
     stream = tcp.AsyncioSocketStream(transport, protocol)  # type: ignore[arg-type]
     target = bytearray(3 * BULK_READ + 5)
     stream.fill_into(lambda: memoryview(target), lambda count: False)

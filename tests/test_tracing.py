@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from services.contract.tracing import (
     traceparent,
     tracer_for,
 )
+from tests.polling import wait_until
 from tests.ports import free_port, free_ports
 from tests.topologies import launched_toml
 
@@ -275,15 +275,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         wait_until(lambda: httpx.get(f"{mesh.url}/health", timeout=10).json().get(
             "workers_up", 0) == 4, "four workers up")
         yield mesh
-
-
-def wait_until(done: Callable[[], bool], what: str, polls: int = 300) -> None:
-    """Polls `done` every 0.1 s, at most `polls` times (a bound, not a pace)."""
-    for _ in range(polls):
-        if done():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"never {what}")
 
 
 def stream(mesh: Mesh, prompt: str, headers: dict[str, str] | None = None,
