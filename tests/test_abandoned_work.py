@@ -31,6 +31,7 @@ from services.worker.engine import InlineRunner, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 from services.worker.service import WorkerService, serve_decode, serve_prefill
+from tests.prompts import tokens
 from tests.topologies import mesh_toml
 
 ORPHAN_S = 8.0
@@ -39,10 +40,6 @@ TOPOLOGY = mesh_toml(
     {"q": 1, "d": 2},
     worker='family = "kimi-linear", size = "tiny", checkpoint = "none", chunk_tokens = 128',
     options={"d": f"orphan_timeout = {ORPHAN_S}"})
-
-
-def tokens(n: int, salt: int) -> list[int]:
-    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
 @asynccontextmanager

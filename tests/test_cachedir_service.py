@@ -17,6 +17,7 @@ from services.contract.messages import PlanQuery, PlanReply, PrefixQuery, Prefix
 from services.contract.sampling import Sampling
 from services.worker.prefix_store import prompt_hashes
 from services.worker.service import WorkerService
+from tests.prompts import tokens
 from tests.topologies import mesh_toml
 
 TOPOLOGY = parse_topology(mesh_toml(
@@ -24,10 +25,6 @@ TOPOLOGY = parse_topology(mesh_toml(
     worker='family = "qwen-next", size = "tiny", checkpoint = "none"',
     options={"p": "cache_mib = 0.25"}))
 SAMPLING = Sampling(max_tokens=8, stop_on_eos=False)
-
-
-def tokens(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
 def service(mesh: InProcessMesh, name: str) -> object:

@@ -32,6 +32,7 @@ from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.worker.engine import Emit, PrefillJob, expected_kv_bytes
 from services.worker.service import WorkerService
+from tests.prompts import tokens
 
 TOPOLOGY = parse_topology("""
 [[clusters]]
@@ -54,10 +55,6 @@ port = 2
 @pytest.fixture(scope="module")
 def model() -> HybridLM:
     return build_model(family_config("kimi-linear", "tiny"), seed=0)
-
-
-def tokens(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
 class Upload(msgspec.Struct):

@@ -28,13 +28,10 @@ from services.paper.hardware import CostModel, Pacer
 from services.worker.engine import InlineRunner, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
+from tests.prompts import tokens
 
 ADDRESSES = {"q": Address("q", 1), "d": Address("d", 2)}
 BOUND_S = 3600.0  # any wait here is a few virtual seconds; this only bounds a broken test
-
-
-def tokens(n: int, salt: int) -> list[int]:
-    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
 def request(k: int, kv_stall: float = 0.0) -> PrefillRequest:

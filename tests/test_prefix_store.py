@@ -33,6 +33,7 @@ from services.worker.prefix_store import (
     StoreChange,
     prompt_hashes,
 )
+from tests.prompts import tokens
 
 BLOCK = 64
 
@@ -40,10 +41,6 @@ BLOCK = 64
 @pytest.fixture(scope="module")
 def model() -> HybridLM:
     return build_model(family_config("kimi-linear", "tiny"), seed=0)
-
-
-def tokens(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7 + salt * 13) % 500 + 1 for i in range(n)]
 
 
 def cached(model: HybridLM, ids: list[int], snapshots: bool = True) -> RequestCache:
