@@ -22,6 +22,7 @@ import msgspec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from services.sim.capacity import Slo
 from services.sim.search.explorer import Entry, Summary
@@ -87,8 +88,13 @@ def plot_frontier(out: Path, summary: Summary) -> None:
     ax.set(xlabel="cost per hour (H20 instance-hours)", ylabel="SLO capacity (req/s)",
            title=f"{summary.search}: capacity against cost")
     ax.legend(fontsize=7)
+    _save(fig, out / "frontier.png")
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """Writes `fig` to `path` as a PNG, laid out tight, and closes it."""
     fig.tight_layout()
-    fig.savefig(out / "frontier.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -111,9 +117,7 @@ def plot_capacity_vs_t(out: Path, summary: Summary) -> None:
     else:
         ax.text(0.5, 0.5, "no PrfaaS-PD configuration in this search", ha="center",
                 transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(out / "capacity_vs_t.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "capacity_vs_t.png")
 
 
 def plot_planner_vs_sim(out: Path, summary: Summary) -> None:
@@ -126,9 +130,7 @@ def plot_planner_vs_sim(out: Path, summary: Summary) -> None:
     ax.set(xlabel="planner's Lambda_max (req/s)", ylabel="sim's SLO capacity (req/s)",
            title=f"{summary.search}: planner against sim")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "planner_vs_sim.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "planner_vs_sim.png")
 
 
 def write_report(out: Path, summary: Summary) -> None:
