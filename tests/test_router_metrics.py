@@ -11,6 +11,7 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 from router_fakes import DONE, fake_mesh, fake_token, generation, placed_handle
 
 from mesh.events import EventBus
@@ -18,12 +19,18 @@ from services.router.requests import RequestMetrics, RequestRunner
 from services.router.scheduler import SchedulerCollector
 
 
+def registry_of(collector: Collector) -> CollectorRegistry:
+    """A registry holding `collector` alone."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
 @pytest.mark.trio
 async def test_the_collector_reads_every_statistic_at_scrape_time(
         autojump_clock: trio.testing.MockClock) -> None:
     async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(SchedulerCollector(mesh.scheduler))
+        registry = registry_of(SchedulerCollector(mesh.scheduler))
         await (await mesh.scheduler.submit(generation(range(1, 300), max_tokens=3))).collect()
         await (await mesh.scheduler.submit(generation(range(1, 20), max_tokens=2))).collect()
         text = generate_latest(registry).decode()
@@ -42,8 +49,7 @@ async def test_the_collector_reads_every_statistic_at_scrape_time(
 async def test_completed_requests_are_counted_by_finish_reason_and_the_rest_by_outcome_alone(
         autojump_clock: trio.testing.MockClock) -> None:
     async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(SchedulerCollector(mesh.scheduler))
+        registry = registry_of(SchedulerCollector(mesh.scheduler))
         before = samples(registry)
         prompt = list(range(1, 30))
         stop = "".join(chr(fake_token(prompt, i) - 1) for i in range(4))[2:4]
@@ -77,8 +83,7 @@ async def test_a_streamed_request_fills_every_request_histogram_with_its_own_tim
         autojump_clock: trio.testing.MockClock) -> None:
     # The fake PD prefill takes 2 ms a token and the decode worker 10 ms a step, on virtual time.
     async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(mesh.scheduler.metrics)
+        registry = registry_of(mesh.scheduler.metrics)
         request = msgspec.structs.replace(generation(range(1, 40), max_tokens=5), stream=True)
         started = trio.current_time()
         await (await mesh.scheduler.submit(request)).collect()
@@ -112,8 +117,7 @@ async def test_a_streamed_request_fills_every_request_histogram_with_its_own_tim
 async def test_histograms_are_labelled_by_the_cluster_that_prefilled_and_count_cache_hits(
         autojump_clock: trio.testing.MockClock) -> None:
     async with fake_mesh("prfaas", {"threshold": 100.0}) as mesh:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(mesh.scheduler.metrics)
+        registry = registry_of(mesh.scheduler.metrics)
         long = list(range(1, 250))
         # The second finds the first's 15 blocks (16 tokens each) in the PrfaaS worker's cache
         # and still has 208 tokens to compute, past t.
