@@ -14,15 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from anyio.from_thread import start_blocking_portal
 from playwright.sync_api import Page, sync_playwright
 from ui_fixtures import browser as ui_fixtures
 
@@ -30,7 +26,6 @@ from services.cli.sim_dashboard import serve_compare_dashboard
 from services.sim.clock import PacedClock
 from services.sim.compare import COMPARE_DEFAULT_RATE, CompareSim, compare_deployments
 from services.sim.live import LiveConfig
-from ui.serve import serve_dashboard
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -45,18 +40,6 @@ RATIO_AT_S = 605.0
 # this session's Xeon); on the two shared cores, loaded by other jobs, up to three times that.
 RATIO_WAIT_MS = 240_000
 NAMES = ("prfaas-pd", "homogeneous")
-
-
-@contextmanager
-def compare_dashboard(sim: CompareSim) -> Iterator[str]:
-    """The compare page on `sim` in a background trio loop on its clock; yields its URL."""
-    with start_blocking_portal(backend="trio", backend_options={"clock": sim.clock}) as portal:
-        _, (host, port) = portal.start_task(
-            partial(serve_compare_dashboard, server=serve_dashboard), sim, "127.0.0.1", 0)
-        try:
-            yield f"http://{host}:{port}/"
-        finally:
-            portal.call(portal.stop, True)
 
 
 def wait_until(page: Page, script: str, arg: Any = None, timeout: int = WAIT_MS) -> None:
@@ -79,7 +62,7 @@ def test_compare_page_shows_prfaas_pd_serving_more_than_homogeneous_on_the_same_
                      config=LiveConfig(rate=COMPARE_DEFAULT_RATE, seed=0), clock=PacedClock(60))
     errors: list[str] = []
     with sync_playwright() as playwright, ui_fixtures.chromium(playwright) as browser, \
-            compare_dashboard(sim) as url:
+            ui_fixtures.dashboard(serve_compare_dashboard, sim) as url:
         page = browser.context.new_page()
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,6 +23,7 @@ from playwright.sync_api import BrowserContext, Playwright
 
 from mesh.cputime import cpu_seconds
 from services.cli.sim_dashboard import serve_sim_dashboard
+from services.sim.compare import CompareSim
 from services.sim.live import LiveSim
 from ui.serve import serve_dashboard
 from ui_fixtures.mesh import real_mesh
@@ -71,18 +72,24 @@ def _keep_logs(root: Path) -> None:
 
 
 @contextmanager
-def sim_dashboard(sim: LiveSim) -> Iterator[str]:
-    """The dashboard on `sim`, as `prfaas sim-dashboard` serves it, in a background trio loop
-    on the sim's clock; yields its URL. The simulation and the server stop on exit."""
+def dashboard(serve: Callable[..., Awaitable[None]], sim: LiveSim | CompareSim) -> Iterator[str]:
+    """The page `serve` serves on `sim` (`prfaas sim-dashboard`'s, or its --compare page), in a
+    background trio loop on the sim's clock; yields its URL. The simulation and the server
+    stop on exit."""
     portal: BlockingPortal
     options = {"clock": sim.clock} if sim.clock is not None else {}
     with start_blocking_portal(backend="trio", backend_options=options) as portal:
         _, (host, port) = portal.start_task(
-            partial(serve_sim_dashboard, server=serve_dashboard), sim, "127.0.0.1", 0)
+            partial(serve, server=serve_dashboard), sim, "127.0.0.1", 0)
         try:
             yield f"http://{host}:{port}/"
         finally:
             portal.call(portal.stop, True)
+
+
+def sim_dashboard(sim: LiveSim) -> AbstractContextManager[str]:
+    """The dashboard on `sim`, as `prfaas sim-dashboard` serves it (`dashboard`)."""
+    return dashboard(serve_sim_dashboard, sim)
 
 
 @dataclass
