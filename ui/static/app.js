@@ -11,7 +11,7 @@ import { ReplayPanel } from "./replay.js";
 import { DecisionTable } from "./table.js";
 import { Topology, parseLinks } from "./topology.js";
 import { saturation } from "./health.js";
-import { fmtPct, fmtRate, fmtThreshold, getJSON, rateUnit } from "./util.js";
+import { fmtPct, fmtRate, fmtThreshold, getJSON, rateUnit, showMode } from "./util.js";
 import { Waterfall } from "./waterfall.js";
 
 const $ = (id) => document.getElementById(id);
@@ -59,10 +59,7 @@ const feed = new Feed({
     rate.count += events.length;
     schedule();
   },
-  onStatus(mode) {
-    $("mode").textContent = mode;
-    $("mode").className = mode;
-  },
+  onStatus: showMode,
 });
 
 function schedule() {

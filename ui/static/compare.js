@@ -8,7 +8,7 @@ import { drawGrid, drawLine, fitCanvas } from "./canvas.js";
 import { Feed } from "./feed.js";
 import { Model } from "./model.js";
 import { Topology } from "./topology.js";
-import { Ring, el, fmtPct, fmtSeconds, getJSON, postJSON } from "./util.js";
+import { Ring, el, fmtPct, fmtSeconds, getJSON, postJSON, showMode } from "./util.js";
 
 const COLORS = ["#3b6ea8", "#c2571a", "#5b8f3a"];
 const OFFERED_COLOR = "#8a949e";
@@ -120,11 +120,6 @@ $("legend").replaceChildren(
   ...columns.map((c) => el("span", { class: "legend-item" }, el("i", { style: `background:${c.color}` }), c.info.title)),
   el("span", { class: "legend-item" }, el("i", { style: `background:${OFFERED_COLOR}` }), "offered"),
 );
-
-function showMode(mode) {
-  $("mode").textContent = mode;
-  $("mode").className = mode;
-}
 
 function schedule() {
   if (!frameRequested) {

@@ -156,3 +156,10 @@ async function answer(response) {
   if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
   return data;
 }
+
+/** The feed's mode (or "offline") in the top bar's mode badge, whose class colours it. */
+export function showMode(mode) {
+  const badge = document.getElementById("mode");
+  badge.textContent = mode;
+  badge.className = mode;
+}
