@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -54,7 +55,7 @@ from services.worker.engine import (
 )
 from services.worker.kv_out import KVSender, PrefillCompute, chunk_bounds, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
-from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
+from services.worker.prefix_store import PrefixStore, StoreChange
 from services.worker.request_checks import check_prefill
 
 if TYPE_CHECKING:
@@ -191,22 +192,27 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
-        if self._tracer is None or not request.trace:
-            return await self._prefill(request, None)
-        with self._tracer.span("prefill", request.trace, {
-                "prfaas.worker": self.config.name, "gen_ai.usage.input_tokens": len(
-                    request.prompt), "prfaas.prefill.decode_has_tokens": request.decode_has_tokens,
-                "prfaas.prefill.decode_worker": request.decode_worker}, kind="server") as span:
+        with self._span(request) as span:
             done = await self._prefill(request, span)
-            span.set_attributes({
-                "prfaas.prefill.cached_tokens": done.reused_tokens,
-                "prfaas.prefill.computed_tokens": done.computed_tokens,
-                "prfaas.prefill.chunks": done.chunks, "prfaas.kv.bytes": done.kv_bytes,
-                "prfaas.kv.pieces": done.pieces, "prfaas.kv.lanes": done.lanes,
-                "prfaas.prefill.queue_s": done.queue_s,
-                "prfaas.prefill.compute_s": done.compute_s,
-                "prfaas.prefill.transfer_s": done.transfer_s})
+            if span is not None:
+                span.set_attributes({
+                    "prfaas.prefill.cached_tokens": done.reused_tokens,
+                    "prfaas.prefill.computed_tokens": done.computed_tokens,
+                    "prfaas.prefill.chunks": done.chunks, "prfaas.kv.bytes": done.kv_bytes,
+                    "prfaas.kv.pieces": done.pieces, "prfaas.kv.lanes": done.lanes,
+                    "prfaas.prefill.queue_s": done.queue_s,
+                    "prfaas.prefill.compute_s": done.compute_s,
+                    "prfaas.prefill.transfer_s": done.transfer_s})
             return done
+
+    def _span(self, request: PrefillRequest) -> AbstractContextManager[Span | None]:
+        """The job's `prefill` span when tracing is on and the request carries a traceparent."""
+        if self._tracer is None or not request.trace:
+            return nullcontext()
+        return self._tracer.span("prefill", request.trace, {
+            "prfaas.worker": self.config.name, "gen_ai.usage.input_tokens": len(request.prompt),
+            "prfaas.prefill.decode_has_tokens": request.decode_has_tokens,
+            "prfaas.prefill.decode_worker": request.decode_worker}, kind="server")
 
     async def _prefill(self, request: PrefillRequest, span: Span | None) -> PrefillDone:
         queued_at = native.clock()()
@@ -296,8 +302,7 @@ class PrefillWorker:
         """Steps 0-1 of the module docstring: the request checked, a cached prefix pulled,
         the cache resumed, the chunks and their pieces planned."""
         cfg, length = self.model.cfg, len(request.prompt)
-        params = check_prefill(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
-        hashes = prompt_hashes(request.prompt, cfg.block_size, request.hashes)
+        params, hashes = check_prefill(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
         if self._transfer is not None and request.pull is not None:
             await self._transfer.pull(request, hashes)  # a cached prefix from another worker
         # At least one token must be computed: its logits give the first output token.

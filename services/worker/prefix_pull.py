@@ -7,9 +7,9 @@ is performed". Here that is one KV upload over the existing stream protocol
 will compute the rest:
 
 1. the router names the holder and the prefix length in `PrefillRequest.pull`;
-2. the prefill worker (`PrefixPuller.pull`) claims an assembly in its own `KVInbox` and
+2. the prefill worker (`PrefixTransfer.pull`) claims an assembly in its own `KVInbox` and
    calls the holder with `PushPrefix`, saying how much of the prefix's KV it already holds;
-3. the holder (`PrefixPusher.push`) resumes the prefix from its store (the KV before the
+3. the holder (`PrefixTransfer.push`) resumes the prefix from its store (the KV before the
    prefix's end and the state snapshot at it), exports each layer's piece - full-attention KV
    from the target's held length on, every fixed-size state at the prefix's end - and streams
    them over its lanes as `KVOpen(purpose="prefix")`, `KVChunk`s and, on lane 0, `KVClose`;
@@ -49,7 +49,8 @@ from services.model.cache import RequestCache, dtype_name
 from services.model.export import export_layer
 from services.model.model import HybridLM
 from services.worker.engine import PieceSpec, import_pieces
-from services.worker.kv_in import KVInbox, KVTransferMetrics
+from services.worker.kv_in import KVInbox
+from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.kv_out import stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 

@@ -61,7 +61,7 @@ from services.service import (
 )
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
-from services.worker.kv_in import KVTransferMetrics
+from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
