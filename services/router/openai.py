@@ -100,15 +100,9 @@ from services.router.control import ControlConfig, RouterControl, http_link_prob
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound, RouterError
 from services.router.load import DemoWorkload, WorkloadConfig, corpus_tokens
 from services.router.policies import create_policy
-from services.router.requests import (
-    ChatTokenLogprob,
-    Delta,
-    Finished,
-    GenerationRequest,
-    RequestHandle,
-    TokenRecord,
-)
+from services.router.requests import Delta, Finished, GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler, SchedulerCollector
+from services.router.text import ChatTokenLogprob, TokenRecord
 from services.router.workers import WorkerTable
 from services.service import ServiceContext, http_bind_host, serve_events
 
