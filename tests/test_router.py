@@ -22,15 +22,8 @@ from services.contract.access import allowed_hosts
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig, router_config
 from services.router.load import DemoWorkload, WorkloadConfig
-from services.router.openai import (
-    CLUSTER_HEADER,
-    THREAD_BODY_BYTES,
-    CompletionRequest,
-    Limits,
-    RouterApp,
-    completion_generation,
-    run_router,
-)
+from services.router.openai import CLUSTER_HEADER, THREAD_BODY_BYTES, RouterApp, run_router
+from services.router.openai_schema import CompletionRequest, Limits, completion_generation
 from services.router.policies import PrfaasDynamicPolicy, create_policy
 from services.service import ServiceContext
 

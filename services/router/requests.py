@@ -2,9 +2,9 @@
 asks (`GenerationRequest`) and its one record as it runs (`RequestHandle`, with its outbox of
 deltas and its end, `RequestEnd`).
 
-`GenerationRequest` is the router's own request: the OpenAI face (services/router/openai.py)
-validates a body into it, and the scheduler, the demo workload and the simulation take it,
-knowing nothing of HTTP or of the OpenAI schema.
+`GenerationRequest` is the router's own request: the OpenAI schema
+(services/router/openai_schema.py) validates a body into it, and the scheduler, the demo
+workload and the simulation take it, knowing nothing of HTTP or of the OpenAI schema.
 
 `RequestHandle` is what a submitter holds (the OpenAI face, the demo workload): iterate it for
 text deltas (or `next_delta` for the tokens and logprobs beside the text), then read `result`;
