@@ -49,7 +49,7 @@ from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 from services.router.links import LinkBook
 from services.router.placement import LINK_HOLD_STALLS, DirectoryReader, Placement, Placer
-from services.router.policies import LinkSample, Policy, RequestFinished, decision_event
+from services.router.policy import LinkSample, Policy, RequestFinished, decision_event
 from services.router.request_metrics import RequestMetrics
 from services.router.requests import (
     GenerationRequest,
