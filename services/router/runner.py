@@ -89,7 +89,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Driven(msgspec.Struct, frozen=True, kw_only=True):
+class DataPathEnd(msgspec.Struct, frozen=True, kw_only=True):
     """How one request's data path ended: the prefill worker's report, the finish reason."""
 
     prefill: PrefillDone
@@ -103,7 +103,7 @@ def _nothing() -> None:
 async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode_worker: str,
                 decode: DecodeRequest, *, timeout: float,
                 on_chunk: Callable[[TokenChunk], str | None],
-                on_prefilled: Callable[[], None] = _nothing, grace_s: float = 0.0) -> Driven:
+                on_prefilled: Callable[[], None] = _nothing, grace_s: float = 0.0) -> DataPathEnd:
     """The data path of one placed request: the prefill call beside the decode worker's token
     stream. The one request driver: the router's `RequestRunner` and `prfaas send` use it.
 
@@ -141,7 +141,7 @@ async def drive(node: Node, prefill_worker: str, prefill: PrefillRequest, decode
     if reason is None:
         raise UpstreamFailed(f"decode on {decode_worker} ended request {decode.request_id} "
                              "without a finish reason")
-    return Driven(prefill=done[0], finish_reason=reason)
+    return DataPathEnd(prefill=done[0], finish_reason=reason)
 
 
 async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: float,
@@ -152,7 +152,7 @@ async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: 
     at the end, not for every chunk."""
     finished: list[tuple[str, str | None]] = []
 
-    def take(chunk: msgspec.Struct) -> bool:
+    def feed(chunk: msgspec.Struct) -> bool:
         assert isinstance(chunk, TokenChunk)
         reason = on_chunk(chunk)
         if reason is not None:
@@ -161,7 +161,7 @@ async def _read_tokens(node: Node, worker: str, decode: DecodeRequest, timeout: 
 
     try:
         async with node.open_stream(worker, decode, timeout=timeout) as chunks:
-            if not await chunks.take_each(take):
+            if not await chunks.take_each(feed):
                 return None
             reason, worker_finished = finished[0]
             if worker_finished is not None:
@@ -276,7 +276,7 @@ class RequestRunner:
                         cached_tokens=min(prompt, driven.prefill.reused_tokens))
 
     async def _attempt(self, handle: RequestHandle, assembler: TextAssembler,
-                       kept: list[int], broken_at: list[float]) -> Driven:
+                       kept: list[int], broken_at: list[float]) -> DataPathEnd:
         """One attempt: the prompt and the tokens kept so far, on the placement's workers."""
         p, request, cfg = handle.placement, handle.request, self.config
         prompt = [*request.prompt, *kept]
@@ -301,7 +301,7 @@ class RequestRunner:
                     self.node, p.prefill_worker,
                     self._prefill_request(handle, prompt, sampling, trace),
                     p.decode_worker, decode, timeout=cfg.request_timeout_s,
-                    on_chunk=lambda chunk: self._take(handle, chunk, assembler, kept, broken_at),
+                    on_chunk=lambda chunk: self._feed(handle, chunk, assembler, kept, broken_at),
                     on_prefilled=lambda: self._prefill_ended(handle, p.prefill_worker),
                     grace_s=GRACE_S)
             except BaseException as exc:
@@ -418,7 +418,7 @@ class RequestRunner:
             pull=p.pull, kv_stall=self.config.kv_stall_s if p.cluster == "prfaas" else 0.0,
             hashes=p.hashes, trace=trace)
 
-    def _take(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
+    def _feed(self, handle: RequestHandle, chunk: TokenChunk, assembler: TextAssembler,
               kept: list[int], broken_at: list[float]) -> str | None:
         """Feeds one chunk to the outbox; the finish reason once the request is done."""
         if broken_at and chunk.tokens:
