@@ -23,7 +23,7 @@ from netem.link_metrics import LinkCollector
 from netem.params import LinkParams
 from netem.proxy import LinkProxy, Route
 from netem.shaper import LinkShaper
-from services.router.requests import RequestMetrics
+from services.router.request_metrics import RequestMetrics
 from services.router.scheduler import SchedulerCollector
 from services.worker.kv_metrics import KVTransferMetrics
 

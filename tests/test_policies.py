@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.policies import (
+from services.router.policies import create_policy
+from services.router.policy import RouteInputs
+from services.router.static_policies import (
     DynamoConfig,
     DynamoPolicy,
     HomogeneousPolicy,
     NaiveHeteroPolicy,
     PrfaasConfig,
     PrfaasPolicy,
-    RouteInputs,
-    create_policy,
     threshold_rule,
 )
 

@@ -21,17 +21,11 @@ from mesh.topology import parse_topology
 from services.contract.access import allowed_hosts
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig, router_config
+from services.router.dynamic_policy import PrfaasDynamicPolicy
 from services.router.load import DemoWorkload, WorkloadConfig
-from services.router.openai import (
-    CLUSTER_HEADER,
-    THREAD_BODY_BYTES,
-    CompletionRequest,
-    Limits,
-    RouterApp,
-    completion_generation,
-    run_router,
-)
-from services.router.policies import PrfaasDynamicPolicy, create_policy
+from services.router.openai import CLUSTER_HEADER, THREAD_BODY_BYTES, RouterApp, run_router
+from services.router.openai_schema import CompletionRequest, Limits, completion_generation
+from services.router.policies import create_policy
 from services.service import ServiceContext
 
 FAST = Timing(prfaas_s_per_token=1e-5, pd_s_per_token=1e-5, decode_step_s=0.001)

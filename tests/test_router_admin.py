@@ -22,7 +22,8 @@ from services.paper.workload import TruncatedLogNormal
 from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
 from services.router.link_meter import EstimatorConfig
-from services.router.policies import Action, ClusterState, ConvertWorker, PrfaasPolicy, SetThreshold
+from services.router.policy import Action, ClusterState, ConvertWorker, SetThreshold
+from services.router.static_policies import PrfaasPolicy
 from services.router.workers import ModelMismatch
 
 

@@ -22,7 +22,7 @@ from services.paper.case_study import T_STAR_TOKENS
 from services.router.link_meter import EstimatorConfig
 from services.router.policies import POLICIES
 
-# Request migration (services/router/requests.py): how many times one request may be continued
+# Request migration (services/router/runner.py): how many times one request may be continued
 # elsewhere after its data path broke, and how long KV crossing a link may make no progress
 # before it is abandoned and the request re-prefilled in the PD cluster. The topology's
 # router options `migration_limit` and `kv_stall_s` set them.

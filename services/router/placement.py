@@ -1,5 +1,5 @@
 """Placement: where one request runs. The policy decides the cluster
-(services/router/policies.py), and placement picks the prefill worker in it and the decode
+(services/router/policy.py), and placement picks the prefill worker in it and the decode
 worker in the PD cluster; a migrated request's next attempt is placed the same way, away from
 the workers that failed it (`Migration`).
 
@@ -54,7 +54,7 @@ from services.contract.types import Cluster, WorkerRole
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 from services.router.links import LinkBook
-from services.router.policies import (
+from services.router.policy import (
     Decision,
     Policy,
     PolicyError,
