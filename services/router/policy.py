@@ -228,8 +228,8 @@ class PolicyStatistics(msgspec.Struct, frozen=True):
     offload_fraction: float  # to_prfaas / decisions (0 before the first)
     cross_cluster_transfers: int
     finished: int
-    threshold: float | None
-    override: float | None
+    threshold: float | None  # None: the policy has none
+    override: float | None  # the pinned threshold; None: none pinned
     last_reason: str
 
 
@@ -250,16 +250,16 @@ class Policy(Protocol):
 
     def tick(self, now: float, state: ClusterState) -> list[Action]: ...
 
-    def set_threshold_override(self, t: float | None) -> None: ...
+    def set_threshold_override(self, threshold: float | None) -> None: ...
 
     def statistics(self) -> PolicyStatistics: ...
 
     def check_integrity(self) -> None: ...
 
 
-def json_threshold(t: float | None) -> float | None:
+def json_threshold(threshold: float | None) -> float | None:
     """t as events carry it: JSON has no infinity, so a non-finite t becomes None."""
-    return t if t is not None and math.isfinite(t) else None
+    return threshold if threshold is not None and math.isfinite(threshold) else None
 
 
 def decision_event(inputs: RouteInputs, decision: Decision, *, policy: str,
