@@ -43,8 +43,8 @@ from services.router.policy import (
 )
 from services.router.role_balancer import Rates, RoleBalancer, RoleConfig
 from services.router.static_policies import (
-    BandwidthMode,
     PolicyBase,
+    PrefixRule,
     check_watermark,
     format_tokens,
     is_bandwidth_scarce,
@@ -107,7 +107,7 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     max_len: float = PAPER_MAX_TOKENS
     token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
     abundant_below: float = 0.5
-    bandwidth: BandwidthMode = "auto"
+    prefix_rule: PrefixRule = "auto"
     headroom: float = 0.2
     tilt: float = 2.0
     wait_floor_s: float = 5.0
@@ -242,7 +242,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         return self._threshold
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        below, mode = self.config.abundant_below, self.config.bandwidth
+        below, mode = self.config.abundant_below, self.config.prefix_rule
         scarce = is_bandwidth_scarce(inputs, below, mode)
         threshold = self.threshold
         assert threshold is not None

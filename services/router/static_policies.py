@@ -8,6 +8,7 @@ it: the call and its callback stay in one module.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import ClassVar, Generic, Literal, TypeVar
@@ -29,8 +30,14 @@ from services.router.policy import (
     site_key,
 )
 
-BandwidthMode = Literal["auto", "scarce", "abundant"]
+# Which prefix rule of paper section 3.3 applies: "auto" decides from the link
+# (`is_bandwidth_scarce`), "scarce" / "abundant" pin one.
+PrefixRule = Literal["auto", "scarce", "abundant"]
 _Config = TypeVar("_Config", bound=msgspec.Struct)
+# The option's name before `prefix_rule`: `bandwidth` now names a rate only.
+DEPRECATED_PREFIX_RULE_KEY = "bandwidth"
+
+log = logging.getLogger(__name__)
 
 
 class PolicyBase(Generic[_Config]):
@@ -147,7 +154,7 @@ def format_tokens(value: float | None) -> str:
 
 
 def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
-                        mode: BandwidthMode = "auto") -> bool:
+                        mode: PrefixRule = "auto") -> bool:
     """Which prefix rule of paper section 3.3 applies (section 2.4 step 3 of docs/paper-notes.md).
 
     The paper names the two cases but gives no test. Ours: bandwidth is abundant while the
@@ -160,7 +167,7 @@ def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
     return inputs.link_utilisation >= abundant_below or inputs.link_stalls > 0
 
 
-def link_note(inputs: RouteInputs, abundant_below: float, mode: BandwidthMode = "auto") -> str:
+def link_note(inputs: RouteInputs, abundant_below: float, mode: PrefixRule = "auto") -> str:
     """What `is_bandwidth_scarce` decided from, for the reason line: the link's utilisation
     against the watermark and its recent stalls ("link calm (util 3% < 50%)"), or the pin."""
     if mode != "auto":
@@ -173,8 +180,24 @@ def link_note(inputs: RouteInputs, abundant_below: float, mode: BandwidthMode = 
     return f"link calm ({util} < {abundant_below:.0%})"
 
 
+def with_prefix_rule(options: Mapping[str, object], where: str) -> dict[str, object]:
+    """`options` with the deprecated key `bandwidth` (the prefix rule's old name) moved to
+    `prefix_rule`, logging the deprecation; both given is refused."""
+    out = dict(options)
+    if DEPRECATED_PREFIX_RULE_KEY not in out:
+        return out
+    if "prefix_rule" in out:
+        raise PolicyError(f"{where}: give prefix_rule only, not also its deprecated name "
+                          f"bandwidth={out[DEPRECATED_PREFIX_RULE_KEY]!r}")
+    log.warning("%s: option 'bandwidth' is deprecated, call it 'prefix_rule'", where)
+    out["prefix_rule"] = out.pop(DEPRECATED_PREFIX_RULE_KEY)
+    return out
+
+
 def build_config(policy: str, kind: type[_Config], options: Mapping[str, object]) -> _Config:
     """A policy's frozen config from plain options (CLI, TOML); errors name the bad key."""
+    if "prefix_rule" in kind.__struct_fields__:
+        options = with_prefix_rule(options, f"policy {policy!r}")
     try:
         return msgspec.convert(dict(options), kind)
     except msgspec.ValidationError as exc:
@@ -247,7 +270,7 @@ class NaiveHeteroPolicy(PolicyBase[NaiveHeteroConfig]):
 class PrfaasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     threshold: float = T_STAR_TOKENS  # t in the router's tokens; the paper's case-study optimum
     abundant_below: float = 0.5  # link utilisation under which bandwidth counts as abundant
-    bandwidth: BandwidthMode = "auto"  # or pin "scarce" / "abundant"
+    prefix_rule: PrefixRule = "auto"  # or pin "scarce" / "abundant"
 
     def __post_init__(self) -> None:
         if math.isnan(self.threshold) or self.threshold < 0:
@@ -321,7 +344,7 @@ class PrfaasPolicy(PolicyBase[PrfaasConfig]):
         return self.config.threshold
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        below, mode = self.config.abundant_below, self.config.bandwidth
+        below, mode = self.config.abundant_below, self.config.prefix_rule
         scarce = is_bandwidth_scarce(inputs, below, mode)
         threshold = self.threshold
         assert threshold is not None
