@@ -78,7 +78,7 @@ class RouteInputs(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a policy may look at for one request (tokens, 0..1, queue lengths, s).
 
     The PrfaaS fields describe one PrfaaS cluster, `prfaas_cluster`; with several
-    (`prfaas_sites`), `Policy.narrow` fills them from the one the request would use.
+    (`prfaas_sites`), `Policy.pick_prfaas_site` fills them from the one the request would use.
     """
 
     request_id: str
@@ -242,7 +242,7 @@ class Policy(Protocol):
     @property
     def threshold(self) -> float | None: ...
 
-    def narrow(self, inputs: RouteInputs) -> RouteInputs: ...
+    def pick_prfaas_site(self, inputs: RouteInputs) -> RouteInputs: ...
 
     def decide(self, inputs: RouteInputs) -> Decision: ...
 

@@ -61,7 +61,7 @@ class PolicyBase(Generic[_Config]):
         self._last_reason = ""
         self._sent: dict[str, int] = {}  # requests sent to each PrfaaS cluster
 
-    def narrow(self, inputs: RouteInputs) -> RouteInputs:
+    def pick_prfaas_site(self, inputs: RouteInputs) -> RouteInputs:
         """`inputs` with the PrfaaS fields of the PrfaaS cluster a request would go to
         (`site_key`); unavailable when none is. Unchanged without `prfaas_sites`."""
         sites = [s for s in inputs.prfaas_sites if s.available]
