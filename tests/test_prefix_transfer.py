@@ -165,7 +165,7 @@ async def pull_scenario(checkpoint: Path) -> PullOutcome:
     names = ["cachedir", "link", "p", "q", "d"]
     async with in_process(topo, names, transport=TcpTransport(), via_links=True) as mesh, \
             mesh.client("router") as node, anyio.create_task_group() as group:
-        policy = create_policy("prfaas", {"threshold": 100.0, "bandwidth": "auto"})
+        policy = create_policy("prfaas", {"threshold": 100.0, "prefix_rule": "auto"})
         scheduler = Scheduler(node, policy, WorkerTable.from_topology(topo), IdTokenizer(),
                               SchedulerConfig(block_size=BLOCK, connections=2))
         await group.start(scheduler.run)

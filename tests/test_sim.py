@@ -27,7 +27,7 @@ from services.sim.world import Deployment
 pytestmark = pytest.mark.slow
 
 SMALL = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
-                   policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+                   policy_options={"threshold": 19400 / 8, "prefix_rule": "scarce"})
 
 
 def _run(d: Deployment, arrivals: list[Arrival], **options: object) -> SimResult:
@@ -54,7 +54,7 @@ from services.sim.run import run_virtual
 from services.sim.workload import lognormal
 from services.sim.world import Deployment
 d = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
-               policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+               policy_options={"threshold": 19400 / 8, "prefix_rule": "scarce"})
 arrivals = lognormal(1.0, 60, d.scale, seed=3)
 for k in sys.argv[1:]:
     # trio runs tasks woken together in an order drawn from this generator (private to
@@ -144,7 +144,7 @@ def test_a_prefix_counted_in_the_other_cluster_is_pulled_across_and_reused() -> 
     PD, which first pulls that prefix over the link: it reuses all it counted, and the link
     carries S_kv of turn 1 and of the prefix (turn 2's KV stays in the PD cluster)."""
     d = msgspec.structs.replace(SMALL, n_decode=1, policy_options={
-        "threshold": 19400 / 8, "bandwidth": "abundant"})
+        "threshold": 19400 / 8, "prefix_rule": "abundant"})
     first = tuple(range(1, 61))
     turns = [Arrival(0.0, first, 60 * 64, 16, 60 * 64 * 8),
              Arrival(60.0, (*first, 61, 62, 63, 64), 64 * 64, 16, 64 * 64 * 8)]

@@ -554,7 +554,7 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
     d = deployment(shaped)
     # One PrfaaS prefill, one PD prefill, one decode; t in the middle of the prompt lengths.
     assert (d.n_prfaas, d.n_pd_prefill, d.n_decode) == (1, 1, 1)
-    assert d.policy == "prfaas" and d.policy_options == {"threshold": 192, "bandwidth": "scarce"}
+    assert d.policy == "prfaas" and d.policy_options == {"threshold": 192, "prefix_rule": "scarce"}
     assert d.bandwidth_bps == ROUTED_BANDWIDTH_BPS < config.bandwidth_bps
     assert d.prfaas_profile == d.pd_profile == config.profile
     # The live side: the same workers, link rate and policy.

@@ -258,7 +258,7 @@ def deployment_name(config: ValidationConfig) -> str:
 
 def policy_options(config: ValidationConfig) -> dict[str, Any]:
     """The prfaas policy's options on both sides: `config`'s t, the scarce prefix rule."""
-    return {"threshold": config.threshold, "bandwidth": "scarce"}
+    return {"threshold": config.threshold, "prefix_rule": "scarce"}
 
 
 def deployment(config: ValidationConfig) -> Deployment:

@@ -43,8 +43,8 @@ from services.router.policy import (
 )
 from services.router.role_balancer import Rates, RoleBalancer, RoleConfig
 from services.router.static_policies import (
-    BandwidthMode,
     PolicyBase,
+    PrefixRule,
     check_watermark,
     format_tokens,
     is_bandwidth_scarce,
@@ -107,7 +107,7 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     max_len: float = PAPER_MAX_TOKENS
     token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
     abundant_below: float = 0.5
-    bandwidth: BandwidthMode = "auto"
+    prefix_rule: PrefixRule = "auto"
     headroom: float = 0.2
     tilt: float = 2.0
     wait_floor_s: float = 5.0
@@ -236,17 +236,18 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         self._roles = RoleBalancer(cfg.roles, self.stage_rates, self._loads, cfg.pd_load_max)
         self._solves = 0
         self._outlook: Outlook | None = None
-        self._t = self._solve()
+        self._threshold = self._solve()
 
     def _own_threshold(self) -> float:
-        return self._t
+        return self._threshold
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        below, mode = self.config.abundant_below, self.config.bandwidth
+        below, mode = self.config.abundant_below, self.config.prefix_rule
         scarce = is_bandwidth_scarce(inputs, below, mode)
-        t = self.threshold
-        assert t is not None
-        decision = threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))
+        threshold = self.threshold
+        assert threshold is not None
+        decision = threshold_rule(inputs, threshold, scarce, self.name,
+                                  link_note(inputs, below, mode))
         self._window.append(decision.incremental_len / self.config.token_scale)
         self._arrivals.append(inputs.now)
         return decision
@@ -254,12 +255,12 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
     def stage_rates(self, shape: ClusterShape) -> tuple[float, float, float]:
         """The model's Theta_prfaas, Theta_pd-p, Theta_pd-d (req/s) for `shape`, on the
         recent lengths at the current t (what the long-term loop compares, Eq. 8)."""
-        point = self._point(self._t, shape)
+        point = self._point(self._threshold, shape)
         return point.theta_prfaas, point.theta_pd_p, point.theta_pd_d
 
-    def _point(self, t: float, shape: ClusterShape) -> OperatingPoint:
+    def _point(self, threshold: float, shape: ClusterShape) -> OperatingPoint:
         model = replace(self._model, bandwidth_bps=self.bandwidth_bps())
-        return model.evaluate(self.lengths(), t / self.config.token_scale, shape)
+        return model.evaluate(self.lengths(), threshold / self.config.token_scale, shape)
 
     def observe(self, feedback: Feedback) -> None:
         super().observe(feedback)
@@ -298,9 +299,9 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
     def _solve(self) -> float:
         """The model's t (Eq. 7) in router tokens for the current lengths, bandwidth, shape."""
         self._solves += 1
-        t = solve_threshold(self._model, self.lengths(), self._shape,
-                            bandwidth_bps=self.bandwidth_bps())
-        return t * self.config.token_scale
+        threshold = solve_threshold(self._model, self.lengths(), self._shape,
+                                    bandwidth_bps=self.bandwidth_bps())
+        return threshold * self.config.token_scale
 
     def tick(self, now: float, state: ClusterState) -> list[Action]:
         actions: list[Action] = []
@@ -322,7 +323,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         depths = [sum(w.backlog for w in state.select(c, "prefill")) for c in ("prfaas", "pd")]
         queue_prfaas, queue_pd = (self._queues[i].update(now, depths[i]) for i in (0, 1))
         model_t = self._solve()
-        point = self._point(self._t, self._shape)
+        point = self._point(self._threshold, self._shape)
         wait_prfaas = queue_prfaas / point.theta_prfaas if point.theta_prfaas > 0 else math.inf
         wait_pd = queue_pd / point.theta_pd_p if point.theta_pd_p > 0 else math.inf
         wanted = model_t
@@ -340,7 +341,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         rate = self._last_rate
         if rate <= 0:
             return None
-        point = self._point(self._t, shape)
+        point = self._point(self._threshold, shape)
 
         def load(arrivals: float, theta: float) -> float:
             return arrivals / theta if theta > 0 else (math.inf if arrivals > 0 else 0.0)
@@ -354,19 +355,19 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         if rate <= 0 or shape.n_p == 0 or shape.n_prfaas == 0:
             return math.inf
 
-        def load(t: float) -> float:
-            p = lengths.survival(t)
-            short, _ = lengths.conditional_means(t)
+        def load(threshold: float) -> float:
+            p = lengths.survival(threshold)
+            short, _ = lengths.conditional_means(threshold)
             theta = self._model.theta_pd_p(short, shape.n_p)
             return rate * (1.0 - p) / theta if theta > 0 else math.inf
 
-        limit = self.config.pd_load_max
+        load_max = self.config.pd_load_max
         low, high = lengths.lo - 1.0, lengths.hi
-        if load(high) <= limit:
+        if load(high) <= load_max:
             return math.inf
         while high - low > 1.0:
             mid = 0.5 * (low + high)
-            low, high = (mid, high) if load(mid) <= limit else (low, mid)
+            low, high = (mid, high) if load(mid) <= load_max else (low, mid)
         return low * self.config.token_scale
 
     def _short_term(self, now: float, state: ClusterState) -> list[Action]:
@@ -376,7 +377,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
         link_down = self._link is not None and not self._link.up
         if link_down or now - self._last_change < cfg.dwell_s:
             return []
-        wanted, old = outlook.wanted, self._t
+        wanted, old = outlook.wanted, self._threshold
         if _close(old, wanted, cfg.min_rel_change):
             return []
         new = _halfway(old, wanted, cfg.min_rel_change)
@@ -388,19 +389,19 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
 
     def _move(self, now: float, new: float, why: str, *, force: bool = False) -> list[Action]:
         """Apply t = new if it is far enough from t (or `force`); the announcing action."""
-        old = self._t
-        if self._override is not None or new == old:
+        old = self._threshold
+        if self._threshold_override is not None or new == old:
             return []
         if not force and _close(old, new, self.config.min_rel_change):
             return []
-        self._t, self._last_change = new, now
+        self._threshold, self._last_change = new, now
         bandwidth = self.bandwidth_bps() / 1e9
         return [SetThreshold(old=old, new=new, reason=(
             f"{why}; t {format_tokens(old)} -> {format_tokens(new)} "
             f"(B_eff {bandwidth:.3g} Gbps, {len(self._window)} recent lengths)"))]
 
-    def set_threshold_override(self, t: float | None) -> None:
-        super().set_threshold_override(t)
+    def set_threshold_override(self, threshold: float | None) -> None:
+        super().set_threshold_override(threshold)
         self._last_change = -math.inf
 
     def _integrity_problems(self) -> list[str]:
@@ -437,10 +438,10 @@ def _close(old: float, new: float, min_rel_change: float) -> bool:
     return abs(new - old) <= min_rel_change * max(abs(old), 1.0)
 
 
-def _halfway(t: float, target: float, min_rel_change: float) -> float:
+def _halfway(threshold: float, target: float, min_rel_change: float) -> float:
     """One move from t toward target: half way in log space, straight there when half way
     would stay within twice `min_rel_change` of it (t or target 0 or infinite: straight)."""
-    if not (0 < t < math.inf and 0 < target < math.inf):
+    if not (0 < threshold < math.inf and 0 < target < math.inf):
         return target
-    middle = math.sqrt(t * target)
+    middle = math.sqrt(threshold * target)
     return target if _close(middle, target, 2 * min_rel_change) else middle

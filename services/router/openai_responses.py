@@ -245,7 +245,7 @@ async def _choice_chunks(responder: Responder) -> AsyncGenerator[bytes, None]:
     while live:
         found = False
         for index in list(live):
-            delta = handles[index].take()
+            delta = handles[index].poll_delta()
             if delta is not None:
                 found = True
                 yield responder.chunk(delta, index=index)

@@ -78,7 +78,7 @@ class RouteInputs(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a policy may look at for one request (tokens, 0..1, queue lengths, s).
 
     The PrfaaS fields describe one PrfaaS cluster, `prfaas_cluster`; with several
-    (`prfaas_sites`), `Policy.narrow` fills them from the one the request would use.
+    (`prfaas_sites`), `Policy.pick_prfaas_site` fills them from the one the request would use.
     """
 
     request_id: str
@@ -228,8 +228,8 @@ class PolicyStatistics(msgspec.Struct, frozen=True):
     offload_fraction: float  # to_prfaas / decisions (0 before the first)
     cross_cluster_transfers: int
     finished: int
-    threshold: float | None
-    override: float | None
+    threshold: float | None  # None: the policy has none
+    override: float | None  # the pinned threshold; None: none pinned
     last_reason: str
 
 
@@ -242,7 +242,7 @@ class Policy(Protocol):
     @property
     def threshold(self) -> float | None: ...
 
-    def narrow(self, inputs: RouteInputs) -> RouteInputs: ...
+    def pick_prfaas_site(self, inputs: RouteInputs) -> RouteInputs: ...
 
     def decide(self, inputs: RouteInputs) -> Decision: ...
 
@@ -250,16 +250,16 @@ class Policy(Protocol):
 
     def tick(self, now: float, state: ClusterState) -> list[Action]: ...
 
-    def set_threshold_override(self, t: float | None) -> None: ...
+    def set_threshold_override(self, threshold: float | None) -> None: ...
 
     def statistics(self) -> PolicyStatistics: ...
 
     def check_integrity(self) -> None: ...
 
 
-def json_threshold(t: float | None) -> float | None:
+def json_threshold(threshold: float | None) -> float | None:
     """t as events carry it: JSON has no infinity, so a non-finite t becomes None."""
-    return t if t is not None and math.isfinite(t) else None
+    return threshold if threshold is not None and math.isfinite(threshold) else None
 
 
 def decision_event(inputs: RouteInputs, decision: Decision, *, policy: str,

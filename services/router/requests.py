@@ -126,7 +126,7 @@ class PendingDeltas:
     def has_text(self) -> bool:
         return any(delta.text for delta in self.deltas)
 
-    def take(self) -> Delta | None:
+    def pop_text(self) -> Delta | None:
         """Everything pending, if it adds text; else None (tokens wait for their text)."""
         if not self.has_text:
             return None
@@ -257,9 +257,9 @@ class RequestHandle:
         """All text produced since the last call; raises the request's RouterError if failed."""
         return (await self.next_delta()).text
 
-    def take(self) -> Delta | None:
+    def poll_delta(self) -> Delta | None:
         """Without waiting: what is pending if it adds text (`next_delta` waits for it)."""
-        return self.outbox.take()
+        return self.outbox.pop_text()
 
     @property
     def done(self) -> bool:
@@ -275,7 +275,7 @@ class RequestHandle:
         """What was produced since the last call, with text; at the end, StopAsyncIteration
         (`result` set) or the request's RouterError."""
         while True:
-            delta = self.take()
+            delta = self.poll_delta()
             if delta is not None:
                 return delta
             if self.outbox.closed:

@@ -8,6 +8,7 @@ it: the call and its callback stay in one module.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import ClassVar, Generic, Literal, TypeVar
@@ -29,8 +30,14 @@ from services.router.policy import (
     site_key,
 )
 
-BandwidthMode = Literal["auto", "scarce", "abundant"]
+# Which prefix rule of paper section 3.3 applies: "auto" decides from the link
+# (`is_bandwidth_scarce`), "scarce" / "abundant" pin one.
+PrefixRule = Literal["auto", "scarce", "abundant"]
 _Config = TypeVar("_Config", bound=msgspec.Struct)
+# The option's name before `prefix_rule`: `bandwidth` now names a rate only.
+DEPRECATED_PREFIX_RULE_KEY = "bandwidth"
+
+log = logging.getLogger(__name__)
 
 
 class PolicyBase(Generic[_Config]):
@@ -39,6 +46,9 @@ class PolicyBase(Generic[_Config]):
     Each policy names its frozen config type (`config_type`); it is built from plain options
     (CLI, TOML, the admin API) here, once for all policies (`from_options`).
     `_own_threshold` returns the policy's t (None: it has none, and overrides are refused).
+    In code the paper's t is `threshold` (Dynamo's `max_local_prefill_length` too); None is
+    the one "none" (no threshold, no override), and math.inf is a threshold (offload
+    nothing) that only JSON writes as null (`json_threshold`).
     """
 
     name = "base"
@@ -46,12 +56,12 @@ class PolicyBase(Generic[_Config]):
 
     def __init__(self, config: _Config | None = None) -> None:
         self.config: _Config = config if config is not None else self._default_config()
-        self._override: float | None = None
+        self._threshold_override: float | None = None
         self._decisions = self._to_prfaas = self._transfers = self._finished = 0
         self._last_reason = ""
         self._sent: dict[str, int] = {}  # requests sent to each PrfaaS cluster
 
-    def narrow(self, inputs: RouteInputs) -> RouteInputs:
+    def pick_prfaas_site(self, inputs: RouteInputs) -> RouteInputs:
         """`inputs` with the PrfaaS fields of the PrfaaS cluster a request would go to
         (`site_key`); unavailable when none is. Unchanged without `prfaas_sites`."""
         sites = [s for s in inputs.prfaas_sites if s.available]
@@ -80,7 +90,8 @@ class PolicyBase(Generic[_Config]):
 
     @property
     def threshold(self) -> float | None:
-        return self._override if self._override is not None else self._own_threshold()
+        pinned = self._threshold_override
+        return pinned if pinned is not None else self._own_threshold()
 
     def decide(self, inputs: RouteInputs) -> Decision:
         decision = self._decide(inputs)
@@ -99,13 +110,14 @@ class PolicyBase(Generic[_Config]):
     def tick(self, now: float, state: ClusterState) -> list[Action]:
         return []
 
-    def set_threshold_override(self, t: float | None) -> None:
+    def set_threshold_override(self, threshold: float | None) -> None:
         """Pin t (None: back to the policy's own); refused by policies without a threshold."""
         if self._own_threshold() is None:
-            raise PolicyError(f"policy {self.name!r} has no threshold to override (t={t!r})")
-        if t is not None and (math.isnan(t) or t < 0):
-            raise PolicyError(f"t must be a number >= 0 or None, got {t!r}")
-        self._override = t
+            raise PolicyError(f"policy {self.name!r} has no threshold to override "
+                              f"(t={threshold!r})")
+        if threshold is not None and (math.isnan(threshold) or threshold < 0):
+            raise PolicyError(f"t must be a number >= 0 or None, got {threshold!r}")
+        self._threshold_override = threshold
 
     def check_integrity(self) -> None:
         """Raise PolicyError if the bookkeeping contradicts itself (tests call this)."""
@@ -119,8 +131,9 @@ class PolicyBase(Generic[_Config]):
             raise PolicyError(f"policy {self.name!r} integrity: " + "; ".join(problems))
 
     def _integrity_problems(self) -> list[str]:
-        t = self.threshold
-        return [f"threshold is NaN ({t!r})"] if t is not None and math.isnan(t) else []
+        threshold = self.threshold
+        return ([f"threshold is NaN ({threshold!r})"]
+                if threshold is not None and math.isnan(threshold) else [])
 
     def statistics(self) -> PolicyStatistics:
         return PolicyStatistics(
@@ -128,7 +141,8 @@ class PolicyBase(Generic[_Config]):
             to_pd=self._decisions - self._to_prfaas,
             offload_fraction=self._to_prfaas / self._decisions if self._decisions else 0.0,
             cross_cluster_transfers=self._transfers, finished=self._finished,
-            threshold=self.threshold, override=self._override, last_reason=self._last_reason)
+            threshold=self.threshold, override=self._threshold_override,
+            last_reason=self._last_reason)
 
 
 
@@ -140,7 +154,7 @@ def format_tokens(value: float | None) -> str:
 
 
 def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
-                        mode: BandwidthMode = "auto") -> bool:
+                        mode: PrefixRule = "auto") -> bool:
     """Which prefix rule of paper section 3.3 applies (section 2.4 step 3 of docs/paper-notes.md).
 
     The paper names the two cases but gives no test. Ours: bandwidth is abundant while the
@@ -153,7 +167,7 @@ def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
     return inputs.link_utilisation >= abundant_below or inputs.link_stalls > 0
 
 
-def link_note(inputs: RouteInputs, abundant_below: float, mode: BandwidthMode = "auto") -> str:
+def link_note(inputs: RouteInputs, abundant_below: float, mode: PrefixRule = "auto") -> str:
     """What `is_bandwidth_scarce` decided from, for the reason line: the link's utilisation
     against the watermark and its recent stalls ("link calm (util 3% < 50%)"), or the pin."""
     if mode != "auto":
@@ -166,8 +180,24 @@ def link_note(inputs: RouteInputs, abundant_below: float, mode: BandwidthMode = 
     return f"link calm ({util} < {abundant_below:.0%})"
 
 
+def with_prefix_rule(options: Mapping[str, object], where: str) -> dict[str, object]:
+    """`options` with the deprecated key `bandwidth` (the prefix rule's old name) moved to
+    `prefix_rule`, logging the deprecation; both given is refused."""
+    out = dict(options)
+    if DEPRECATED_PREFIX_RULE_KEY not in out:
+        return out
+    if "prefix_rule" in out:
+        raise PolicyError(f"{where}: give prefix_rule only, not also its deprecated name "
+                          f"bandwidth={out[DEPRECATED_PREFIX_RULE_KEY]!r}")
+    log.warning("%s: option 'bandwidth' is deprecated, call it 'prefix_rule'", where)
+    out["prefix_rule"] = out.pop(DEPRECATED_PREFIX_RULE_KEY)
+    return out
+
+
 def build_config(policy: str, kind: type[_Config], options: Mapping[str, object]) -> _Config:
     """A policy's frozen config from plain options (CLI, TOML); errors name the bad key."""
+    if "prefix_rule" in kind.__struct_fields__:
+        options = with_prefix_rule(options, f"policy {policy!r}")
     try:
         return msgspec.convert(dict(options), kind)
     except msgspec.ValidationError as exc:
@@ -240,7 +270,7 @@ class NaiveHeteroPolicy(PolicyBase[NaiveHeteroConfig]):
 class PrfaasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     threshold: float = T_STAR_TOKENS  # t in the router's tokens; the paper's case-study optimum
     abundant_below: float = 0.5  # link utilisation under which bandwidth counts as abundant
-    bandwidth: BandwidthMode = "auto"  # or pin "scarce" / "abundant"
+    prefix_rule: PrefixRule = "auto"  # or pin "scarce" / "abundant"
 
     def __post_init__(self) -> None:
         if math.isnan(self.threshold) or self.threshold < 0:
@@ -248,11 +278,11 @@ class PrfaasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         check_watermark("abundant_below", self.abundant_below)
 
 
-def _unavailable(inputs: RouteInputs, t: float, scarce: bool, who: str) -> Decision:
+def _unavailable(inputs: RouteInputs, threshold: float, scarce: bool, who: str) -> Decision:
     incremental = inputs.total_len - inputs.cached_pd
     return Decision(
         cluster="pd", counted_prefix=inputs.cached_pd, incremental_len=incremental,
-        resume_prefix=inputs.cached_pd, threshold=t, bandwidth_scarce=scarce,
+        resume_prefix=inputs.cached_pd, threshold=threshold, bandwidth_scarce=scarce,
         cross_cluster_cache_transfer=False,
         reason=f"{who}: PrfaaS unavailable, l = {format_tokens(incremental)} prefills locally")
 
@@ -265,15 +295,15 @@ def _own_cache(inputs: RouteInputs, cluster: Cluster) -> int:
     return inputs.cached_prfaas if cluster == "prfaas" else inputs.cached_pd
 
 
-def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfaas",
+def threshold_rule(inputs: RouteInputs, threshold: float, scarce: bool, who: str = "prfaas",
                    link: str = "") -> Decision:
     """The paper's rule at threshold t under the scarce or abundant prefix rule; `link` says
     in the reason why that rule applies (`link_note`), else the rule alone is named."""
     if not inputs.prfaas_available:
-        return _unavailable(inputs, t, scarce, who)
+        return _unavailable(inputs, threshold, scarce, who)
     counted = _counted_prefix(inputs, scarce)
     incremental = inputs.total_len - counted
-    cluster: Cluster = "prfaas" if incremental > t else "pd"
+    cluster: Cluster = "prfaas" if incremental > threshold else "pd"
     own = _own_cache(inputs, cluster)
     resume = own if scarce else counted
     transfer = resume > own
@@ -282,13 +312,13 @@ def threshold_rule(inputs: RouteInputs, t: float, scarce: bool, who: str = "prfa
     why = link or ("bandwidth scarce" if scarce else "bandwidth abundant")
     reason = (f"{who}: l = {format_tokens(inputs.total_len)} - {format_tokens(counted)} = "
               f"{format_tokens(incremental)} {'>' if cluster == 'prfaas' else '<='} "
-              f"t = {format_tokens(t)} -> {where} ({why}: {rule})")
+              f"t = {format_tokens(threshold)} -> {where} ({why}: {rule})")
     if transfer:
         other = "pd" if cluster == "prfaas" else "prfaas"
         reason += f"; pull {format_tokens(resume - own)} cached tokens from {other}"
     return Decision(
         cluster=cluster, counted_prefix=counted, incremental_len=incremental,
-        resume_prefix=resume, threshold=t, bandwidth_scarce=scarce,
+        resume_prefix=resume, threshold=threshold, bandwidth_scarce=scarce,
         cross_cluster_cache_transfer=transfer, reason=reason)
 
 
@@ -314,11 +344,12 @@ class PrfaasPolicy(PolicyBase[PrfaasConfig]):
         return self.config.threshold
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        below, mode = self.config.abundant_below, self.config.bandwidth
+        below, mode = self.config.abundant_below, self.config.prefix_rule
         scarce = is_bandwidth_scarce(inputs, below, mode)
-        t = self.threshold
-        assert t is not None
-        return threshold_rule(inputs, t, scarce, self.name, link_note(inputs, below, mode))
+        threshold = self.threshold
+        assert threshold is not None
+        return threshold_rule(inputs, threshold, scarce, self.name,
+                              link_note(inputs, below, mode))
 
 
 class DynamoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -359,33 +390,34 @@ class DynamoPolicy(PolicyBase[DynamoConfig]):
     def _own_threshold(self) -> float:
         return float(self.config.max_local_prefill_length)
 
-    def _why_local(self, inputs: RouteInputs, incremental: int, limit: float) -> str | None:
+    def _why_local(self, inputs: RouteInputs, incremental: int,
+                   threshold: float) -> str | None:
         """None when the request goes remote, else the reason it stays local."""
         if not inputs.prfaas_available:
             return "PrfaaS unavailable"
-        if incremental <= limit:
-            return f"l = {format_tokens(incremental)} <= local limit {format_tokens(limit)}"
+        if incremental <= threshold:
+            return f"l = {format_tokens(incremental)} <= local limit {format_tokens(threshold)}"
         if inputs.queue_prfaas >= self.config.max_prefill_queue_size:
             return (f"remote queue {inputs.queue_prfaas} >= "
                     f"{self.config.max_prefill_queue_size}")
         return None
 
     def _decide(self, inputs: RouteInputs) -> Decision:
-        limit = self.threshold
-        assert limit is not None
+        threshold = self.threshold
+        assert threshold is not None
         incremental = inputs.total_len - inputs.cached_pd
         scarce = is_bandwidth_scarce(inputs, self.config.abundant_below)
-        local = self._why_local(inputs, incremental, limit)
+        local = self._why_local(inputs, incremental, threshold)
         if local is not None:
             return Decision(
                 cluster="pd", counted_prefix=inputs.cached_pd, incremental_len=incremental,
-                resume_prefix=inputs.cached_pd, threshold=limit, bandwidth_scarce=scarce,
+                resume_prefix=inputs.cached_pd, threshold=threshold, bandwidth_scarce=scarce,
                 cross_cluster_cache_transfer=False, reason=f"dynamo: {local} -> PD prefill")
         resume = max(inputs.cached_prfaas, inputs.cached_pd)
         return Decision(
             cluster="prfaas", counted_prefix=inputs.cached_pd, incremental_len=incremental,
-            resume_prefix=resume, threshold=limit, bandwidth_scarce=scarce,
+            resume_prefix=resume, threshold=threshold, bandwidth_scarce=scarce,
             cross_cluster_cache_transfer=resume > inputs.cached_prfaas,
             reason=(f"dynamo: l = {format_tokens(incremental)} > local limit "
-                    f"{format_tokens(limit)} and remote queue {inputs.queue_prfaas} < "
+                    f"{format_tokens(threshold)} and remote queue {inputs.queue_prfaas} < "
                     f"{self.config.max_prefill_queue_size} -> PrfaaS"))

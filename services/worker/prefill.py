@@ -113,7 +113,7 @@ Stage = Literal["queued", "running", "streaming"]
 
 
 @dataclass
-class _Place:
+class _JobStage:
     """Where one job is: queued, running (it holds the compute slot) or streaming (compute
     done, it holds a room to stream and its KV is still crossing)."""
 
@@ -218,7 +218,7 @@ class PrefillWorker:
         queued_at = native.clock()()
         job = await self._plan(request)
         job.trace = span
-        place = _Place()
+        place = _JobStage()
         self._enter()
         self._phase(request.request_id, "queued")
         try:
@@ -274,12 +274,12 @@ class PrefillWorker:
         self._in["queued"] += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
 
-    def _move(self, place: _Place, stage: Stage) -> None:
+    def _move(self, place: _JobStage, stage: Stage) -> None:
         self._in[place.stage] -= 1
         self._in[stage] += 1
         place.stage = stage
 
-    async def _hand_over(self, place: _Place) -> None:
+    async def _hand_over(self, place: _JobStage) -> None:
         """At the compute's end: once there is room to stream, the slot goes to the next job
         while this one's KV keeps crossing. Until then the slot stays held: a congested link
         pushes back on the compute (PrefillConfig.max_streaming)."""
@@ -289,7 +289,7 @@ class PrefillWorker:
         self._move(place, "streaming")
         self._slot.release()
 
-    def _leave(self, place: _Place) -> None:
+    def _leave(self, place: _JobStage) -> None:
         if place.stage == "running":
             self._slot.release()
         elif place.stage == "streaming" and self._room is not None:
