@@ -129,10 +129,13 @@ search-paper: $(STAMP)
 	$(VENV)/bin/prfaas search --config services/sim/searches/paper-equal-cost.toml --out search-results/paper-equal-cost --against-serial $(if $(QUICK),--quick)
 
 # The simulation against the live mesh under load (docs/simulation.md, "Validation against the
-# live system"): profiles the engine first, then three loads of 150 requests on the live mesh and
-# in the simulation; writes validation-results/ (about 15 minutes on 2 cores).
+# live system"): profiles the engine first, then for each deployment (every request remote; the
+# router deciding between a PrfaaS and a PD prefill worker) three loads of 150 requests on the
+# live mesh and in the simulation; writes validation-results/<deployment>/ (about 15 minutes a
+# deployment on 2 cores).
 validate-sim: $(STAMP)
-	$(VENV)/bin/prfaas validate-sim --reprofile --repeats 3 --out validation-results
+	$(VENV)/bin/prfaas validate-sim --reprofile --repeats 3 --deployment remote-1p1d \
+		--deployment routed-1+1p1d --out validation-results
 
 # The schedulers' scenario matrix (bandwidth dips at three loads, a slow ramp of the link, load
 # bursts, slices of the Mooncake trace) under every policy and a sweep of static thresholds

@@ -55,9 +55,11 @@ from services.router.config import LinkEnds, SchedulerConfig
 from services.router.control import ControlConfig, RouterControl
 from services.router.link_meter import EstimatorConfig
 from services.router.placement import Placement
-from services.router.policies import LinkSample, RouteInputs, create_policy, threshold_rule
+from services.router.policies import create_policy
+from services.router.policy import LinkSample, RouteInputs
 from services.router.requests import Finished, GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
+from services.router.static_policies import threshold_rule
 from services.router.workers import WorkerTable
 from services.worker.send_meter import SendMeter
 from tests.topologies import MEMORY_PORTS, mesh_toml

@@ -42,7 +42,7 @@ from services.model.cache import RequestCache
 from services.model.config import kv_bytes_split
 from services.model.export import KVPiece, export_layer, merge_pieces
 from services.router.errors import UpstreamFailed
-from services.router.requests import drive
+from services.router.runner import drive
 from services.worker import decode as decode_module
 from services.worker import engine as engine_module
 from services.worker.decode import DecodeWorker, joined_slice

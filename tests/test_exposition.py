@@ -19,7 +19,7 @@ from tests.test_prometheus import HISTOGRAMS, PROMTOOL
 pytestmark = pytest.mark.slow
 
 SMALL = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
-                   policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+                   policy_options={"threshold": 19400 / 8, "prefix_rule": "scarce"})
 
 
 def test_a_simulated_run_exposes_every_histogram_under_its_live_name(tmp_path: Path) -> None:

@@ -82,10 +82,10 @@ def test_a_period_counts_what_arrived_in_it_unfinished_included() -> None:
 
 
 def test_prfaas_dynamic_applies_the_same_prefix_rule_as_prfaas() -> None:
-    """The two differ only in how t is chosen: the deployment's `bandwidth` pin (which cache
+    """The two differ only in how t is chosen: the deployment's `prefix_rule` pin (which cache
     counts) reaches both, and dynamo keeps its own options."""
     setup = matrix.SCENARIOS["trace-100g"](0)
     static = matrix.deployment_for(setup, "prfaas").policy_options
     dynamic = matrix.deployment_for(setup, "prfaas-dynamic").policy_options
-    assert static["bandwidth"] == "scarce" and dynamic == {"bandwidth": static["bandwidth"]}
-    assert "bandwidth" not in matrix.deployment_for(setup, "dynamo").policy_options
+    assert static["prefix_rule"] == "scarce" and dynamic == {"prefix_rule": "scarce"}
+    assert "prefix_rule" not in matrix.deployment_for(setup, "dynamo").policy_options

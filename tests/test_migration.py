@@ -1,4 +1,4 @@
-"""Request migration over real processes on 127.0.0.1 (services/router/requests.py).
+"""Request migration over real processes on 127.0.0.1 (services/router/runner.py).
 
 `prfaas serve` children from a generated topology: router, cache directory, link, a PrfaaS
 prefill worker, a PD prefill worker and two PD decode workers, the shipped default-size

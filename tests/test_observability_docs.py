@@ -23,9 +23,9 @@ from netem.link_metrics import LinkCollector
 from netem.params import LinkParams
 from netem.proxy import LinkProxy, Route
 from netem.shaper import LinkShaper
-from services.router.requests import RequestMetrics
+from services.router.request_metrics import RequestMetrics
 from services.router.scheduler import SchedulerCollector
-from services.worker.kv_in import KVTransferMetrics
+from services.worker.kv_metrics import KVTransferMetrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "observability.md"
 # Exported where no collector of its own is built: the worker's constant model info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.router.openai import (
+from services.router.openai_responses import (
     ChatChunkChoice,
     ChatCompletion,
     ChatDelta,

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
 from services.router.errors import ContextTooLong, InvalidRequest, NotFound
-from services.router.openai import (
+from services.router.openai import ignored_warning
+from services.router.openai_schema import (
     MAX_CHOICES,
     ChatCompletionRequest,
     ChatMessage,
@@ -18,7 +19,6 @@ from services.router.openai import (
     chat_generation,
     completion_generation,
     decode_request,
-    ignored_warning,
     render_chat,
     unknown_fields,
 )

@@ -14,7 +14,7 @@ from services.router.placement import (
     choose_worker,
     choose_worker_reference,
 )
-from services.router.policies import PolicyError, WorkerSnapshot
+from services.router.policy import PolicyError, WorkerSnapshot
 
 
 def decode(name: str, cached: int = 0, running: int = 0, queue: int = 0,

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.policies import (
+from services.router.policies import create_policy
+from services.router.policy import PolicyError, RouteInputs
+from services.router.static_policies import (
     DynamoConfig,
     DynamoPolicy,
     HomogeneousPolicy,
     NaiveHeteroPolicy,
     PrfaasConfig,
     PrfaasPolicy,
-    RouteInputs,
-    create_policy,
     threshold_rule,
 )
 
@@ -103,17 +103,34 @@ def test_the_reason_names_the_link_state_the_rule_came_from(name: str) -> None:
     assert "link busy (util 85% >= 50%): PD cache counts" in busy
     stalled = policy.decide(inputs(30_000, util=0.03, link_stalls=2)).reason
     assert "link busy (2 recent stalls, util 3%): PD cache counts" in stalled
-    pinned = create_policy(name, {"bandwidth": "scarce"}).decide(inputs(30_000, util=0.03))
+    pinned = create_policy(name, {"prefix_rule": "scarce"}).decide(inputs(30_000, util=0.03))
     assert "bandwidth pinned scarce: PD cache counts" in pinned.reason
 
 
 def test_prfaas_pinned_modes_and_unavailable() -> None:
-    pinned = PrfaasPolicy(PrfaasConfig(threshold=1_000, bandwidth="scarce"))
+    pinned = PrfaasPolicy(PrfaasConfig(threshold=1_000, prefix_rule="scarce"))
     assert pinned.decide(inputs(5_000, 4_500, 0, ABUNDANT)).cluster == "prfaas"
-    pinned = PrfaasPolicy(PrfaasConfig(threshold=1_000, bandwidth="abundant"))
+    pinned = PrfaasPolicy(PrfaasConfig(threshold=1_000, prefix_rule="abundant"))
     assert pinned.decide(inputs(5_000, 4_500, 0, SCARCE)).cluster == "pd"
     d = PrfaasPolicy().decide(inputs(100_000, prfaas_available=False))
     assert d.cluster == "pd" and "unavailable" in d.reason
+
+
+@pytest.mark.parametrize("name", ["prfaas", "prfaas-dynamic"])
+def test_the_prefix_rules_old_name_bandwidth_still_sets_it(name: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """`bandwidth` (the option's name before `prefix_rule`) is read as `prefix_rule`, with a
+    logged deprecation; both at once, or a value that is no rule, are refused by name."""
+    with caplog.at_level("WARNING"):
+        policy = create_policy(name, {"bandwidth": "scarce"})
+    assert policy.config.prefix_rule == "scarce"  # type: ignore[attr-defined]
+    assert "'bandwidth' is deprecated, call it 'prefix_rule'" in caplog.text
+    with pytest.raises(PolicyError, match="prefix_rule"):
+        create_policy(name, {"prefix_rule": "sometimes"})
+    with pytest.raises(PolicyError, match="prefix_rule"):
+        create_policy(name, {"bandwidth": "sometimes"})
+    with pytest.raises(PolicyError, match="not also its deprecated name bandwidth='abundant'"):
+        create_policy(name, {"prefix_rule": "scarce", "bandwidth": "abundant"})
 
 
 def test_dynamo_remote_iff_long_and_queue_short() -> None:

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from services.contract.events import RoleChanged, ThresholdChanged, decode_json, encode_json
-from services.router.policies import (
-    POLICIES,
+from services.router.policies import POLICIES, create_policy
+from services.router.policy import (
     ClusterState,
     ConvertWorker,
     Decision,
@@ -21,11 +21,9 @@ from services.router.policies import (
     SetThreshold,
     WorkerSnapshot,
     action_event,
-    create_policy,
     decision_event,
-    format_tokens,
-    is_bandwidth_scarce,
 )
+from services.router.static_policies import format_tokens, is_bandwidth_scarce
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ arrives wrong changes the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,18 +27,17 @@ from mesh.histogram import HistogramSeries
 from mesh.topology import Topology, parse_topology
 from mesh.transport import TcpTransport
 from services.cli.launch import in_process
+from services.contract.messages import KVOpen
 from services.contract.prefix import block_hashes
 from services.contract.sampling import Sampling
 from services.model.cache import RequestCache
-from services.model.config import ModelConfig, family_config
+from services.model.config import family_config
 from services.router.config import SchedulerConfig
 from services.router.policies import create_policy
 from services.router.requests import GenerationRequest, RequestHandle
 from services.router.scheduler import Scheduler
 from services.router.workers import WorkerTable
-from services.worker import engine as engine_module
-from services.worker import prefix_pull as prefix_pull_module
-from services.worker.engine import expected_kv_bytes
+from services.worker.engine import ModelEngine, expected_kv_bytes
 from services.worker.service import WorkerService
 from tests.kv_exact import (
     MUTATIONS,
@@ -117,31 +116,26 @@ class Pulls:
     decoded: list[RequestCache] = field(default_factory=list)
 
 
-Importer = Callable[[ModelConfig, str, RequestCache | None, Mapping[tuple[int, int], bytes]],
-                    RequestCache]
-
-
-def recording(real: Importer, into: list[RequestCache],
-              mutation: Callable[[], Mutation | None]) -> Importer:
-    def record(cfg: ModelConfig, dtype: str, base: RequestCache | None,
-               pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
-        cache = real(cfg, dtype, base, pieces)
-        mutate = mutation()
-        if mutate is not None:
-            mutate(cache)
-        into.append(cache.clone(keep_snapshots=False))
+def recording(real: Callable[..., Awaitable[RequestCache]], record: Pulls,
+              ) -> Callable[..., Awaitable[RequestCache]]:
+    """`ModelEngine.import_kv` recording each cache it builds: a pulled prefix (its stream's
+    purpose "prefix", `record.mutation` applied first) in `seen`, a decode's in `decoded`."""
+    async def import_kv(engine: ModelEngine, opening: KVOpen, base: RequestCache | None,
+                        pieces: Mapping[tuple[int, int], bytes]) -> RequestCache:
+        cache = await real(engine, opening, base, pieces)
+        pulled = opening.purpose == "prefix"
+        if pulled and record.mutation is not None:
+            record.mutation(cache)
+        (record.seen if pulled else record.decoded).append(cache.clone(keep_snapshots=False))
         return cache
 
-    return record
+    return import_kv
 
 
 @pytest.fixture
 def pulls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pulls]:
     record = Pulls()
-    monkeypatch.setattr(prefix_pull_module, "import_pieces", recording(
-        prefix_pull_module.import_pieces, record.seen, lambda: record.mutation))
-    monkeypatch.setattr(engine_module, "import_pieces", recording(
-        engine_module.import_pieces, record.decoded, lambda: None))
+    monkeypatch.setattr(ModelEngine, "import_kv", recording(ModelEngine.import_kv, record))
     yield record
 
 
@@ -165,7 +159,7 @@ async def pull_scenario(checkpoint: Path) -> PullOutcome:
     names = ["cachedir", "link", "p", "q", "d"]
     async with in_process(topo, names, transport=TcpTransport(), via_links=True) as mesh, \
             mesh.client("router") as node, anyio.create_task_group() as group:
-        policy = create_policy("prfaas", {"threshold": 100.0, "bandwidth": "auto"})
+        policy = create_policy("prfaas", {"threshold": 100.0, "prefix_rule": "auto"})
         scheduler = Scheduler(node, policy, WorkerTable.from_topology(topo), IdTokenizer(),
                               SchedulerConfig(block_size=BLOCK, connections=2))
         await group.start(scheduler.run)

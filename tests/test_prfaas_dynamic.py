@@ -18,19 +18,18 @@ import pytest
 from services.paper.hardware import CostModel
 from services.paper.planner import ClusterShape
 from services.paper.workload import TruncatedLogNormal
+from services.router.dynamic_policy import DynamicConfig, PrfaasDynamicPolicy
 from services.router.link_meter import BandwidthEstimator, EstimatorConfig, LinkEstimate
-from services.router.policies import (
+from services.router.policy import (
     ClusterState,
     ConvertWorker,
-    DynamicConfig,
     LinkSample,
     PolicyError,
-    PrfaasDynamicPolicy,
-    RoleConfig,
     RouteInputs,
     SetThreshold,
     WorkerSnapshot,
 )
+from services.router.role_balancer import RoleConfig
 
 NOMINAL = 100e9
 

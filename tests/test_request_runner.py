@@ -33,7 +33,7 @@ from services.model.sampling import RequestSampler
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import DataPathBroken, UpstreamFailed
-from services.router.requests import breakage, continued
+from services.router.runner import breakage, continued
 from services.worker.request_checks import sampling_params
 
 
@@ -124,7 +124,7 @@ async def test_a_request_that_ends_at_its_workers_finish_reason_aborts_nothing(
         assert decode.node.statistics().stray_frames == 0
 
 
-# Migration (services/router/requests.py); over real processes: tests/test_migration.py.
+# Migration (services/router/runner.py); over real processes: tests/test_migration.py.
 
 
 @pytest.mark.trio

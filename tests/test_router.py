@@ -21,17 +21,11 @@ from mesh.topology import parse_topology
 from services.contract.access import allowed_hosts
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig, router_config
+from services.router.dynamic_policy import PrfaasDynamicPolicy
 from services.router.load import DemoWorkload, WorkloadConfig
-from services.router.openai import (
-    CLUSTER_HEADER,
-    THREAD_BODY_BYTES,
-    CompletionRequest,
-    Limits,
-    RouterApp,
-    completion_generation,
-    run_router,
-)
-from services.router.policies import PrfaasDynamicPolicy, create_policy
+from services.router.openai import CLUSTER_HEADER, THREAD_BODY_BYTES, RouterApp, run_router
+from services.router.openai_schema import CompletionRequest, Limits, completion_generation
+from services.router.policies import create_policy
 from services.service import ServiceContext
 
 FAST = Timing(prfaas_s_per_token=1e-5, pd_s_per_token=1e-5, decode_step_s=0.001)
@@ -424,10 +418,22 @@ def test_router_options() -> None:
     with pytest.raises(ValueError, match="frobnicate"):
         router_config({"frobnicate": 1})
     # The default prefix rule is "auto": abundant while the link is calm (the cache moves).
-    assert config.bandwidth == "auto"
-    assert config.policy_options()["prfaas"]["bandwidth"] == "auto"
+    assert config.prefix_rule == "auto"
+    assert config.policy_options()["prfaas"]["prefix_rule"] == "auto"
     auto = router_config({"block_size": 16}).scheduler_config()
     assert auto.block_size == 16 and auto.links == ()
+
+
+def test_router_reads_the_prefix_rules_old_name_bandwidth() -> None:
+    """A topology's router option `bandwidth` (the prefix rule's old name) still sets
+    `prefix_rule`, and reaches the policies; a value that is no rule is refused by name."""
+    config = router_config({"bandwidth": "scarce"})
+    assert config.prefix_rule == "scarce"
+    assert config.policy_options()["prfaas-dynamic"]["prefix_rule"] == "scarce"
+    with pytest.raises(ConfigError, match="prefix_rule"):
+        router_config({"prefix_rule": "sometimes"})
+    with pytest.raises(ConfigError, match="deprecated name bandwidth"):
+        router_config({"prefix_rule": "auto", "bandwidth": "scarce"})
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -447,7 +453,7 @@ def test_router_passes_each_policys_own_options_over_the_derived_ones() -> None:
     config = router_config({"scale": 0.5, "policies": {
         "prfaas-dynamic": {"dwell_s": 0.5, "tilt": 1.5}, "homogeneous": {}}})
     dynamic = config.policy_options()["prfaas-dynamic"]
-    assert dynamic == {"token_scale": 0.5, "bandwidth": "auto", "dwell_s": 0.5, "tilt": 1.5}
+    assert dynamic == {"token_scale": 0.5, "prefix_rule": "auto", "dwell_s": 0.5, "tilt": 1.5}
     assert config.policy_options()["prfaas"]["threshold"] == 9700.0
     policy = create_policy("prfaas-dynamic", dynamic)
     assert isinstance(policy, PrfaasDynamicPolicy)

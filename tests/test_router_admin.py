@@ -22,7 +22,8 @@ from services.paper.workload import TruncatedLogNormal
 from services.router.config import LinkEnds, SchedulerConfig
 from services.router.errors import NoWorkerAvailable, RouterError
 from services.router.link_meter import EstimatorConfig
-from services.router.policies import Action, ClusterState, ConvertWorker, PrfaasPolicy, SetThreshold
+from services.router.policy import Action, ClusterState, ConvertWorker, SetThreshold
+from services.router.static_policies import PrfaasPolicy
 from services.router.workers import ModelMismatch
 
 
@@ -128,7 +129,7 @@ async def test_prfaas_dynamic_backs_off_when_the_link_is_cut_and_recovers(
     restored, t comes back within 15 % of where it was. (The PD bound is off: the fake
     workers' PD prefill is not the H20 profile the model reckons with.)"""
     timing = Timing(kv_bytes_per_token=16_000, kv_fixed_bytes=100_000)
-    options = {"token_scale": SCALE, "bandwidth": "scarce", "pd_load_max": 1e9}
+    options = {"token_scale": SCALE, "prefix_rule": "scarce", "pd_load_max": 1e9}
     config = SchedulerConfig(block_size=BLOCK, connections=2, kv_timeout_s=600.0,
                              links=(LinkEnds("", "prfaas", "pd"),),
                              link_estimator=EstimatorConfig(provisioned_bps=1e9))

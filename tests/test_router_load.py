@@ -18,7 +18,7 @@ SCALE = 1 / 64  # router tokens per paper token (as tests/test_router_admin.py)
 @pytest.mark.trio
 async def test_demo_workload_mixes_short_and_long_and_prfaas_splits_them_at_t(
         autojump_clock: trio.testing.MockClock) -> None:
-    async with fake_mesh("prfaas", {"threshold": 19400 * SCALE, "bandwidth": "scarce"}) as mesh:
+    async with fake_mesh("prfaas", {"threshold": 19400 * SCALE, "prefix_rule": "scarce"}) as mesh:
         corpus = ByteTokenizer().encode("Now is the winter of our discontent. " * 40)
         workload = DemoWorkload(mesh.scheduler, corpus, WorkloadConfig(
             scale=SCALE, max_tokens=2, max_outstanding=8, seed=3))

@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 from router_fakes import DONE, fake_mesh, fake_token, generation, placed_handle
 
 from mesh.events import EventBus
-from services.router.requests import RequestMetrics, RequestRunner
+from services.router.request_metrics import RequestMetrics
+from services.router.runner import RequestRunner
 from services.router.scheduler import SchedulerCollector
 
 
@@ -156,10 +157,10 @@ async def test_a_failed_request_counts_its_first_token_but_no_duration() -> None
     handle = placed_handle()
     handle.series = metrics.series("pd", "prfaas")
     handle.started, handle.first_token_at = 10.0, 10.5
-    metrics.finished(handle, handle.ended(12.0))
+    handle.observe_end(handle.ended(12.0))
     assert handle.series.ttft.count == 1 and handle.series.ttft.sum == 0.5
     assert handle.series.duration.count == 0 and handle.series.completion.count == 0
     handle.result = DONE
-    metrics.finished(handle, handle.ended(12.0))
+    handle.observe_end(handle.ended(12.0))
     assert handle.series.duration.sum == 2.0
     assert handle.series.tpot.sum == pytest.approx(1.5)  # (2.0 - 0.5) / (2 - 1)

@@ -37,7 +37,7 @@ from services.model.config import family_config
 from services.model.generate import generate, prefill
 from services.model.model import HybridLM, build_model
 from services.model.tokenizer import load_default
-from services.router.openai import ChatMessage, render_chat
+from services.router.openai_schema import ChatMessage, render_chat
 from services.service import ServiceContext
 from tests.ports import free_port
 from tests.topologies import MEMORY_PORTS, mesh_toml

@@ -54,9 +54,9 @@ def test_request_ids_are_unique_and_differ_between_routers() -> None:
 async def test_tokens_without_text_wait_for_the_next_text() -> None:
     request = placed_handle()
     request.outbox.put(Delta("", 1))  # half a character: nothing to send yet
-    assert request.take() is None
+    assert request.poll_delta() is None
     request.outbox.put(Delta("\u00e9", 1))
-    taken = request.take()
+    taken = request.poll_delta()
     assert taken is not None and (taken.text, taken.tokens) == ("\u00e9", 2)
     request.outbox.put(Delta("", 1))  # an end-of-text token: no text, ever
     request.outbox.close(DONE)

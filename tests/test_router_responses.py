@@ -13,7 +13,7 @@ from router_fakes import DONE, placed_handle
 
 from services.contract.sampling import Sampling
 from services.router.errors import UpstreamFailed
-from services.router.openai import Kind, Responder, stream_events
+from services.router.openai_responses import Kind, Responder, stream_events
 from services.router.requests import GenerationRequest, RequestHandle
 
 

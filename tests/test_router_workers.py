@@ -11,7 +11,8 @@ from mesh.topology import parse_topology
 from services.contract.messages import PrefixMatch, WorkerMatch, WorkerState
 from services.router.errors import NotFound
 from services.router.placement import Placement
-from services.router.policies import RouteInputs, WorkerSnapshot, threshold_rule
+from services.router.policy import RouteInputs, WorkerSnapshot
+from services.router.static_policies import threshold_rule
 from services.router.workers import (
     ModelMismatch,
     WorkerEntry,

@@ -74,7 +74,7 @@ async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
     """Also with the cache directory asked in process (the simulation's path): the same
     decisions, and no lookup call over the mesh (only the two prefill calls)."""
     # Scarce bandwidth: each cluster's cache counts alone (no cross-cluster cache transfer).
-    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "scarce"},
+    async with fake_mesh("prfaas", {"threshold": 100.0, "prefix_rule": "scarce"},
                          directory_in_process=in_process) as mesh:
         first = list(range(1, 201))
         handle = await mesh.scheduler.submit(generation(first, max_tokens=8))
@@ -100,7 +100,7 @@ async def test_second_turn_sees_the_cached_prefix_and_sends_only_the_rest(
 async def test_the_abundant_rule_pulls_the_other_clusters_cache_to_the_compute_worker(
         autojump_clock: trio.testing.MockClock) -> None:
     config = SchedulerConfig(block_size=BLOCK, connections=2)
-    async with fake_mesh("prfaas", {"threshold": 100.0, "bandwidth": "auto"},
+    async with fake_mesh("prfaas", {"threshold": 100.0, "prefix_rule": "auto"},
                          config=config) as mesh:
         first = list(range(1, 201))
         answer, _ = await (await mesh.scheduler.submit(generation(first, max_tokens=8))

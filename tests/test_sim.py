@@ -27,7 +27,7 @@ from services.sim.world import Deployment
 pytestmark = pytest.mark.slow
 
 SMALL = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
-                   policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+                   policy_options={"threshold": 19400 / 8, "prefix_rule": "scarce"})
 
 
 def _run(d: Deployment, arrivals: list[Arrival], **options: object) -> SimResult:
@@ -54,7 +54,7 @@ from services.sim.run import run_virtual
 from services.sim.workload import lognormal
 from services.sim.world import Deployment
 d = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
-               policy_options={"threshold": 19400 / 8, "bandwidth": "scarce"})
+               policy_options={"threshold": 19400 / 8, "prefix_rule": "scarce"})
 arrivals = lognormal(1.0, 60, d.scale, seed=3)
 for k in sys.argv[1:]:
     # trio runs tasks woken together in an order drawn from this generator (private to
@@ -136,6 +136,26 @@ def test_link_bytes_are_the_s_kv_of_the_offloaded_requests() -> None:
     overhead = result.link_bytes - expected
     assert 0 <= overhead < 2000 * len(offloaded)
     assert result.link_bytes == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_prefix_counted_in_the_other_cluster_is_pulled_across_and_reused() -> None:
+    """Abundant rule: turn 1 (60 blocks, l > t) prefills on PrfaaS and is cached there; turn
+    2 extends it by 4 blocks, so the PrfaaS cache counts (l = 256 <= t) and it prefills on
+    PD, which first pulls that prefix over the link: it reuses all it counted, and the link
+    carries S_kv of turn 1 and of the prefix (turn 2's KV stays in the PD cluster)."""
+    d = msgspec.structs.replace(SMALL, n_decode=1, policy_options={
+        "threshold": 19400 / 8, "prefix_rule": "abundant"})
+    first = tuple(range(1, 61))
+    turns = [Arrival(0.0, first, 60 * 64, 16, 60 * 64 * 8),
+             Arrival(60.0, (*first, 61, 62, 63, 64), 64 * 64, 16, 64 * 64 * 8)]
+    result = _run(d, turns)
+    one, two = result.records
+    assert one.ok and two.ok and (one.cluster, two.cluster) == ("prfaas", "pd")
+    assert (two.prompt_tokens, two.incremental_len) == (4096, 256)
+    assert two.cached_tokens == two.prompt_tokens - two.incremental_len == 3840
+    kv = CostModel.load("h20").model.kv
+    s_kv = kv.fixed_bytes + kv.bytes_per_token * 3840 / d.scale
+    assert result.link_bytes == pytest.approx(2 * s_kv, rel=1e-4)
 
 
 def test_offload_follows_the_threshold_and_the_decode_slo_holds() -> None:

@@ -527,3 +527,113 @@ def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probe
     assert own.decode.seconds == pytest.approx([1.2 * s for s in base.decode.seconds],
                                                rel=1e-4)
     assert "x 1.200" in own.description
+
+
+def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> None:
+    from mesh.errors import ConfigError
+    from mesh.topology import load_topology
+    from services.cli.validation import (
+        DEPLOYMENTS,
+        ROUTED,
+        ROUTED_BANDWIDTH_BPS,
+        LiveRouter,
+        deployment,
+        deployment_name,
+        mesh_services,
+        routed,
+        simulate,
+        topology_text,
+    )
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=24)
+    remote = deployment(config)
+    assert (remote.n_prfaas, remote.n_pd_prefill, remote.n_decode) == (1, 0, 1)
+    assert remote.policy_options["threshold"] == 0 and deployment_name(config) == "remote-1p1d"
+    shaped = DEPLOYMENTS[ROUTED](config)
+    assert shaped == routed(config) and deployment_name(shaped) == ROUTED == "routed-1+1p1d"
+    d = deployment(shaped)
+    # One PrfaaS prefill, one PD prefill, one decode; t in the middle of the prompt lengths.
+    assert (d.n_prfaas, d.n_pd_prefill, d.n_decode) == (1, 1, 1)
+    assert d.policy == "prfaas" and d.policy_options == {"threshold": 192, "prefix_rule": "scarce"}
+    assert d.bandwidth_bps == ROUTED_BANDWIDTH_BPS < config.bandwidth_bps
+    assert d.prfaas_profile == d.pd_profile == config.profile
+    # The live side: the same workers, link rate and policy.
+    assert mesh_services(shaped) == ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0",
+                                     "pd-decode-0")
+    assert "pd-prefill-0" not in mesh_services(config)
+    path = tmp_path / "topology.toml"
+    path.write_text(topology_text(shaped))
+    topology = load_topology(path, "")
+    assert topology.service("pd-prefill-0").cluster == "pd"
+    assert topology.service("pd-prefill-0").kind == "prefill"
+    assert topology.links[0].bandwidth_bps == ROUTED_BANDWIDTH_BPS
+    policy = LiveRouter(topology, shaped).scheduler.policy
+    assert policy.name == "prfaas" and policy.threshold == 192
+    # Simulated, short requests stay local and long ones are offloaded; both routes occur.
+    load = jobs(shaped, 2.0, 24, seed=1)
+    outcomes = simulate(shaped, load)
+    assert all(o.ok for o in outcomes)
+    assert [o.cluster for o in outcomes] == [
+        "prfaas" if j.arrival.length > 192 else "pd" for j in load]
+    assert {o.cluster for o in outcomes} == {"prfaas", "pd"}
+    assert {o.cluster for o in simulate(config, load)} == {"prfaas"}
+    with pytest.raises(ConfigError, match="pd_prefill"):
+        ValidationConfig(pd_prefill=2)
+
+
+def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
+    from services.cli.validation import by_route, route_rows, routed, simulate
+
+    config = msgspec.structs.replace(routed(SMALL), profile="vm-xeon-spr-1t", requests=24,
+                                     loads=(("light", 0.5),))
+    sim = simulate(config, jobs(config, 1.0, 24, seed=2))
+    split = by_route(sim)
+    assert set(split) == {"local", "offloaded"}
+    assert all(o.cluster == "pd" for o in split["local"])
+    assert all(o.cluster == "prfaas" for o in split["offloaded"])
+    assert len(split["local"]) + len(split["offloaded"]) == len(sim)
+    # The live side: the local requests as simulated, the offloaded ones 1.25x slower to
+    # their first token; a second run the same. Only the offloaded route's TTFT errs.
+    live = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 1.25) if o.cluster == "prfaas"
+            else o for o in sim]
+    run = LiveRun(2.0, {"light": live, "light run 2": live}, 1.0)
+    rows = route_rows(config, run, {"light": sim})
+    assert [r.route for r in rows] == ["local", "offloaded"]
+    local, offloaded = rows
+    assert local.requests == len(split["local"]) and offloaded.requests == len(
+        split["offloaded"])
+    assert all(abs(v) < 1e-9 for k, v in local.errors.items() if k.startswith("ttft")), local
+    assert offloaded.errors["ttft_p50"] == pytest.approx(1 / 1.25 - 1)
+    assert offloaded.live_spread["ttft_p50"] == 0.0  # the rerun was split as well
+    # The JSON line: each route's errors and count beside the load's overall row.
+    overall = compare("light", 1.0, live, sim)
+    got = json.loads(bench_line([overall], routes=rows, deployment="routed-1+1p1d"))["rows"][0]
+    assert got["deployment"] == "routed-1+1p1d"
+    assert set(got["routes"]) == {"local", "offloaded"}
+    assert got["routes"]["offloaded"]["ttft_p50_err"] == pytest.approx(-0.2, abs=1e-4)
+    assert got["routes"]["local"]["requests"] == len(split["local"])
+    # A route one side never took gets no row (the remote deployment has no local one).
+    only = route_rows(config, LiveRun(2.0, {"light": split["offloaded"]}, 1.0), {"light": sim})
+    assert [r.route for r in only] == ["offloaded"]
+
+
+def test_each_worker_gets_a_cpu_of_its_own_while_one_is_left_for_the_rest() -> None:
+    from services.cli.validation import core_plan
+
+    remote = ["cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0"]
+    routed_mesh = ["cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
+    # Two CPUs: the PrfaaS prefill worker alone on the first, everything else on the second.
+    for names in (remote, routed_mesh):
+        plan = core_plan(names, [0, 1])
+        assert plan["prfaas-prefill-0"] == {0}
+        assert all(plan[n] == {1} for n in [*names, ""] if n != "prfaas-prefill-0")
+    # Four: each worker its own, the cache directory, the link and the driver on the fourth.
+    plan = core_plan(routed_mesh, [4, 5, 6, 7])
+    assert (plan["prfaas-prefill-0"], plan["pd-prefill-0"], plan["pd-decode-0"]) == (
+        {4}, {5}, {6})
+    assert plan["cachedir"] == plan["link-0"] == plan[""] == {7}
+    # Three for the remote mesh: both workers their own, the rest on the third.
+    plan = core_plan(remote, [0, 1, 2])
+    assert (plan["prfaas-prefill-0"], plan["pd-decode-0"], plan[""]) == ({0}, {1}, {2})
+    # One: nothing to give, everything shares it.
+    assert set(map(frozenset, core_plan(routed_mesh, [3]).values())) == {frozenset({3})}

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.model.tokenizer import ByteTokenizer, Tokenizer, load_default
-from services.router.requests import TextAssembler, assemble_reference
+from services.router.text import TextAssembler, assemble_reference
 
 BPE: Tokenizer = load_default()
 BYTES = ByteTokenizer()

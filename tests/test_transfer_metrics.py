@@ -8,7 +8,8 @@ import trio
 import trio.testing
 
 from services.contract.messages import KVChunk, KVOpen
-from services.worker.kv_in import KVAssembly, KVTransferMetrics
+from services.worker.kv_in import KVAssembly
+from services.worker.kv_metrics import KVTransferMetrics
 
 
 def opening(start: int, purpose: str = "decode") -> KVOpen:

@@ -527,7 +527,7 @@ async def test_real_workers_kv_flows_reach_the_feed_with_their_true_size() -> No
             anyio.create_task_group() as group:
         feed = MeshFeed(dash, event_peers(topo), FeedConfig(wall_clock=False))
         group.start_soon(feed.run, collector.publish)
-        policy = create_policy("prfaas", {"threshold": 100.0, "bandwidth": "scarce"})
+        policy = create_policy("prfaas", {"threshold": 100.0, "prefix_rule": "scarce"})
         scheduler = Scheduler(router, policy, WorkerTable.from_topology(topo), IdTokenizer(),
                               SchedulerConfig(block_size=cfg.block_size, connections=2))
         await group.start(scheduler.run)

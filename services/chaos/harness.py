@@ -34,7 +34,7 @@ from services.contract.access import TOKEN_ENV, bearer_headers
 
 PORT_KEYS = ("port", "http_port", "metrics_port", "control_port", "proxy_base_port")
 # Two decode workers: a request whose decode worker is killed continues on the other
-# (request migration, services/router/requests.py); one prefill worker per cluster, each the
+# (request migration, services/router/runner.py); one prefill worker per cluster, each the
 # other's fallback.
 SERVICES = ("cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0",
             "pd-decode-1", "router", "ui")

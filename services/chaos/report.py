@@ -3,7 +3,7 @@
 Acceptance (the reliability issues): 0 hung and 0 lost; in the fault scenarios (a worker
 killed or frozen, the cache directory restarted, the link down, trickling or partitioned) 0
 explicit errors too: a request whose worker or KV stream breaks, or whose worker hangs, is
-migrated (services/router/requests.py); no service deaths beyond the ones the scenario
+migrated (services/router/runner.py); no service deaths beyond the ones the scenario
 causes; every killed service back and serving within 10 s, every frozen one within 10 s of
 its waking; every service's RSS after the scenario within 20% of its RSS at the scenario's start
 (after a warm-up load); at 10x the admission limit every request answered (200 or 429)

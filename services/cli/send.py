@@ -2,7 +2,7 @@
 
 The data path without the router's choices (docs/architecture.md section 4, steps 4-7): ask
 the cache directory what the decode worker already holds of the prompt, then run the router's
-own request driver (`services.router.requests.drive`): the token stream opened at the decode
+own request driver (`services.router.runner.drive`): the token stream opened at the decode
 worker beside the prefill call (the prefill worker streams the KV straight to the decode
 worker); print the tokens as they arrive and the bytes moved.
 
@@ -47,7 +47,7 @@ from services.contract.messages import (
 from services.contract.sampling import Sampling
 from services.model.tokenizer import ByteTokenizer, TokenizerLike, load_default
 from services.router.errors import RouterError
-from services.router.requests import drive
+from services.router.runner import drive
 from services.service import link_service_of
 from services.worker.prefix_store import prompt_hashes
 
@@ -100,7 +100,7 @@ async def drive_request(
     on_chunk: Callable[[TokenChunk], None] = lambda chunk: None,
 ) -> DriveResult:
     """One prompt through two named workers on the router's request driver
-    (`services.router.requests.drive`), collecting its tokens and the client's timings.
+    (`services.router.runner.drive`), collecting its tokens and the client's timings.
 
     UpstreamFailed naming the worker on failure; when the prefill call fails, the decode
     stream is given `FAILURE_GRACE_S` to report its own, more specific error (a cut KV

@@ -6,9 +6,14 @@
 The live side is the real system at its smallest: a cache directory, a link (the TCP proxy), one
 prefill worker in the PrfaaS cluster and one decode worker in the PD cluster, each `prfaas serve`
 process in live mode (real compute on the shipped model, one torch thread, no pacing), and the
-router's scheduler in this process. Every request goes remote (threshold 0), so its KV crosses
-the link. The simulation runs the same deployment on virtual time with the measured profile
-(`prfaas profile`) for both workers and the model's KV sizes.
+router's scheduler in this process. Two deployments (`DEPLOYMENTS`), each a run of its own:
+`remote-1p1d`, where every request goes remote (threshold 0), so its KV crosses the link; and
+`routed-1+1p1d` (`routed`), a PD prefill worker beside the PrfaaS one and the prfaas policy at a
+t in the middle of the prompt lengths, so short requests prefill locally and long ones are
+offloaded over a link shaped slow enough to matter; its rows are also split by route
+(`route_rows`). Each worker computes on a CPU of its own where the machine has enough
+(`core_plan`). The simulation runs the same deployment on virtual time with the measured
+profile (`prfaas profile`) for every worker and the model's KV sizes.
 
 Steps: warm the workers up; measure the live mesh's capacity (a burst well above it,
 completions per second over the middle half of the finishes); probe the prefill worker in situ
@@ -38,9 +43,10 @@ Beside them, what the live TTFT is made of, measured from the prefill worker's o
 queueing, compute, and the rest (the router's dispatch, the KV's trip through the link, its
 import on the decode side and the first token's way back).
 
-Writes DIR/summary.json, DIR/table.md, DIR/records.jsonl (probes flagged),
-DIR/profile-in-situ.toml, DIR/profile-<load>-calibrated.toml and a CDF plot per load
-(DIR/cdf_<load>.png), and ends with one JSON line {"bench": "validate-sim", "rows": [...]}.
+Writes, per deployment under DIR/<deployment>/: summary.json, table.md, records.jsonl (probes
+flagged, each request's cluster), profile-in-situ.toml, profile-<load>-calibrated.toml and a
+CDF plot per load (cdf_<load>.png); ends with one JSON line {"bench": "validate-sim", "rows":
+[...]}, a row per deployment and load.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ import msgspec
 from matplotlib.figure import Figure
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no stubs
 
+from mesh.errors import ConfigError
 from mesh.ports import free_ports
 from mesh.topology import Topology, load_topology
 from mesh.transport import TcpTransport
@@ -104,7 +111,9 @@ from services.worker.profiler import DecodePoint, PrefillPoint
 # `--quick`: the fewest probes and burst requests the fits and the capacity still work with.
 QUICK = {"probe_repeats": 2, "load_probe_repeats": 1, "capacity_requests": 16,
          "warmup_requests": 2}
-MESH = ("cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0")
+# The workers whose compute the simulation times, in the order they get a CPU of their own
+# (`core_plan`); the cache directory, the link and the driver (the router) share the rest.
+WORKERS = ("prfaas-prefill-0", "pd-prefill-0", "pd-decode-0")
 # Vidur's reported error against the real engine (its paper): the goal to state against.
 VIDUR_GOAL = 0.09
 ACCEPT = 0.15
@@ -135,11 +144,20 @@ class ValidationConfig(msgspec.Struct, frozen=True, kw_only=True):
     load_probe_repeats: int = 6
     bandwidth_bps: float = 10e9
     delay_s: float = 0.001
+    # PD prefill workers beside the PrfaaS one: 0, every request remote (threshold 0); 1, the
+    # router decides by `threshold` (`routed`).
+    pd_prefill: int = 0
+    threshold: int = 0  # the prfaas policy's t, in prompt tokens (no prefix is ever cached)
+
+    def __post_init__(self) -> None:
+        if self.pd_prefill not in (0, 1):
+            raise ConfigError(f"pd_prefill must be 0 or 1 (the live mesh has at most one PD "
+                              f"prefill worker), got {self.pd_prefill!r}")
     seed: int = 0
     # Each load sent this many times over (fresh prompts, the same arrivals): the live side's
     # own run-to-run spread (`live_spread`), the floor any simulation can reach.
     repeats: int = 1
-    pin: bool = True  # pin_cores: the prefill worker on a core of its own
+    pin: bool = True  # pin_cores: each worker's compute on a CPU of its own where it can
 
 
 class Job(msgspec.Struct, frozen=True):
@@ -165,6 +183,7 @@ class Outcome(msgspec.Struct, frozen=True):
     transfer_s: float = 0.0
     error: str = ""
     probe: bool = False  # its job's (Job.probe)
+    cluster: str = ""  # where the router prefilled it: "prfaas" (offloaded) or "pd" (local)
 
 
 class Row(msgspec.Struct, frozen=True):
@@ -178,13 +197,22 @@ class Row(msgspec.Struct, frozen=True):
     sim: dict[str, float]
     errors: dict[str, float]
     live_spread: dict[str, float] = {}
+    route: str = ""  # "local" / "offloaded": that route's requests only (`route_rows`); "": all
 
 
 METRICS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99",
            "e2e_p50", "e2e_p90", "e2e_p99", "completed_rps")
 PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
-# What the deployment validated is called in the JSON line (one per deployment and load).
+# What the deployments validated are called in the JSON line (a row per deployment and load):
+# one PrfaaS prefill and one decode worker, every request remote; and `routed`'s.
 DEPLOYMENT = "remote-1p1d"
+ROUTED = "routed-1+1p1d"
+# The routed deployment's link: a 320-token prompt's KV (0.95 MiB, most of it the linear
+# layers' state) takes 0.2 s at 40 Mbit/s, about its prefill on a 2-vCPU host, so the link
+# queues once offloaded requests come faster than a few a second (docs/simulation.md).
+ROUTED_BANDWIDTH_BPS = 40e6
+# The route a request took, by the cluster that prefilled it.
+ROUTES = {"pd": "local", "prfaas": "offloaded"}
 
 
 def jobs(config: ValidationConfig, rate: float, count: int, seed: int,
@@ -210,13 +238,38 @@ def jobs(config: ValidationConfig, rate: float, count: int, seed: int,
     return out
 
 
+def routed(config: ValidationConfig) -> ValidationConfig:
+    """`config` as the routed deployment: a PD prefill worker beside the PrfaaS one, t in the
+    middle of the prompt lengths (short requests local, long ones offloaded), the link shaped
+    to `ROUTED_BANDWIDTH_BPS`."""
+    low, high = config.prompt_tokens
+    return msgspec.structs.replace(config, pd_prefill=1, threshold=(low + high) // 2,
+                                   bandwidth_bps=ROUTED_BANDWIDTH_BPS)
+
+
+DEPLOYMENTS: dict[str, Callable[[ValidationConfig], ValidationConfig]] = {
+    DEPLOYMENT: lambda config: config, ROUTED: routed}
+
+
+def deployment_name(config: ValidationConfig) -> str:
+    """What `config`'s deployment is called in the JSON line."""
+    return f"routed-1+{config.pd_prefill}p1d" if config.pd_prefill else DEPLOYMENT
+
+
+def policy_options(config: ValidationConfig) -> dict[str, Any]:
+    """The prfaas policy's options on both sides: `config`'s t, the scarce prefix rule."""
+    return {"threshold": config.threshold, "prefix_rule": "scarce"}
+
+
 def deployment(config: ValidationConfig) -> Deployment:
-    """The live mesh's shape for the simulation: one remote prefill, one decode, one link."""
-    return Deployment(name="validate", n_prfaas=1, n_pd_prefill=0, n_decode=1,
+    """The live mesh's shape for the simulation: one remote prefill, `config.pd_prefill`
+    local ones, one decode, one link, the same policy and t."""
+    return Deployment(name="validate", n_prfaas=1,
+                      n_pd_prefill=config.pd_prefill, n_decode=1,
                       prfaas_profile=config.profile, pd_profile=config.profile,
                       model=config.model, bandwidth_bps=config.bandwidth_bps,
                       delay_s=config.delay_s, policy="prfaas",
-                      policy_options={"threshold": 0, "bandwidth": "scarce"}, scale=1.0,
+                      policy_options=policy_options(config), scale=1.0,
                       chunk_tokens=config.chunk_tokens, connections=1,
                       snapshot_every=config.snapshot_every, seed=config.seed)
 
@@ -228,7 +281,8 @@ def simulate(config: ValidationConfig, load: Sequence[Job]) -> list[Outcome]:
         raise RuntimeError(f"the simulation recorded {len(result.records)} of {len(load)} "
                            f"requests")
     return [Outcome(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
-                    r.ok, queue_s=r.queue_s, error=r.error, probe=j.probe)
+                    r.ok, queue_s=r.queue_s, error=r.error, probe=j.probe,
+                    cluster=r.cluster)
             for r, j in zip(result.records, load, strict=True)]
 
 
@@ -237,9 +291,17 @@ def compared(outcomes: Sequence[Outcome]) -> list[Outcome]:
     return [o for o in outcomes if not o.probe]
 
 
+def by_route(outcomes: Sequence[Outcome]) -> dict[str, list[Outcome]]:
+    """The outcomes split by the route each took (`ROUTES`), in their order."""
+    split: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        split.setdefault(ROUTES.get(o.cluster, o.cluster or "unplaced"), []).append(o)
+    return split
+
+
 def topology_text(config: ValidationConfig) -> str:
     """The live mesh on free ports; the workers' options are the simulation's."""
-    p = free_ports(7)
+    p = free_ports(8)
     bs_max, _ = CostModel.load(config.profile, config.model).decode_slo()
     worker = (f'family = "{config.family}", size = "{config.size}", '
               f'checkpoint = "{config.checkpoint}", threads = 1, connections = 1, '
@@ -251,6 +313,8 @@ def topology_text(config: ValidationConfig) -> str:
                 ("prfaas-prefill-0", "prefill", "prfaas", p[4], ""),
                 ("pd-decode-0", "decode", "pd", p[5], f"options = {{ metrics_port = {p[6]} }}"),
                 ("router", "router", "", free_ports(1)[0], "")]
+    if config.pd_prefill:
+        services.insert(-1, ("pd-prefill-0", "prefill", "pd", p[7], ""))
     text = "".join(f'[[clusters]]\nname = "{c}"\nkind = "{c}"\noptions = {{ {worker} }}\n'
                    for c in ("prfaas", "pd"))
     for name, kind, cluster, port, extra in services:
@@ -266,7 +330,8 @@ def live_mesh(config: ValidationConfig, log_dir: Path) -> Iterator[Topology]:
     pinned (`pin_cores`) when the config asks and the machine has two cores or more."""
     path = log_dir / "topology.toml"
     path.write_text(topology_text(config))
-    with launch(path, MESH, log_dir=log_dir, ready_timeout=180.0) as children:
+    with launch(path, mesh_services(config), log_dir=log_dir,
+                ready_timeout=180.0) as children:
         mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         if config.pin and len(mine) >= 2:
             pin_cores({name: child.pid for name, child in children.items()}, sorted(mine))
@@ -277,15 +342,34 @@ def live_mesh(config: ValidationConfig, log_dir: Path) -> Iterator[Topology]:
                 _pin(os.getpid(), mine)
 
 
+def mesh_services(config: ValidationConfig) -> tuple[str, ...]:
+    """The services `prfaas serve` runs for `config` (the router runs in this process)."""
+    local = ("pd-prefill-0",) if config.pd_prefill else ()
+    return ("cachedir", "link-0", "prfaas-prefill-0", *local, "pd-decode-0")
+
+
+def core_plan(names: Sequence[str], cpus: Sequence[int]) -> dict[str, set[int]]:
+    """The CPUs each service may run on, and this driver's (under ""): the workers, in
+    `WORKERS`' order, each get a CPU to themselves while one is left over; every other
+    service, the workers left without one, and the driver share what is left. On two CPUs:
+    the PrfaaS prefill worker alone on the first, everything else on the second. The
+    simulation gives each instance its own hardware; on a small host a worker's compute
+    otherwise shares its core with the others, the link proxy and the router whenever they
+    are busy, and runs slower the heavier the load. Each worker computes on one torch thread
+    (its `threads` option), so one CPU is all its compute uses."""
+    workers = [w for w in WORKERS if w in names][:max(len(cpus) - 1, 0)]
+    own = {w: {cpus[i]} for i, w in enumerate(workers)}
+    rest = set(cpus[len(workers):])
+    return {**{name: own.get(name, rest) for name in names}, "": rest}
+
+
 def pin_cores(pids: dict[str, int], cpus: Sequence[int]) -> None:
-    """The prefill worker gets the first CPU to itself; every other service, and this driver
-    (the router), share the rest. The simulation gives each instance its own hardware; on a
-    small host the prefill worker's compute otherwise shares its core with the decode
-    worker, the link proxy and the router whenever they are busy, and runs slower the
-    heavier the load. Every thread of a process is pinned; threads started later inherit."""
+    """Every service in `pids` (name to process id) and this driver pinned to its CPUs in
+    `core_plan`. Every thread of a process is pinned; threads started later inherit."""
+    plan = core_plan(list(pids), cpus)
     for name, pid in pids.items():
-        _pin(pid, {cpus[0]} if name == "prfaas-prefill-0" else set(cpus[1:]))
-    _pin(os.getpid(), set(cpus[1:]))
+        _pin(pid, plan[name])
+    _pin(os.getpid(), plan[""])
 
 
 def _pin(pid: int, cpus: set[int]) -> None:
@@ -300,9 +384,10 @@ class LiveRouter:
     """The router's scheduler in this process, on the live mesh (as the router service runs
     it, minus HTTP): requests go in as token ids, outcomes come from its own events."""
 
-    def __init__(self, topology: Topology, vocab: int) -> None:
+    def __init__(self, topology: Topology, config: ValidationConfig) -> None:
         ctx = ServiceContext(topology, topology.service("router"), "live", 1.0, TcpTransport())
-        policy = create_policy("prfaas", {"threshold": 0, "bandwidth": "scarce"})
+        policy = create_policy("prfaas", policy_options(config))
+        vocab = family_config(config.family, config.size).vocab_size
         self.scheduler = Scheduler(ctx.node(), policy, WorkerTable.from_topology(topology),
                                    ModeledTokenizer(ModeledConfig(vocab_size=vocab)),
                                    SchedulerConfig(connections=1, links=link_ends(topology),
@@ -355,7 +440,7 @@ def _outcome(sent: tuple[float, Job, RequestHandle], done: RequestDone) -> Outco
     p = handle.prefill
     return Outcome(at, done.prompt_tokens, done.output_tokens, done.ttft_s, done.tpot_s,
                    done.e2e_s, done.ok, p.queue_s if p else 0.0, p.compute_s if p else 0.0,
-                   p.transfer_s if p else 0.0, done.error, job.probe)
+                   p.transfer_s if p else 0.0, done.error, job.probe, done.cluster)
 
 
 def completed_rps(outcomes: Sequence[Outcome]) -> float:
@@ -467,8 +552,8 @@ def table(rows: Sequence[Row]) -> str:
         for key in METRICS:
             scale, unit = (1e3, " ms") if key.startswith("tpot") else (1.0, "")
             spread = f"{row.live_spread[key]:.1%}" if key in row.live_spread else "-"
-            lines.append([row.load, f"{row.rate:.2f}", row.requests, key,
-                          f"{row.live[key] * scale:.3f}{unit}",
+            lines.append([f"{row.load} {row.route}".strip(), f"{row.rate:.2f}", row.requests,
+                          key, f"{row.live[key] * scale:.3f}{unit}",
                           f"{row.sim[key] * scale:.3f}{unit}", f"{row.errors[key]:+.1%}",
                           spread])
     return markdown_table(header, lines)
@@ -487,16 +572,36 @@ def errors_line(row: Row) -> dict[str, float]:
     return {f"{k}_err": round(row.errors[k], 4) for k in METRICS}
 
 
-def bench_line(rows: Sequence[Row], replay: Sequence[Row] = (),
-               deployment: str = DEPLOYMENT) -> str:
-    """The run's last line: per deployment and load, every signed error (predicted), the
-    live side's own spread (null with one run per load) and the replay's errors."""
+def bench_rows(rows: Sequence[Row], replay: Sequence[Row] = (),
+               deployment: str = DEPLOYMENT, routes: Sequence[Row] = ()) -> list[dict[str, Any]]:
+    """The JSON line's rows of one deployment: per load, every signed error (predicted), the
+    live side's own spread (null with one run per load), the replay's errors and each
+    route's errors with its request count (`route_rows`; empty: none)."""
     replayed = {r.load: errors_line(r) for r in replay}
-    return json.dumps({"bench": "validate-sim", "rows": [{
+    return [{
         "deployment": deployment, "load": r.load, "requests": r.requests, **errors_line(r),
         "live_spread": ({k: round(v, 4) for k, v in r.live_spread.items()}
                         if r.live_spread else None),
-        "replay": replayed.get(r.load)} for r in rows]})
+        "replay": replayed.get(r.load),
+        "routes": {x.route: {"requests": x.requests, **errors_line(x)}
+                   for x in routes if x.load == r.load}} for r in rows]
+
+
+def bench_line(rows: Sequence[Row], replay: Sequence[Row] = (),
+               deployment: str = DEPLOYMENT, routes: Sequence[Row] = ()) -> str:
+    """The run's last line for one deployment (`bench_rows`)."""
+    return lines_of(bench_rows(rows, replay, deployment, routes))
+
+
+def lines_of(rows: Sequence[dict[str, Any]]) -> str:
+    """The run's last line over the rows of every deployment run."""
+    return json.dumps({"bench": "validate-sim", "rows": list(rows)})
+
+
+def result_rows(result: Validation) -> list[dict[str, Any]]:
+    """`bench_rows` of a whole run of one deployment."""
+    return bench_rows(result.rows, result.replay, deployment_name(result.config),
+                      result.routes)
 
 
 def accepted(row: Row, bound: float = ACCEPT) -> bool:
@@ -605,6 +710,8 @@ class Validation(msgspec.Struct, frozen=True):
     # Each load simulated with its own requests' measured compute (`Profiles.replay`): the
     # queueing, batching and transfer judged alone. A separate figure, never the prediction.
     replay: list[Row] = []
+    # The predicted rows split by route (`route_rows`): local and offloaded requests apart.
+    routes: list[Row] = []
 
 
 def rerun_name(load: str, index: int) -> str:
@@ -664,7 +771,7 @@ async def _drive_live(config: ValidationConfig, topology: Topology,
     """Warm-up, the capacity burst (unless configured), the in-situ probes, then each load on
     one live mesh; the machine's load average as each phase begins goes into `loads`, the
     decode worker's step timing over the probes and each load into `steps`."""
-    router = LiveRouter(topology, family_config(config.family, config.size).vocab_size)
+    router = LiveRouter(topology, config)
     out: dict[str, list[Outcome]] = {}
     capacity = config.capacity_rps
     decode = topology.service("pd-decode-0")
@@ -927,6 +1034,27 @@ def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str
     return rows, sims
 
 
+def route_rows(config: ValidationConfig, live: LiveRun,
+               sims: dict[str, list[Outcome]]) -> list[Row]:
+    """Each simulated load of `sims` compared with `live` per route (`by_route`): the local
+    requests on both sides, then the offloaded ones, each as a row of its own (`Row.route`).
+    Each side's requests are split by where its own router placed them; a route one side
+    never took gets no row."""
+    rows = []
+    for name, fraction in config.loads:
+        if name not in sims:
+            continue
+        live_runs = [by_route(compared(live.outcomes[run]))
+                     for run in (name, *reruns_of(name, live.outcomes))]
+        sim = by_route(compared(sims[name]))
+        for route in ROUTES.values():
+            if route in sim and all(route in run for run in live_runs):
+                row = compare(name, fraction * live.capacity_rps, live_runs[0][route],
+                              sim[route], [run[route] for run in live_runs[1:]])
+                rows.append(msgspec.structs.replace(row, route=route))
+    return rows
+
+
 def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
     """The whole comparison of a live run, its profiles written to `out`. The headline rows
     are predicted: every load simulated with the in-situ profile, measured before the loads.
@@ -953,7 +1081,8 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
                                  profiles.in_situ)
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
                       live.wall_s, live.load_averages, profiles.decode_drift, calibrated,
-                      engine_alone, profiles.unmodelled_s, replay)
+                      engine_alone, profiles.unmodelled_s, replay,
+                      route_rows(config, live, sims))
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -992,7 +1121,11 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
                 for o in outcomes:
                     record = {"load": load, "side": side, **msgspec.to_builtins(o)}
                     file.write(msgspec.json.encode(record) + b"\n")
+    config = result.config
     text = "\n".join([
+        f"Deployment {deployment_name(config)}: one PrfaaS prefill, {config.pd_prefill} PD "
+        f"prefill and one decode worker, prfaas policy at t = {config.threshold} tokens, "
+        f"link {config.bandwidth_bps / 1e6:g} Mbit/s and {config.delay_s * 1e3:g} ms.", "",
         f"Live capacity {result.live_capacity_rps:.2f} req/s (simulated "
         f"{result.sim_capacity_rps:.2f}); {machine}; {result.wall_s:.0f} s in all; load "
         f"average as each phase began: " + ", ".join(
@@ -1009,6 +1142,10 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
         "predicted): " + ", ".join(
             f"{r.load} {'pass' if accepted(r) else 'FAIL'}" for r in result.rows) +
         f"; Vidur's goal: {VIDUR_GOAL:.0%}.", ""])
+    if result.routes:
+        text += ("\nPredicted, per route: each side's requests split by where its own router "
+                 "prefilled them (local: the PD prefill worker; offloaded: the PrfaaS one, its "
+                 f"KV over the link).\n\n{table(result.routes)}")
     if result.calibrated:
         text += ("\nDiagnostic, calibrated on the load itself (not a prediction): each load "
                  "simulated with the prefill fit of the probes that rode in it and its decode "
@@ -1056,6 +1193,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--repeats", type=int, default=defaults.repeats,
                         help="runs of each load (the live side's own spread needs two or more)")
+    parser.add_argument("--deployment", action="append", choices=list(DEPLOYMENTS),
+                        help="a deployment to validate (repeatable; default: every one, "
+                             "each reported in DIR/<deployment>/)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke check: fewer probes, a smaller capacity burst")
     parser.add_argument("--out", type=Path, default=Path("validation-results"))
@@ -1079,12 +1219,18 @@ def validate_main(argv: list[str]) -> int:
     if args.reprofile:
         say("profiling the engine (prfaas profile) ...")
         config = profile_for(config, args.out / "profile.toml")
-    with tempfile.TemporaryDirectory(prefix="validate-sim-") as temp:
-        log_dir = args.log_dir or Path(temp)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        live = run_live(config, log_dir, say)
-    result = evaluate(config, live, args.out)
-    print(write_report(args.out, result, end_line()))
-    print(f"report: {args.out}/table.md, summary.json, records.jsonl, cdf_*.png")
-    print(bench_line(result.rows, result.replay))
+    rows = []
+    for name in args.deployment or list(DEPLOYMENTS):
+        shaped = DEPLOYMENTS[name](config)
+        out = args.out / name
+        say(f"deployment {name}")
+        with tempfile.TemporaryDirectory(prefix="validate-sim-") as temp:
+            log_dir = (args.log_dir or Path(temp)) / name
+            log_dir.mkdir(parents=True, exist_ok=True)
+            live = run_live(shaped, log_dir, say)
+        result = evaluate(shaped, live, out)
+        print(write_report(out, result, end_line()))
+        print(f"report: {out}/table.md, summary.json, records.jsonl, cdf_*.png")
+        rows += result_rows(result)
+    print(lines_of(rows))
     return 0

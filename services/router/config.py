@@ -3,7 +3,7 @@ optional), and the scheduler's bounds and deadlines that they set (`SchedulerCon
 
 Flat keys set `RouterConfig`'s fields; a dotted key "policy.option[.field]" sets one policy's
 option (`router_config`), checked when that policy is built. `policy_options` derives each
-policy's defaults from `scale` (router tokens per paper token) and `bandwidth`.
+policy's defaults from `scale` (router tokens per paper token) and `prefix_rule`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from services.contract.types import DEFAULT_TOKEN_SCALE
 from services.paper.case_study import T_STAR_TOKENS
 from services.router.link_meter import EstimatorConfig
 from services.router.policies import POLICIES
+from services.router.policy import PolicyError
+from services.router.static_policies import PrefixRule, with_prefix_rule
 
-# Request migration (services/router/requests.py): how many times one request may be continued
+# Request migration (services/router/runner.py): how many times one request may be continued
 # elsewhere after its data path broke, and how long KV crossing a link may make no progress
 # before it is abandoned and the request re-prefilled in the PD cluster. The topology's
 # router options `migration_limit` and `kv_stall_s` set them.
@@ -96,7 +98,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The prefix rule (paper section 3.3): "auto" counts the best cache anywhere while the
     # link is calm (moving it across, services/worker/prefix_pull.py) and each cluster's own
     # under load; "scarce" / "abundant" pin one rule.
-    bandwidth: Literal["auto", "scarce", "abundant"] = "auto"
+    # The old name of this option, `bandwidth`, is still read (deprecated).
+    prefix_rule: PrefixRule = "auto"
     max_context: int = 4096
     max_inflight: int = 64
     block_size: int = 64  # must equal the workers' model block size
@@ -120,7 +123,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (services/contract/tracing.py).
     otlp_endpoint: str = ""
     # Each policy's own options (fields of its config type) over the defaults that
-    # `policy_options` derives from `scale` and `bandwidth`; checked when the policy is built.
+    # `policy_options` derives from `scale` and `prefix_rule`; checked when the policy is built.
     # A topology's options are flat, so there they are dotted keys: "prfaas-dynamic.dwell_s".
     policies: dict[str, dict[str, Any]] = {}
 
@@ -138,8 +141,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def policy_options(self) -> dict[str, dict[str, object]]:
         t = T_STAR_TOKENS * self.scale
         derived: dict[str, dict[str, object]] = {
-            "prfaas": {"threshold": t, "bandwidth": self.bandwidth},
-            "prfaas-dynamic": {"token_scale": self.scale, "bandwidth": self.bandwidth},
+            "prfaas": {"threshold": t, "prefix_rule": self.prefix_rule},
+            "prfaas-dynamic": {"token_scale": self.scale, "prefix_rule": self.prefix_rule},
             "dynamo": {"max_local_prefill_length": round(t)}}
         return {name: {**derived.get(name, {}), **self.policies.get(name, {})}
                 for name in {*derived, *self.policies}}
@@ -153,8 +156,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 def router_config(options: Mapping[str, object]) -> RouterConfig:
     """The router's config; a dotted key "policy.option[.field]" goes into `policies`, one
-    "link_estimator.field" into `link_estimator`."""
-    plain: dict[str, Any] = {key: value for key, value in options.items() if "." not in key}
+    "link_estimator.field" into `link_estimator`; `bandwidth` is read as `prefix_rule`."""
+    try:
+        renamed = with_prefix_rule(options, "router options")
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from exc
+    plain: dict[str, Any] = {key: value for key, value in renamed.items() if "." not in key}
     estimator = {key.split(".", 1)[1]: value for key, value in options.items()
                  if key.startswith("link_estimator.")}
     if estimator:

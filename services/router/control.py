@@ -33,13 +33,12 @@ from services.contract.events import RoleChanged, ThresholdChanged
 from services.contract.messages import SetRole
 from services.contract.types import Role
 from services.router.errors import Conflict, InvalidRequest, RouterError
-from services.router.policies import (
-    POLICIES,
+from services.router.policies import POLICIES, create_policy
+from services.router.policy import (
     LinkSample,
     PolicyError,
     SetThreshold,
     action_event,
-    create_policy,
     json_threshold,
 )
 from services.router.scheduler import Scheduler

@@ -69,7 +69,7 @@ class UpstreamFailed(RouterError):
 
 
 class DataPathBroken(UpstreamFailed):
-    """A placed request's data path broke (services/router/requests.py `drive`): the message is
+    """A placed request's data path broke (services/router/runner.py `drive`): the message is
     the first error either side met; `prefill` and `decode` hold what each side met (the mesh
     error, or the UpstreamFailed of a broken protocol), None for a side that met nothing. The
     request runner reads them to decide whether and where the request continues."""

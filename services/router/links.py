@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from services.router.config import LinkEnds
 from services.router.link_meter import BandwidthEstimator, EstimatorConfig, LinkEstimate
-from services.router.policies import LinkSample
+from services.router.policy import LinkSample
 
 
 class LinkBook:

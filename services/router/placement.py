@@ -1,5 +1,5 @@
 """Placement: where one request runs. The policy decides the cluster
-(services/router/policies.py), and placement picks the prefill worker in it and the decode
+(services/router/policy.py), and placement picks the prefill worker in it and the decode
 worker in the PD cluster; a migrated request's next attempt is placed the same way, away from
 the workers that failed it (`Migration`).
 
@@ -13,7 +13,7 @@ for `LINK_HOLD_STALLS` stall bounds (`hold_link`).
 
 Several PrfaaS and PD clusters: the decode worker is chosen first (its cluster is the
 request's PD cluster); the inputs hold each PrfaaS cluster's cache, queue and own link
-(`PrfaasSite`), and the policy narrows them to one (`Policy.narrow`). When the decision
+(`PrfaasSite`), and the policy picks the one (`Policy.pick_prfaas_site`). When the decision
 resumes from a prefix the chosen prefill worker lacks (the abundant rule counted a cache in
 another cluster, or placement chose a worker without it), the prefill request names the
 worker that holds it (`PrefixPull`) and the prefill worker fetches it first
@@ -54,7 +54,7 @@ from services.contract.types import Cluster, WorkerRole
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 from services.router.links import LinkBook
-from services.router.policies import (
+from services.router.policy import (
     Decision,
     Policy,
     PolicyError,
@@ -184,8 +184,8 @@ class Placer:
                  match: PrefixMatch | None) -> tuple[Placement, RouteInputs]:
         """The policy's decision and placement for `prompt`, given the lookup's `match`."""
         decode = self._choose_decode(match, avoid)
-        inputs = self.policy.narrow(self._inputs(attempt_id(request_id, attempt), len(prompt),
-                                                 match, self.workers.cluster_of(decode)))
+        inputs = self.policy.pick_prfaas_site(self._inputs(
+            attempt_id(request_id, attempt), len(prompt), match, self.workers.cluster_of(decode)))
         if migration is None or migration.cluster is None:
             decision = self.policy.decide(inputs)
         else:

@@ -1,5 +1,5 @@
 """The router's scheduler: admits a request, has it placed (services/router/placement.py),
-starts the task that runs it (services/router/requests.py), and records its end; beside the
+starts the task that runs it (services/router/runner.py), and records its end; beside the
 path, it keeps the links' state current and moves requests off stalled links and silent
 workers.
 
@@ -49,16 +49,16 @@ from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 from services.router.links import LinkBook
 from services.router.placement import LINK_HOLD_STALLS, DirectoryReader, Placement, Placer
-from services.router.policies import LinkSample, Policy, RequestFinished, decision_event
+from services.router.policy import LinkSample, Policy, RequestFinished, decision_event
+from services.router.request_metrics import RequestMetrics
 from services.router.requests import (
     GenerationRequest,
     RequestEnd,
     RequestHandle,
     RequestIds,
-    RequestMetrics,
-    RequestRunner,
     silence,
 )
+from services.router.runner import RequestRunner
 from services.router.workers import WorkerTable
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class Scheduler:
         del self._active[p.request_id]
         self.workers.released(p.decode_worker)
         self._count(end)
-        self.metrics.finished(handle, end)
+        handle.observe_end(end)
         self._publish_done(handle, end)
         self.policy.observe(RequestFinished(
             request_id=p.request_id, cluster=p.cluster, now=end.at,

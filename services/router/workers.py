@@ -32,7 +32,7 @@ from services.contract.messages import (
 from services.contract.types import Cluster, Role, WorkerRole
 from services.router.errors import NotFound
 from services.router.link_meter import readings_of
-from services.router.policies import ClusterState, WorkerSnapshot
+from services.router.policy import ClusterState, WorkerSnapshot
 from services.service import WORKER_KINDS
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,8 @@ prefix store, continuous batching). Only these are modeled:
   the modeled model's S_kv at the modeled length (the 1T hybrid of the paper's Table 5);
 - prefill emits the live stream plan's pieces carrying their modeled sizes (`KVChunk.nbytes`)
   and no bytes; its time is the live emulated-mode pacing (`services.worker.engine.Pacing`);
+- a cached prefix pushed to another worker (services/worker/prefix_pull.py) is exported as
+  the same sized pieces (`export_kv`) and imported as a cache of the prefix's length;
 - decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
   for its size and context, several steps at once until a request finishes, a joining request
   cuts the run short, or `max_steps` is reached; a member's second token goes out on its own
@@ -27,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +41,7 @@ from services.model.config import ModelError
 from services.model.generate import block_boundaries
 from services.model.sampling import SamplingParams
 from services.paper.hardware import CostModel
-from services.worker.engine import Emit, PrefillJob
+from services.worker.engine import Emit, PieceSpec, PrefillJob
 
 MODELED_TOKEN = 1  # every modeled output token; never the end-of-text id
 EOS_ID = 0
@@ -479,8 +481,17 @@ class ModeledEngine:
 
     async def import_kv(self, opening: KVOpen, base: Any,
                         pieces: Mapping[tuple[int, int], bytes | memoryview]) -> VirtualCache:
-        """The decode side's cache of the prompt: `base`'s prefix plus what the stream brought."""
+        """The receiver's cache of the stream's tokens: `base`'s prefix plus what the stream
+        brought (a decode worker's prompt, or a prefix pulled to a prefill worker)."""
         return VirtualCache(self._cfg, self.sizes, opening.end)
+
+    async def export_kv(self, request_id: str, cache: VirtualCache,
+                        plan: Sequence[PieceSpec]) -> list[KVChunk]:
+        """A held prefix's planned pieces, sized and with no bytes, as `compute_prefill`
+        emits them: a pushed prefix crosses the link at its modeled S_kv."""
+        return [KVChunk(request_id=request_id, layer=p.layer, start=p.start,
+                        data=memoryview(b""), nbytes=self.piece_bytes(p.layer, p.start, p.end))
+                for p in plan]
 
 
 class ModeledTokenizer:

@@ -2,7 +2,7 @@
 
 The world composes the live services, so the same collectors observe it as on a live mesh:
 the router's statistics and request histograms (services/router/scheduler.py and
-requests.py), each worker's KV-transfer histograms (services/worker/decode.py) and
+request_metrics.py), each worker's KV-transfer histograms (services/worker/decode.py) and
 statistics, under the same names, types and labels. `world_metrics` reads them at the end of
 a run into one exposition (each worker's samples told apart by their `service` label, as on
 the live mesh); the report keeps it as `metrics-<run>.prom`, what one scrape of the whole mesh

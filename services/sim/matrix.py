@@ -179,7 +179,7 @@ def deployment_for(setup: Setup, policy: str) -> Deployment:
         factor = float(policy.removeprefix("static x"))
         return msgspec.structs.replace(base, name=policy, policy="prfaas", policy_options={
             **base.policy_options, "threshold": t * factor})
-    # prfaas-dynamic applies the same prefix rule as prfaas (the deployment's `bandwidth`
+    # prfaas-dynamic applies the same prefix rule as prfaas (the deployment's `prefix_rule`
     # pin): the two differ only in how t is chosen.
     rule = {k: v for k, v in base.policy_options.items() if k != "threshold"}
     options: dict[str, object] = {

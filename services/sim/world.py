@@ -38,7 +38,8 @@ from services.router.config import SchedulerConfig, link_ends
 from services.router.control import ControlConfig, RouterControl
 from services.router.link_meter import EstimatorConfig
 from services.router.placement import DirectoryReader
-from services.router.policies import LinkSample, create_policy
+from services.router.policies import create_policy
+from services.router.policy import LinkSample
 from services.router.scheduler import Scheduler
 from services.router.workers import StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes

@@ -57,7 +57,8 @@ from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
 from services.worker.engine import Engine, Pacing, as_engine
-from services.worker.kv_in import KVInbox, KVReceiver, KVTransferMetrics
+from services.worker.kv_in import KVInbox, KVReceiver
+from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.prefix_store import PrefixStore, StoreChange
 from services.worker.request_checks import check_decode
 
@@ -162,7 +163,7 @@ class DecodeWorker:
         cfg = self.model.cfg
         model_id = (cfg.family, cfg.config_hash(), self.model.dtype_name)
         self.inbox = KVInbox(config.name, model_id, config.orphan_timeout)
-        self._receiver = KVReceiver(self.inbox, self.model, store, self.kv_metrics, tracer)
+        self._receiver = KVReceiver(self.inbox, self.model, store, tracer)
         self._waiting = 0
         # The batch loop sleeps on this alarm, idle or inside a modeled multi-step run; a join
         # or a leave wakes it.
@@ -188,7 +189,8 @@ class DecodeWorker:
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """The request's tokens, chunk by chunk, once its KV is in (steps 1-3 above)."""
-        params = check_decode(request, self.model.cfg.vocab_size, self.model.cfg.block_size)
+        params, hashes = check_decode(request, self.model.cfg.vocab_size,
+                                      self.model.cfg.block_size)
         assembly = self.inbox.claim(request.request_id)
         self._counts.requests += 1
         self._enter()
@@ -197,7 +199,8 @@ class DecodeWorker:
                                       "gen_ai.usage.input_tokens": len(request.prompt)},
             kind="server")
         try:
-            cache = await self._receiver.cache(request, assembly, span)
+            cache = await self._receiver.cache(request, hashes, assembly, span)
+            self.kv_metrics.imported(assembly)
             first = assembly.first_token
             assert first is not None and assembly.opening is not None
             reason = finish_reason(first, 1, params, self.model.cfg.eos_id)
@@ -209,10 +212,10 @@ class DecodeWorker:
                              finish_reason=reason, reused_tokens=assembly.opening.start,
                              logprobs=None if logprob is None else [logprob])
             if reason is not None:
-                self._keep(request, [], cache)
+                self._keep(request, hashes, [], cache)
                 self._finish(request.request_id, reason)
                 return
-            async for chunk in self._tokens(request, cache, first, params, span):
+            async for chunk in self._tokens(request, hashes, cache, first, params, span):
                 yield chunk
         except BaseException as exc:
             self._counts.failed += 1
@@ -269,10 +272,10 @@ class DecodeWorker:
             raise RequestError(f"batch {self._batch.request_ids()} != members "
                                f"{sorted(self._members)}")
 
-    async def _tokens(self, request: DecodeRequest, cache: RequestCache, first: int,
-                      params: SamplingParams, span: Span | None = None
+    async def _tokens(self, request: DecodeRequest, hashes: list[int], cache: RequestCache,
+                      first: int, params: SamplingParams, span: Span | None = None
                       ) -> AsyncIterator[TokenChunk]:
-        member = Member(request, cache, first, params, [first])
+        member = Member(request, hashes, cache, first, params, [first])
         if span is not None and self._tracer is not None:
             # Waiting for a place in the batch (max_batch), ended as the loop admits it.
             member.queued = self._tracer.start("decode.queue", span)
@@ -354,7 +357,7 @@ class DecodeWorker:
         for rid, cache in result.finished.items():
             member = self._members.pop(rid)
             member.end()
-            self._keep(member.request, member.output, cache)
+            self._keep(member.request, member.hashes, member.output, cache)
             self._finish(rid, result_reason(result, rid))
         if pacing is not None:
             modeled = pacing.decode_step_time(batch, context)
@@ -366,12 +369,13 @@ class DecodeWorker:
             member.fail(error)
         self._members.clear()
 
-    def _keep(self, request: DecodeRequest, output: list[int], cache: RequestCache) -> None:
+    def _keep(self, request: DecodeRequest, hashes: list[int], output: list[int],
+              cache: RequestCache) -> None:
         """Store the finished cache; it covers the first cache.length tokens of `request`'s
-        prompt and `output`, whose first blocks' chain the request brought. Only the tokens
+        prompt and `output`, whose prompt's blocks have the chain `hashes`. Only the tokens
         after those blocks are gathered and hashed, not the prompt and output joined."""
         block = self.model.cfg.block_size
-        known = request.hashes[: cache.length // block]
+        known = hashes[: cache.length // block]
         tail = joined_slice(request.prompt, output, len(known) * block, cache.length)
         change = self.store.store(extend_chain(known, tail, block), cache)
         if self._report is not None:
@@ -421,6 +425,7 @@ class Member:
     """One request in the batch: its cache, its output so far, the channel to its reader."""
 
     request: DecodeRequest
+    hashes: list[int]  # the chain of its prompt's full blocks
     cache: RequestCache
     first_token: int
     params: SamplingParams

@@ -20,6 +20,8 @@ An engine answers:
 - `import_kv(opening, base, pieces)`: the cache rebuilt from a stream's pieces
   (`import_pieces` for the real model: each layer's consecutive full-attention pieces joined,
   checksums checked first, on top of the KV the decode side already holds);
+- `export_kv(request_id, cache, plan)`: a held cache's pieces as a stream's chunks (a cached
+  prefix pushed to another worker, services/worker/prefix_pull.py; `import_kv` takes them in);
 - `paces_decode`: True when `step` itself takes the modeled time (else emulated mode's pacer
   stretches each real step);
 - `release_memory()`: give the memory a finished computation freed back to the system (the
@@ -35,7 +37,7 @@ loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
@@ -221,6 +223,9 @@ class Engine(Protocol):
     async def import_kv(self, opening: KVOpen, base: Any,
                         pieces: Mapping[tuple[int, int], bytes | memoryview]) -> Any: ...
 
+    async def export_kv(self, request_id: str, cache: Any,
+                        plan: Sequence[PieceSpec]) -> list[KVChunk]: ...
+
     @property
     def paces_decode(self) -> bool: ...
 
@@ -298,6 +303,11 @@ class ModelEngine:
         return await anyio.to_thread.run_sync(import_pieces, self.model.cfg, opening.dtype,
                                               base, pieces)
 
+    async def export_kv(self, request_id: str, cache: RequestCache,
+                        plan: Sequence[PieceSpec]) -> list[KVChunk]:
+        # In a worker thread: it copies tensors.
+        return await anyio.to_thread.run_sync(export_chunks, request_id, cache, plan)
+
     @property
     def paces_decode(self) -> bool:
         return False
@@ -312,6 +322,14 @@ def expected_kv_bytes(cfg: ModelConfig, length: int, start: int, dtype: str) -> 
     """Payload bytes of an export of tokens [start, length): full-attention KV of the new
     tokens plus every fixed-size state (the pieces' headers come on top)."""
     return kv_bytes(cfg, length, dtype) - kv_layout(cfg, dtype).per_token * start
+
+
+def export_chunks(request_id: str, cache: RequestCache,
+                  plan: Sequence[PieceSpec]) -> list[KVChunk]:
+    """Each planned piece of `cache`, exported as one chunk of `request_id`'s stream."""
+    return [KVChunk(request_id=request_id, layer=p.layer, start=p.start,
+                    data=memoryview(export_layer(cache, p.layer, p.start, p.end).to_bytes()))
+            for p in plan]
 
 
 def import_pieces(cfg: ModelConfig, dtype: str, base: RequestCache | None,

@@ -21,15 +21,6 @@ its first lane opened (a stalled link) with `KVStalled`. It then imports the pie
 thread (the engine's `import_kv`: checksums and shapes checked per piece) on top of the KV the
 worker already holds for the prompt's first `start` tokens (its own prefix cache).
 
-`KVTransferMetrics`: the KV transfers a worker received, as Prometheus histograms:
-`prfaas_kv_transfer_seconds` and `prfaas_kv_transfer_bytes`, labelled by the receiving service,
-the link the KV crossed ("local" inside a cluster) and its kind: "full" (the decode worker held
-none of the prompt), "incremental" (it held a prefix, so only the rest came), "prefix" (a cached
-prefix pulled to a prefill worker). Seconds run from the first piece's arrival to the end of
-the import, both on the receiver's clock (the sender's clock is another host's on a mesh
-across hosts). Bytes are the pieces' payload (the modeled size in the simulation). The
-receiver observes: it alone knows when the KV was imported.
-
 The prefill worker's side of the stream is services/worker/kv_out.py.
 """
 
@@ -37,26 +28,23 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 import msgspec
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
 from mesh import native
 from mesh.errors import StreamAborted
-from mesh.histogram import Histogram
 from mesh.mailbox import Mailbox
 from services.contract.errors import KVStalled, KVTransferError, RequestError
 from services.contract.messages import DecodeRequest, KVAccepted, KVChunk, KVClose, KVOpen
 from services.contract.sampling import TokenLogprob
 from services.contract.tracing import Tracer
 from services.model.cache import RequestCache
-from services.service import BYTES_BUCKETS, SECONDS_BUCKETS
 from services.worker.engine import Engine
-from services.worker.prefix_store import PrefixStore, PrefixStoreError, prompt_hashes
+from services.worker.prefix_store import PrefixStore, PrefixStoreError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -69,22 +57,33 @@ class KVReceiver:
     docstring); `reused_tokens`: tokens the imports found in the worker's own store."""
 
     def __init__(self, inbox: KVInbox, engine: Engine, store: PrefixStore,
-                 metrics: KVTransferMetrics, tracer: Tracer | None) -> None:
+                 tracer: Tracer | None) -> None:
         self.inbox = inbox
         self.engine = engine
         self.store = store
-        self.metrics = metrics
         self._tracer = tracer
         self.reused_tokens = 0
 
-    async def cache(self, request: DecodeRequest, assembly: KVAssembly,
+    async def cache(self, request: DecodeRequest, hashes: Sequence[int], assembly: KVAssembly,
                     span: Span | None) -> RequestCache:
-        """The request's cache once its KV is in; in a `decode.kv` span when traced."""
-        if span is not None and self._tracer is not None:
-            return await self._traced_kv(request, assembly, span)
-        return await self._await_kv(request, assembly)
+        """The request's cache once its KV is in (`hashes`: its prompt's block chain); in a
+        `decode.kv` span when traced: the KV's arrival on every lane, and its import."""
+        with self._kv_span(span) as kv:
+            cache = await self._await_kv(request, hashes, assembly)
+            if kv is not None:
+                opening = assembly.opening
+                kv.set_attributes({"prfaas.kv.bytes": assembly.received_bytes,
+                                   "prfaas.kv.from": assembly.peer,
+                                   "prfaas.kv.reused_tokens": opening.start if opening else 0})
+            return cache
 
-    async def _await_kv(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
+    def _kv_span(self, span: Span | None) -> AbstractContextManager[Span | None]:
+        if span is None or self._tracer is None:
+            return nullcontext()
+        return self._tracer.span("decode.kv", span)
+
+    async def _await_kv(self, request: DecodeRequest, hashes: Sequence[int],
+                        assembly: KVAssembly) -> RequestCache:
         await kv_arrival(request, assembly, native.now() + request.kv_timeout)
         if assembly.failure is not None:
             raise assembly.failure
@@ -93,21 +92,10 @@ class KVReceiver:
                 f"no complete KV for {request.request_id!r} within kv_timeout="
                 f"{request.kv_timeout} s ({len(assembly.pieces)} pieces arrived)"
             )
-        return await self._import(request, assembly)
+        return await self._import(request, hashes, assembly)
 
-    async def _traced_kv(self, request: DecodeRequest, assembly: KVAssembly,
-                         span: Span) -> RequestCache:
-        """`_await_kv` in a `decode.kv` span: the KV's arrival on every lane, and its import."""
-        assert self._tracer is not None
-        with self._tracer.span("decode.kv", span) as kv:
-            cache = await self._await_kv(request, assembly)
-            opening = assembly.opening
-            kv.set_attributes({"prfaas.kv.bytes": assembly.received_bytes,
-                               "prfaas.kv.from": assembly.peer,
-                               "prfaas.kv.reused_tokens": opening.start if opening else 0})
-            return cache
-
-    async def _import(self, request: DecodeRequest, assembly: KVAssembly) -> RequestCache:
+    async def _import(self, request: DecodeRequest, hashes: Sequence[int],
+                      assembly: KVAssembly) -> RequestCache:
         opening = assembly.opening
         assert opening is not None
         if opening.end != len(request.prompt):
@@ -117,22 +105,21 @@ class KVReceiver:
             # The last token is always computed: its logits give the first output token.
             raise KVTransferError(f"KV of {request.request_id!r} starts at token "
                                   f"{opening.start}, not below the prompt's {opening.end}")
-        base = self._base(request, opening.start)
+        base = self._base(request.request_id, hashes, opening.start)
         cache: RequestCache = await self.engine.import_kv(opening, base, assembly.pieces)
-        self.metrics.imported(assembly)
         assembly.free()
         self.reused_tokens += opening.start
         return cache
 
-    def _base(self, request: DecodeRequest, start: int) -> RequestCache | None:
+    def _base(self, request_id: str, hashes: Sequence[int], start: int) -> RequestCache | None:
+        """The KV this worker holds for the prompt's first `start` tokens (none from 0)."""
         if start == 0:
             return None
-        block = self.engine.cfg.block_size
-        hashes = prompt_hashes(request.prompt[:start], block, request.hashes[: start // block])
+        blocks = start // self.engine.cfg.block_size
         try:
-            return self.store.kv_base(hashes, start // block)
+            return self.store.kv_base(hashes[:blocks], blocks)
         except PrefixStoreError as exc:
-            raise KVTransferError(f"KV of {request.request_id!r} starts at token {start}, "
+            raise KVTransferError(f"KV of {request_id!r} starts at token {start}, "
                                   f"but {exc}") from exc
 
 
@@ -189,7 +176,7 @@ class KVAssembly:
         self.first_logprob: TokenLogprob | None = None
         self.failure: KVTransferError | None = None
         self.gone = False  # released or dropped: its lanes are refused
-        self.peer = "?"  # the sending node (`KVTransferMetrics`: its link)
+        self.peer = "?"  # the sending node (services/worker/kv_metrics.py: its link)
         self.first_piece_at: float | None = None
         self.received_bytes = 0  # pieces' payload, kept after `free` (the transfer's size)
         self.progress_at = created  # when a lane last opened or closed or a piece arrived
@@ -420,37 +407,3 @@ def lane_error(exc: BaseException, opening: KVOpen, peer: str, count: int) -> KV
         f"{count} of {opening.pieces + (opening.lane == 0)} items: "
         f"{type(exc).__name__}: {exc or 'cancelled'}"
     )
-
-
-LABELS = ("service", "link", "kind")
-LOCAL = "local"
-
-
-class KVTransferMetrics(Collector):
-    """One worker's KV-transfer histograms (module docstring); `imported` after each import."""
-
-    def __init__(self, service: str,
-                 link_of: Callable[[str], str | None] = lambda peer: None) -> None:
-        self.service = service
-        self._link_of = link_of
-        self.seconds = Histogram("prfaas_kv_transfer_seconds", "KV transfer time, first piece "
-                                 "received to the last imported", LABELS, SECONDS_BUCKETS)
-        self.bytes = Histogram("prfaas_kv_transfer_bytes", "KV bytes of one transfer",
-                               LABELS, BYTES_BUCKETS)
-
-    def imported(self, assembly: KVAssembly) -> None:
-        """Observes the transfer `assembly` held, imported just now."""
-        opening = assembly.opening
-        if opening is None:
-            return
-        kind = "prefix" if opening.purpose == "prefix" else (
-            "incremental" if opening.start > 0 else "full")
-        labels = (self.service, self._link_of(assembly.peer) or LOCAL, kind)
-        started = assembly.first_piece_at if assembly.first_piece_at is not None \
-            else assembly.created
-        self.seconds.labels(*labels).observe(native.clock()() - started)
-        self.bytes.labels(*labels).observe(assembly.received_bytes)
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.seconds.collect()
-        yield from self.bytes.collect()

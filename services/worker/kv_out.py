@@ -8,12 +8,13 @@ One job meets this module in the order it is written:
    they finish (`stream_plan`): the full-attention KV of the chunk's new tokens that the
    decode side lacks and, in the last chunk only, each linear or window layer's fixed-size
    state at the prompt's end (services.model.export).
-2. The stream. `KVSender.streaming` opens one upload lane (a mesh node of its own, one TCP
-   connection each, the same peer) per `PrefillRequest.connections` to the decode worker and
-   runs the compute beside them; lane 0 ends with `KVClose`, carrying the first token. Its
-   body runs at the compute's end (the prefill worker passes its compute slot on there);
-   it is left once the decode worker has accepted every lane ("KV fully received"), with
-   `request.kv_stall` at most that long after the compute's end, else with `KVStalled`.
+2. The stream. `KVSender.streaming` starts the compute and opens beside it one upload lane
+   (a mesh node of its own, one TCP connection each, the same peer) per
+   `PrefillRequest.connections` to the decode worker; lane 0 ends with `KVClose`, carrying
+   the first token. Its body runs at the compute's end (the prefill worker passes its
+   compute slot on there); it is left once the decode worker has accepted every lane ("KV
+   fully received"), with `request.kv_stall` at most that long after the compute's end,
+   else with `KVStalled`.
 3. The compute. `PrefillCompute` runs the engine's `compute_prefill` through a
    `ComputeRunner` (a worker thread live, so the loop keeps sending; the loop itself on a
    virtual clock). Each finished layer's piece goes to the loop, where `release` deals it to
@@ -33,10 +34,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
 
 import anyio
+import anyio.abc
 
 from mesh import native
 from mesh.events import EventBus
@@ -142,19 +145,7 @@ class KVSender:
         request = job.request
         try:
             async with anyio.create_task_group() as tg:
-                for lane, items in enumerate(lanes):
-                    native.start_soon(tg, self._send_lane, job, lane, items)
-                compute = None if job.trace is None or self._tracer is None else (
-                    self._tracer.start("prefill.compute", job.trace, {
-                        "prfaas.prefill.computed_tokens": job.length - job.reused,
-                        "prfaas.prefill.chunks": len(job.chunks)}))
-                try:
-                    ended = await self._compute.compute_and_release(job, lanes)
-                finally:
-                    for items in lanes:
-                        items.end()
-                    if compute is not None:
-                        compute.end()
+                ended = await self._compute_beside(tg, job, lanes)
                 if request.kv_stall > 0:
                     # The stall bound: from the compute's end, the lanes' group expires
                     # kv_stall later (a deadline on its own scope, not a watcher task beside
@@ -170,6 +161,28 @@ class KVSender:
             raise KVStalled(f"the KV of {request.request_id!r} was not accepted by "
                             f"{request.decode_worker} within kv_stall={request.kv_stall:g} s "
                             "of the compute's end")
+
+    async def _compute_beside(self, lanes_group: anyio.abc.TaskGroup, job: PrefillJob,
+                              lanes: list[Mailbox[LaneItem]]) -> tuple[int, float]:
+        """The compute started, the lanes opened in `lanes_group` beside it, its pieces
+        released to them as they finish; the lanes' items end with the compute. (first
+        token, compute end)."""
+        span = None if job.trace is None or self._tracer is None else self._tracer.start(
+            "prefill.compute", job.trace, {
+                "prfaas.prefill.computed_tokens": job.length - job.reused,
+                "prfaas.prefill.chunks": len(job.chunks)})
+        try:
+            async with anyio.create_task_group() as group:
+                computing = await self._compute.begin(group, job)
+                for lane, items in enumerate(lanes):
+                    native.start_soon(lanes_group, self._send_lane, job, lane, items)
+                compute_end = await self._compute.to_lanes(job, computing, lanes)
+        finally:
+            for items in lanes:
+                items.end()
+            if span is not None:
+                span.end()
+        return computing.first[0], compute_end
 
     async def _send_lane(self, job: PrefillJob, lane: int, items: Mailbox[LaneItem]) -> None:
         if job.trace is None or self._tracer is None:
@@ -231,6 +244,16 @@ class KVSender:
 
 
 
+@dataclass
+class Computing:
+    """A job's compute under way: its pieces as the compute hands them over, and its first
+    token once the compute is done."""
+
+    start: float  # on the loop's clock
+    computed: Mailbox[Computed]
+    first: list[int] = field(default_factory=list)
+
+
 class PrefillCompute:
     """Computes one job at a time on `engine` through `runner`, paced when `pacing` is given
     (module docstring, step 3)."""
@@ -242,35 +265,44 @@ class PrefillCompute:
         self._runner = runner
         self._pacing = pacing
 
-    async def compute_and_release(
-        self, job: PrefillJob, lanes: Sequence[Mailbox[LaneItem]]
-    ) -> tuple[int, float]:
-        """Runs the compute beside the release of its pieces, then puts the stream's KVClose
-        (the first token) on lane 0 and ends the lanes at once, so that the close and the
-        streams' ends leave with the last pieces; (first token, compute end)."""
-        start = native.clock()()
-        computed = Mailbox[Computed](job.pieces + 1)
-        first: list[int] = []
+    async def begin(self, group: anyio.abc.TaskGroup, job: PrefillJob) -> Computing:
+        """Starts the compute of `job` in `group`. Nothing runs beside an inline compute: it
+        runs to its end here (every piece in `computed`), and the release deals the pieces at
+        their step ends, at the times the task would give, without the task."""
+        computing = Computing(native.clock()(), Mailbox[Computed](job.pieces + 1))
         if self._runner.inline:
-            # Nothing runs beside an inline compute: it is done (every piece in `computed`)
-            # before the release deals the pieces at their step ends, at the times the task
-            # below would give, without the task.
-            await self._compute_task(job, computed, first)
-            compute_end = await self._release(job, computed, lanes, start, first)
+            await self._compute_task(job, computing)
         else:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._compute_task, job, computed, first)
-                compute_end = await self._release(job, computed, lanes, start, first)
-        return first[0], compute_end
+            native.start_soon(group, self._compute_task, job, computing)
+        return computing
 
-    async def _release(self, job: PrefillJob, computed: Mailbox[Computed],
-                       lanes: Sequence[Mailbox[LaneItem]], start: float,
-                       first: list[int]) -> float:
-        """The computed pieces to the lanes, then the close with the first token and the
-        lanes' ends (unless the compute failed: its error is raised where it ran)."""
-        ends = self._step_ends(job, start)
+    async def _compute_task(self, job: PrefillJob, computing: Computing) -> None:
+        """Through the runner: the engine prefills the suffix chunk by chunk, handing each
+        piece to the loop as its layer finishes; the first token into `computing.first`."""
+        computed = computing.computed
+        emit = piece_emitter(job, self._runner, computed.put_nowait)
         try:
-            compute_end = await release(computed, lanes, ends, hold=not job.request.overlap)
+            clock = native.clock()
+            began = clock()
+            computing.first.append(await self._runner.run(partial(
+                self.engine.compute_prefill, job, emit, self._snapshot_every)))
+            if self._pacing is not None:
+                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
+                self._pacing.pacer.remaining(clock() - began, modeled)
+        finally:
+            computed.end()
+
+    async def to_lanes(self, job: PrefillJob, computing: Computing,
+                       lanes: Sequence[Mailbox[LaneItem]]) -> float:
+        """The computed pieces to the lanes, then the stream's KVClose (the first token) on
+        lane 0 and the lanes' ends at once, so that the close and the streams' ends leave with
+        the last pieces (unless the compute failed: its error is raised where it ran); the
+        compute's end."""
+        first = computing.first
+        ends = self._step_ends(job, computing.start)
+        try:
+            compute_end = await release(computing.computed, lanes, ends,
+                                        hold=not job.request.overlap)
         except BaseException:
             job.cancelled = True
             raise
@@ -284,22 +316,6 @@ class PrefillCompute:
     async def release_memory(self) -> None:
         """The engine gives back what its computations freed, on the compute's side."""
         await self._runner.run(self.engine.release_memory)
-
-    async def _compute_task(self, job: PrefillJob, computed: Mailbox[Computed],
-                            first: list[int]) -> None:
-        """Through the runner: the engine prefills the suffix chunk by chunk, handing each
-        piece to the loop as its layer finishes; the first token into `first`."""
-        emit = piece_emitter(job, self._runner, computed.put_nowait)
-        try:
-            clock = native.clock()
-            began = clock()
-            first.append(await self._runner.run(partial(
-                self.engine.compute_prefill, job, emit, self._snapshot_every)))
-            if self._pacing is not None:
-                modeled = self._pacing.prefill_time(job.length - job.reused, job.reused)
-                self._pacing.pacer.remaining(clock() - began, modeled)
-        finally:
-            computed.end()
 
     def _step_ends(self, job: PrefillJob, start: float) -> list[float]:
         """Emulated mode: each (chunk, layer) step's end on the loop's clock; else none."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -54,7 +55,7 @@ from services.worker.engine import (
 )
 from services.worker.kv_out import KVSender, PrefillCompute, chunk_bounds, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
-from services.worker.prefix_store import PrefixStore, StoreChange, prompt_hashes
+from services.worker.prefix_store import PrefixStore, StoreChange
 from services.worker.request_checks import check_prefill
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ Stage = Literal["queued", "running", "streaming"]
 
 
 @dataclass
-class _Place:
+class _JobStage:
     """Where one job is: queued, running (it holds the compute slot) or streaming (compute
     done, it holds a room to stream and its KV is still crossing)."""
 
@@ -191,28 +192,33 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillDone:
         """Queue, compute and stream one request; KVTransferError if the KV did not get there."""
-        if self._tracer is None or not request.trace:
-            return await self._prefill(request, None)
-        with self._tracer.span("prefill", request.trace, {
-                "prfaas.worker": self.config.name, "gen_ai.usage.input_tokens": len(
-                    request.prompt), "prfaas.prefill.decode_has_tokens": request.decode_has_tokens,
-                "prfaas.prefill.decode_worker": request.decode_worker}, kind="server") as span:
+        with self._span(request) as span:
             done = await self._prefill(request, span)
-            span.set_attributes({
-                "prfaas.prefill.cached_tokens": done.reused_tokens,
-                "prfaas.prefill.computed_tokens": done.computed_tokens,
-                "prfaas.prefill.chunks": done.chunks, "prfaas.kv.bytes": done.kv_bytes,
-                "prfaas.kv.pieces": done.pieces, "prfaas.kv.lanes": done.lanes,
-                "prfaas.prefill.queue_s": done.queue_s,
-                "prfaas.prefill.compute_s": done.compute_s,
-                "prfaas.prefill.transfer_s": done.transfer_s})
+            if span is not None:
+                span.set_attributes({
+                    "prfaas.prefill.cached_tokens": done.reused_tokens,
+                    "prfaas.prefill.computed_tokens": done.computed_tokens,
+                    "prfaas.prefill.chunks": done.chunks, "prfaas.kv.bytes": done.kv_bytes,
+                    "prfaas.kv.pieces": done.pieces, "prfaas.kv.lanes": done.lanes,
+                    "prfaas.prefill.queue_s": done.queue_s,
+                    "prfaas.prefill.compute_s": done.compute_s,
+                    "prfaas.prefill.transfer_s": done.transfer_s})
             return done
+
+    def _span(self, request: PrefillRequest) -> AbstractContextManager[Span | None]:
+        """The job's `prefill` span when tracing is on and the request carries a traceparent."""
+        if self._tracer is None or not request.trace:
+            return nullcontext()
+        return self._tracer.span("prefill", request.trace, {
+            "prfaas.worker": self.config.name, "gen_ai.usage.input_tokens": len(request.prompt),
+            "prfaas.prefill.decode_has_tokens": request.decode_has_tokens,
+            "prfaas.prefill.decode_worker": request.decode_worker}, kind="server")
 
     async def _prefill(self, request: PrefillRequest, span: Span | None) -> PrefillDone:
         queued_at = native.clock()()
         job = await self._plan(request)
         job.trace = span
-        place = _Place()
+        place = _JobStage()
         self._enter()
         self._phase(request.request_id, "queued")
         try:
@@ -268,12 +274,12 @@ class PrefillWorker:
         self._in["queued"] += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
 
-    def _move(self, place: _Place, stage: Stage) -> None:
+    def _move(self, place: _JobStage, stage: Stage) -> None:
         self._in[place.stage] -= 1
         self._in[stage] += 1
         place.stage = stage
 
-    async def _hand_over(self, place: _Place) -> None:
+    async def _hand_over(self, place: _JobStage) -> None:
         """At the compute's end: once there is room to stream, the slot goes to the next job
         while this one's KV keeps crossing. Until then the slot stays held: a congested link
         pushes back on the compute (PrefillConfig.max_streaming)."""
@@ -283,7 +289,7 @@ class PrefillWorker:
         self._move(place, "streaming")
         self._slot.release()
 
-    def _leave(self, place: _Place) -> None:
+    def _leave(self, place: _JobStage) -> None:
         if place.stage == "running":
             self._slot.release()
         elif place.stage == "streaming" and self._room is not None:
@@ -296,8 +302,7 @@ class PrefillWorker:
         """Steps 0-1 of the module docstring: the request checked, a cached prefix pulled,
         the cache resumed, the chunks and their pieces planned."""
         cfg, length = self.model.cfg, len(request.prompt)
-        params = check_prefill(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
-        hashes = prompt_hashes(request.prompt, cfg.block_size, request.hashes)
+        params, hashes = check_prefill(request, cfg.vocab_size, cfg.block_size, len(self._lanes))
         if self._transfer is not None and request.pull is not None:
             await self._transfer.pull(request, hashes)  # a cached prefix from another worker
         # At least one token must be computed: its logits give the first output token.

@@ -7,11 +7,12 @@ is performed". Here that is one KV upload over the existing stream protocol
 will compute the rest:
 
 1. the router names the holder and the prefix length in `PrefillRequest.pull`;
-2. the prefill worker (`PrefixPuller.pull`) claims an assembly in its own `KVInbox` and
+2. the prefill worker (`PrefixTransfer.pull`) claims an assembly in its own `KVInbox` and
    calls the holder with `PushPrefix`, saying how much of the prefix's KV it already holds;
-3. the holder (`PrefixPusher.push`) resumes the prefix from its store (the KV before the
-   prefix's end and the state snapshot at it), exports each layer's piece - full-attention KV
-   from the target's held length on, every fixed-size state at the prefix's end - and streams
+3. the holder (`PrefixTransfer.push`) resumes the prefix from its store (the KV before the
+   prefix's end and the state snapshot at it), has its engine export each layer's piece -
+   full-attention KV from the target's held length on, every fixed-size state at the
+   prefix's end (the simulation's modeled engine: the pieces' sizes) - and streams
    them over its lanes as `KVOpen(purpose="prefix")`, `KVChunk`s and, on lane 0, `KVClose`;
    across clusters the lanes go through the link's proxy like any KV, so the link shapes
    and counts them;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import msgspec
@@ -45,11 +46,10 @@ from services.contract.messages import (
     PrefixPushed,
     PushPrefix,
 )
-from services.model.cache import RequestCache, dtype_name
-from services.model.export import export_layer
-from services.model.model import HybridLM
-from services.worker.engine import PieceSpec, import_pieces
-from services.worker.kv_in import KVInbox, KVTransferMetrics
+from services.model.config import ModelConfig
+from services.worker.engine import Engine, PieceSpec
+from services.worker.kv_in import KVInbox
+from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.kv_out import stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
 
@@ -70,30 +70,25 @@ class PrefixPullStatistics(msgspec.Struct, frozen=True):
     pushed_bytes: int
 
 
-def prefix_plan(model: HybridLM, has: int, end: int) -> list[PieceSpec]:
+def prefix_plan(cfg: ModelConfig, has: int, end: int) -> list[PieceSpec]:
     """The pieces of a prefix [0, end) for a worker holding [0, has): as one chunk's plan."""
-    return stream_plan(model.cfg, [(has, end)], has)[0]
-
-
-def _export(cache: RequestCache, plan: Sequence[PieceSpec]) -> list[tuple[int, int, bytes]]:
-    return [(p.layer, p.start, export_layer(cache, p.layer, p.start, p.end).to_bytes())
-            for p in plan]
+    return stream_plan(cfg, [(has, end)], has)[0]
 
 
 class PrefixTransfer:
     """Both sides of a prefix transfer for one worker: pushing what it holds, pulling what it
     lacks (module docstring). `lanes[0]` is the worker's own node."""
 
-    def __init__(self, name: str, model: HybridLM, store: PrefixStore, lanes: Sequence[Node],
+    def __init__(self, name: str, engine: Engine, store: PrefixStore, lanes: Sequence[Node],
                  *, report: Callable[[StoreChange], None] | None = None,
                  timeout: float = 120.0, kv_metrics: KVTransferMetrics | None = None) -> None:
-        self.name, self.model, self.store = name, model, store
+        self.name, self.engine, self.store = name, engine, store
         self.kv_metrics = kv_metrics or KVTransferMetrics(name)
         self._lanes = list(lanes)
         self._report = report
         self.timeout = timeout
-        cfg = model.cfg
-        self.inbox = KVInbox(name, (cfg.family, cfg.config_hash(), _dtype(model)), timeout)
+        cfg = engine.cfg
+        self.inbox = KVInbox(name, (cfg.family, cfg.config_hash(), engine.dtype_name), timeout)
         self._counts = dict.fromkeys(PrefixPullStatistics.counters, 0)
 
     # The target's side -------------------------------------------------------------------
@@ -105,7 +100,7 @@ class PrefixTransfer:
         pull = request.pull
         if pull is None:
             return 0
-        block = self.model.cfg.block_size
+        block = self.engine.cfg.block_size
         _check_pull(pull, len(request.prompt), block)
         hashes = list(chain[: pull.tokens // block])
         if self.store.match(hashes).resumable >= len(hashes):
@@ -121,7 +116,7 @@ class PrefixTransfer:
 
     async def _pull(self, request_id: str, prefix: list[int], hashes: list[int],
                     pull: PrefixPull) -> int:
-        block = self.model.cfg.block_size
+        block: int = self.engine.cfg.block_size
         has = self.store.match(hashes).held * block
         key = f"{request_id}/prefix"
         assembly = self.inbox.claim(key)
@@ -134,10 +129,10 @@ class PrefixTransfer:
                 await assembly.wait()
             if assembly.failure is not None:
                 raise assembly.failure
+            # Whole (`KVAssembly.ready`): every lane opened.
+            assert assembly.opening is not None
             base = self.store.kv_base(hashes, has // block) if has else None
-            dtype = assembly.opening.dtype if assembly.opening else _dtype(self.model)
-            cache = await anyio.to_thread.run_sync(import_pieces, self.model.cfg, dtype, base,
-                                                   assembly.pieces)
+            cache = await self.engine.import_kv(assembly.opening, base, assembly.pieces)
             self.kv_metrics.imported(assembly)
         finally:
             self.inbox.release(key)
@@ -147,7 +142,7 @@ class PrefixTransfer:
         self._counts["pulled_bytes"] += done.kv_bytes
         return pull.tokens - has
 
-    def _keep(self, hashes: list[int], cache: RequestCache) -> None:
+    def _keep(self, hashes: list[int], cache: Any) -> None:
         change = self.store.store(hashes, cache)
         if self._report is not None:
             self._report(change)
@@ -164,7 +159,7 @@ class PrefixTransfer:
     async def push(self, request: PushPrefix) -> PrefixPushed:
         """Streams the cached prefix `request.prompt` to `request.target` (module docstring,
         step 3); RequestError when this worker cannot resume exactly that prefix."""
-        cfg, end = self.model.cfg, len(request.prompt)
+        cfg, end = self.engine.cfg, len(request.prompt)
         has = request.target_has_tokens
         _check_push(request, cfg.block_size, len(self._lanes))
         hashes = prompt_hashes(request.prompt, cfg.block_size)
@@ -172,7 +167,8 @@ class PrefixTransfer:
         if cache is None or cache.length != end:
             raise RequestError(f"{self.name} cannot resume the {end}-token prefix of "
                                f"{request.request_id!r} (holds {cache.length if cache else 0})")
-        pieces = await anyio.to_thread.run_sync(_export, cache, prefix_plan(self.model, has, end))
+        pieces = await self.engine.export_kv(request.request_id, cache,
+                                             prefix_plan(cfg, has, end))
         lanes = request.connections
         sent = [0, 0]
         async with anyio.create_task_group() as group:
@@ -184,20 +180,18 @@ class PrefixTransfer:
         return PrefixPushed(request_id=request.request_id, worker=self.name, tokens=end - has,
                             kv_bytes=sent[1], pieces=sent[0], lanes=lanes)
 
-    async def _send_lane(self, request: PushPrefix, cache: RequestCache,
-                         pieces: list[tuple[int, int, bytes]], lane: int,
-                         sent: list[int]) -> None:
-        cfg = self.model.cfg
+    async def _send_lane(self, request: PushPrefix, cache: Any, pieces: list[KVChunk],
+                         lane: int, sent: list[int]) -> None:
+        cfg = self.engine.cfg
         opening = KVOpen(
             request_id=request.request_id, family=cfg.family, config_hash=cfg.config_hash(),
             dtype=cache.dtype_name, start=request.target_has_tokens, end=len(request.prompt),
             pieces=len(pieces), lane=lane, lanes=request.connections, purpose="prefix")
         async with self._lanes[lane].stream_to(request.target, opening,
                                                timeout=self.timeout) as sink:
-            for layer, start, data in pieces:
-                await sink.send(KVChunk(request_id=request.request_id, layer=layer,
-                                        start=start, data=memoryview(data)))
-                sent[0], sent[1] = sent[0] + 1, sent[1] + len(data)
+            for chunk in pieces:
+                await sink.send(chunk)
+                sent[0], sent[1] = sent[0] + 1, sent[1] + chunk.size
             if lane == 0:
                 await sink.send(KVClose(request_id=request.request_id, first_token=NO_TOKEN))
         if not isinstance(sink.result, KVAccepted):
@@ -206,10 +200,6 @@ class PrefixTransfer:
 
     def statistics(self) -> PrefixPullStatistics:
         return PrefixPullStatistics(**self._counts)
-
-
-def _dtype(model: HybridLM) -> str:
-    return dtype_name(model.dtype)
 
 
 def _check_pull(pull: PrefixPull, length: int, block: int) -> None:

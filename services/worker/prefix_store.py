@@ -173,8 +173,6 @@ class PrefixStore:
         self._check_chain(hashes, cache)
         if not hashes:
             return StoreChange(None, [])
-        if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
-            cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
         leading = self._held(hashes)
         held = leading == len(hashes)
         snapshots_held = ({n for n in range(1, len(hashes) + 1)
@@ -182,6 +180,10 @@ class PrefixStore:
         # An entry this chain extends ends at a held block: among the leading ones.
         for old in self.prefixes_of(hashes[:leading]):
             self._fold(old, cache)
+        # A cache that ends at a block boundary is resumable there (a fold may have brought
+        # that snapshot already: the state at the same block of the same chain).
+        if cache.length % self.block_size == 0 and cache.length not in cache.snapshots:
+            cache.add_snapshot(StateSnapshot(cache.length, cache.request_states()))
         entry = _Entry(self._next_id, tuple(hashes), cache, cache.held_bytes())
         self._next_id += 1
         if entry.nbytes > self.config.budget_bytes:

@@ -1,24 +1,32 @@
-"""What both workers check of a request before they take it, and its sampling as the model
-takes it: a prompt of token ids in the vocabulary, a hash chain that ends where the prompt's
-blocks do, the prefill's lanes and the decode's timeouts in range.
+"""What both workers check of a request before they take it, and what they take of it: a
+prompt of token ids in the vocabulary, a hash chain that ends where the prompt's blocks do
+(completed to all of them), the prefill's lanes and the decode's timeouts in range; its
+sampling as the model takes it.
 """
 
 from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from services.contract.errors import RequestError
 from services.contract.messages import DecodeRequest, PrefillRequest
-from services.contract.prefix import check_chain_end
+from services.contract.prefix import check_chain_end, extend_hashes
 from services.contract.sampling import Sampling
 from services.model.sampling import SamplingParams
 
 
-def check_prefill(request: PrefillRequest, vocab: int, block: int,
-                  max_lanes: int) -> SamplingParams:
-    """Its sampling as the model takes it (SamplingError names a bad value); RequestError
-    naming any other bad field of a prefill request."""
+class Checked(NamedTuple):
+    """What a worker takes of a checked request."""
+
+    params: SamplingParams  # its sampling as the model takes it
+    hashes: list[int]  # the hash chain of all its prompt's full blocks
+
+
+def check_prefill(request: PrefillRequest, vocab: int, block: int, max_lanes: int) -> Checked:
+    """The request as the worker takes it; SamplingError names a bad sampling value,
+    RequestError any other bad field of a prefill request."""
     params = sampling_params(request.sampling)
     length = len(request.prompt)
     if length < 1:
@@ -26,7 +34,7 @@ def check_prefill(request: PrefillRequest, vocab: int, block: int,
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-    check_hashes(request.prompt, block, request.hashes)
+    hashes = prompt_chain(request.prompt, block, request.hashes)
     has = request.decode_has_tokens
     if has % block or not 0 <= has < length:
         raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "
@@ -34,24 +42,24 @@ def check_prefill(request: PrefillRequest, vocab: int, block: int,
     if not 1 <= request.connections <= max_lanes:
         raise RequestError(f"connections must be in [1, {max_lanes}], got "
                            f"{request.connections}")
-    return params
+    return Checked(params, hashes)
 
 
-def check_decode(request: DecodeRequest, vocab: int, block: int) -> SamplingParams:
-    """Its sampling as the model takes it (SamplingError names a bad value); RequestError
-    naming any other bad field of a decode request."""
+def check_decode(request: DecodeRequest, vocab: int, block: int) -> Checked:
+    """The request as the worker takes it; SamplingError names a bad sampling value,
+    RequestError any other bad field of a decode request."""
     params = sampling_params(request.sampling)
     if not request.prompt:
         raise RequestError("prompt must hold at least one token, got 0")
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-    check_hashes(request.prompt, block, request.hashes)
+    hashes = prompt_chain(request.prompt, block, request.hashes)
     if not request.kv_timeout > 0:
         raise RequestError(f"kv_timeout must be > 0 seconds, got {request.kv_timeout}")
     if request.kv_stall < 0:
         raise RequestError(f"kv_stall must be >= 0 seconds, got {request.kv_stall}")
-    return params
+    return Checked(params, hashes)
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:
@@ -64,15 +72,16 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     )
 
 
-
-def check_hashes(prompt: Sequence[int], block_size: int, hashes: Sequence[int]) -> None:
-    """RequestError unless `hashes` (a request's chain of its prompt's first blocks) names at
-    most the prompt's full blocks and its last hash is that of its block: a sender that hashes
-    another way would fill the prefix store with chains no lookup matches."""
+def prompt_chain(prompt: list[int], block_size: int, hashes: Sequence[int]) -> list[int]:
+    """The hash chain of all the prompt's full blocks, of which `hashes` (a request's chain of
+    its prompt's first blocks) is the lead, taken as sent: RequestError unless it names at
+    most the prompt's full blocks and its last hash is that of its block (a sender that hashes
+    another way would fill the prefix store with chains no lookup matches)."""
     try:
         check_chain_end(prompt, block_size, hashes)
     except ValueError as exc:
         raise RequestError(f"hashes: {exc}") from exc
+    return extend_hashes(prompt, block_size, hashes)
 
 
 def out_of_range(tokens: Sequence[int], vocab: int) -> int | None:

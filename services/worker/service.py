@@ -61,7 +61,7 @@ from services.service import (
 )
 from services.worker.decode import DecodeConfig, DecodeWorker
 from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
-from services.worker.kv_in import KVTransferMetrics
+from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
@@ -198,11 +198,8 @@ class WorkerService:
         pacing = self._pacing()
         # One owner for both receiving sides: the decode worker's and a pulled prefix's.
         self.kv_metrics = KVTransferMetrics(self.name, link_of_peer(ctx.topology, self.cluster))
-        # Moving cached KV between workers needs real caches: a modeled engine has none.
-        self.transfer = PrefixTransfer(self.name, engine.model, self.store, self.lanes,
-                                       report=self.reporter.submit,
-                                       kv_metrics=self.kv_metrics) if isinstance(
-            engine, ModelEngine) else None
+        self.transfer = PrefixTransfer(self.name, engine, self.store, self.lanes,
+                                       report=self.reporter.submit, kv_metrics=self.kv_metrics)
         self.prefill = PrefillWorker(
             engine, self.store, self.lanes,
             PrefillConfig(name=self.name, cluster=self.cluster,
@@ -255,8 +252,6 @@ class WorkerService:
 
         @self.node.handles(PushPrefix)
         async def on_push(msg: PushPrefix, ctx: Context) -> PrefixPushed:
-            if self.transfer is None:
-                raise WrongRole(f"{self.name} keeps modeled caches: it has no KV to push")
             return await self.transfer.push(msg)
 
         @self.node.handles(ReportCache)
@@ -340,10 +335,8 @@ class WorkerService:
             sources: dict[str, StatisticsSource] = {
                 "node": self.node.statistics, "prefill": self.prefill.statistics,
                 "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
-                "events": self.bus.statistics,
+                "events": self.bus.statistics, "prefix_transfer": self.transfer.statistics,
             }
-            if self.transfer is not None:
-                sources["prefix_transfer"] = self.transfer.statistics
             model = {"family": self.info.family, "size": self.info.size,
                      "dtype": self.info.dtype, "source": self.info.source}
             tg.start_soon(serve_metrics, self.ctx, sources, {"model": model},

@@ -221,7 +221,7 @@ def _policy(family: Family, t: Threshold | None, planner_t: float | None,
         return "prfaas-dynamic", {}
     threshold = planner_t if t == "planner" else t
     assert isinstance(threshold, float | int)
-    return "prfaas", {"threshold": float(threshold) * scale, "bandwidth": "scarce"}
+    return "prfaas", {"threshold": float(threshold) * scale, "prefix_rule": "scarce"}
 
 
 def _predict(space: SearchSpace, family: Family, shape: ClusterShape, bw: float,
