@@ -118,12 +118,29 @@ def figures_line(cells: dict[str, dict[str, Cell]], wall: float, runs: int,
     for scenario, policies in cells.items():
         out[scenario] = {name: {"slo_attainment": {p: a[0] for p, a in c.attainment.items()},
                                 "oracle_ratio": c.oracle_ratio,
-                                "cache_hit_share": c.cache_hits}
+                                "cache_hit_share": c.cache_hits,
+                                **({"vs_prfaas": {p: [d[0], *d[1]]
+                                                  for p, d in c.vs_prfaas.items()}}
+                                   if c.vs_prfaas and name != "prfaas" else {})}
                          for name, c in policies.items()}
     line: dict[str, Any] = rounded({"bench": "sim-scheduler", "scenarios": out,
                                     "wall_s": wall, "runs": runs, "seeds": seeds,
                                     "cpu": cpu_name()}, 3)
     return line
+
+
+def _paired_text(policies: dict[str, Cell]) -> str:
+    """prfaas-dynamic's attainment minus prfaas's per period, paired by seed (a line)."""
+    dynamic = policies.get("prfaas-dynamic")
+    if dynamic is None or not dynamic.vs_prfaas:
+        return ""
+    return ("\nprfaas-dynamic minus prfaas, paired by seed (mean [95% interval]): " + ", ".join(
+        f"{p} {_signed(d)}" for p, d in dynamic.vs_prfaas.items()) + ".\n")
+
+
+def _signed(value: tuple[float, tuple[float, float]]) -> str:
+    mean, (low, high) = value
+    return f"{mean:+.3f}" if low != low else f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def _cell_text(value: tuple[float, tuple[float, float]]) -> str:
@@ -152,9 +169,12 @@ def markdown_report(cells: dict[str, dict[str, Cell]], plots: dict[str, Path], b
         header = ["policy", *(f"SLO {p}" for p in periods), *(f"P90 TTFT {p} (s)"
                   for p in periods), *(f"offload {p}" for p in periods), "cache hits",
                   "oracle ratio"]
+        splits = policies[ORACLE].oracle_split or {}
         parts.append(f"### {scenario}\n\nThe oracle's t per period: " + ", ".join(
-            f"{p} {t:,.0f}" for p, t in oracle_t.items()) + " (paper tokens).\n\n"
-            + markdown_table(header, rows)
+            f"{p} {t:,.0f}" for p, t in oracle_t.items()) + " (paper tokens); its split "
+            "(PrfaaS prefill / PD prefill / decode): " + ", ".join(
+            f"{p} {'/'.join(map(str, s))}" for p, s in splits.items()) + ".\n\n"
+            + markdown_table(header, rows) + _paired_text(policies)
             + f"\n![t over time, {scenario}]({plots[scenario].relative_to(base)})\n")
     return "\n".join(parts)
 

@@ -4,9 +4,12 @@ choice in hindsight.
 A scenario is a workload and a link that change over time (a bandwidth dip, a slow ramp of the
 link, a load burst, a slice of a real trace), cut into periods. Each scenario runs, over
 seeds, under every policy compared (`POLICIES`: the planner's static t, prfaas-dynamic, Dynamo's
-rule, naive heterogeneous) and under a sweep of static thresholds around the planner's t
-(`ORACLE_FACTORS`). The oracle of a period is the best of the sweep *in that period* (each
-period may pick another t): what a static choice could have done, known in hindsight. Per
+rule, naive heterogeneous) and under a sweep of static choices (`oracle_choices`): thresholds
+around the planner's t (`ORACLE_FACTORS`) on the deployed split, and the PD splits one
+conversion away (`ORACLE_SHIFTS`: a worker moved between PD prefill and decode, as
+prfaas-dynamic's long-term loop may) at the planner's t. The oracle of a period is the best of
+the sweep *in that period* (each period may pick another choice): what a static choice could
+have done, known in hindsight. Per
 period: SLO attainment (requests arriving in it that completed within the TTFT and TPOT
 bounds, over all that arrived), goodput, TTFT P50 / P90, the offload share, and t over time;
 `oracle_ratio` is a policy's attainment over the oracle's, in its worst period.
@@ -36,9 +39,11 @@ from services.sim.scenarios import paper_deployments
 from services.sim.workload import Arrival, from_trace, lognormal
 from services.sim.world import DEFAULT_SCALE, Deployment
 
-# The policies compared, and the static thresholds the oracle sweeps (times the planner's t).
+# The policies compared; the static thresholds the oracle sweeps (times the planner's t) and
+# the PD prefill workers it moves from decode (negative: to decode) at the planner's t.
 POLICIES = ("prfaas", "prfaas-dynamic", "dynamo", "naive-hetero")
-ORACLE_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)
+ORACLE_FACTORS = (0.5, 0.7, 1.0, 1.4)
+ORACLE_SHIFTS = (-1, 1)
 ORACLE = "oracle"
 SAMPLE_S = 10.0
 DRAIN_S = 300.0
@@ -72,7 +77,7 @@ class PeriodResult(msgspec.Struct, frozen=True):
 
 class RunResult(msgspec.Struct, frozen=True):
     scenario: str
-    policy: str  # a name of POLICIES, or "static x<factor>"
+    policy: str  # a name of POLICIES, or a static choice's label (StaticChoice)
     seed: int
     periods: dict[str, PeriodResult]
     threshold: list[tuple[float, float]]  # (virtual s, t in paper tokens) every SAMPLE_S
@@ -81,6 +86,41 @@ class RunResult(msgspec.Struct, frozen=True):
 
 
 Builder = Callable[[int], Setup]
+
+
+class StaticChoice(msgspec.Struct, frozen=True):
+    """One point of the oracle's sweep: t at `factor` times the planner's, and `shift` PD
+    workers moved from decode to PD prefill (negative: the other way)."""
+
+    factor: float = 1.0
+    shift: int = 0
+
+    @property
+    def label(self) -> str:
+        """"prfaas" for the planner's own choice, else "static x<factor>[ p<+shift>]"."""
+        if self == StaticChoice():
+            return "prfaas"
+        return f"static x{self.factor:g}" + (f" p{self.shift:+d}" if self.shift else "")
+
+    @classmethod
+    def parse(cls, policy: str) -> StaticChoice | None:
+        """The choice a label names; None for a policy that is not a static choice."""
+        if policy == "prfaas":
+            return cls()
+        if not policy.startswith("static x"):
+            return None
+        factor, _, shift = policy.removeprefix("static x").partition(" p")
+        return cls(float(factor), int(shift) if shift else 0)
+
+    def split(self, base: Deployment) -> tuple[int, int, int]:
+        """(PrfaaS prefill, PD prefill, decode) instances of `base` under this choice."""
+        return base.n_prfaas, base.n_pd_prefill + self.shift, base.n_decode - self.shift
+
+
+def oracle_choices() -> list[StaticChoice]:
+    """The oracle's sweep: every factor on the deployed split, every shift at the planner's t."""
+    return ([StaticChoice(f) for f in ORACLE_FACTORS]
+            + [StaticChoice(1.0, shift) for shift in ORACLE_SHIFTS])
 
 
 def _planner() -> tuple[Deployment, float]:
@@ -172,13 +212,17 @@ SCENARIOS: dict[str, Builder] = {
 
 
 def deployment_for(setup: Setup, policy: str) -> Deployment:
-    """The scenario's deployment under `policy`, or under a static t ("static x<factor>")."""
+    """The scenario's deployment under `policy`, or under a static choice's label."""
     base = setup.base
     t = float(base.policy_options["threshold"])
-    if policy.startswith("static x"):
-        factor = float(policy.removeprefix("static x"))
-        return msgspec.structs.replace(base, name=policy, policy="prfaas", policy_options={
-            **base.policy_options, "threshold": t * factor})
+    choice = StaticChoice.parse(policy)
+    if choice is not None and policy != "prfaas":
+        _, n_p, n_d = choice.split(base)
+        if min(n_p, n_d) < 1:
+            raise ValueError(f"{policy}: the split leaves {n_p} PD prefill and {n_d} decode")
+        return msgspec.structs.replace(
+            base, name=policy, policy="prfaas", n_pd_prefill=n_p, n_decode=n_d,
+            policy_options={**base.policy_options, "threshold": t * choice.factor})
     # prfaas-dynamic applies the same prefix rule as prfaas (the deployment's `prefix_rule`
     # pin): the two differ only in how t is chosen.
     rule = {k: v for k, v in base.policy_options.items() if k != "threshold"}
@@ -220,8 +264,8 @@ def run_job(scenario: str, policy: str, seed: int) -> RunResult:
 
 
 def jobs(scenarios: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, str, int]]:
-    """Every run of the matrix: each scenario, policy and oracle threshold, at each seed."""
-    policies = [*POLICIES, *(f"static x{f:g}" for f in ORACLE_FACTORS if f != 1.0)]
+    """Every run of the matrix: each scenario, policy and oracle choice, at each seed."""
+    policies = list(dict.fromkeys([*POLICIES, *(c.label for c in oracle_choices())]))
     return [(s, p, seed) for s in scenarios for p in policies for seed in seeds]
 
 
@@ -237,6 +281,10 @@ class Cell:
     oracle_ratio: float  # worst period: this policy's mean attainment over the oracle's
     cache_hits: float = 0.0  # mean over periods and seeds of `cache_hit_share`
     oracle_t: dict[str, float] | None = None  # the oracle's: its best t per period
+    oracle_split: dict[str, tuple[int, int, int]] | None = None  # and its split per period
+    # Per period: this policy's attainment minus the planner's static t's, paired by seed
+    # (both see the same arrivals), mean and 95% interval; None for the oracle.
+    vs_prfaas: dict[str, tuple[float, tuple[float, float]]] | None = None
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -254,27 +302,43 @@ def summarise(runs: Sequence[RunResult], planner_t: Callable[[str], float],
         by_policy: dict[str, list[RunResult]] = {}
         for run in mine:
             by_policy.setdefault(run.policy, []).append(run)
-        sweep = {p: rs for p, rs in by_policy.items() if p == "prfaas" or p.startswith("static")}
-        oracle = _oracle(sweep, periods, planner_t(scenario))
+        sweep = {p: rs for p, rs in by_policy.items() if StaticChoice.parse(p) is not None}
+        oracle = _oracle(sweep, periods, planner_t(scenario), split_of(scenario))
         cells = {p: _cell(rs, periods, oracle) for p, rs in by_policy.items()
                  if not p.startswith("static")}
+        for name, cell in cells.items():
+            cell.vs_prfaas = paired_difference(by_policy[name], by_policy.get("prfaas", []),
+                                               periods)
         cells[ORACLE] = oracle
         out[scenario] = cells
     return out
 
 
-def _factor(policy: str) -> float:
-    return 1.0 if policy == "prfaas" else float(policy.removeprefix("static x"))
-
-
-def _oracle(sweep: dict[str, list[RunResult]], periods: Sequence[str], t: float) -> Cell:
-    """Per period, the static t whose mean attainment over the seeds was the best."""
+def _oracle(sweep: dict[str, list[RunResult]], periods: Sequence[str], t: float,
+            split: Callable[[StaticChoice], tuple[int, int, int]]) -> Cell:
+    """Per period, the static choice whose mean attainment over the seeds was the best."""
     best = {period: max(sweep, key=lambda p: _mean(
         r.periods[period].slo_attainment for r in sweep[p])) for period in periods}
     chosen = {id(r): r for period in periods for r in sweep[best[period]]}
     cell = _cell(list(chosen.values()), periods, None, only=best)
-    cell.oracle_t = {period: t * _factor(best[period]) for period in periods}
+    choices = {period: StaticChoice.parse(best[period]) or StaticChoice() for period in periods}
+    cell.oracle_t = {period: t * choices[period].factor for period in periods}
+    cell.oracle_split = {period: split(choices[period]) for period in periods}
     return cell
+
+
+def paired_difference(runs: Sequence[RunResult], reference: Sequence[RunResult],
+                      periods: Sequence[str]) -> dict[str, tuple[float, tuple[float, float]]]:
+    """Per period, the mean and 95% interval of `runs`' attainment minus `reference`'s at
+    the same seed (seeds missing from either are left out; none in common: nan)."""
+    theirs = {r.seed: r for r in reference}
+    out = {}
+    for period in periods:
+        diffs = [r.periods[period].slo_attainment - theirs[r.seed].periods[period].slo_attainment
+                 for r in runs if r.seed in theirs]
+        finite = [d for d in diffs if math.isfinite(d)]
+        out[period] = mean_interval(finite) if finite else (math.nan, (math.nan, math.nan))
+    return out
 
 
 def _cell(runs: Sequence[RunResult], periods: Sequence[str], oracle: Cell | None,
@@ -292,6 +356,13 @@ def _cell(runs: Sequence[RunResult], periods: Sequence[str], oracle: Cell | None
                 {p: _mean(values(p, "ttft_p90_s")) for p in periods},
                 {p: _mean(values(p, "offload_share")) for p in periods}, ratio,
                 _mean(v for p in periods for v in values(p, "cache_hit_share")))
+
+
+def split_of(scenario: str) -> Callable[[StaticChoice], tuple[int, int, int]]:
+    """A static choice's split in `scenario` (a toy name: the paper's 4/3/5)."""
+    builder = SCENARIOS.get(scenario)
+    base = builder(0).base if builder else Deployment()
+    return lambda choice: choice.split(base)
 
 
 def planner_t_of(scenario: str) -> float:
