@@ -34,10 +34,9 @@ def check_prefill(request: PrefillRequest, vocab: int, block: int, max_lanes: in
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-    hashes = prompt_chain(request.prompt, block, request.hashes)
     check_held_tokens("decode_has_tokens", request.decode_has_tokens, block, length)
     check_lanes(request.connections, max_lanes)
-    return Checked(params, hashes)
+    return Checked(params, prompt_chain(request.prompt, block, request.hashes))
 
 
 def check_held_tokens(name: str, held: int, block: int, length: int) -> None:
