@@ -55,6 +55,7 @@ from typing import Any
 
 from netem.netns import NetLab, NetnsError, Veth, remove_stale, require_netns
 from services.bench.host import cpu_name, load_average
+from services.bench.sockets import recv_exact
 from services.bench.stats import percentile
 from services.cli.multihost import EXIT_NO_NETNS
 from services.model.config import family_config, kv_bytes
@@ -87,16 +88,6 @@ def kv_transfer_sizes(volume_bytes: int, seed: int = SEED, size: str = "default"
     return sizes
 
 
-def _recv_exact(conn: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        part = conn.recv(count - len(data))
-        if not part:
-            raise ConnectionError(f"peer closed after {len(data)} of {count} bytes")
-        data += part
-    return bytes(data)
-
-
 def run_sink(host: str) -> None:
     """One connection: 8-byte length, that many bytes, ack one byte; length 0 ends it."""
     with socket.create_server((host, 0)) as listener:
@@ -104,7 +95,7 @@ def run_sink(host: str) -> None:
         conn, _ = listener.accept()
     with conn:
         view = memoryview(bytearray(PIECE_BYTES))
-        while remaining := int.from_bytes(_recv_exact(conn, 8), "big"):
+        while remaining := int.from_bytes(recv_exact(conn, 8), "big"):
             while remaining > 0:
                 received = conn.recv_into(view[:min(PIECE_BYTES, remaining)])
                 if not received:
@@ -169,7 +160,7 @@ def _transfer(conn: socket.socket, size: int, block: memoryview, poller: MeterPo
     conn.sendall(size.to_bytes(8, "big"))
     for offset in range(0, size, PIECE_BYTES):
         conn.sendall(block[:min(PIECE_BYTES, size - offset)])
-    if _recv_exact(conn, 1) != b"A":
+    if recv_exact(conn, 1) != b"A":
         raise ConnectionError("sink did not ack")
     with poller.lock:
         poller.meter.delivered(size)

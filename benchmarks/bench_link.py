@@ -39,29 +39,20 @@ from typing import Any
 import httpx
 
 from mesh.cputime import cpu_seconds
+from services.bench.sockets import recv_exact
 
 ROOT = Path(__file__).resolve().parent.parent
 SEND_BYTES = 1 << 20
 SHAPED_RATES_BPS = (50e6, 200e6, 1e9)
 
 
-def _recv_exact(conn: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        part = conn.recv(count - len(data))
-        if not part:
-            raise ConnectionError(f"peer closed after {len(data)} of {count} bytes")
-        data += part
-    return bytes(data)
-
-
 def _sink_connection(conn: socket.socket) -> None:
     """'B' + 8-byte length: count that many bytes, then ack one byte. 'E': echo until EOF."""
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mode = _recv_exact(conn, 1)
+        mode = recv_exact(conn, 1)
         if mode == b"B":
-            remaining = int.from_bytes(_recv_exact(conn, 8), "big")
+            remaining = int.from_bytes(recv_exact(conn, 8), "big")
             view = memoryview(bytearray(SEND_BYTES))
             while remaining > 0:
                 received = conn.recv_into(view)
@@ -132,7 +123,7 @@ def bulk(port: int, nbytes: int) -> float:
             piece = min(SEND_BYTES, nbytes - sent)
             conn.sendall(block[:piece])
             sent += piece
-        if _recv_exact(conn, 1) != b"A":
+        if recv_exact(conn, 1) != b"A":
             raise ConnectionError("sink did not ack")
         return time.perf_counter() - start
 
@@ -147,7 +138,7 @@ def ping_pong(port: int, rounds: int, size: int = 64) -> list[float]:
         for _ in range(rounds):
             start = time.perf_counter()
             conn.sendall(payload)
-            _recv_exact(conn, size)
+            recv_exact(conn, size)
             times.append((time.perf_counter() - start) * 1e6)
     return times
 

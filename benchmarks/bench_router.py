@@ -137,7 +137,7 @@ async def serve_backend(topology_path: str, tokens_per_message: int) -> None:
     from services.paper.hardware import CostModel
     from services.service import ServiceContext
     from services.sim.engine import ModeledConfig, ModeledEngine
-    from services.worker.engine import InlineRunner
+    from services.worker.compute import InlineRunner
     from services.worker.service import WorkerService
 
     topology = load_topology(topology_path, "")

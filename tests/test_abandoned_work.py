@@ -26,8 +26,8 @@ from services.contract.sampling import Sampling
 from services.model.config import family_config
 from services.model.model import build_model
 from services.paper.hardware import CostModel, Pacer
+from services.worker.compute import InlineRunner, Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
-from services.worker.engine import InlineRunner, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 from services.worker.service import WorkerService, serve_decode, serve_prefill

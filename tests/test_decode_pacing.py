@@ -17,7 +17,7 @@ from services.cli.send import drive_request
 from services.contract.messages import TokenChunk
 from services.contract.sampling import Sampling
 from services.paper.hardware import CostModel, Pacer
-from services.worker.engine import Pacing
+from services.worker.compute import Pacing
 from tests.topologies import mesh_toml
 
 TIME_SCALE = 4.0

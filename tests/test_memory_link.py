@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from mesh.transport import Address, MemoryHub
@@ -66,6 +68,20 @@ async def _echo_server(hub: MemoryHub, received: list[tuple[float, bytes]]) -> N
                         return
 
 
+@asynccontextmanager
+async def running(hub: MemoryHub, link: MemoryLink, received: list[tuple[float, bytes]],
+                  ) -> AsyncIterator[tuple[anyio.abc.ByteStream, float]]:
+    """The link running between a client at LISTEN and a server at UPSTREAM that notes when
+    each chunk arrives in `received`; yields the client and the time it connected."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_echo_server, hub, received)
+        await tg.start(link.run)
+        start = anyio.current_time()
+        async with await hub.connect(LISTEN) as client:
+            yield client, start
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.trio
 async def test_a_weighted_frame_takes_its_weight_in_wire_time(autojump_clock: object) -> None:
     """100 MB declared in a 10-byte frame at 1 Gbps + 20 ms arrives after 0.82 s."""
@@ -79,15 +95,9 @@ async def test_a_weighted_frame_takes_its_weight_in_wire_time(autojump_clock: ob
 
     link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper, weight)
     received: list[tuple[float, bytes]] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_echo_server, hub, received)
-        await tg.start(link.run)
-        start = anyio.current_time()
-        client = await hub.connect(LISTEN)
-        async with client:
-            await client.send(frame(b"kv-piece!!") + frame(b"small"))
-            await anyio.sleep(2)
-        tg.cancel_scope.cancel()
+    async with running(hub, link, received) as (client, start):
+        await client.send(frame(b"kv-piece!!") + frame(b"small"))
+        await anyio.sleep(2)
     times = [t - start for t, _ in received]
     data = b"".join(chunk for _, chunk in received)
     assert data == frame(b"kv-piece!!") + frame(b"small")
@@ -107,16 +117,11 @@ async def test_a_congested_link_holds_its_sender_as_the_proxy_does(
     link = MemoryLink(hub, [MemoryRoute(LISTEN, UPSTREAM)], shaper,
                       lambda body: 1_000_000 if bytes(body) == b"kv" else len(body))
     sent: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_echo_server, hub, [])
-        await tg.start(link.run)
-        start = anyio.current_time()
-        async with await hub.connect(LISTEN) as client:
-            for _ in range(40):
-                await client.send(frame(b"kv"))
-                sent.append(anyio.current_time() - start)
-            backlog = shaper.statistics().egress.queued_bytes
-        tg.cancel_scope.cancel()
+    async with running(hub, link, []) as (client, start):
+        for _ in range(40):
+            await client.send(frame(b"kv"))
+            sent.append(anyio.current_time() - start)
+        backlog = shaper.statistics().egress.queued_bytes
     # Unbounded, all 40 would be taken at once; bounded, the sender keeps pace with the wire.
     assert sent[-1] > 30.0
     assert backlog <= 5 * 1_000_000
@@ -138,16 +143,11 @@ async def test_a_rate_change_re_times_the_frames_the_link_holds(autojump_clock: 
     shaper, link = _slow_link(hub, lambda body: (
         1_000_000 - HEADER_SIZE if bytes(body) == b"kv" else len(body)))
     received: list[tuple[float, bytes]] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_echo_server, hub, received)
-        await tg.start(link.run)
-        start = anyio.current_time()
-        async with await hub.connect(LISTEN) as client:
-            await client.send(frame(b"kv"))
-            await anyio.sleep(0.5)
-            shaper.set_params(LinkParams(bandwidth_bps=16e6, delay_s=0.01))
-            await anyio.sleep(2)
-        tg.cancel_scope.cancel()
+    async with running(hub, link, received) as (client, start):
+        await client.send(frame(b"kv"))
+        await anyio.sleep(0.5)
+        shaper.set_params(LinkParams(bandwidth_bps=16e6, delay_s=0.01))
+        await anyio.sleep(2)
     assert [t - start for t, _ in received] == [pytest.approx(0.76, rel=1e-9)]
 
 
@@ -159,24 +159,19 @@ async def _mixed_traffic(senders_admit: bool) -> tuple[list[float], list[tuple[f
                          queue_bytes=500_000, senders_admit=senders_admit)
     sent: list[float] = []
     received: list[tuple[float, bytes]] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_echo_server, hub, received)
-        await tg.start(link.run)
-        start = anyio.current_time()
-        async with await hub.connect(LISTEN) as client:
-            for index in range(60):
-                body = b"kv%d" % index if index % 3 else b"small%d" % index
-                if index % 7 == 0:
-                    whole = frame(body)
-                    await client.send(whole[:3])
-                    await client.send(whole[3:] + frame(b"tail"))
-                else:
-                    await client.send(frame(body))
-                sent.append(anyio.current_time() - start)
-                if index % 5 == 0:
-                    await anyio.sleep(0.4 * (index % 3))
-            await anyio.sleep(30)
-        tg.cancel_scope.cancel()
+    async with running(hub, link, received) as (client, start):
+        for index in range(60):
+            body = b"kv%d" % index if index % 3 else b"small%d" % index
+            if index % 7 == 0:
+                whole = frame(body)
+                await client.send(whole[:3])
+                await client.send(whole[3:] + frame(b"tail"))
+            else:
+                await client.send(frame(body))
+            sent.append(anyio.current_time() - start)
+            if index % 5 == 0:
+                await anyio.sleep(0.4 * (index % 3))
+        await anyio.sleep(30)
     # Rounded: the two runs start at different instants of one clock.
     return [round(t, 9) for t in sent], [(round(t - start, 9), chunk) for t, chunk in received]
 

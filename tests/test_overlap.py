@@ -50,7 +50,8 @@ from services.model.config import family_config, kv_layout
 from services.model.generate import prefill
 from services.model.model import HybridLM, build_model
 from services.paper.hardware import CostModel, Pacer
-from services.worker.engine import ComputeRunner, InlineRunner, Pacing, import_pieces
+from services.worker.compute import ComputeRunner, InlineRunner, Pacing
+from services.worker.engine import import_pieces
 from services.worker.kv_in import KVInbox
 from services.worker.kv_out import chunk_bounds, step_ends
 from services.worker.prefill import PrefillConfig, PrefillWorker

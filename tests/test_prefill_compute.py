@@ -1,4 +1,4 @@
-"""Tests for the prefill compute's runners (services.worker.engine): both return the compute's
+"""Tests for the prefill compute's runners (services.worker.compute): both return the compute's
 result and hand its pieces to the event loop in order; and for `release`, which deals the
 pieces to the lanes (the compute loop itself: test_prefill, test_overlap)."""
 
@@ -15,7 +15,7 @@ import trio.testing
 from mesh.mailbox import Mailbox
 from services.contract.messages import KVChunk
 from services.paper.hardware import CostModel
-from services.worker.engine import Computed, ComputeRunner, InlineRunner, ThreadRunner
+from services.worker.compute import Computed, ComputeRunner, InlineRunner, ThreadRunner
 from services.worker.kv_out import LaneItem, chunk_bounds, release, step_ends
 
 

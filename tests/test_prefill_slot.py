@@ -25,7 +25,7 @@ from services.contract.messages import CODEC_MESSAGES, KVAccepted, KVOpen, Prefi
 from services.model.config import family_config
 from services.model.model import build_model
 from services.paper.hardware import CostModel, Pacer
-from services.worker.engine import InlineRunner, Pacing
+from services.worker.compute import InlineRunner, Pacing
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_store import PrefixStore
 from tests.prompts import tokens

@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import httpx
@@ -42,6 +42,15 @@ from services.sim.controls import SimControls
 from services.sim.live import LiveConfig, LiveSim
 from services.sim.record import record_events, record_virtual
 from services.sim.world import Deployment
+from tests.dashboard_events import (
+    decision,
+    done,
+    flow,
+    link,
+    role_changed,
+    threshold_changed,
+    worker,
+)
 from ui.app import build_app
 from ui.config import DashboardConfig
 from ui.controls import (
@@ -65,99 +74,6 @@ from ui.state import DashboardState, RequestView, Snapshot
 
 UI = Path(__file__).resolve().parent.parent / "ui"
 TOPOLOGIES = UI.parent / "services" / "cli" / "topologies"
-
-
-def decision(ts: float, rid: str = "r1", cluster: str = "prfaas", **kw: Any) -> t.RoutingDecision:
-    fields: dict[str, Any] = dict(
-        ts=ts,
-        source="router",
-        request_id=rid,
-        policy="prfaas",
-        total_len=30000,
-        cached_prfaas=0,
-        cached_pd=4096,
-        incremental_len=25904,
-        threshold=19400.0,
-        link_utilisation=0.1,
-        queue_prfaas=0,
-        queue_pd=0,
-        cluster=cluster,
-        prefill_worker=f"{cluster}-prefill-0",
-        decode_worker="pd-decode-0",
-        bandwidth_scarce=False,
-        reason="l > t",
-    )
-    return t.RoutingDecision(**(fields | kw))
-
-
-def done(
-    ts: float, ttft: float, rid: str = "r1", prompt: int = 1000, cached: int = 0
-) -> t.RequestDone:
-    return t.RequestDone(
-        ts=ts,
-        source="router",
-        request_id=rid,
-        cluster="pd",
-        ttft_s=ttft,
-        tpot_s=0.02,
-        e2e_s=ttft + 1,
-        prompt_tokens=prompt,
-        output_tokens=50,
-        cached_tokens=cached,
-        ok=True,
-    )
-
-
-def link(ts: float, throughput: float, bandwidth: float = 10e9, name: str = "wan") -> t.LinkStats:
-    return t.LinkStats(
-        ts=ts,
-        source=name,
-        link=name,
-        bandwidth_bps=bandwidth,
-        delay_s=0.005,
-        jitter_s=0.0,
-        loss=0.0,
-        up=True,
-        throughput_bps=throughput,
-        utilisation=throughput / bandwidth,
-        queued_bytes=0,
-        stalls=0,
-    )
-
-
-FlowPhase = Literal["start", "progress", "done", "failed"]
-
-
-def flow(ts: float, rid: str, phase: FlowPhase, done_layers: int = 0) -> t.KVFlow:
-    return t.KVFlow(
-        ts=ts,
-        source="p",
-        request_id=rid,
-        src="prfaas-prefill-0",
-        dst="pd-decode-0",
-        via_link="wan",
-        phase=phase,
-        layers_done=done_layers,
-        layers_total=8,
-        bytes_done=0,
-        bytes_total=100,
-        incremental=False,
-        tokens_sent=10,
-    )
-
-
-def worker(ts: float, name: str = "pd-prefill-0", role: t.Role = "prefill") -> t.WorkerStatus:
-    return t.WorkerStatus(
-        ts=ts,
-        source=name,
-        worker=name,
-        cluster="pd",
-        role=role,
-        queue_depth=1,
-        running=1,
-        busy=True,
-        cached_blocks=3,
-    )
 
 
 # Series: percentile and the windowed aggregator, each against a slow reference.
@@ -289,22 +205,9 @@ def test_state_keeps_every_bound_and_tracks_flows_roles_and_requests() -> None:
     assert "r9" not in state.flows and state.request("r9").flow.phase == "done"  # type: ignore[union-attr]
     assert state.request("r0") is None
     state.apply(worker(12.0))
-    state.apply(
-        t.RoleChanged(
-            ts=13.0,
-            source="router",
-            worker="pd-prefill-0",
-            old="prefill",
-            new="draining",
-            reason="by hand",
-        )
-    )
+    state.apply(role_changed(13.0, "pd-prefill-0", "prefill", "draining"))
     assert state.workers["pd-prefill-0"].role == "draining"
-    state.apply(
-        t.ThresholdChanged(
-            ts=14.0, source="router", policy="prfaas", old=19400.0, new=None, reason="x"
-        )
-    )
+    state.apply(threshold_changed(14.0, 19400.0, None))
     assert state.threshold is None
     stats = state.statistics()
     assert (stats.decisions, stats.flows, stats.requests, stats.workers) == (5, 2, 4, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -289,27 +290,37 @@ def stream_and_cuts(draw: st.DrawFn) -> tuple[list[Envelope], bytes, list[int]]:
     return messages, stream, cuts
 
 
+def parse_in_pieces(case: tuple[list[Envelope], bytes, list[int]], assemble_from: int,
+                    read: Callable[[FrameParser, bytes], list[Envelope]]) -> FrameParser:
+    """Feeds the stream to a parser piece by piece through `read`; the messages must come out."""
+    messages, stream, cuts = case
+    parser = FrameParser(codec(), assemble_from=assemble_from)
+    out: list[Envelope] = []
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        out.extend(read(parser, stream[start:end]))
+    assert out == messages
+    return parser
+
+
+def read_in_place(parser: FrameParser, piece: bytes) -> list[Envelope]:
+    """As a stream that reads into the parser's buffer where it offers one (mesh.tcp)."""
+    out: list[Envelope] = []
+    while piece:
+        into = parser.into()
+        if into is None:
+            return out + parser.feed(piece)
+        count = min(len(into), len(piece))
+        into[:count] = piece[:count]
+        out.extend(parser.filled(count))
+        piece = piece[count:]
+    return out
+
+
 @given(stream_and_cuts(), st.sampled_from([1, 64, BULK_BYTES]))
 def test_parser_assembling_in_place_matches_reference_under_any_chunking(
     case: tuple[list[Envelope], bytes, list[int]], assemble_from: int,
 ) -> None:
-    """As a stream that reads into the parser's buffer where it offers one (mesh.tcp)."""
-    messages, stream, cuts = case
-    c = codec()
-    parser = FrameParser(c, assemble_from=assemble_from)
-    out: list[Envelope] = []
-    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
-        piece = stream[start:end]
-        while piece:
-            into = parser.into()
-            if into is None:
-                out.extend(parser.feed(piece))
-                break
-            count = min(len(into), len(piece))
-            into[:count] = piece[:count]
-            out.extend(parser.filled(count))
-            piece = piece[count:]
-    assert out == messages
+    parser = parse_in_pieces(case, assemble_from, read_in_place)
     assert parser.buffered == 0 and parser.into() is None
 
 
@@ -346,14 +357,10 @@ def test_a_bulk_frame_is_reserved_once_and_filled_in_place() -> None:
 def test_parser_matches_reference_under_any_chunking(
     case: tuple[list[Envelope], bytes, list[int]], assemble_from: int,
 ) -> None:
-    messages, stream, cuts = case
-    c = codec()
-    parser = FrameParser(c, assemble_from=assemble_from)
-    out: list[Envelope] = []
-    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
-        out.extend(parser.feed(stream[start:end]))
-    reference, leftover = parse_frames_reference(c, stream)
-    assert out == reference == messages
+    parser = parse_in_pieces(case, assemble_from, FrameParser.feed)
+    messages, stream, _ = case
+    reference, leftover = parse_frames_reference(codec(), stream)
+    assert reference == messages
     assert leftover == b"" and parser.buffered == 0
 
 

@@ -44,7 +44,7 @@ from services.router.scheduler import Scheduler
 from services.router.workers import StatusReader, WorkerTable
 from services.service import ServiceContext, link_routes
 from services.sim.engine import ModeledConfig, ModeledEngine, ModeledTokenizer
-from services.worker.engine import InlineRunner
+from services.worker.compute import InlineRunner
 from services.worker.service import WorkerService
 
 HOST = "sim"

@@ -56,7 +56,8 @@ from services.model.cache import RequestCache
 from services.model.config import ModelError
 from services.model.model import HybridLM
 from services.model.sampling import SamplingParams
-from services.worker.engine import Engine, Pacing, as_engine
+from services.worker.compute import Pacing
+from services.worker.engine import Engine, as_engine
 from services.worker.kv_in import KVInbox, KVReceiver
 from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.prefix_store import PrefixStore, StoreChange

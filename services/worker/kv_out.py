@@ -50,15 +50,8 @@ from services.contract.events import Event, KVFlow
 from services.contract.messages import KVAccepted, KVChunk, KVClose, KVOpen
 from services.contract.tracing import Tracer
 from services.model.config import FULL_ATTENTION_KINDS, ModelConfig
-from services.worker.engine import (
-    Computed,
-    ComputeRunner,
-    Engine,
-    Pacing,
-    PieceSpec,
-    PrefillJob,
-    piece_emitter,
-)
+from services.worker.compute import Computed, ComputeRunner, Pacing, piece_emitter
+from services.worker.engine import Engine, PieceSpec, PrefillJob
 from services.worker.send_meter import SendMeter
 
 LaneItem = KVChunk | KVClose

@@ -45,14 +45,8 @@ from services.contract.messages import PrefillDone, PrefillRequest
 from services.contract.prefix import reusable_blocks
 from services.contract.tracing import Tracer
 from services.model.model import HybridLM
-from services.worker.engine import (
-    ComputeRunner,
-    Engine,
-    Pacing,
-    PrefillJob,
-    ThreadRunner,
-    as_engine,
-)
+from services.worker.compute import ComputeRunner, Pacing, ThreadRunner
+from services.worker.engine import Engine, PrefillJob, as_engine
 from services.worker.kv_out import KVSender, PrefillCompute, chunk_bounds, stream_plan
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import PrefixStore, StoreChange

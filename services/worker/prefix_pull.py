@@ -52,6 +52,7 @@ from services.worker.kv_in import KVInbox
 from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.kv_out import stream_plan
 from services.worker.prefix_store import PrefixStore, PrefixStoreError, StoreChange, prompt_hashes
+from services.worker.request_checks import check_held_tokens, check_lanes
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +212,9 @@ def _check_pull(pull: PrefixPull, length: int, block: int) -> None:
 
 
 def _check_push(request: PushPrefix, block: int, max_lanes: int) -> None:
-    end, has = len(request.prompt), request.target_has_tokens
+    end = len(request.prompt)
     if end < 1 or end % block:
         raise RequestError(f"a pushed prefix must hold a positive multiple of {block} tokens, "
                            f"got {end}")
-    if has % block or not 0 <= has < end:
-        raise RequestError(f"target_has_tokens must be a multiple of {block} in [0, {end}), "
-                           f"got {has}")
-    if not 1 <= request.connections <= max_lanes:
-        raise RequestError(f"connections must be in [1, {max_lanes}], got "
-                           f"{request.connections}")
+    check_held_tokens("target_has_tokens", request.target_has_tokens, block, end)
+    check_lanes(request.connections, max_lanes)

@@ -34,15 +34,22 @@ def check_prefill(request: PrefillRequest, vocab: int, block: int, max_lanes: in
     bad = out_of_range(request.prompt, vocab)
     if bad is not None:
         raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-    hashes = prompt_chain(request.prompt, block, request.hashes)
-    has = request.decode_has_tokens
-    if has % block or not 0 <= has < length:
-        raise RequestError(f"decode_has_tokens must be a multiple of {block} in [0, {length}), "
-                           f"got {has}")
-    if not 1 <= request.connections <= max_lanes:
-        raise RequestError(f"connections must be in [1, {max_lanes}], got "
-                           f"{request.connections}")
-    return Checked(params, hashes)
+    check_held_tokens("decode_has_tokens", request.decode_has_tokens, block, length)
+    check_lanes(request.connections, max_lanes)
+    return Checked(params, prompt_chain(request.prompt, block, request.hashes))
+
+
+def check_held_tokens(name: str, held: int, block: int, length: int) -> None:
+    """RequestError unless `held` (the tokens the receiver already holds) is a whole number
+    of blocks short of `length`."""
+    if held % block or not 0 <= held < length:
+        raise RequestError(f"{name} must be a multiple of {block} in [0, {length}), got {held}")
+
+
+def check_lanes(connections: int, max_lanes: int) -> None:
+    """RequestError unless a transfer asks for 1 to `max_lanes` lanes."""
+    if not 1 <= connections <= max_lanes:
+        raise RequestError(f"connections must be in [1, {max_lanes}], got {connections}")
 
 
 def check_decode(request: DecodeRequest, vocab: int, block: int) -> Checked:

@@ -59,8 +59,9 @@ from services.service import (
     serve_events,
     serve_metrics,
 )
+from services.worker.compute import ComputeRunner, Pacing
 from services.worker.decode import DecodeConfig, DecodeWorker
-from services.worker.engine import ComputeRunner, Engine, ModelEngine, Pacing
+from services.worker.engine import Engine, ModelEngine
 from services.worker.kv_metrics import KVTransferMetrics
 from services.worker.prefill import PrefillConfig, PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
