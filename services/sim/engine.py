@@ -5,7 +5,7 @@ prefix store, continuous batching). Only these are modeled:
 - caches (`VirtualCache`) hold a length and block-aligned snapshots, no tensors; their size is
   the modeled model's S_kv at the modeled length (the 1T hybrid of the paper's Table 5);
 - prefill emits the live stream plan's pieces carrying their modeled sizes (`KVChunk.nbytes`)
-  and no bytes; its time is the live emulated-mode pacing (`services.worker.engine.Pacing`);
+  and no bytes; its time is the live emulated-mode pacing (`services.worker.compute.Pacing`);
 - a cached prefix pushed to another worker (services/worker/prefix_pull.py) is exported as
   the same sized pieces (`export_kv`) and imported as a cache of the prefix's length;
 - decode (`ModeledBatch`) advances a batch step by step at the hardware profile's step time
