@@ -213,6 +213,24 @@ def _stream(api: str, token: str, prompt: str) -> tuple[str, list[str]]:
     return cluster, pieces
 
 
+def _beyond_loopback_the_web_surfaces_ask_the_token_and_their_own_host(
+        dashboard: str, api: str, token: str) -> None:
+    """The dashboard, the router's admin API and the link's control API, as the run serves
+    them on 198.18.x.y: the admin token asked, a DNS-rebound Host refused."""
+    auth = {"authorization": f"Bearer {token}"}
+    rebound = {**auth, "host": "evil.example"}
+    assert httpx.get(dashboard, timeout=10).status_code == 401
+    assert httpx.get(dashboard, headers=auth, timeout=10).status_code == 200
+    assert httpx.get(dashboard, headers=rebound, timeout=10).status_code == 403
+    admin = api.removesuffix("/v1") + "/admin/state"
+    assert httpx.get(admin, timeout=10).status_code == 401
+    assert httpx.get(admin, headers=auth, timeout=10).status_code == 200
+    assert httpx.get(admin, headers=rebound, timeout=10).status_code == 403
+    link = f"http://{MULTIHOST_HOSTS['prfaas']}:18474/link"
+    assert httpx.post(link, json={"up": True}, timeout=10).status_code == 401
+    assert httpx.post(link, json={"up": True}, headers=auth, timeout=10).status_code == 200
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @needs_netns
@@ -225,6 +243,7 @@ def test_multihost_serves_across_the_namespaces_and_leaves_nothing(
     assert match, ready
     dashboard, token, api = match.groups()
     assert dashboard.startswith("http://198.18.") and api.startswith("http://198.18.")
+    _beyond_loopback_the_web_surfaces_ask_the_token_and_their_own_host(dashboard, api, token)
     short_cluster, short = _stream(api, token, "hello there")
     long_cluster, long = _stream(api, token, " ".join(f"word{i}" for i in range(120)))
     process.send_signal(signal.SIGINT)

@@ -1016,9 +1016,20 @@ async def test_the_dashboard_beyond_loopback_needs_the_admin_token() -> None:
     with pytest.raises(ConfigError, match=r"the dashboard binds 198\.18\.0\.1, beyond loopback"):
         await serve_ui("198.18.0.1", 0, NoSource(), HttpControlClient(None, None))
     app = build_app(NoSource(), HttpControlClient(None, None))
-    guarded = AccessGuard(app, hosts=None, token=ADMIN_TOKEN)
+    # On loopback the token is asked of no one; beyond it, of every request.
+    local = AccessGuard.listening_on(app, "127.0.0.1", (), ADMIN_TOKEN)
+    guarded = AccessGuard.listening_on(app, "198.18.0.1", ("ui.example",), ADMIN_TOKEN)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=guarded), base_url="http://ui") as client:
+            transport=httpx.ASGITransport(app=local), base_url="http://127.0.0.1") as client:
+        assert (await client.get("/api/snapshot")).status_code == 200
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=guarded), base_url="http://198.18.0.1") as client:
+        rebound = await client.get("/", headers={**bearer_headers(ADMIN_TOKEN),
+                                                 "host": "evil.example"})
+        assert rebound.status_code == 403
+        dialled = await client.get("/", headers={**bearer_headers(ADMIN_TOKEN),
+                                                 "host": "ui.example:8080"})
+        assert dialled.status_code == 200
         assert (await client.get("/")).status_code == 401
         assert (await client.get("/api/snapshot")).status_code == 401
         assert (await client.get("/?token=wrong-token-of-some-length")).status_code == 401

@@ -3,13 +3,15 @@ admin token and mesh secret."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from mesh.errors import ConfigError
 from mesh.topology import parse_topology
 from services.cli.procfile import ProcessSpec
-from services.cli.up import children_env, endpoints, here_only
-from services.contract.access import MESH_SECRET_ENV, TOKEN_ENV
+from services.cli.supervisor import Supervisor
+from services.cli.up import children_env, control_app, endpoints, here_only
+from services.contract.access import MESH_SECRET_ENV, TOKEN_ENV, bearer_headers
 
 TOKEN = "an-admin-token-of-32-characters."
 SECRET = "a mesh secret of 32 characters.."
@@ -64,3 +66,19 @@ def test_here_needs_the_token_and_secret_that_every_machine_shares() -> None:
 def test_a_short_admin_token_stops_the_run_before_any_child() -> None:
     with pytest.raises(ConfigError, match="at least 16 characters"):
         children_env(parse_topology(""), {TOKEN_ENV: "workshop"}, generate=True)
+
+
+@pytest.mark.anyio
+async def test_the_control_api_asks_the_runs_token_and_answers_loopback_hosts_only() -> None:
+    # Not started: the API lists the processes it would run all the same.
+    app = control_app(Supervisor(SPECS, {}), {TOKEN_ENV: TOKEN})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://127.0.0.1:8090") as client:
+        assert (await client.get("/processes")).status_code == 401
+        rebound = await client.get("/processes", headers={**bearer_headers(TOKEN),
+                                                          "host": "evil.example:8090"})
+        assert rebound.status_code == 403
+        for host in ("127.0.0.1:8090", "localhost:8090"):
+            listed = await client.get("/processes", headers={**bearer_headers(TOKEN),
+                                                             "host": host})
+            assert listed.status_code == 200, host

@@ -26,7 +26,8 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.contract.access import host_allowed
+from mesh.membership import is_loopback
+from services.contract.access import allowed_hosts, host_allowed
 
 CSRF_HEADER = "x-csrf-token"
 TOKEN_COOKIE = "prfaas_admin_token"
@@ -66,6 +67,14 @@ class AccessGuard:
     def __init__(self, app: ASGIApp, *, hosts: frozenset[str] | None, token: str | None
                  ) -> None:
         self.app, self.hosts, self.token = app, hosts, token
+
+    @classmethod
+    def listening_on(cls, app: ASGIApp, host: str, names: tuple[str, ...],
+                     token: str | None) -> AccessGuard:
+        """The guard of a dashboard bound to `host` and dialled at `names`: their Host names
+        only, and beyond loopback `token` on every request (on loopback it asks none)."""
+        return cls(app, hosts=allowed_hosts(host, *names),
+                   token=None if is_loopback(host) else token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):

@@ -25,9 +25,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from mesh.http import serve_http
-from mesh.membership import is_loopback
 from services.contract.access import (
-    allowed_hosts,
     require_token_beyond_loopback,
     token_from_env,
 )
@@ -84,8 +82,7 @@ async def serve_ui(
         for hub in hubs:
             hub.close()
 
-    guarded = AccessGuard(app, hosts=allowed_hosts(host, *names),
-                          token=None if is_loopback(host) else admin_token)
+    guarded = AccessGuard.listening_on(app, host, tuple(names), admin_token)
     # Ending the feeds first lets every open event stream finish within the grace.
     await serve_http(guarded, host, port, log_name="ui.http", before_stop=close_feeds,
                      task_status=task_status)

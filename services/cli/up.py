@@ -37,6 +37,7 @@ from pathlib import Path
 import anyio
 import httpx
 import msgspec
+from starlette.applications import Starlette
 
 from mesh.allocator import allocator_env
 from mesh.errors import ConfigError, MeshError
@@ -164,11 +165,17 @@ def secret_env(topology: Topology, environ: Mapping[str, str]) -> dict[str, str]
     return {} if environ.get(variable) else {variable: secrets.token_urlsafe(32)}
 
 
+def control_app(supervisor: Supervisor, env: Mapping[str, str]) -> Starlette:
+    """The supervisor's control API as `prfaas up` serves it on CONTROL_HOST: the run's admin
+    token on every request, and loopback Host names only (a DNS-rebound page gets 403)."""
+    return supervisor_app(supervisor, env.get(TOKEN_ENV), allowed_hosts(CONTROL_HOST))
+
+
 async def _run(specs: tuple[ProcessSpec, ...], env: dict[str, str], policy: RestartPolicy,
                control_port: int, urls: Endpoints) -> None:
     # Children read `env` when they start: the control API's URL is in it by then.
     supervisor = Supervisor(specs, env, policy=policy)
-    app = supervisor_app(supervisor, env.get(TOKEN_ENV), allowed_hosts(CONTROL_HOST))
+    app = control_app(supervisor, env)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
             host, port = await tg.start(partial(serve_http, app, CONTROL_HOST, control_port,
