@@ -229,6 +229,7 @@ def _beyond_loopback_the_web_surfaces_ask_the_token_and_their_own_host(
     link = f"http://{MULTIHOST_HOSTS['prfaas']}:18474/link"
     assert httpx.post(link, json={"up": True}, timeout=10).status_code == 401
     assert httpx.post(link, json={"up": True}, headers=auth, timeout=10).status_code == 200
+    assert httpx.get(link, headers=rebound, timeout=10).status_code == 403
 
 
 @pytest.mark.slow

@@ -279,6 +279,8 @@ async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_toke
         monkeypatch.setattr(link_service, "serve_link", fake_serve_link)
         await link_service.run_link(ctx)
     assert seen["control_host"] == "::" and seen["admin_token"] == token
+    # Its Host check answers the name others dial it at.
+    assert seen["control_names"] == ("198.18.0.9",)
     routes = seen["routes"]
     assert isinstance(routes, list) and routes
     assert {r.listen_host for r in routes} == {"::"}

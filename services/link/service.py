@@ -3,8 +3,9 @@
 `prfaas serve link-0` runs `netem.serve_link` with one proxy route per worker of the link's
 receiving cluster (`services.cli.serve.link_routes`, the same table the senders' resolvers use),
 shaped to the topology's bandwidth and delay; the control API (Toxiproxy-style, and
-`/metrics`) listens on options.control_port; both on the service's bind host. Changes through
-the control API need the run's admin token when one is set (PRFAAS_ADMIN_TOKEN). A mesh
+`/metrics`) listens on options.control_port; both on the service's bind host. The control
+API answers only requests whose Host names its bind host, the service's host or loopback;
+changes through it need the run's admin token when one is set (PRFAAS_ADMIN_TOKEN). A mesh
 node on the service's own port serves the event stream, where a `LinkStats` sample is
 published every options.stats_interval s.
 """
@@ -87,7 +88,8 @@ async def run_link(
         address = await node.listen()
         endpoints = await tg.start(lambda task_status: serve_link(
             routes, params, ctx.option("control_port", 8474), name=link.name,
-            control_host=ctx.spec.bind_host, admin_token=token_from_env(),
+            control_host=ctx.spec.bind_host, control_names=(ctx.spec.host,),
+            admin_token=token_from_env(),
             on_stats=publish, stats_interval_s=ctx.option("stats_interval", 1.0),
             config=proxy_config(ctx), task_status=task_status,
         ))
