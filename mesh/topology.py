@@ -89,13 +89,17 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class LinkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A line between two clusters: bandwidth in bits per second, one-way delay in seconds."""
+    """A line between two clusters: bandwidth in bits per second, one-way delay in seconds,
+    jitter in seconds (each packet's delay drawn uniformly within +-jitter_s of delay_s) and
+    loss (the fraction of packets lost)."""
 
     name: str
     a: str
     b: str
     bandwidth_bps: float
     delay_s: float = 0.0
+    jitter_s: float = 0.0
+    loss_rate: float = 0.0
     options: Options = {}
 
 
@@ -240,6 +244,11 @@ def _check_link(link: LinkSpec, clusters: set[str]) -> None:
         raise ConfigError(f"link {link.name!r}: bandwidth_bps must be > 0, got {bad}")
     if not link.delay_s >= 0:
         raise ConfigError(f"link {link.name!r}: delay_s must be >= 0, got {link.delay_s}")
+    if not link.jitter_s >= 0:
+        raise ConfigError(f"link {link.name!r}: jitter_s must be >= 0, got {link.jitter_s}")
+    if not 0 <= link.loss_rate <= 1:
+        raise ConfigError(f"link {link.name!r}: loss_rate must be in [0, 1], got "
+                          f"{link.loss_rate}")
 
 
 def parse_topology(text: str, source: str = "<string>") -> Topology:

@@ -1,8 +1,10 @@
 """The link's live HTTP control API, its `/metrics`, and `serve_link` (proxy + API together).
 
-JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers). Writes
-(POST, DELETE) pass netem/control_access.py: same origin only, JSON bodies only, and with
-`Authorization: Bearer <admin_token>` when serve_link has a token (required beyond loopback).
+JSON API (errors are `{"error": message, "status": code}`, as Toxiproxy answers). Every
+request passes netem/control_access.py: its Host must name the API (where serve_link binds
+it, where it is dialled, or loopback); writes (POST, DELETE) also same origin only, JSON
+bodies only, and with `Authorization: Bearer <admin_token>` when serve_link has a token
+(required beyond loopback).
 
     GET  /link                     parameters (API units) and statistics
     POST /link                     partial update: bandwidth_bps, delay_ms, jitter_ms, loss,
@@ -59,6 +61,7 @@ from netem.toxics import (
     params_view,
     toxic_update,
 )
+from services.contract.access import allowed_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -244,12 +247,14 @@ def create_control_app(
     name: str = "link",
     admin_token: str | None = None,
     loopback_only: bool = False,
+    hosts: frozenset[str] | None = None,
 ) -> Starlette:
     """The control API of one link (its proxy and shaper), as a Starlette ASGI app.
 
-    Writes pass `netem.control_access.WriteGuard`: with `admin_token` they need it as a
-    Bearer token; with `loopback_only` their Host must be a loopback name (serve_link sets
-    it when the API is open on loopback).
+    Requests pass `netem.control_access.WriteGuard`: with `hosts` their Host must name one
+    of them (None: any); writes with `admin_token` need it as a Bearer token, and with
+    `loopback_only` their Host must be a loopback name (serve_link sets it when the API is
+    open on loopback).
     """
     api = _ControlApi(proxy, name)
     routes = [
@@ -263,7 +268,8 @@ def create_control_app(
         HttpRoute("/metrics", api.metrics, methods=["GET"]),
     ]
     handlers = {LinkParamError: _control_error, LinkControlError: _control_error}
-    guard = Middleware(WriteGuard, admin_token=admin_token, loopback_only=loopback_only)
+    guard = Middleware(WriteGuard, admin_token=admin_token, loopback_only=loopback_only,
+                       hosts=hosts)
     return Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
 
 
@@ -288,6 +294,7 @@ async def serve_link(
     control_port: int = DEFAULT_CONTROL_PORT,
     *,
     control_host: str = "127.0.0.1",
+    control_names: Sequence[str] = (),
     admin_token: str | None = None,
     name: str = "link",
     seed: int = 0,
@@ -303,6 +310,8 @@ async def serve_link(
     Port 0 binds ephemeral ports; the bound addresses are reported through `task_status`.
     The control API's writes need `Authorization: Bearer <admin_token>` when a token is
     given; a `control_host` beyond loopback without one is refused here, before binding.
+    Every request's Host must name `control_host`, one of `control_names` (where others dial
+    the API) or loopback (any, when it binds every address: the token guards it there).
     """
     check_bind(control_host, admin_token)
     shaper = LinkShaper(
@@ -310,7 +319,8 @@ async def serve_link(
     )
     proxy = LinkProxy(routes, shaper, config)
     app = create_control_app(
-        proxy, name=name, admin_token=admin_token, loopback_only=admin_token is None
+        proxy, name=name, admin_token=admin_token, loopback_only=admin_token is None,
+        hosts=allowed_hosts(control_host, *control_names),
     )
     async with anyio.create_task_group() as tg:
         route_addresses = await tg.start(proxy.run)

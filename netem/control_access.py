@@ -1,7 +1,10 @@
-"""Who may change the link through its control API: an ASGI guard in front of every write.
+"""Who may read and change the link through its control API: an ASGI guard in front of it.
 
-Reads (GET, HEAD) stay open: they are what dashboards and Prometheus poll. A write (POST,
-PUT, PATCH, DELETE) is refused
+Every request, reads included, is refused 403 when its `Host` names none of the API's own
+names (services.contract.access.allowed_hosts: the loopback names, where it binds, where it
+is dialled): a page whose DNS name was rebound to the API's address would otherwise read it
+and, same-origin with itself, write it. Beyond that, reads (GET, HEAD) stay open: they are
+what dashboards and Prometheus poll. A write (POST, PUT, PATCH, DELETE) is refused
 
 - 403 when it carries an `Origin` other than the API's own: a page elsewhere (for instance
   http://evil.example posting `text/plain`, which needs no CORS preflight) must not steer
@@ -25,6 +28,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from netem.params import LinkParamError, shown
+from services.contract.access import host_allowed
 
 _WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -105,16 +109,19 @@ def _has_body(headers: Headers) -> bool:
 
 
 class WriteGuard:
-    """ASGI middleware: refuses writes as the module says, before any handler runs."""
+    """ASGI middleware: refuses requests as the module says, before any handler runs.
+    `hosts`: the Host names the API answers (None: any)."""
 
-    def __init__(self, app: ASGIApp, *, admin_token: str | None, loopback_only: bool) -> None:
+    def __init__(self, app: ASGIApp, *, admin_token: str | None, loopback_only: bool,
+                 hosts: frozenset[str] | None = None) -> None:
         check_token(admin_token)
         self._app = app
         self._token = admin_token
         self._loopback_only = loopback_only
+        self._hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] in _WRITES:
+        if scope["type"] == "http":
             refusal = self.refusal(scope)
             if refusal is not None:
                 await _refuse(send, *refusal)
@@ -122,9 +129,13 @@ class WriteGuard:
         await self._app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> tuple[int, str] | None:
-        """(status, reason) when this write must be refused, else None."""
+        """(status, reason) when this request must be refused, else None."""
         headers = Headers(scope=scope)
         host = headers.get("host", "")
+        if not host_allowed(host, self._hosts):
+            return 403, f"Host {shown(host)} is not this API's (DNS rebinding?)"
+        if scope["method"] not in _WRITES:
+            return None
         if self._loopback_only and not is_loopback(_origin_key("http", host)[1]):
             return 403, f"Host {shown(host)} is not a loopback name; this API is local only"
         origin = headers.get("origin")

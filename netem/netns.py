@@ -1,6 +1,12 @@
 """Network namespaces joined by veth pairs, some shaped by the kernel (tbf): a few machines'
 network on one, made by the run that uses it and removed by it.
 
+A veth may also ask for delay, jitter and loss (`Impairment`). Where the kernel offers the
+netem qdisc (`probe_netem`, tried once per lab on its first namespace's loopback), each end
+gets netem at the root with tbf as its child (`shaping_args`); where it does not, the veth
+gets tbf alone and `NetLab.netem_refusal` says why, so that the caller leaves the impairment
+to something else.
+
 Every name a `NetLab` makes carries `PREFIX` and its owner's pid (`pfm1234pd`, `pfm1234x0`),
 so that `remove_stale` can remove what a run that died left behind without touching a run
 that is still alive. Deleting a namespace deletes the veth ends and qdiscs inside it; a root
@@ -13,6 +19,7 @@ Needs root (CAP_NET_ADMIN) and the `ip` and `tc` commands of iproute2.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import shutil
@@ -30,6 +37,13 @@ TBF_LATENCY = "100ms"
 TBF_MIN_BURST_BYTES = 1 << 18
 TBF_BURST_S = 0.002
 COMMAND_TIMEOUT_S = 10.0
+# netem queues every packet for its delay: its limit (packets) must hold the delay's worth
+# at the rate, counted in packets as small as an Ethernet frame, twice over; never below
+# netem's own default.
+NETEM_MIN_LIMIT = 1000
+NETEM_LIMIT_PACKET_BYTES = 1500
+# Where the probe tries netem: the loopback of a namespace the lab made (nothing else sees it).
+NETEM_PROBE_DEVICE = "lo"
 _OWNED = re.compile(rf"^{PREFIX}(\d+)[a-z]")
 
 
@@ -38,16 +52,40 @@ class NetnsError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Impairment:
+    """What a netem qdisc adds to a veth end's egress: one-way delay, jitter (each packet's
+    delay uniform within +-jitter_s, as the project's emulator draws it) and the fraction of
+    packets lost."""
+
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    loss_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("delay_s", "jitter_s"):
+            if not getattr(self, name) >= 0:
+                raise NetnsError(f"Impairment {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.loss_rate <= 1:
+            raise NetnsError(f"Impairment loss_rate must be in [0, 1], got {self.loss_rate}")
+
+    @property
+    def asked(self) -> bool:
+        """Whether it adds anything."""
+        return bool(self.delay_s or self.jitter_s or self.loss_rate)
+
+
+@dataclass(frozen=True)
 class Veth:
     """A veth pair from namespace role `a` to role `b` (None: the root namespace), each end
     with its address (a /30 of 198.18.0.0/15), each end's egress shaped to `rate_bps` by a
-    tbf qdisc (0: unshaped)."""
+    tbf qdisc (0: unshaped) and impaired by netem where the kernel has it."""
 
     a: str | None
     b: str | None
     a_address: str
     b_address: str
     rate_bps: float = 0.0
+    impairment: Impairment = Impairment()
 
     def __post_init__(self) -> None:
         for address in (self.a_address, self.b_address):
@@ -102,11 +140,62 @@ def run_ip(args: Sequence[str], *, tool: str = "ip") -> str:
     return done.stdout
 
 
-def tbf_args(device: str, rate_bps: float) -> list[str]:
-    """`tc` arguments of a root tbf on `device` at `rate_bps`."""
+def tbf_args(device: str, rate_bps: float, parent: str = "") -> list[str]:
+    """`tc` arguments of a tbf on `device` at `rate_bps`: the root qdisc, or (`parent`, a
+    class id such as "1:1") the child of the qdisc there."""
     burst = max(TBF_MIN_BURST_BYTES, int(rate_bps / 8 * TBF_BURST_S))
-    return ["qdisc", "add", "dev", device, "root", "tbf", "rate", f"{int(rate_bps)}bit",
+    where = ["parent", parent, "handle", "2:"] if parent else ["root"]
+    return ["qdisc", "add", "dev", device, *where, "tbf", "rate", f"{int(rate_bps)}bit",
             "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def _tc_time(seconds: float) -> str:
+    return f"{round(seconds * 1e6)}us"
+
+
+def netem_limit(rate_bps: float, impairment: Impairment) -> int:
+    """netem's queue bound in packets: twice the longest delay's worth at the rate."""
+    in_flight = rate_bps / 8 * (impairment.delay_s + impairment.jitter_s)
+    return max(NETEM_MIN_LIMIT, math.ceil(2 * in_flight / NETEM_LIMIT_PACKET_BYTES))
+
+
+def netem_args(device: str, impairment: Impairment, rate_bps: float = 0.0) -> list[str]:
+    """`tc` arguments of a root netem (handle 1:) on `device` adding `impairment`."""
+    args = ["qdisc", "add", "dev", device, "root", "handle", "1:", "netem",
+            "limit", str(netem_limit(rate_bps, impairment)),
+            "delay", _tc_time(impairment.delay_s)]
+    if impairment.jitter_s:
+        args.append(_tc_time(impairment.jitter_s))
+    if impairment.loss_rate:
+        args += ["loss", f"{impairment.loss_rate * 100:.6g}%"]
+    return args
+
+
+def shaping_args(device: str, veth: Veth, *, netem: bool) -> list[list[str]]:
+    """The `tc` argument lists that shape one end of `veth`, in order: with `netem` (the
+    kernel has it) and an impairment asked, netem at the root and the rate's tbf as its
+    child (netem holds each packet for its delay, then tbf paces it out); else the tbf
+    alone (none when unshaped)."""
+    if netem and veth.impairment.asked:
+        child = [tbf_args(device, veth.rate_bps, parent="1:1")] if veth.rate_bps else []
+        return [netem_args(device, veth.impairment, veth.rate_bps), *child]
+    return [tbf_args(device, veth.rate_bps)] if veth.rate_bps else []
+
+
+def netem_probe_args(device: str = NETEM_PROBE_DEVICE) -> list[str]:
+    """`tc` arguments that add a netem qdisc doing nothing: it fails where netem is absent."""
+    return ["qdisc", "add", "dev", device, "root", "netem", "delay", "0us"]
+
+
+def probe_netem(namespace: str) -> str:
+    """Why the kernel cannot add a netem qdisc ("" when it can): tried on the loopback of
+    `namespace` (one the caller made), removed again."""
+    try:
+        run_ip(["-n", namespace, *netem_probe_args()], tool="tc")
+    except NetnsError as exc:
+        return str(exc)
+    run_ip(["-n", namespace, "qdisc", "del", "dev", NETEM_PROBE_DEVICE, "root"], tool="tc")
+    return ""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -149,7 +238,11 @@ def _remove(name: str, *, is_namespace: bool) -> None:
 
 class NetLab:
     """Namespaces (by role), veths and routes of one run; `with lab:` makes them and removes
-    them on the way out, whatever ends the block. Names carry `owner` (default: this pid)."""
+    them on the way out, whatever ends the block. Names carry `owner` (default: this pid).
+
+    `netem_refusal`, once made: None when no veth asks for an impairment (nothing probed),
+    "" when the kernel's netem adds them, else why it cannot (the veths then have tbf only).
+    """
 
     def __init__(self, roles: Sequence[str], veths: Sequence[Veth], routes: Sequence[Route] = (),
                  owner: int | None = None) -> None:
@@ -158,6 +251,7 @@ class NetLab:
         for role in self.roles:
             if not re.fullmatch(r"[a-z][a-z0-9]{0,5}", role):
                 raise NetnsError(f"namespace role must be 1-6 of [a-z0-9], got {role!r}")
+        self.netem_refusal: str | None = None
 
     def namespace(self, role: str) -> str:
         """The name of role's namespace (`ip netns exec NAME ...`)."""
@@ -180,10 +274,18 @@ class NetLab:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    @property
+    def kernel_impairs(self) -> bool:
+        """Whether the veths' impairments are the kernel's (netem), once made."""
+        return self.netem_refusal == ""
+
     def create(self) -> None:
         for role in self.roles:
             run_ip(["netns", "add", self.namespace(role)])
             run_ip(["-n", self.namespace(role), "link", "set", "lo", "up"])
+        if any(veth.impairment.asked for veth in self.veths):
+            self.netem_refusal = (probe_netem(self.namespace(self.roles[0])) if self.roles
+                                  else "no namespace of the lab's own to probe netem in")
         for index, veth in enumerate(self.veths):
             self._veth(index, veth)
         for route in self.routes:
@@ -214,5 +316,5 @@ class NetLab:
                 run_ip(["link", "set", device, "netns", self.namespace(role)])
             run_ip([*self._in(role), "addr", "add", f"{address}/30", "dev", device])
             run_ip([*self._in(role), "link", "set", device, "up"])
-            if veth.rate_bps:
-                run_ip([*self._in(role), *tbf_args(device, veth.rate_bps)], tool="tc")
+            for args in shaping_args(device, veth, netem=self.kernel_impairs):
+                run_ip([*self._in(role), *args], tool="tc")

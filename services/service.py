@@ -36,6 +36,10 @@ from services.contract.messages import CODEC_MESSAGES, ClockQuery, ClockReading,
 Mode = Literal["live", "emulated"]
 KVPath = Literal["emulator", "direct"]
 KV_PATHS: tuple[KVPath, ...] = get_args(KVPath)
+# Who adds a link's delay, jitter and loss: the link service's emulator, or the network
+# between the clusters (a kernel netem qdisc, as `prfaas multihost` sets where it can).
+Impairer = Literal["emulator", "kernel"]
+IMPAIRERS: tuple[Impairer, ...] = get_args(Impairer)
 WORKER_KINDS = frozenset({"prefill", "decode"})
 T = TypeVar("T")
 StatisticsSource = Callable[[], msgspec.Struct]
@@ -112,6 +116,16 @@ def link_kv_path(link: LinkSpec) -> KVPath:
         raise ConfigError(f"link {link.name!r}: options.kv must be one of {list(KV_PATHS)}, "
                           f"got {path!r}")
     return path
+
+
+def link_impairer(link: LinkSpec) -> Impairer:
+    """Who adds `link`'s delay, jitter and loss: the emulator (options.impairments
+    "emulator", the default) or the network it crosses ("kernel": the emulator adds none)."""
+    impairer = link.options.get("impairments", "emulator")
+    if impairer not in IMPAIRERS:
+        raise ConfigError(f"link {link.name!r}: options.impairments must be one of "
+                          f"{list(IMPAIRERS)}, got {impairer!r}")
+    return impairer
 
 
 def _routes_from(topology: Topology, cluster: str) -> list[tuple[LinkSpec, LinkRoute]]:

@@ -1,6 +1,7 @@
 """What the namespace tests share: whether this machine lets a test make network namespaces
-(skip with the reason where it does not), and the namespaces and links there are now (a test
-compares them before and after, to see it left nothing behind)."""
+(skip with the reason where it does not), whether its kernel has the netem qdisc, and the
+namespaces and links there are now (a test compares them before and after, to see it left
+nothing behind)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 
-from netem.netns import NetLab, NetnsError, require_netns
+from netem.netns import NetLab, NetnsError, probe_netem, require_netns
 
 NetworkState = tuple[list[str], list[str]]
 
@@ -25,6 +26,18 @@ def _can_make_namespaces() -> str:
 
 NETNS_REFUSED = _can_make_namespaces()
 needs_netns = pytest.mark.skipif(bool(NETNS_REFUSED), reason=f"no namespaces: {NETNS_REFUSED}")
+
+
+def _netem_refusal() -> str:
+    """Why the kernel cannot add a netem qdisc ("" if it can), tried in a namespace made for
+    it; "no namespaces" where none can be made."""
+    if NETNS_REFUSED:
+        return f"no namespaces: {NETNS_REFUSED}"
+    with NetLab(("probe",), []) as lab:
+        return probe_netem(lab.namespace("probe"))
+
+
+NETEM_REFUSED = _netem_refusal()
 
 
 def network_state() -> NetworkState:

@@ -361,6 +361,39 @@ async def test_serve_link_with_a_token_guards_writes_on_real_sockets() -> None:
         tg.cancel_scope.cancel()
 
 
+@pytest.mark.trio
+async def test_a_token_protected_api_refuses_a_foreign_host_reads_included() -> None:
+    """DNS rebinding past the token: a page whose name now resolves to the API's address
+    reads it with its own name as Host; only the API's names (bind, dialled, loopback) pass."""
+    async with anyio.create_task_group() as tg:
+        endpoints: LinkEndpoints = await tg.start(
+            lambda task_status: serve_link(
+                [Route(0, 1)], LinkParams(), 0, admin_token=TOKEN,
+                control_names=("link.example",), task_status=task_status
+            )
+        )
+        with anyio.fail_after(20):
+            base = f"http://127.0.0.1:{endpoints.control[1]}"
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            async with httpx.AsyncClient(base_url=base) as client:
+                for host in ("evil.example", "evil.example:8474", "10.0.0.5"):
+                    rebound = {"host": host}
+                    for path in ("/link", "/metrics", "/proxies"):
+                        refused = await client.get(path, headers=rebound | auth)
+                        assert refused.status_code == 403, (host, path)
+                        assert "DNS rebinding" in refused.json()["error"]
+                    write = await client.post("/link", json={"delay_ms": 5},
+                                              headers=rebound | auth)
+                    assert write.status_code == 403
+                assert (await client.get("/link")).json()["delay_ms"] == 0
+                for host in ("127.0.0.1", "localhost:1", "link.example:8474"):
+                    ok = await client.post("/link", json={"delay_ms": 5},
+                                           headers={"host": host} | auth)
+                    assert ok.status_code == 200, host
+                    assert (await client.get("/link", headers={"host": host})).status_code == 200
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(
     ("path", "body", "message"),
     [

@@ -22,27 +22,42 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mesh.topology import load_topology
+from mesh.topology import Topology, load_topology, parse_topology
 from netem.netns import (
     BENCHMARK_NETWORK,
+    Impairment,
     NetLab,
     NetnsError,
     Veth,
     check_address,
+    netem_probe_args,
     owned_names,
     remove_stale,
+    shaping_args,
+    tbf_args,
 )
+from netem.params import LinkParams
+from services.cli import multihost
 from services.cli.multihost import (
     EXIT_NO_NETNS,
     MULTIHOST_HOSTS,
+    impaired_by_lab,
+    impairment_note,
     lab_for,
     multihost_main,
     multihost_topology,
     shares,
 )
 from services.cli.procfile import ProcessSpec
-from services.service import resolve_from
-from tests.netns_probe import NETNS_REFUSED, NetworkState, needs_netns, network_state
+from services.link.service import link_params
+from services.service import KVPath, resolve_from
+from tests.netns_probe import (
+    NETEM_REFUSED,
+    NETNS_REFUSED,
+    NetworkState,
+    needs_netns,
+    network_state,
+)
 
 HERE = Path(__file__).parent / "multihost"
 ROOT = Path(__file__).parent.parent
@@ -88,6 +103,75 @@ def test_not_root_is_told_and_makes_nothing(monkeypatch: pytest.MonkeyPatch,
     assert "need root" in capsys.readouterr().err
     if before is not None:
         assert network_state() == before
+
+
+IMPAIRED = Veth("prfaas", "pd", "198.18.0.1", "198.18.0.2", 200e6,
+               Impairment(delay_s=0.005, jitter_s=0.001, loss_rate=0.005))
+
+
+def test_with_netem_the_tc_lines_put_netem_at_the_root_and_tbf_under_it() -> None:
+    assert shaping_args("v0a", IMPAIRED, netem=True) == [
+        ["qdisc", "add", "dev", "v0a", "root", "handle", "1:", "netem", "limit", "1000",
+         "delay", "5000us", "1000us", "loss", "0.5%"],
+        ["qdisc", "add", "dev", "v0a", "parent", "1:1", "handle", "2:", "tbf",
+         "rate", "200000000bit", "burst", "262144", "latency", "100ms"],
+    ]
+    # netem's queue holds the delay's worth: 10 Gbit/s for 50 ms is 62.5 MB, 2 x 41667 frames.
+    fast = Veth(None, "pd", "198.18.1.1", "198.18.1.2", 10e9, Impairment(delay_s=0.05))
+    assert shaping_args("v1b", fast, netem=True)[0][8:12] == ["limit", "83334",
+                                                               "delay", "50000us"]
+    # Delay alone, no rate: netem with no child.
+    bare = Veth(None, "pd", "198.18.1.1", "198.18.1.2", 0.0, Impairment(delay_s=0.02))
+    assert shaping_args("v1b", bare, netem=True) == [
+        ["qdisc", "add", "dev", "v1b", "root", "handle", "1:", "netem", "limit", "1000",
+         "delay", "20000us"]]
+
+
+def test_without_netem_or_an_impairment_the_tc_lines_are_tbf_alone() -> None:
+    tbf = ["qdisc", "add", "dev", "v0a", "root", "tbf", "rate", "200000000bit", "burst",
+           "262144", "latency", "100ms"]
+    assert shaping_args("v0a", IMPAIRED, netem=False) == [tbf] == [tbf_args("v0a", 200e6)]
+    plain = Veth("prfaas", "pd", "198.18.0.1", "198.18.0.2", 200e6)
+    assert shaping_args("v0a", plain, netem=True) == [tbf]
+    assert shaping_args("v0a", Veth(None, "pd", "198.18.1.1", "198.18.1.2"), netem=True) == []
+    assert netem_probe_args() == ["qdisc", "add", "dev", "lo", "root", "netem", "delay", "0us"]
+    with pytest.raises(NetnsError, match="loss_rate must be in"):
+        Impairment(loss_rate=1.5)
+    with pytest.raises(NetnsError, match="jitter_s must be >= 0"):
+        Impairment(jitter_s=-0.001)
+
+
+def _impaired_topology(kv: KVPath = "emulator") -> Topology:
+    text = (HERE / "topology.toml").read_text("utf-8").replace(
+        "delay_s = 0.005", "delay_s = 0.005\njitter_s = 0.001\nloss_rate = 0.005")
+    return multihost_topology(parse_topology(text), kv)
+
+
+def test_the_cross_veth_asks_for_the_links_impairment_and_the_kernel_takes_it_over() -> None:
+    topology = _impaired_topology()
+    lab = lab_for(topology, owner=1)
+    cross, *roots = lab.veths
+    assert cross.impairment == Impairment(0.005, 0.001, 0.005) and cross.rate_bps == RATE_BPS
+    assert all(not veth.impairment.asked and not veth.rate_bps for veth in roots)
+    # netem present: the children's topology has the kernel add them, the emulator none.
+    lab.netem_refusal = ""
+    kernel = impaired_by_lab(topology, lab)
+    assert link_params(kernel.links[0]).delay_s == 0.0
+    assert link_params(kernel.links[0]).bandwidth_bps == RATE_BPS
+    note = impairment_note(kernel, lab)
+    assert note is not None and "the kernel's netem adds link-0's delay 5 ms, jitter 1 ms" in note
+    # netem absent: the emulator keeps them, and the note says why, once.
+    lab.netem_refusal = "tc qdisc add ...: Error: Specified qdisc kind is unknown."
+    assert impaired_by_lab(topology, lab) == topology
+    assert link_params(topology.links[0]).delay_s == 0.005
+    note = impairment_note(topology, lab)
+    assert note is not None and note.startswith("multihost: this kernel has no netem qdisc (")
+    assert "stay with the project's link emulator" in note and "kv direct" not in note
+    direct = impairment_note(_impaired_topology("direct"), lab)
+    assert direct is not None and "KV crosses without them" in direct
+    # Nothing asked: nothing probed, nothing said.
+    lab.netem_refusal = None
+    assert impairment_note(topology, lab) is None
 
 
 @needs_netns
@@ -155,6 +239,102 @@ def test_kv_over_the_tbf_shaped_veth_arrives_at_the_set_rate() -> None:
         rate = _transfer_rate(lab, 40_000_000)
     assert rate == pytest.approx(RATE_BPS, rel=0.05)
     assert topology.links[0].bandwidth_bps == RATE_BPS
+    assert network_state() == before
+
+
+def _qdiscs(lab: NetLab, role: str, device: str) -> str:
+    return subprocess.run(["tc", "-n", lab.namespace(role), "qdisc", "show", "dev", device],
+                          capture_output=True, text=True, check=True, timeout=10).stdout
+
+
+@needs_netns
+@pytest.mark.skipif(not NETEM_REFUSED, reason="this kernel has the netem qdisc: the run does "
+                                              "not fall back")
+def test_without_netem_the_run_keeps_tbf_and_says_the_emulator_adds_the_delay(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """`prfaas multihost` up to its shares (replaced by a look at the lab they would get):
+    the probe finds no netem, the cross veth has tbf alone, the shares' topology leaves the
+    link's delay, jitter and loss to the emulator, and one line says so."""
+    seen: dict[str, object] = {}
+
+    async def look(argvs: dict[str, list[str]], *_: object) -> int:
+        prfaas = argvs["prfaas"]
+        seen["topology"] = load_topology(prfaas[prfaas.index("--topology") + 1], "")
+        seen["qdiscs"] = subprocess.run(
+            ["tc", "-n", prfaas[3], "qdisc", "show"], capture_output=True, text=True,
+            check=True, timeout=10).stdout
+        return 0
+
+    path = tmp_path / "topology.toml"
+    path.write_text((HERE / "topology.toml").read_text("utf-8").replace(
+        "delay_s = 0.005", "delay_s = 0.005\njitter_s = 0.001\nloss_rate = 0.005"), "utf-8")
+    monkeypatch.setattr(multihost, "_run", look)
+    before = network_state()
+    code = multihost_main(["--procfile", str(HERE / "Procfile"), "--topology", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    notes = [line for line in out.splitlines() if "netem" in line]
+    assert len(notes) == 1 and notes[0].startswith("multihost: this kernel has no netem qdisc (")
+    assert ("link-0's delay 5 ms, jitter 1 ms, loss 0.500% stay with the project's link "
+            "emulator") in notes[0]
+    assert "tbf" in str(seen["qdiscs"]) and "netem" not in str(seen["qdiscs"])
+    shares_topology = seen["topology"]
+    assert isinstance(shares_topology, Topology)
+    assert link_params(shares_topology.links[0]) == LinkParams(
+        bandwidth_bps=RATE_BPS, delay_s=0.005, jitter_s=0.001, loss_rate=0.005)
+    assert network_state() == before
+
+
+ECHO = """
+import socket, sys
+with socket.create_server((sys.argv[1], 9701)) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (data := conn.recv(64)):
+        conn.sendall(data)
+"""
+PINGER = """
+import json, socket, sys, time
+with socket.create_connection((sys.argv[1], 9701)) as conn:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(20):
+        start = time.monotonic()
+        conn.sendall(b"x")
+        conn.recv(64)
+        rtts.append(time.monotonic() - start)
+print(json.dumps(rtts), flush=True)
+"""
+
+
+@needs_netns
+@pytest.mark.skipif(bool(NETEM_REFUSED), reason=f"this kernel has no netem qdisc "
+                    f"({NETEM_REFUSED}): the veth cannot carry a delay here (the fallback "
+                    "test covers this machine)")
+def test_with_netem_the_cross_veth_carries_the_links_delay() -> None:
+    """Where the kernel has netem: the cross veth's round trip is twice the link's 5 ms."""
+    topology = multihost_topology(load_topology(HERE / "topology.toml", ""), "direct")
+    before = network_state()
+    with lab_for(topology) as lab:
+        assert lab.kernel_impairs
+        qdiscs = _qdiscs(lab, "prfaas", lab.device(0, "a"))
+        with subprocess.Popen(
+                [*lab.exec_prefix("pd"), sys.executable, "-c", ECHO, MULTIHOST_HOSTS["pd"]],
+                stdout=subprocess.PIPE, text=True) as echo:
+            try:
+                assert echo.stdout is not None
+                assert echo.stdout.readline().strip() == "listening"
+                done = subprocess.run(
+                    [*lab.exec_prefix("prfaas"), sys.executable, "-c", PINGER,
+                     MULTIHOST_HOSTS["pd"]], capture_output=True, text=True, check=True,
+                    timeout=30)
+            finally:
+                echo.kill()
+    rtts = json.loads(done.stdout)
+    assert "netem" in qdiscs and "tbf" in qdiscs
+    assert 0.010 <= min(rtts) < 0.015
     assert network_state() == before
 
 
@@ -229,6 +409,7 @@ def _beyond_loopback_the_web_surfaces_ask_the_token_and_their_own_host(
     link = f"http://{MULTIHOST_HOSTS['prfaas']}:18474/link"
     assert httpx.post(link, json={"up": True}, timeout=10).status_code == 401
     assert httpx.post(link, json={"up": True}, headers=auth, timeout=10).status_code == 200
+    assert httpx.get(link, headers=rebound, timeout=10).status_code == 403
 
 
 @pytest.mark.slow
@@ -251,5 +432,9 @@ def test_multihost_serves_across_the_namespaces_and_leaves_nothing(
     assert (short_cluster, long_cluster) == ("pd", "prfaas")
     assert len(short) >= 1 and len(long) >= 1
     assert network_state() == before
+    # One line says who adds the link's 5 ms: the kernel's netem, or (none here) the emulator.
+    said = ("multihost: the kernel's netem adds link-0's delay 5 ms" if not NETEM_REFUSED
+            else "multihost: this kernel has no netem qdisc (")
+    assert sum(line.startswith(said) for line in lines) == 1, lines[:5]
     # Each side listened on its own namespace's address.
     assert "198.18.0.1:17110" in "\n".join(lines) and "198.18.0.2:17130" in "\n".join(lines)

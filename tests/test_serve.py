@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import trio
 
@@ -14,6 +15,7 @@ from mesh.events import EventBus
 from mesh.node import Node
 from mesh.topology import parse_topology
 from mesh.transport import Address, MemoryHub, MemoryTransport, TcpTransport
+from netem.params import LinkParams
 from services.cli.launch import in_process
 from services.cli.serve import default_topology, run_service, runner_for, serve_main
 from services.contract.access import MESH_SECRET_ENV
@@ -279,11 +281,25 @@ async def test_the_link_binds_its_proxy_and_control_api_where_told_with_the_toke
         monkeypatch.setattr(link_service, "serve_link", fake_serve_link)
         await link_service.run_link(ctx)
     assert seen["control_host"] == "::" and seen["admin_token"] == token
+    # Its Host check answers the name others dial it at.
+    assert seen["control_names"] == ("198.18.0.9",)
     routes = seen["routes"]
     assert isinstance(routes, list) and routes
     assert {r.listen_host for r in routes} == {"::"}
     # Senders in cluster prfaas dial the link's host.
     assert resolve_from(topology, "prfaas")("d").host == "198.18.0.9"
+
+
+def test_the_emulator_adds_the_links_impairments_unless_the_kernel_does() -> None:
+    link = parse_topology(TOPOLOGY_TEXT.replace(
+        "bandwidth_bps = 1e9", "bandwidth_bps = 1e9\ndelay_s = 0.01\njitter_s = 0.002\n"
+        "loss_rate = 0.01")).links[0]
+    assert link_service.link_params(link) == LinkParams(
+        bandwidth_bps=1e9, delay_s=0.01, jitter_s=0.002, loss_rate=0.01)
+    kernel = msgspec.structs.replace(link, options={"impairments": "kernel"})
+    assert link_service.link_params(kernel) == LinkParams(bandwidth_bps=1e9)
+    with pytest.raises(ConfigError, match=r"options.impairments must be one of .*got 'tc'"):
+        link_service.link_params(msgspec.structs.replace(link, options={"impairments": "tc"}))
 
 
 @pytest.mark.trio

@@ -6,11 +6,15 @@ Makes two namespaces for the run (netem/netns.py): the PrfaaS cluster (its worke
 link service) in one, the PD cluster (router, cache directory, PD workers, the dashboard) in
 the other, joined by a veth pair whose both directions the kernel shapes to the topology's
 first link's bandwidth (tbf); the client and the browser stay in the root namespace, joined
-to each by a veth of its own. Each namespace runs `prfaas up --here ITS_SHARE` with one
-topology file, its services' addresses rewritten to 198.18.x.y (`MULTIHOST_HOSTS`), and the
-same admin token and mesh secret (generated unless the environment has them). KV crosses the
-shaped veth through the project's link emulator, or straight with `--kv direct` (the link's
-options.kv, services/service.py `resolve_from`).
+to each by a veth of its own. The link's delay, jitter and loss are the kernel's too where it
+has the netem qdisc (probed once per run: netem at the root, the tbf its child; the link's
+options.impairments set to "kernel", so the emulator adds none of them again); where it has
+not, they stay with the project's link emulator, and one line of the run's output says so.
+Each namespace runs `prfaas up --here ITS_SHARE` with one topology file, its services'
+addresses rewritten to 198.18.x.y (`MULTIHOST_HOSTS`), and the same admin token and mesh
+secret (generated unless the environment has them). KV crosses the shaped veth through the
+project's link emulator, or straight with `--kv direct` (the link's options.kv,
+services/service.py `resolve_from`).
 
 Prints `ready: dashboard http://198.18.0.2:8080/?token=... API http://198.18.0.2:8000/v1`
 once the router is ready; each namespace's own output is prefixed with `[prfaas]` or `[pd]`.
@@ -37,13 +41,21 @@ from anyio.streams.text import TextReceiveStream
 
 from mesh.errors import MeshError
 from mesh.topology import Topology, load_topology, topology_toml
-from netem.netns import NetLab, NetnsError, Route, Veth, remove_stale, require_netns
+from netem.netns import (
+    Impairment,
+    NetLab,
+    NetnsError,
+    Route,
+    Veth,
+    remove_stale,
+    require_netns,
+)
 from services.cli.lifeline import child_env
 from services.cli.procfile import ProcessSpec, load_procfile
 from services.cli.serve import DEFAULT_TOPOLOGY_PATH
 from services.cli.up import children_env, endpoints, wait_ready
 from services.contract.access import TOKEN_ENV
-from services.service import KVPath
+from services.service import KVPath, link_kv_path
 
 PRFAAS, PD = "prfaas", "pd"
 # Where each namespace's services listen and are dialled: the two ends of the shaped veth.
@@ -86,14 +98,48 @@ def multihost_topology(topology: Topology, kv: KVPath) -> Topology:
 
 
 def lab_for(topology: Topology, owner: int | None = None) -> NetLab:
-    """The namespaces, veths and routes of a run; the cross veth at the first link's rate."""
-    rate = topology.links[0].bandwidth_bps if topology.links else 0.0
-    veths = [Veth(PRFAAS, PD, MULTIHOST_HOSTS[PRFAAS], MULTIHOST_HOSTS[PD], rate)]
+    """The namespaces, veths and routes of a run; the cross veth at the first link's rate,
+    asking for its delay, jitter and loss."""
+    rate, impairment = 0.0, Impairment()
+    if topology.links:
+        link = topology.links[0]
+        rate = link.bandwidth_bps
+        impairment = Impairment(link.delay_s, link.jitter_s, link.loss_rate)
+    veths = [Veth(PRFAAS, PD, MULTIHOST_HOSTS[PRFAAS], MULTIHOST_HOSTS[PD], rate, impairment)]
     routes = []
     for role, (root_end, far_end) in ROOT_VETHS.items():
         veths.append(Veth(None, role, root_end, far_end))
         routes.append(Route(None, MULTIHOST_HOSTS[role], far_end))
     return NetLab((PRFAAS, PD), veths, routes, owner=owner)
+
+
+def impaired_by_lab(topology: Topology, lab: NetLab) -> Topology:
+    """`topology` with its first link's options.impairments "kernel" when the lab's netem
+    adds the link's delay, jitter and loss (the emulator then adds none), else as it was."""
+    if not (lab.kernel_impairs and topology.links):
+        return topology
+    data = msgspec.to_builtins(topology)
+    link = data["links"][0]
+    link["options"] = {**link.get("options", {}), "impairments": "kernel"}
+    return msgspec.convert(data, Topology)
+
+
+def impairment_note(topology: Topology, lab: NetLab) -> str | None:
+    """The run's one line on who adds the cross link's delay, jitter and loss (None: it asks
+    for none)."""
+    if lab.netem_refusal is None or not topology.links:
+        return None
+    link = topology.links[0]
+    asked = (f"{link.name}'s delay {link.delay_s * 1e3:g} ms, jitter {link.jitter_s * 1e3:g} ms,"
+             f" loss {link.loss_rate:.3%}")
+    if lab.kernel_impairs:
+        return (f"multihost: the kernel's netem adds {asked} on the cross veth (under tbf); "
+                "the link emulator adds none of them")
+    note = (f"multihost: this kernel has no netem qdisc ({lab.netem_refusal}): {asked} stay "
+            "with the project's link emulator")
+    if link_kv_path(link) == "direct":
+        note += ", which KV does not cross (kv direct): KV crosses without them"
+    return note
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -121,6 +167,10 @@ def multihost_main(argv: list[str] | None = None) -> int:
         for name in remove_stale():
             print(f"multihost: removed {name}, left by a run that is gone", flush=True)
         with lab_for(topology) as lab, tempfile.TemporaryDirectory(prefix="pfm-") as tmp:
+            topology = impaired_by_lab(topology, lab)
+            note = impairment_note(topology, lab)
+            if note is not None:
+                print(note, flush=True)
             path = Path(tmp) / "topology.toml"
             path.write_text(topology_toml(msgspec.to_builtins(topology)), "utf-8")
             argvs = {role: up_argv(lab, role, names, args.procfile, path)

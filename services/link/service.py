@@ -2,11 +2,13 @@
 
 `prfaas serve link-0` runs `netem.serve_link` with one proxy route per worker of the link's
 receiving cluster (`services.cli.serve.link_routes`, the same table the senders' resolvers use),
-shaped to the topology's bandwidth and delay; the control API (Toxiproxy-style, and
-`/metrics`) listens on options.control_port; both on the service's bind host. Changes through
-the control API need the run's admin token when one is set (PRFAAS_ADMIN_TOKEN). A mesh
-node on the service's own port serves the event stream, where a `LinkStats` sample is
-published every options.stats_interval s.
+shaped to the topology's bandwidth, delay, jitter and loss (the bandwidth alone when the
+link's options.impairments is "kernel": the network adds the rest); the control API
+(Toxiproxy-style, and `/metrics`) listens on options.control_port; both on the service's
+bind host. The control API answers only requests whose Host names its bind host, the
+service's host or loopback; changes through it need the run's admin token when one is set
+(PRFAAS_ADMIN_TOKEN). A mesh node on the service's own port serves the event stream, where a
+`LinkStats` sample is published every options.stats_interval s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from netem.proxy import ProxyConfig, ProxyStatistics, Route
 from netem.shaper import LinkStatistics
 from services.contract.access import token_from_env
 from services.contract.events import Event, LinkStats
-from services.service import ServiceContext, link_routes, link_service_of, serve_events
+from services.service import (
+    ServiceContext,
+    link_impairer,
+    link_routes,
+    link_service_of,
+    serve_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,15 @@ def link_of_service(ctx: ServiceContext) -> LinkSpec:
         if link_service_of(ctx.topology, link).name == ctx.name:
             return link
     raise ConfigError(f"link service {ctx.name!r} emulates no link of the topology")
+
+
+def link_params(link: LinkSpec) -> LinkParams:
+    """What the emulator starts at: the link's bandwidth, and its delay, jitter and loss
+    unless the network between the clusters adds those (options.impairments "kernel")."""
+    if link_impairer(link) == "kernel":
+        return LinkParams(bandwidth_bps=link.bandwidth_bps)
+    return LinkParams(bandwidth_bps=link.bandwidth_bps, delay_s=link.delay_s,
+                      jitter_s=link.jitter_s, loss_rate=link.loss_rate)
 
 
 def proxy_routes(ctx: ServiceContext, link: LinkSpec) -> list[Route]:
@@ -75,7 +92,7 @@ async def run_link(
     routes = proxy_routes(ctx, link)
     if not routes:
         raise ConfigError(f"link {link.name!r}: cluster {link.b!r} has no workers to route to")
-    params = LinkParams(bandwidth_bps=link.bandwidth_bps, delay_s=link.delay_s)
+    params = link_params(link)
     bus: EventBus[Event] = EventBus()
     node = ctx.node()
     serve_events(node, bus)
@@ -87,7 +104,8 @@ async def run_link(
         address = await node.listen()
         endpoints = await tg.start(lambda task_status: serve_link(
             routes, params, ctx.option("control_port", 8474), name=link.name,
-            control_host=ctx.spec.bind_host, admin_token=token_from_env(),
+            control_host=ctx.spec.bind_host, control_names=(ctx.spec.host,),
+            admin_token=token_from_env(),
             on_stats=publish, stats_interval_s=ctx.option("stats_interval", 1.0),
             config=proxy_config(ctx), task_status=task_status,
         ))
