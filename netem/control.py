@@ -45,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
+from mesh.hosts import allowed_hosts
 from mesh.http import serve_http
 from mesh.metrics import register_process
 from netem.control_access import WriteGuard, check_bind
@@ -61,7 +62,6 @@ from netem.toxics import (
     params_view,
     toxic_update,
 )
-from services.contract.access import allowed_hosts
 
 logger = logging.getLogger(__name__)
 

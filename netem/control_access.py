@@ -27,8 +27,8 @@ import msgspec
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mesh.hosts import host_allowed
 from netem.params import LinkParamError, shown
-from services.contract.access import host_allowed
 
 _WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}

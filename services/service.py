@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from mesh import native
 from mesh.errors import ConfigError
 from mesh.events import EventBus
+from mesh.hosts import WILDCARD_HOSTS
 from mesh.http import serve_http
 from mesh.metrics import metrics_app, register_process, register_statistics
 from mesh.node import Node, NodeConfig
@@ -29,7 +30,6 @@ from mesh.server import Context
 from mesh.topology import LinkSpec, ServiceSpec, Topology
 from mesh.transport import Address, MemoryTransport, TcpTransport, Transport
 from mesh.wire import Codec
-from services.contract.access import WILDCARD_HOSTS
 from services.contract.events import Event
 from services.contract.messages import CODEC_MESSAGES, ClockQuery, ClockReading, Subscribe
 

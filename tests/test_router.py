@@ -17,8 +17,8 @@ import pytest
 from router_fakes import BLOCK, TOPOLOGY, FakeMesh, Timing, fake_mesh, fake_token
 
 from mesh.errors import ConfigError
+from mesh.hosts import allowed_hosts
 from mesh.topology import parse_topology
-from services.contract.access import allowed_hosts
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import SchedulerConfig, router_config
 from services.router.dynamic_policy import PrfaasDynamicPolicy

@@ -18,11 +18,12 @@ import pytest
 import trio
 
 from mesh.errors import ConfigError
+from mesh.hosts import allowed_hosts
 from mesh.http import serve_http
 from services.cli.procfile import ProcessSpec, parse_procfile
 from services.cli.supervisor import ProcessStatus, RestartPolicy, Supervisor
 from services.cli.supervisor_api import supervisor_app
-from services.contract.access import MESH_SECRET_ENV, allowed_hosts
+from services.contract.access import MESH_SECRET_ENV
 from tests.ports import free_port
 
 SLEEPER = (f"exec {shlex.quote(sys.executable)} -c "

@@ -2,7 +2,7 @@
 from its own page (`CsrfGuard`).
 
 `AccessGuard`, in front of everything: the request's Host must be one of the dashboard's own
-names (services.contract.access.allowed_hosts: a page whose name was rebound to 127.0.0.1 is
+names (mesh.hosts.allowed_hosts: a page whose name was rebound to 127.0.0.1 is
 refused), and with an admin token (required when the dashboard listens beyond loopback) every
 request must carry it: `Authorization: Bearer TOKEN`, or the cookie that opening
 `/?token=TOKEN` once sets (HttpOnly, SameSite=Strict: the page's own fetches and event
@@ -26,8 +26,8 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mesh.hosts import allowed_hosts, host_allowed
 from mesh.membership import is_loopback
-from services.contract.access import allowed_hosts, host_allowed
 
 CSRF_HEADER = "x-csrf-token"
 TOKEN_COOKIE = "prfaas_admin_token"

@@ -41,6 +41,7 @@ from starlette.applications import Starlette
 
 from mesh.allocator import allocator_env
 from mesh.errors import ConfigError, MeshError
+from mesh.hosts import allowed_hosts
 from mesh.http import serve_http
 from mesh.topology import Topology, load_topology
 from services.cli.lifeline import die_with_parent
@@ -51,7 +52,6 @@ from services.cli.supervisor_api import SUPERVISOR_URL_ENV, supervisor_app
 from services.contract.access import (
     MESH_SECRET_ENV,
     TOKEN_ENV,
-    allowed_hosts,
     service_secret,
     token_from_env,
 )

@@ -23,11 +23,11 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 import msgspec
 
 from mesh.errors import ConfigError
+from mesh.hosts import host_allowed
 from mesh.membership import check_secret, is_loopback
 from mesh.topology import Topology, mesh_secret
 
@@ -40,8 +40,6 @@ MESH_SECRET_ENV = "PRFAAS_MESH_SECRET"
 SUPERVISOR_URL_ENV = "PRFAAS_SUPERVISOR_URL"
 AUTHORIZATION = "authorization"
 # Addresses a server binds to that are no address to dial: the service's host is.
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -84,27 +82,6 @@ def require_token_beyond_loopback(host: str, token: str | None, what: str) -> No
 
 def bearer_headers(token: str | None) -> dict[str, str]:
     return {} if token is None else {AUTHORIZATION: f"Bearer {token}"}
-
-
-def allowed_hosts(bind: str, *names: str) -> frozenset[str] | None:
-    """The Host names an HTTP API bound to `bind` answers: the loopback names, `bind` and
-    `names` (where it is dialled). None (any) when it binds every address: beyond loopback
-    the admin token, required there, is its guard."""
-    if bind in WILDCARD_HOSTS:
-        return None
-    named = {name.lower() for name in names if name not in WILDCARD_HOSTS}
-    return LOOPBACK_NAMES | {bind.lower()} | named
-
-
-def host_allowed(host: str | None, allowed: frozenset[str] | None) -> bool:
-    """Whether a request's Host header (any port) names one of `allowed` (None: any)."""
-    if allowed is None:
-        return True
-    try:
-        name = urlsplit(f"//{host}").hostname if host else None
-    except ValueError:
-        return False
-    return name in allowed
 
 
 def check_admin(headers: Mapping[str, str], token: str | None, own_origin: str,

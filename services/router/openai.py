@@ -46,11 +46,11 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from mesh.errors import ConfigError
+from mesh.hosts import allowed_hosts
 from mesh.http import serve_http
 from mesh.metrics import register_process
 from mesh.transport import Address
 from services.contract.access import (
-    allowed_hosts,
     check_admin,
     require_token_beyond_loopback,
     token_from_env,
@@ -147,7 +147,7 @@ class RouterApp:
         self.scheduler, self.control, self.workload = scheduler, control, workload
         self.limits = limits
         self.admin_token = admin_token
-        # The Host names /admin/* answers (services.contract.access.allowed_hosts; None: any).
+        # The Host names /admin/* answers (mesh.hosts.allowed_hosts; None: any).
         self.hosts = hosts
         self.registry = CollectorRegistry(auto_describe=False)
         register_process(self.registry)
