@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.policies import create_policy
-from services.router.policy import PolicyError, RouteInputs
+from services.router.policy import PolicyError, PrfaasSite, RouteInputs
 from services.router.static_policies import (
     DynamoConfig,
     DynamoPolicy,
@@ -20,10 +20,30 @@ SCARCE = 0.9  # link utilisation above the default abundant_below (0.5)
 ABUNDANT = 0.1
 
 
-def inputs(total: int, prfaas: int = 0, pd: int = 0, util: float = ABUNDANT,
-           **extra: int | bool) -> RouteInputs:
-    return RouteInputs(request_id="r", total_len=total, cached_prfaas=prfaas, cached_pd=pd,
-                       link_utilisation=util, **extra)  # type: ignore[arg-type]
+def inputs(total: int, prfaas: int = 0, pd: int = 0, util: float = ABUNDANT, *,
+           queue: int = 0, stalls: int = 0, available: bool = True) -> RouteInputs:
+    site = PrfaasSite(name="prfaas", cached=prfaas, queue=queue, link_utilisation=util,
+                      link_stalls=stalls, available=available)
+    return RouteInputs(request_id="r", total_len=total, cached_pd=pd, prfaas_sites=(site,))
+
+
+def test_the_site_picked_is_the_available_one_with_the_longest_cache_then_the_calmest_link(
+) -> None:
+    policy = PrfaasPolicy()
+
+    def picked(*sites: PrfaasSite) -> RouteInputs:
+        return policy.pick_prfaas_site(RouteInputs(request_id="r", total_len=9_000,
+                                                   prfaas_sites=sites))
+
+    a, b = PrfaasSite(name="a", cached=512), PrfaasSite(name="b", cached=1024)
+    assert picked(a, b).site == b
+    assert picked(a, PrfaasSite(name="b", cached=1024, available=False)).site == a
+    calm = PrfaasSite(name="c", cached=512, link_utilisation=0.05)
+    assert picked(PrfaasSite(name="a", cached=512, link_utilisation=0.4), calm).site == calm
+    none = picked(PrfaasSite(name="a", available=False), PrfaasSite(name="b", available=False))
+    assert (none.site.name, none.site.available) == ("a", False)
+    decision = policy.decide(none)
+    assert decision.cluster == "pd" and "unavailable" in decision.reason
 
 
 def test_homogeneous_keeps_everything_local() -> None:
@@ -39,7 +59,7 @@ def test_naive_hetero_offloads_everything_and_falls_back_when_unavailable() -> N
     policy = NaiveHeteroPolicy()
     short = policy.decide(inputs(10, prfaas=0, pd=8))
     assert (short.cluster, short.incremental_len, short.resume_prefix) == ("prfaas", 10, 0)
-    down = policy.decide(inputs(5000, prfaas=0, pd=1000, prfaas_available=False))
+    down = policy.decide(inputs(5000, prfaas=0, pd=1000, available=False))
     assert (down.cluster, down.incremental_len) == ("pd", 4000)
     assert "unavailable" in down.reason
     assert policy.statistics().offload_fraction == 0.5
@@ -101,7 +121,7 @@ def test_the_reason_names_the_link_state_the_rule_came_from(name: str) -> None:
     assert "scarce" not in calm and "busy" not in calm
     busy = policy.decide(inputs(30_000, util=0.85)).reason
     assert "link busy (util 85% >= 50%): PD cache counts" in busy
-    stalled = policy.decide(inputs(30_000, util=0.03, link_stalls=2)).reason
+    stalled = policy.decide(inputs(30_000, util=0.03, stalls=2)).reason
     assert "link busy (2 recent stalls, util 3%): PD cache counts" in stalled
     pinned = create_policy(name, {"prefix_rule": "scarce"}).decide(inputs(30_000, util=0.03))
     assert "bandwidth pinned scarce: PD cache counts" in pinned.reason
@@ -112,7 +132,7 @@ def test_prfaas_pinned_modes_and_unavailable() -> None:
     assert pinned.decide(inputs(5_000, 4_500, 0, ABUNDANT)).cluster == "prfaas"
     pinned = PrfaasPolicy(PrfaasConfig(threshold=1_000, prefix_rule="abundant"))
     assert pinned.decide(inputs(5_000, 4_500, 0, SCARCE)).cluster == "pd"
-    d = PrfaasPolicy().decide(inputs(100_000, prfaas_available=False))
+    d = PrfaasPolicy().decide(inputs(100_000, available=False))
     assert d.cluster == "pd" and "unavailable" in d.reason
 
 
@@ -138,11 +158,11 @@ def test_dynamo_remote_iff_long_and_queue_short() -> None:
     assert policy.threshold == 1000
     local = policy.decide(inputs(1500, pd=600))  # 900 uncached <= 1000
     assert (local.cluster, local.incremental_len) == ("pd", 900)
-    remote = policy.decide(inputs(1500, pd=400, queue_prfaas=2))  # 1100 > 1000, queue 2 < 3
+    remote = policy.decide(inputs(1500, pd=400, queue=2))  # 1100 > 1000, queue 2 < 3
     assert remote.cluster == "prfaas" and "> local limit 1,000" in remote.reason
     # Dynamo reads the decode side's prefix into the remote prefill: a cross-cluster transfer.
     assert remote.resume_prefix == 400 and remote.cross_cluster_cache_transfer
-    busy = policy.decide(inputs(1500, pd=400, queue_prfaas=3))
+    busy = policy.decide(inputs(1500, pd=400, queue=3))
     assert busy.cluster == "pd" and "remote queue 3 >= 3" in busy.reason
 
 

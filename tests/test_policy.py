@@ -16,6 +16,7 @@ from services.router.policy import (
     LinkSample,
     Policy,
     PolicyError,
+    PrfaasSite,
     RequestFinished,
     RouteInputs,
     SetThreshold,
@@ -31,10 +32,11 @@ from services.router.static_policies import format_tokens, is_bandwidth_scarce
     [
         ({"total_len": -1}, "total_len must be >= 0, got -1"),
         ({"cached_pd": 11}, "cached_pd must be <= total_len=10, got 11"),
-        ({"cached_prfaas": -2}, "cached_prfaas must be >= 0, got -2"),
+        ({"prfaas_sites": ()}, "site_index must index one of the 0 prfaas_sites, got 0"),
+        ({"site_index": 1}, "site_index must index one of the 1 prfaas_sites, got 1"),
+        ({"prfaas_sites": (PrfaasSite(name="a", cached=11),)},
+         "PrfaaS site 'a': cached must be <= total_len=10, got 11"),
         ({"queue_pd": -1}, "queue_pd must be >= 0, got -1"),
-        ({"link_utilisation": math.nan}, "link_utilisation must be a finite number >= 0"),
-        ({"link_utilisation": -0.5}, "got -0.5"),
         ({"now": math.inf}, "now must be finite, got inf"),
     ],
 )
@@ -45,10 +47,29 @@ def test_route_inputs_reject_bad_values_naming_them(fields: dict[str, float],
         RouteInputs(**{**base, **fields})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cached": -2}, "PrfaaS site 'a': cached must be >= 0, got -2"),
+        ({"queue": -1}, "PrfaaS site 'a': queue must be >= 0, got -1"),
+        ({"link_stalls": -1}, "PrfaaS site 'a': link_stalls must be >= 0, got -1"),
+        ({"link_utilisation": math.nan}, "link_utilisation must be a finite number >= 0"),
+        ({"link_utilisation": -0.5}, "got -0.5"),
+    ],
+)
+def test_prfaas_site_rejects_bad_values_naming_them(fields: dict[str, float],
+                                                    message: str) -> None:
+    with pytest.raises(PolicyError, match=message.replace("(", r"\(")):
+        PrfaasSite(name="a", **fields)  # type: ignore[arg-type]
+
+
 def test_bandwidth_rule_watermark_stalls_and_pinned_modes() -> None:
-    calm = RouteInputs(request_id="r", total_len=1, link_utilisation=0.49)
-    busy = RouteInputs(request_id="r", total_len=1, link_utilisation=0.5)
-    stalled = RouteInputs(request_id="r", total_len=1, link_utilisation=0.1, link_stalls=1)
+    def on(site: PrfaasSite) -> RouteInputs:
+        return RouteInputs(request_id="r", total_len=1, prfaas_sites=(site,))
+
+    calm = on(PrfaasSite(name="prfaas", link_utilisation=0.49))
+    busy = on(PrfaasSite(name="prfaas", link_utilisation=0.5))
+    stalled = on(PrfaasSite(name="prfaas", link_utilisation=0.1, link_stalls=1))
     assert not is_bandwidth_scarce(calm, 0.5)
     assert is_bandwidth_scarce(busy, 0.5)
     assert is_bandwidth_scarce(stalled, 0.5)
@@ -111,8 +132,9 @@ def test_override_pins_t_and_is_refused_without_a_threshold() -> None:
 
 
 def test_decision_event_carries_every_input_and_round_trips() -> None:
-    inputs = RouteInputs(request_id="req-7", total_len=9000, cached_prfaas=512, cached_pd=1024,
-                         link_utilisation=0.3, queue_prfaas=2, queue_pd=5, now=3.0)
+    site = PrfaasSite(name="prfaas", cached=512, link_utilisation=0.3, queue=2)
+    inputs = RouteInputs(request_id="req-7", total_len=9000, cached_pd=1024, queue_pd=5,
+                         now=3.0, prfaas_sites=(site,))
     decision = create_policy("prfaas", {"threshold": 4000}).decide(inputs)
     event = decision_event(inputs, decision, policy="prfaas", prefill_worker="prfaas-0",
                            decode_worker="decode-1", ts=3.0)

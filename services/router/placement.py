@@ -230,7 +230,7 @@ class Placer:
         kinds: tuple[Cluster, Cluster] = (decision.cluster, _other(decision.cluster))
         failures = []
         for kind in kinds:
-            if kind == "prfaas" and not inputs.prfaas_available:
+            if kind == "prfaas" and not inputs.site.available:
                 failures.append("the PrfaaS cluster is unavailable")
                 continue
             try:
@@ -250,7 +250,7 @@ class Placer:
                                 code="no_worker")
 
     def _cluster(self, kind: Cluster, inputs: RouteInputs) -> str | None:
-        name = inputs.prfaas_cluster if kind == "prfaas" else inputs.pd_cluster
+        name = inputs.site.name if kind == "prfaas" else inputs.pd_cluster
         # Inputs built without cluster names (by hand, in tests) place in the kind at large.
         return name if name in self.workers.clusters(kind) else None
 
@@ -299,14 +299,11 @@ class Placer:
         cap = (total - 1) // bs * bs
         sites = tuple(self._site(name, pd, match, cap)
                       for name in self.workers.clusters("prfaas"))
-        first = sites[0] if sites else PrfaasSite(name="prfaas", available=False)
         return RouteInputs(
-            request_id=request_id, total_len=total, cached_prfaas=first.cached,
+            request_id=request_id, total_len=total,
             cached_pd=min(cap, self.workers.resumable_blocks("pd", match, pd) * bs),
-            link_utilisation=first.link_utilisation, link_stalls=first.link_stalls,
-            queue_prfaas=first.queue, queue_pd=self.workers.prefill_queue("pd", pd),
-            prfaas_available=first.available, now=self.clock(), prfaas_cluster=first.name,
-            pd_cluster=pd, prfaas_sites=sites)
+            queue_pd=self.workers.prefill_queue("pd", pd), now=self.clock(), pd_cluster=pd,
+            prfaas_sites=sites or (PrfaasSite(name="prfaas", available=False),))
 
     def _site(self, name: str, pd: str, match: PrefixMatch | None, cap: int) -> PrfaasSite:
         """One PrfaaS cluster's cache, queue and link to the PD cluster `pd`."""
@@ -330,7 +327,7 @@ def _placed_in(inputs: RouteInputs, kind: Cluster, why: str) -> Decision:
     """A decision that prefills in `kind` whatever the policy's rule says: a migration's, or
     a request whose decided kind of cluster has no prefill worker serving. Each cluster's own
     cache counts (no cache moves for it)."""
-    cached = inputs.cached_pd if kind == "pd" else inputs.cached_prfaas
+    cached = inputs.cached_pd if kind == "pd" else inputs.site.cached
     return Decision(cluster=kind, counted_prefix=cached, incremental_len=inputs.total_len - cached,
                     resume_prefix=cached, threshold=None, bandwidth_scarce=True,
                     cross_cluster_cache_transfer=False, reason=f"{why}: prefill in {kind}")

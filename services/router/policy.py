@@ -4,8 +4,10 @@ feedback and actions), and the bookkeeping every policy shares (`PolicyBase`).
 The router (services/router/scheduler.py) owns the I/O; a policy is pure state on an injected
 clock (`now` is passed in), so the same policy runs live and on virtual time. Per request:
 
-    inputs = RouteInputs(request_id=..., total_len=..., cached_prfaas=..., cached_pd=...,
-                         link_utilisation=..., queue_prfaas=..., queue_pd=..., now=...)
+    inputs = RouteInputs(request_id=..., total_len=..., cached_pd=..., queue_pd=..., now=...,
+                         prfaas_sites=(PrfaasSite(name=..., cached=..., queue=...,
+                                                  link_utilisation=...), ...))
+    inputs = policy.pick_prfaas_site(inputs)            # inputs.site: the PrfaaS cluster it uses
     decision = policy.decide(inputs)                    # which cluster prefills, and why
     ...choose workers (services/router/placement.py), run the request...
     event = decision_event(inputs, decision, policy=policy.name, prefill_worker=...,
@@ -63,8 +65,13 @@ class PrfaasSite(msgspec.Struct, frozen=True, kw_only=True):
     cached: int = 0  # resumable prefix of its best prefill worker (tokens)
     queue: int = 0  # its queued prefill jobs
     link_utilisation: float = 0.0  # egress of its link to the request's PD cluster
-    link_stalls: int = 0
+    link_stalls: int = 0  # transfer stalls seen recently on that link (the router's window)
     available: bool = True  # it has a serving prefill worker and its link is up
+
+    def __post_init__(self) -> None:
+        for name in ("cached", "queue", "link_stalls"):
+            _check_count(f"PrfaaS site {self.name!r}: {name}", getattr(self, name))
+        _check_finite(f"PrfaaS site {self.name!r}: link_utilisation", self.link_utilisation)
 
 
 def site_key(site: PrfaasSite, sent: int) -> tuple[int, float, int, int, str]:
@@ -77,35 +84,40 @@ def site_key(site: PrfaasSite, sent: int) -> tuple[int, float, int, int, str]:
 class RouteInputs(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a policy may look at for one request (tokens, 0..1, queue lengths, s).
 
-    The PrfaaS fields describe one PrfaaS cluster, `prfaas_cluster`; with several
-    (`prfaas_sites`), `Policy.pick_prfaas_site` fills them from the one the request would use.
+    Each PrfaaS cluster is one `PrfaasSite` in `prfaas_sites` (an unavailable one stands in
+    when the topology has none); `site` is the one the request would use, chosen by
+    `Policy.pick_prfaas_site` (`site_index`).
     """
 
     request_id: str
     total_len: int
-    cached_prfaas: int = 0  # resumable prefix of the best PrfaaS prefill worker
-    cached_pd: int = 0  # ... of the best PD prefill worker
-    link_utilisation: float = 0.0  # egress of the PrfaaS cluster's link (may exceed 1 briefly)
-    link_stalls: int = 0  # transfer stalls seen recently (the router's window)
-    queue_prfaas: int = 0  # queued prefill jobs in the PrfaaS cluster
-    queue_pd: int = 0  # ... in the PD cluster
-    prfaas_available: bool = True  # False: no PrfaaS worker, or the link is down
+    cached_pd: int = 0  # resumable prefix of the best PD prefill worker
+    queue_pd: int = 0  # queued prefill jobs in the PD cluster
     now: float = 0.0
-    prfaas_cluster: str = "prfaas"  # the PrfaaS cluster the fields above describe
     pd_cluster: str = "pd"  # the PD cluster of the request's decode worker
-    prfaas_sites: tuple[PrfaasSite, ...] = ()  # every PrfaaS cluster (empty: just the one)
+    prfaas_sites: tuple[PrfaasSite, ...] = (PrfaasSite(name="prfaas"),)  # every PrfaaS cluster
+    site_index: int = 0  # of the site in `prfaas_sites` the request would use
 
     def __post_init__(self) -> None:
-        for name in ("total_len", "cached_prfaas", "cached_pd", "link_stalls",
-                     "queue_prfaas", "queue_pd"):
+        for name in ("total_len", "cached_pd", "queue_pd"):
             _check_count(name, getattr(self, name))
-        for name in ("cached_prfaas", "cached_pd"):
-            if getattr(self, name) > self.total_len:
-                raise PolicyError(f"{name} must be <= total_len={self.total_len}, got "
-                                  f"{getattr(self, name)!r}")
-        _check_finite("link_utilisation", self.link_utilisation)
+        if self.cached_pd > self.total_len:
+            raise PolicyError(f"cached_pd must be <= total_len={self.total_len}, got "
+                              f"{self.cached_pd!r}")
+        for site in self.prfaas_sites:
+            if site.cached > self.total_len:
+                raise PolicyError(f"PrfaaS site {site.name!r}: cached must be <= "
+                                  f"total_len={self.total_len}, got {site.cached!r}")
+        if not 0 <= self.site_index < len(self.prfaas_sites):
+            raise PolicyError(f"site_index must index one of the {len(self.prfaas_sites)} "
+                              f"prfaas_sites, got {self.site_index!r}")
         if not math.isfinite(self.now):
             raise PolicyError(f"now must be finite, got {self.now!r}")
+
+    @property
+    def site(self) -> PrfaasSite:
+        """The PrfaaS cluster the request would use: its cache, queue, link and availability."""
+        return self.prfaas_sites[self.site_index]
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -268,10 +280,10 @@ def decision_event(inputs: RouteInputs, decision: Decision, *, policy: str,
     """The telemetry event of one decision, with every input (docs/architecture.md section 4)."""
     return RoutingDecision(
         ts=ts, source=source, request_id=inputs.request_id, policy=policy,
-        total_len=inputs.total_len, cached_prfaas=inputs.cached_prfaas,
+        total_len=inputs.total_len, cached_prfaas=inputs.site.cached,
         cached_pd=inputs.cached_pd, incremental_len=decision.incremental_len,
         threshold=json_threshold(decision.threshold),
-        link_utilisation=inputs.link_utilisation, queue_prfaas=inputs.queue_prfaas,
+        link_utilisation=inputs.site.link_utilisation, queue_prfaas=inputs.site.queue,
         queue_pd=inputs.queue_pd, cluster=decision.cluster, prefill_worker=prefill_worker,
         decode_worker=decode_worker, bandwidth_scarce=decision.bandwidth_scarce,
         reason=decision.reason)

@@ -62,18 +62,15 @@ class PolicyBase(Generic[_Config]):
         self._sent: dict[str, int] = {}  # requests sent to each PrfaaS cluster
 
     def pick_prfaas_site(self, inputs: RouteInputs) -> RouteInputs:
-        """`inputs` with the PrfaaS fields of the PrfaaS cluster a request would go to
-        (`site_key`); unavailable when none is. Unchanged without `prfaas_sites`."""
-        sites = [s for s in inputs.prfaas_sites if s.available]
-        if not inputs.prfaas_sites:
+        """`inputs` with `site` the available PrfaaS cluster a request would go to
+        (`site_key`); unchanged, its site unavailable, when none is available."""
+        sites = inputs.prfaas_sites
+        open_sites = [i for i, s in enumerate(sites) if s.available]
+        if not open_sites:
             return inputs
-        if not sites:
-            return msgspec.structs.replace(inputs, prfaas_available=False)
-        best = min(sites, key=lambda s: site_key(s, self._sent.get(s.name, 0)))
-        return msgspec.structs.replace(
-            inputs, cached_prfaas=best.cached, queue_prfaas=best.queue,
-            link_utilisation=best.link_utilisation, link_stalls=best.link_stalls,
-            prfaas_available=True, prfaas_cluster=best.name)
+        best = min(open_sites,
+                   key=lambda i: site_key(sites[i], self._sent.get(sites[i].name, 0)))
+        return msgspec.structs.replace(inputs, site_index=best)
 
     def _default_config(self) -> _Config:
         return self.config_type()  # type: ignore[return-value]
@@ -98,7 +95,7 @@ class PolicyBase(Generic[_Config]):
         self._decisions += 1
         self._to_prfaas += decision.cluster == "prfaas"
         if decision.cluster == "prfaas":
-            self._sent[inputs.prfaas_cluster] = self._sent.get(inputs.prfaas_cluster, 0) + 1
+            self._sent[inputs.site.name] = self._sent.get(inputs.site.name, 0) + 1
         self._transfers += decision.cross_cluster_cache_transfer
         self._last_reason = decision.reason
         return decision
@@ -164,7 +161,7 @@ def is_bandwidth_scarce(inputs: RouteInputs, abundant_below: float,
     """
     if mode != "auto":
         return mode == "scarce"
-    return inputs.link_utilisation >= abundant_below or inputs.link_stalls > 0
+    return inputs.site.link_utilisation >= abundant_below or inputs.site.link_stalls > 0
 
 
 def link_note(inputs: RouteInputs, abundant_below: float, mode: PrefixRule = "auto") -> str:
@@ -172,10 +169,10 @@ def link_note(inputs: RouteInputs, abundant_below: float, mode: PrefixRule = "au
     against the watermark and its recent stalls ("link calm (util 3% < 50%)"), or the pin."""
     if mode != "auto":
         return f"bandwidth pinned {mode}"
-    util = f"util {inputs.link_utilisation:.0%}"
-    if inputs.link_stalls > 0:
-        return f"link busy ({inputs.link_stalls} recent stalls, {util})"
-    if inputs.link_utilisation >= abundant_below:
+    util = f"util {inputs.site.link_utilisation:.0%}"
+    if inputs.site.link_stalls > 0:
+        return f"link busy ({inputs.site.link_stalls} recent stalls, {util})"
+    if inputs.site.link_utilisation >= abundant_below:
         return f"link busy ({util} >= {abundant_below:.0%})"
     return f"link calm ({util} < {abundant_below:.0%})"
 
@@ -250,7 +247,7 @@ class NaiveHeteroPolicy(PolicyBase[NaiveHeteroConfig]):
 
     def _decide(self, inputs: RouteInputs) -> Decision:
         scarce = is_bandwidth_scarce(inputs, self.config.abundant_below)
-        if not inputs.prfaas_available:
+        if not inputs.site.available:
             incremental = inputs.total_len - inputs.cached_pd
             return Decision(
                 cluster="pd", counted_prefix=inputs.cached_pd, incremental_len=incremental,
@@ -258,10 +255,10 @@ class NaiveHeteroPolicy(PolicyBase[NaiveHeteroConfig]):
                 cross_cluster_cache_transfer=False,
                 reason=f"naive-hetero: PrfaaS unavailable, l = {format_tokens(incremental)} "
                        "falls back to the PD cluster")
-        incremental = inputs.total_len - inputs.cached_prfaas
+        incremental = inputs.total_len - inputs.site.cached
         return Decision(
-            cluster="prfaas", counted_prefix=inputs.cached_prfaas, incremental_len=incremental,
-            resume_prefix=inputs.cached_prfaas, threshold=None, bandwidth_scarce=scarce,
+            cluster="prfaas", counted_prefix=inputs.site.cached, incremental_len=incremental,
+            resume_prefix=inputs.site.cached, threshold=None, bandwidth_scarce=scarce,
             cross_cluster_cache_transfer=False,
             reason=f"naive-hetero: every prefill on PrfaaS, l = {format_tokens(incremental)}")
 
@@ -288,18 +285,18 @@ def _unavailable(inputs: RouteInputs, threshold: float, scarce: bool, who: str) 
 
 
 def _counted_prefix(inputs: RouteInputs, scarce: bool) -> int:
-    return inputs.cached_pd if scarce else max(inputs.cached_prfaas, inputs.cached_pd)
+    return inputs.cached_pd if scarce else max(inputs.site.cached, inputs.cached_pd)
 
 
 def _own_cache(inputs: RouteInputs, cluster: Cluster) -> int:
-    return inputs.cached_prfaas if cluster == "prfaas" else inputs.cached_pd
+    return inputs.site.cached if cluster == "prfaas" else inputs.cached_pd
 
 
 def threshold_rule(inputs: RouteInputs, threshold: float, scarce: bool, who: str = "prfaas",
                    link: str = "") -> Decision:
     """The paper's rule at threshold t under the scarce or abundant prefix rule; `link` says
     in the reason why that rule applies (`link_note`), else the rule alone is named."""
-    if not inputs.prfaas_available:
+    if not inputs.site.available:
         return _unavailable(inputs, threshold, scarce, who)
     counted = _counted_prefix(inputs, scarce)
     incremental = inputs.total_len - counted
@@ -393,12 +390,12 @@ class DynamoPolicy(PolicyBase[DynamoConfig]):
     def _why_local(self, inputs: RouteInputs, incremental: int,
                    threshold: float) -> str | None:
         """None when the request goes remote, else the reason it stays local."""
-        if not inputs.prfaas_available:
+        if not inputs.site.available:
             return "PrfaaS unavailable"
         if incremental <= threshold:
             return f"l = {format_tokens(incremental)} <= local limit {format_tokens(threshold)}"
-        if inputs.queue_prfaas >= self.config.max_prefill_queue_size:
-            return (f"remote queue {inputs.queue_prfaas} >= "
+        if inputs.site.queue >= self.config.max_prefill_queue_size:
+            return (f"remote queue {inputs.site.queue} >= "
                     f"{self.config.max_prefill_queue_size}")
         return None
 
@@ -413,11 +410,11 @@ class DynamoPolicy(PolicyBase[DynamoConfig]):
                 cluster="pd", counted_prefix=inputs.cached_pd, incremental_len=incremental,
                 resume_prefix=inputs.cached_pd, threshold=threshold, bandwidth_scarce=scarce,
                 cross_cluster_cache_transfer=False, reason=f"dynamo: {local} -> PD prefill")
-        resume = max(inputs.cached_prfaas, inputs.cached_pd)
+        resume = max(inputs.site.cached, inputs.cached_pd)
         return Decision(
             cluster="prfaas", counted_prefix=inputs.cached_pd, incremental_len=incremental,
             resume_prefix=resume, threshold=threshold, bandwidth_scarce=scarce,
-            cross_cluster_cache_transfer=resume > inputs.cached_prfaas,
+            cross_cluster_cache_transfer=resume > inputs.site.cached,
             reason=(f"dynamo: l = {format_tokens(incremental)} > local limit "
-                    f"{format_tokens(threshold)} and remote queue {inputs.queue_prfaas} < "
+                    f"{format_tokens(threshold)} and remote queue {inputs.site.queue} < "
                     f"{self.config.max_prefill_queue_size} -> PrfaaS"))

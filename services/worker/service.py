@@ -30,7 +30,6 @@ from mesh.transport import Address
 from services.contract.errors import WrongRole
 from services.contract.events import Event, RoleChanged, WorkerStatus
 from services.contract.messages import (
-    DEFAULT_LANES,
     CacheReport,
     DecodeRequest,
     KVAccepted,
@@ -60,10 +59,11 @@ from services.service import (
     serve_metrics,
 )
 from services.worker.compute import ComputeRunner, Pacing
-from services.worker.decode import DecodeConfig, DecodeWorker
+from services.worker.config import WorkerConfig, worker_config
+from services.worker.decode import DecodeWorker
 from services.worker.engine import Engine, ModelEngine
 from services.worker.kv_metrics import KVTransferMetrics
-from services.worker.prefill import PrefillConfig, PrefillWorker
+from services.worker.prefill import PrefillWorker
 from services.worker.prefix_pull import PrefixTransfer
 from services.worker.prefix_store import MIB, CacheReporter, PrefixStore, PrefixStoreConfig
 
@@ -83,23 +83,20 @@ def checkpoint_path(option: str, family: str, size: str) -> Path | None:
     return None
 
 
-def load_model(ctx: ServiceContext) -> tuple[HybridLM, str]:
-    """The model named by the service's options, and where its weights came from (every
+def load_model(name: str, config: WorkerConfig) -> tuple[HybridLM, str]:
+    """The model named by worker `name`'s options, and where its weights came from (every
     worker of a topology must end up with the same weights: same file, or same seed)."""
-    family = ctx.option("family", "kimi-linear")
-    size = ctx.option("size", "default")
-    seed = ctx.option("seed", 0)
-    path = checkpoint_path(ctx.option("checkpoint", "auto"), family, size)
+    family, size, seed = config.family, config.size, config.seed
+    path = checkpoint_path(config.checkpoint, family, size)
     if path is None:
         log.info("no checkpoint for %s/%s: random init with seed %d", family, size, seed)
         cfg = family_config(family, size)
-        return build_model(cfg, seed=seed, dtype=ctx.option("dtype", "float32")), (
-            f"random-init seed {seed}")
+        return build_model(cfg, seed=seed, dtype=config.dtype), f"random-init seed {seed}"
     from services.model.train import load_checkpoint
 
-    model, cfg, _ = load_checkpoint(path, dtype=ctx.option("dtype", "float32"))
+    model, cfg, _ = load_checkpoint(path, dtype=config.dtype)
     if (cfg.family, cfg.size) != (family, size):
-        raise ConfigError(f"service {ctx.name!r}: checkpoint {str(path)!r} holds "
+        raise ConfigError(f"service {name!r}: checkpoint {str(path)!r} holds "
                           f"{cfg.family}/{cfg.size}, options say {family}/{size}")
     assert isinstance(model, HybridLM)
     return model, f"checkpoint {path}"
@@ -110,22 +107,6 @@ def model_info(model: HybridLM, source: str) -> ModelInfo:
     return ModelInfo(family=cfg.family, size=cfg.size, config_hash=cfg.config_hash(),
                      dtype=dtype_name(model.dtype), vocab_size=cfg.vocab_size,
                      block_size=cfg.block_size, eos_id=cfg.eos_id, source=source)
-
-
-class HandlerSlots(msgspec.Struct, frozen=True, kw_only=True):
-    """Handler slots of the data path's pools (mesh.pools), apart from the node's shared ones
-    (status, role, cache reports, events): a decode stream waiting for its KV never holds a
-    slot the KV upload needs, and neither holds one a status poll needs."""
-
-    prefill: int = 64  # prefill calls queued or running (one computes at a time)
-    decode: int = 64  # decode streams at once: DecodeConfig.max_streams
-    upload: int = 16  # KV upload lanes being received at once
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "upload"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} handler slots must be >= 1, got "
-                                  f"{getattr(self, name)}")
 
 
 def serve_prefill(node: Node, worker: PrefillWorker,
@@ -172,12 +153,14 @@ class WorkerService:
     def __init__(self, ctx: ServiceContext, engine: Engine, info: ModelInfo,
                  runner: ComputeRunner | None = None, *,
                  cache_reports: Callable[[CacheReport], None] | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, config: WorkerConfig | None = None) -> None:
         """`cache_reports`: the cache directory's own intake when it runs in this event loop
         (the simulation's `CacheDirService.take`): the worker's cache reports are handed to
         it rather than cast (`CacheReporter`). `tracer`: the OpenTelemetry spans of its
-        prefills and decodes (services/contract/tracing.py); None: tracing is off."""
+        prefills and decodes (services/contract/tracing.py); None: tracing is off.
+        `config`: its options, if already built from the topology (`worker_config`)."""
         self.ctx = ctx
+        self.config = config or worker_config(ctx.topology, ctx.spec)
         self.name = ctx.name
         self.cluster = ctx.spec.cluster
         self.cluster_kind = ctx.topology.cluster(self.cluster).kind if self.cluster else ""
@@ -187,10 +170,9 @@ class WorkerService:
         self.bus: EventBus[Event] = EventBus()
         self.node = ctx.node()
         lane_config = NodeConfig(max_concurrency=1)
-        lanes = ctx.option("connections", DEFAULT_LANES)
         self.lanes = [self.node] + [ctx.node(f"{self.name}#{k}", lane_config)
-                                    for k in range(1, lanes)]
-        budget = int(ctx.option("cache_mib", 256.0) * MIB)
+                                    for k in range(1, self.config.connections)]
+        budget = int(self.config.cache_mib * MIB)
         self.store = PrefixStore(self.name, engine.cfg.block_size, PrefixStoreConfig(
             budget_bytes=budget))
         cachedir = next((s.name for s in ctx.topology.find(kind="cachedir")), None)
@@ -203,23 +185,13 @@ class WorkerService:
                                        report=self.reporter.submit, kv_metrics=self.kv_metrics)
         self.prefill = PrefillWorker(
             engine, self.store, self.lanes,
-            PrefillConfig(name=self.name, cluster=self.cluster,
-                          snapshot_every=ctx.option("snapshot_every", 1),
-                          chunk_tokens=ctx.option("chunk_tokens", 512),
-                          max_streaming=ctx.option("max_streaming", 1)),
+            self.config.prefill_config(self.name, self.cluster),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
             link_of=link_of_peer(ctx.topology, self.cluster), runner=runner,
             transfer=self.transfer, tracer=tracer,
         )
-        self.slots = HandlerSlots(prefill=ctx.option("prefill_slots", 64),
-                                  decode=ctx.option("max_streams", 64),
-                                  upload=ctx.option("upload_slots", 16))
         self.decode = DecodeWorker(
-            engine, self.store, DecodeConfig(name=self.name, cluster=self.cluster,
-                                             slots=ctx.option("slots", 8),
-                                             max_streams=self.slots.decode,
-                                             max_batch=ctx.option("max_batch", 0),
-                                             orphan_timeout=ctx.option("orphan_timeout", 120.0)),
+            engine, self.store, self.config.decode_config(self.name, self.cluster),
             bus=self.bus, pacing=pacing, report=self.reporter.submit,
             kv_metrics=self.kv_metrics, tracer=tracer,
         )
@@ -228,18 +200,15 @@ class WorkerService:
     def _pacing(self) -> Pacing | None:
         if self.ctx.mode != "emulated":
             return None
-        profile = self.ctx.option("profile", "cpu")
         # The topology's scale: served tokens per modeled (paper-length) token.
-        scale = self.ctx.option("scale", 1.0)
-        if not scale > 0:
-            raise ConfigError(f"service {self.name!r}: option scale must be > 0, got {scale}")
-        return Pacing(CostModel.load(profile), Pacer(self.ctx.time_scale), 1.0 / scale)
+        return Pacing(CostModel.load(self.config.profile), Pacer(self.ctx.time_scale),
+                      1.0 / self.config.scale)
 
     def _register(self) -> None:
         serve_prefill(self.node, self.prefill, lambda: self._admit("prefill"),
-                      slots=self.slots.prefill)
+                      slots=self.config.prefill_slots)
         serve_decode(self.node, self.decode, lambda: self._admit("decode"),
-                     upload_slots=self.slots.upload, prefixes=self.transfer)
+                     upload_slots=self.config.upload_slots, prefixes=self.transfer)
         serve_events(self.node, self.bus)
 
         @self.node.handles(StatusQuery)
@@ -281,7 +250,7 @@ class WorkerService:
             await self.prefill.wait_idle()
             await self.decode.wait_idle()
             # A new role is not free: reloading for it serves neither role meanwhile.
-            await anyio.sleep(self.ctx.option("conversion_s", 0.0))
+            await anyio.sleep(self.config.conversion_s)
         finally:
             self.draining = False
         self.role = role
@@ -301,7 +270,7 @@ class WorkerService:
             queue_depth=prefill.queue_depth + decode.waiting,
             running=prefill.running + decode.running,
             cached_blocks=self.store.blocks, model=self.info,
-            max_streams=self.slots.decode if self.role == "decode" else 0,
+            max_streams=self.config.max_streams if self.role == "decode" else 0,
             kv_sent_bytes=sent.sent_bytes, kv_held_s=sent.held_s,
         )
 
@@ -332,7 +301,7 @@ class WorkerService:
             tg = await stack.enter_async_context(anyio.create_task_group())
             tg.start_soon(self.decode.run)
             tg.start_soon(self.reporter.run)
-            tg.start_soon(self._publish_status_every, self.ctx.option("status_interval", 1.0))
+            tg.start_soon(self._publish_status_every, self.config.status_interval)
             sources: dict[str, StatisticsSource] = {
                 "node": self.node.statistics, "prefill": self.prefill.statistics,
                 "decode": self.decode.statistics, "prefix_cache": self.store.statistics,
@@ -352,11 +321,11 @@ async def run_worker(
     ctx: ServiceContext, *, task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """The `prefill` / `decode` runner of `prfaas serve`."""
-    threads = ctx.option("threads", 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
-    model, source = await anyio.to_thread.run_sync(load_model, ctx)
+    config = worker_config(ctx.topology, ctx.spec)
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    model, source = await anyio.to_thread.run_sync(load_model, ctx.name, config)
     service = WorkerService(ctx, ModelEngine(model), model_info(model, source),
-                            tracer=tracer_for(ctx.name, ctx.option("otlp_endpoint", "")))
+                            tracer=tracer_for(ctx.name, config.otlp_endpoint), config=config)
     ctx.expose(ctx.name, service)
     await service.run(task_status=task_status)
