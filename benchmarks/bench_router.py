@@ -27,14 +27,18 @@ scrape measured alone, 200 scrapes back to back once the histograms are full, wi
 of a request's CPU that makes at the scraped rate).
 
 `--against PATH` adds a fourth target to every round: the router from the code at PATH (a
-checkout of another commit; its own `prfaas serve router`, run in PATH with PATH alone on its
-PYTHONPATH, on ports of its own) over the same backend processes and client, taking turns with
-this tree's router, first in every other round (`against` in the JSON: per kind, each router's
-CPU per request read to the nanosecond, their ratio over the whole phase and the median of
-each round's pair, at the throughput concurrency and at concurrency 1; whether tracing was
-on). The other router talks to this tree's backend as long as the contract's messages only
-gained fields with defaults (msgspec structs skip fields they do not know). `cpu` in the JSON
-names the machine's CPU (services/bench/host.py).
+checkout of another commit, or a commit of this repository, which is exported with `git
+archive` into the run's temporary folder; its own `prfaas serve router`, run in PATH with PATH
+alone on its PYTHONPATH, on ports of its own) over the same backend processes and client,
+taking turns with this tree's router, first in every other round (`against` in the JSON: per
+kind, each router's CPU per request read to the nanosecond, their ratio over the whole phase
+and the median of each round's pair, at the throughput concurrency and at concurrency 1;
+whether tracing was on). With tracing off, the worse kind's ratio is also the headline
+`tracing_off_cpu_ratio` (`make bench-router` runs against the commit before tracing, so it is
+what tracing costs when off, with the other changes since). The other router talks to this
+tree's backend as long as the contract's messages only gained fields with defaults (msgspec
+structs skip fields they do not know). `cpu` in the JSON names the machine's CPU
+(services/bench/host.py).
 
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
@@ -56,12 +60,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -401,6 +407,7 @@ class Options(msgspec.Struct, frozen=True):
     long_senders: int = 2
     scrape_s: float = 0.0  # 0: no scraped turn
     against: str = ""  # another tree whose router takes turns with this one's ("": none)
+    against_commit: str = ""  # its commit ("": not known)
 
 
 def thread_cpu_seconds(pid: int) -> float:
@@ -593,10 +600,20 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
            if "long" in runs["router"] else {}),
         **({"scrape": scrape_report(runs["router"], runs["scraped"], options)}
            if "scraped" in runs else {}),
-        **({"against": against_report(runs["router"], runs["against"], options)}
+        **(against_keys(against_report(runs["router"], runs["against"], options))
            if "against" in runs else {}),
         "cpu": cpu_name(),
     }
+
+
+def against_keys(against: dict[str, Any]) -> dict[str, Any]:
+    """`against` in the JSON, and with tracing off its headline: this tree's router CPU per
+    request over the other's, the worse kind's whole phase and median of rounds."""
+    if against["tracing"] != "off":
+        return {"against": against}
+    return {"tracing_off_cpu_ratio": against["ratio"],
+            "tracing_off_cpu_median_ratio": against["median_ratio"],
+            "tracing_off_against": against["commit"], "against": against}
 
 
 def cpu_pair(ours: Run, theirs: Run) -> dict[str, Any]:
@@ -618,10 +635,29 @@ def against_report(router: dict[str, Run], against: dict[str, Run],
     kinds = {kind: {**cpu_pair(router[f"{kind}/rps"], against[f"{kind}/rps"]),
                     "at_concurrency_1": cpu_pair(router[f"{kind}/lat"], against[f"{kind}/lat"])}
              for kind in KINDS}
-    return {"tree": options.against, "commit": tree_commit(Path(options.against)),
+    return {"tree": options.against,
+            "commit": options.against_commit or tree_commit(Path(options.against)),
             "tracing": "on" if endpoint_from_env(os.environ) else "off",
             "ratio": max(k["ratio"] for k in kinds.values()),
             "median_ratio": max(k["median_ratio"] for k in kinds.values()), "kinds": kinds}
+
+
+def against_tree(spec: str, workdir: Path) -> tuple[Path, str]:
+    """The code `--against` names and its commit: a directory as it is, else a commit of this
+    repository, its files exported (`git archive`) into a folder under `workdir`."""
+    if Path(spec).is_dir():
+        return Path(spec).resolve(), ""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--short",
+                            f"{spec}^{{commit}}"], capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        raise SystemExit(f"--against {spec!r}: neither a directory nor a commit of {ROOT}")
+    commit = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True,
+                             check=True)
+    tree = workdir / f"against-{commit}"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as files:
+        files.extractall(tree, filter="data")
+    return tree, commit
 
 
 def tree_commit(tree: Path) -> str:
@@ -788,8 +824,9 @@ def main(argv: list[str] | None = None) -> int:
                              "seconds, in the same rounds (0: not)")
     parser.add_argument("--against", metavar="PATH",
                         help="also run the router from the code at PATH (a checkout of "
-                             "another commit), taking turns with this one's in every round "
-                             "over the same backend: CPU per request of each")
+                             "another commit, or a commit of this repository), taking turns "
+                             "with this one's in every round over the same backend: CPU per "
+                             "request of each")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -807,9 +844,12 @@ def main(argv: list[str] | None = None) -> int:
                       tokens_per_message=args.tokens_per_message,
                       rounds=max(1, min(args.rounds, args.requests)),
                       long_senders=max(0, args.long_senders),
-                      scrape_s=max(0.0, args.scrape_every),
-                      against=str(Path(args.against).resolve()) if args.against else "")
+                      scrape_s=max(0.0, args.scrape_every))
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
+        if args.against:
+            tree, commit = against_tree(args.against, Path(log_dir))
+            options = msgspec.structs.replace(options, against=str(tree),
+                                              against_commit=commit)
         result = bench(options, Path(log_dir))
     print_table(result)
     print(json.dumps(result))
