@@ -13,7 +13,9 @@ request (with a client's traceparent header), a local one, and one whose decode 
 killed mid-stream are each found as one trace: the router's spans, the prefill worker's and
 the decode worker's under the router's attempt span (parented across processes through the
 messages' `trace` field), the KV lanes through the link or not, a migration span on the
-third, and the time to first token equal to the one the router's histogram observed.
+third, the time to first token equal to the one the router's histogram observed, and the
+spans on the way to that first token (the prefill's wait and compute, the KV's arrival, the
+decode worker's first token) inside it.
 """
 
 from __future__ import annotations
@@ -369,6 +371,9 @@ def check_attempt(trace: Trace, request: Span, attempt: int, prefill_worker: str
         "prfaas.kv.bytes"] > 0
     assert {s.attributes["prfaas.kv.link"] for s in lanes} == {link}
     assert {s.attributes["prfaas.kv.via_link"] for s in lanes} == {link != "local"}
+    # A lane's own timing (open to accepted, on the event loop's clock: uvloop's counts
+    # milliseconds) is inside its span.
+    assert all(0 < s.attributes["prfaas.kv.seconds"] <= s.seconds + 1e-3 for s in lanes)
     assert decode.service == span.attributes["prfaas.decode_worker"]
     assert {s.name for s in trace.children(decode)} >= {"decode.kv", "decode.queue"}
     assert "first_token" in decode.events
@@ -395,6 +400,23 @@ def check_router(trace: Trace, ttft_s: float) -> Span:
     return request
 
 
+def check_first_token_path(trace: Trace, request: Span, ttft_s: float) -> None:
+    """Durations consistent with the router's TTFT: the first attempt's prefill waited and
+    computed within it, and (where its decode worker lived to export) the compute ended
+    before the KV was in, the KV before the worker's first token, that before the router's
+    (one host's clock here)."""
+    (attempt,) = trace.children(request, "attempt 0")
+    (prefill,) = trace.children(attempt, "prefill")
+    (queue,) = trace.children(prefill, "prefill.queue")
+    (compute,) = trace.children(prefill, "prefill.compute")
+    assert queue.seconds + compute.seconds <= ttft_s
+    assert compute.end <= request.events["first_token"]
+    for decode in trace.children(attempt, "decode"):
+        (kv,) = trace.children(decode, "decode.kv")
+        assert compute.end <= kv.end <= decode.events["first_token"]
+        assert decode.events["first_token"] <= request.events["first_token"]
+
+
 def ttft_of(mesh: Mesh, send: Callable[[], str]) -> tuple[str, float]:
     before = mesh.ttft_sum()
     request_id = send()
@@ -410,10 +432,9 @@ def test_an_offloaded_request_is_one_trace_continuing_the_clients(mesh: Mesh) ->
     assert trace.one("POST /v1/completions").parent_id == CLIENT_SPAN
     request = check_router(trace, ttft)
     assert request.attributes["prfaas.cluster"] == "prfaas"
-    _, decode = check_attempt(trace, request, 0, "prfaas-prefill-0", "link-0")
+    check_attempt(trace, request, 0, "prfaas-prefill-0", "link-0")
+    check_first_token_path(trace, request, ttft)
     trace.check_timing()
-    # The decode worker's first token precedes the router's (one host's clock here).
-    assert decode.events["first_token"] <= request.events["first_token"]
 
 
 @pytest.mark.slow
@@ -425,6 +446,7 @@ def test_a_local_request_is_one_trace_without_the_link(mesh: Mesh) -> None:
     request = check_router(trace, ttft)
     assert request.attributes["prfaas.cluster"] == "pd"
     check_attempt(trace, request, 0, "pd-prefill-0", "local")
+    check_first_token_path(trace, request, ttft)
     trace.check_timing()
     assert {s.service for s in trace.spans} == {"router", "pd-prefill-0",
                                                 trace.one("decode").service}
@@ -452,6 +474,9 @@ def test_a_request_whose_decode_worker_is_killed_shows_its_migration(mesh: Mesh)
     assert {s.name for s in trace.children(migration)} == {"cachedir.lookup", "policy"}
     (first,) = trace.children(request, "attempt 0")
     assert not first.ok and first.end <= migration.start + 5e6
+    # The break came after the first token the histogram timed (the client had seen 8).
+    check_first_token_path(trace, request, ttft)
+    assert request.events["first_token"] <= migration.start
     _, decode = check_attempt(trace, request, 1, "pd-prefill-0", "local")
     assert decode.service == survivor
     # The killed worker's decode span died with it: only the survivor's was exported.
