@@ -125,6 +125,9 @@ MAX_TOKENS = 24
 KILL_AFTER = 8  # tokens the client has seen when the decode worker is killed
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+DECISION_INPUTS = ("total_len", "cached_prfaas", "cached_pd", "incremental_len", "threshold",
+                   "link_utilisation", "queue_prfaas", "queue_pd", "bandwidth_scarce",
+                   "prefill_worker", "decode_worker", "policy")
 
 
 @dataclass
@@ -391,6 +394,10 @@ def check_router(trace: Trace, ttft_s: float) -> Span:
                                                          "policy", "attempt 0"}
     policy = trace.children(request, "policy")[0]
     assert policy.attributes["prfaas.decision.reason"]
+    # Every input the policy decided on, as the dashboard's RoutingDecision has it.
+    assert {f"prfaas.decision.{name}" for name in DECISION_INPUTS} <= policy.attributes.keys()
+    assert policy.attributes["prfaas.decision.total_len"] == request.attributes[
+        "gen_ai.usage.input_tokens"]
     assert policy.attributes["prfaas.decision.cluster"] == request.attributes["prfaas.cluster"]
     # The span's TTFT is the histogram's; its first_token event is when the router saw it.
     assert request.attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(
