@@ -64,6 +64,29 @@ async def test_a_traced_requests_dashboard_events_name_its_trace(
     assert decision.trace_id == done.trace_id == f"{request.context.trace_id:032x}"
     assert {s.context.trace_id for s in spans.get_finished_spans()} == {
         request.context.trace_id}
+    # The workers' messages carry the attempt span's traceparent: their spans' parent.
+    [attempt] = [s for s in spans.get_finished_spans() if s.name == "attempt 0"]
+    ctx = attempt.context
+    carried = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    [prefill] = mesh.workers["pd-prefill-0"].prefills
+    [decode] = mesh.workers["pd-decode-0"].decodes
+    assert prefill.trace == decode.trace == carried
+
+
+@pytest.mark.trio
+async def test_untraced_the_messages_and_events_carry_no_trace(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        assert mesh.scheduler.tracer is None
+        handle = await mesh.scheduler.submit(generation(range(1, 41)))
+        await handle.collect()
+        await trio.testing.wait_all_tasks_blocked()
+        events = await mesh.take_events()
+    [decision] = decisions(events)
+    [done] = [e for e in events if isinstance(e, RequestDone)]
+    assert decision.trace_id == done.trace_id == ""
+    assert [m.trace for m in mesh.workers["pd-prefill-0"].prefills] == [""]
+    assert [m.trace for m in mesh.workers["pd-decode-0"].decodes] == [""]
 
 
 @pytest.mark.trio
