@@ -190,7 +190,8 @@ class Collector:
 
 
 @contextmanager
-def collector_at(port: int) -> Iterator[Collector]:
+def collector_at(port: int, hosts: tuple[str, ...] = ("127.0.0.1",)) -> Iterator[Collector]:
+    """An OTLP/HTTP endpoint at `port` of each of `hosts`, one collector behind them."""
     collector = Collector()
 
     class Handler(BaseHTTPRequestHandler):
@@ -211,15 +212,17 @@ def collector_at(port: int) -> Iterator[Collector]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    servers = [ThreadingHTTPServer((host, port), Handler) for host in hosts]
+    threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in servers]
+    for thread in threads:
+        thread.start()
     try:
         yield collector
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        for server, thread in zip(servers, threads, strict=True):
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
 
 
 def topology_text(ports: list[int], otlp: str) -> str:
