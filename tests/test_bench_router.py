@@ -50,7 +50,8 @@ def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None
     # Tracing off (no OTLP endpoint in the environment): the ratio is also the headline.
     untraced = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20",
-                           "--rounds", "2", "--long-senders", "0", "--against", str(ROOT)],
+                           "--rounds", "2", "--long-senders", "0", "--against", str(ROOT),
+                           "--count-calls", "40"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=untraced)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -67,6 +68,16 @@ def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None
             assert len(pair["rounds_ratio"]) == 2 and pair["median_ratio"] > 0
     # Three targets, two kinds: 20 at concurrency 16 and 5 at concurrency 1 each.
     assert (result["failed"], result["completed"]) == (0, 3 * 2 * (20 + 5))
+    # Then both routers again under the call counter: the same code makes about as many
+    # calls a request (thousands: the loop's work, counted on its thread).
+    calls = result["calls"]
+    assert result["tracing_off_calls_ratio"] == calls["ratio"] == max(
+        kind["ratio"] for kind in calls["kinds"].values())
+    for kind in calls["kinds"].values():
+        assert kind["router_calls_per_request"] > 1000
+        assert kind["ratio"] == pytest.approx(1.0, abs=0.1)
+        assert kind["net_of_idle_ratio"] == pytest.approx(1.0, abs=0.1)
+    assert calls["router_idle_calls_per_s"] > 0 and calls["against_idle_calls_per_s"] > 0
 
 
 def test_against_a_commit_runs_its_files_exported_from_git(tmp_path: Path) -> None:
