@@ -60,7 +60,7 @@ one round (router and baseline back to back): how far the host's load moved the 
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
         [--tokens-per-message N] [--rounds N] [--long-senders N] [--scrape-every S]
-        [--against PATH]
+        [--against PATH] [--count-calls N]
 
 The last line is one JSON object; `failures` in it names the commonest reasons requests failed.
 """
