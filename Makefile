@@ -110,9 +110,13 @@ bench-sim: $(STAMP)
 	$(PY) benchmarks/bench_sim.py --check-determinism
 
 # The router's own cost: the real router against workers whose compute is free, beside a
-# bare endpoint (about 3 minutes on 2 cores).
+# bare endpoint, and beside the router of BENCH_ROUTER_AGAINST (the commit before tracing:
+# tracing_off_cpu_ratio in the JSON; empty to leave it out), all in the same rounds, then
+# the two routers' calls per request counted (tracing_off_calls_ratio) (about 5 minutes on
+# 2 cores).
+BENCH_ROUTER_AGAINST ?= 798e523
 bench-router: $(STAMP)
-	$(PY) benchmarks/bench_router.py
+	$(PY) benchmarks/bench_router.py $(if $(BENCH_ROUTER_AGAINST),--against $(BENCH_ROUTER_AGAINST) --count-calls 2000)
 
 # The paper's Table 6, measured by the simulation: saturation and SLO capacity over 5 seeds,
 # then the bandwidth-bound check on 8 Gbps (docs/simulation.md; QUICK=1 for a smoke run). Each

@@ -27,14 +27,27 @@ scrape measured alone, 200 scrapes back to back once the histograms are full, wi
 of a request's CPU that makes at the scraped rate).
 
 `--against PATH` adds a fourth target to every round: the router from the code at PATH (a
-checkout of another commit; its own `prfaas serve router`, run in PATH with PATH alone on its
-PYTHONPATH, on ports of its own) over the same backend processes and client, taking turns with
-this tree's router, first in every other round (`against` in the JSON: per kind, each router's
-CPU per request read to the nanosecond, their ratio over the whole phase and the median of
-each round's pair, at the throughput concurrency and at concurrency 1; whether tracing was
-on). The other router talks to this tree's backend as long as the contract's messages only
-gained fields with defaults (msgspec structs skip fields they do not know). `cpu` in the JSON
-names the machine's CPU (services/bench/host.py).
+checkout of another commit, or a commit of this repository, which is exported with `git
+archive` into the run's temporary folder; its own `prfaas serve router`, run in PATH with PATH
+alone on its PYTHONPATH, on ports of its own) over the same backend processes and client,
+taking turns with this tree's router, first in every other round (`against` in the JSON: per
+kind, each router's CPU per request read to the nanosecond, their ratio over the whole phase
+and the median of each round's pair, at the throughput concurrency and at concurrency 1;
+whether tracing was on). With tracing off, the worse kind's ratio is also the headline
+`tracing_off_cpu_ratio` (`make bench-router` runs against the commit before tracing, so it is
+what tracing costs when off, with the other changes since). The other router talks to this
+tree's backend as long as the contract's messages only gained fields with defaults (msgspec
+structs skip fields they do not know). `cpu` in the JSON names the machine's CPU
+(services/bench/host.py).
+
+`--count-calls N` (with `--against`) then counts the work instead of timing it: both routers
+again, each under a call counter (cProfile on its main thread, where its event loop runs,
+counting from a signal to a signal), N requests of each kind at the throughput concurrency,
+one router after the other (`calls` in the JSON: each one's calls per request and their ratio;
+with tracing off the worse kind's ratio is also `tracing_off_calls_ratio`; and each one's
+calls a second when idle, its control loop's and status polls', and the ratio net of those
+over the phase's time). Unlike CPU time on a shared machine, the count moves little from run
+to run.
 
 Latency is measured at concurrency 1 (`--latency-requests` each kind), throughput at
 `--concurrency` (16 by default; `--requests` each kind), for short non-streamed and streamed
@@ -47,7 +60,7 @@ one round (router and baseline back to back): how far the host's load moved the 
 
     .venv/bin/python benchmarks/bench_router.py [--requests N] [--concurrency C]
         [--tokens-per-message N] [--rounds N] [--long-senders N] [--scrape-every S]
-        [--against PATH]
+        [--against PATH] [--count-calls N]
 
 The last line is one JSON object; `failures` in it names the commonest reasons requests failed.
 """
@@ -56,20 +69,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import anyio
 import h11
@@ -94,6 +110,7 @@ MAX_TOKENS = 16
 # The long prompts sent beside short requests (about 18,000 tokens; ~4 ms to tokenize).
 LONG_CHARS = 60_000
 KINDS = ("plain", "stream")
+T = TypeVar("T")
 BACKEND_NAMES = ("cachedir", "pd-prefill-0", "pd-decode-0")
 
 
@@ -225,15 +242,35 @@ def child(*args: str) -> AbstractContextManager[subprocess.Popen[str]]:
     return ready_process([sys.executable, __file__, *args], allocator_env(os.environ))
 
 
+# `python -c CALL_COUNTER FILE MODULE ARGS...` runs MODULE as __main__ and counts the calls
+# (Python and C, as cProfile counts them) its main thread makes from SIGUSR1 to SIGUSR2,
+# written to FILE at SIGUSR2.
+CALL_COUNTER = """
+import cProfile, runpy, signal, sys
+profile, out = cProfile.Profile(), sys.argv[1]
+def stop(*_):
+    profile.disable()
+    with open(out, "w") as f:
+        f.write(str(sum(entry.callcount for entry in profile.getstats())))
+    profile.clear()
+signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+signal.signal(signal.SIGUSR2, stop)
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
 @contextmanager
-def other_router(tree: Path, topology: Path, log_dir: Path) -> Iterator[subprocess.Popen[str]]:
+def other_router(tree: Path, topology: Path, log_dir: Path, log_name: str = "against",
+                 calls_file: Path | None = None) -> Iterator[subprocess.Popen[str]]:
     """`prfaas serve router` from the code at `tree` (`--against`): run there with only that
     tree on its PYTHONPATH, it imports that tree's services and mesh; its log is
-    log_dir/against.log."""
+    log_dir/`log_name`.log. With `calls_file`, under CALL_COUNTER writing there."""
     env = {**child_env(allocator_env(os.environ)), "PYTHONPATH": str(tree)}
-    argv = [sys.executable, "-m", "services.cli.main", "serve", "router", "--topology",
-            str(topology)]
-    with open(log_dir / "against.log", "w") as log, \
+    start = ([sys.executable, "-m"] if calls_file is None else
+             [sys.executable, "-c", CALL_COUNTER, str(calls_file)])
+    argv = [*start, "services.cli.main", "serve", "router", "--topology", str(topology)]
+    with open(log_dir / f"{log_name}.log", "w") as log, \
             ready_process(argv, env, cwd=tree, log=log) as process:
         yield process
 
@@ -401,6 +438,8 @@ class Options(msgspec.Struct, frozen=True):
     long_senders: int = 2
     scrape_s: float = 0.0  # 0: no scraped turn
     against: str = ""  # another tree whose router takes turns with this one's ("": none)
+    against_commit: str = ""  # its commit ("": not known)
+    count_calls: int = 0  # requests of each kind each router serves under a call counter
 
 
 def thread_cpu_seconds(pid: int) -> float:
@@ -593,10 +632,20 @@ def report(runs: dict[str, dict[str, Run]], options: Options) -> dict[str, Any]:
            if "long" in runs["router"] else {}),
         **({"scrape": scrape_report(runs["router"], runs["scraped"], options)}
            if "scraped" in runs else {}),
-        **({"against": against_report(runs["router"], runs["against"], options)}
+        **(against_keys(against_report(runs["router"], runs["against"], options))
            if "against" in runs else {}),
         "cpu": cpu_name(),
     }
+
+
+def against_keys(against: dict[str, Any]) -> dict[str, Any]:
+    """`against` in the JSON, and with tracing off its headline: this tree's router CPU per
+    request over the other's, the worse kind's whole phase and median of rounds."""
+    if against["tracing"] != "off":
+        return {"against": against}
+    return {"tracing_off_cpu_ratio": against["ratio"],
+            "tracing_off_cpu_median_ratio": against["median_ratio"],
+            "tracing_off_against": against["commit"], "against": against}
 
 
 def cpu_pair(ours: Run, theirs: Run) -> dict[str, Any]:
@@ -618,10 +667,29 @@ def against_report(router: dict[str, Run], against: dict[str, Run],
     kinds = {kind: {**cpu_pair(router[f"{kind}/rps"], against[f"{kind}/rps"]),
                     "at_concurrency_1": cpu_pair(router[f"{kind}/lat"], against[f"{kind}/lat"])}
              for kind in KINDS}
-    return {"tree": options.against, "commit": tree_commit(Path(options.against)),
+    return {"tree": options.against,
+            "commit": options.against_commit or tree_commit(Path(options.against)),
             "tracing": "on" if endpoint_from_env(os.environ) else "off",
             "ratio": max(k["ratio"] for k in kinds.values()),
             "median_ratio": max(k["median_ratio"] for k in kinds.values()), "kinds": kinds}
+
+
+def against_tree(spec: str, workdir: Path) -> tuple[Path, str]:
+    """The code `--against` names and its commit: a directory as it is, else a commit of this
+    repository, its files exported (`git archive`) into a folder under `workdir`."""
+    if Path(spec).is_dir():
+        return Path(spec).resolve(), ""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--short",
+                            f"{spec}^{{commit}}"], capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        raise SystemExit(f"--against {spec!r}: neither a directory nor a commit of {ROOT}")
+    commit = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True,
+                             check=True)
+    tree = workdir / f"against-{commit}"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as files:
+        files.extractall(tree, filter="data")
+    return tree, commit
 
 
 def tree_commit(tree: Path) -> str:
@@ -714,6 +782,13 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{kind} {k['router_cpu_ms_per_request']:.4f} vs "
                   f"{k['against_cpu_ms_per_request']:.4f} (ratio {k['ratio']:.4f}, median of "
                   f"rounds {k['median_ratio']:.4f})" for kind, k in against["kinds"].items()))
+    calls = result.get("calls")
+    if calls:
+        print("router calls per request, this tree's against --against's: " + ", ".join(
+            f"{kind} {k['router_calls_per_request']:.1f} vs {k['against_calls_per_request']:.1f}"
+            f" (ratio {k['ratio']:.4f}, net of idle {k['net_of_idle_ratio']:.4f})"
+            for kind, k in calls["kinds"].items()) + f"; idle calls a second "
+            f"{calls['router_idle_calls_per_s']:.0f} vs {calls['against_idle_calls_per_s']:.0f}")
     print(f"completed {result['completed']}, failed {result['failed']}")
     for reason, count in result["failures"].items():
         print(f"  {count} x {reason}")
@@ -733,7 +808,7 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
     # tree's router (`--against`) runs its own.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    ports = free_ports(8)
+    ports = free_ports(12)
     topology = log_dir / "topology.toml"
     topology.write_text(topology_text(ports))
     per_message = ("--tokens-per-message", str(options.tokens_per_message))
@@ -748,7 +823,87 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
         if against is not None:
             wait_healthy(ports[7])
             targets["against"] = (ports[7], {"router": against.pid, "backend": backend.pid})
-        return report(run_on(measure, targets, options, backend="uvloop"), options)
+        result = report(run_on(measure, targets, options, backend="uvloop"), options)
+        if options.count_calls:
+            result.update(counted_calls(options, ports, log_dir))
+        return result
+
+
+def counted_calls(options: Options, ports: list[int], log_dir: Path) -> dict[str, Any]:
+    """This tree's router and --against's again, each under CALL_COUNTER on ports[8:12]
+    over the same backend: `calls` (and with tracing off `tracing_off_calls_ratio`)."""
+    trees = {"router": (ROOT, ports[8:10]), "against": (Path(options.against), ports[10:12])}
+    counts: dict[str, dict[str, float]] = {}
+    with ExitStack() as stack:
+        for name, (tree, (mesh_port, http_port)) in trees.items():
+            topology = log_dir / f"topology-{name}-counted.toml"
+            topology.write_text(topology_text([mesh_port, http_port, *ports[2:5]]))
+            calls_file = log_dir / f"{name}.calls"
+            process = stack.enter_context(other_router(tree, topology, log_dir,
+                                                       f"{name}-counted", calls_file))
+            wait_healthy(http_port)
+            counts[name] = run_on(count_calls, http_port, process.pid, calls_file, options,
+                                  backend="uvloop")
+    ours, theirs = counts["router"], counts["against"]
+    kinds = {kind: {"router_calls_per_request": round(ours[kind], 1),
+                    "against_calls_per_request": round(theirs[kind], 1),
+                    "ratio": round(ours[kind] / theirs[kind], 4),
+                    "net_of_idle_ratio": round(ours[f"{kind}/net"] / theirs[f"{kind}/net"], 4)}
+             for kind in KINDS}
+    ratio = max(k["ratio"] for k in kinds.values())
+    calls = {"requests": options.count_calls, "concurrency": options.concurrency,
+             "ratio": ratio, "net_of_idle_ratio": max(k["net_of_idle_ratio"]
+                                                      for k in kinds.values()),
+             "router_idle_calls_per_s": round(ours["idle_per_s"], 1),
+             "against_idle_calls_per_s": round(theirs["idle_per_s"], 1), "kinds": kinds}
+    if endpoint_from_env(os.environ):
+        return {"calls": calls}
+    return {"tracing_off_calls_ratio": ratio, "calls": calls}
+
+
+async def count_calls(port: int, pid: int, calls_file: Path,
+                      options: Options) -> dict[str, float]:
+    """Per kind, the calls the router at `port` (`pid`) made per request over
+    `options.count_calls` requests after a warm-up, and the same net of what it calls when
+    idle (`KIND/net`: its control loop and status polls, which run per second, not per
+    request); `idle_per_s`."""
+    counted, idle_s = {}, 3.0
+    for kind in KINDS:
+        stream = kind == "stream"
+        await phase(port, stream, options.warmup, min(4, options.concurrency),
+                    options.max_tokens)
+        run, calls = await counting(port, pid, calls_file, phase(
+            port, stream, options.count_calls, options.concurrency, options.max_tokens))
+        counted[kind] = (calls, run.wall_s, max(1, len(run.latencies)))
+    _, idle = await counting(port, pid, calls_file, asyncio.sleep(idle_s))
+    per_s = idle / idle_s
+    return {"idle_per_s": per_s,
+            **{kind: calls / done for kind, (calls, _, done) in counted.items()},
+            **{f"{kind}/net": (calls - per_s * wall) / done
+               for kind, (calls, wall, done) in counted.items()}}
+
+
+async def counting(port: int, pid: int, calls_file: Path,
+                   work: Coroutine[Any, Any, T]) -> tuple[T, float]:
+    """`work`'s result, and the calls the router (`pid`) made while it ran."""
+    calls_file.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    # The signal's handler runs once the router's loop wakes (a tick or a request).
+    await asyncio.sleep(0.2)
+    result = await work
+    os.kill(pid, signal.SIGUSR2)
+    return result, await read_count(port, calls_file)
+
+
+async def read_count(port: int, calls_file: Path, polls: int = 100) -> float:
+    """The count CALL_COUNTER writes at SIGUSR2 (a /health request wakes an idle loop)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for _ in range(polls):
+            if calls_file.exists() and calls_file.read_text():
+                return float(calls_file.read_text())
+            await client.get(f"http://127.0.0.1:{port}/health")
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"no call count in {calls_file}")
 
 
 @contextmanager
@@ -788,8 +943,12 @@ def main(argv: list[str] | None = None) -> int:
                              "seconds, in the same rounds (0: not)")
     parser.add_argument("--against", metavar="PATH",
                         help="also run the router from the code at PATH (a checkout of "
-                             "another commit), taking turns with this one's in every round "
-                             "over the same backend: CPU per request of each")
+                             "another commit, or a commit of this repository), taking turns "
+                             "with this one's in every round over the same backend: CPU per "
+                             "request of each")
+    parser.add_argument("--count-calls", type=int, default=0, metavar="N",
+                        help="with --against: then both routers under a call counter, N "
+                             "requests of each kind each: calls per request (0: not)")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -808,8 +967,14 @@ def main(argv: list[str] | None = None) -> int:
                       rounds=max(1, min(args.rounds, args.requests)),
                       long_senders=max(0, args.long_senders),
                       scrape_s=max(0.0, args.scrape_every),
-                      against=str(Path(args.against).resolve()) if args.against else "")
+                      count_calls=max(0, args.count_calls))
+    if args.count_calls and not args.against:
+        parser.error("--count-calls compares with --against's router: name one")
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
+        if args.against:
+            tree, commit = against_tree(args.against, Path(log_dir))
+            options = msgspec.structs.replace(options, against=str(tree),
+                                              against_commit=commit)
         result = bench(options, Path(log_dir))
     print_table(result)
     print(json.dumps(result))

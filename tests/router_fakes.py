@@ -49,6 +49,7 @@ from services.contract.messages import (
 )
 from services.contract.prefix import block_hashes
 from services.contract.sampling import Sampling
+from services.contract.tracing import Tracer
 from services.contract.types import Role
 from services.model.tokenizer import ByteTokenizer
 from services.router.config import LinkEnds, SchedulerConfig
@@ -285,9 +286,11 @@ async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | 
                     timing: Timing | None = None, config: SchedulerConfig | None = None,
                     bandwidth_bps: float = 1e9, tokenizer: Any = None,
                     hub: MemoryHub | None = None, directory_in_process: bool = False,
-                    topology_text: str = TOPOLOGY) -> AsyncIterator[FakeMesh]:
+                    topology_text: str = TOPOLOGY,
+                    tracer: Tracer | None = None) -> AsyncIterator[FakeMesh]:
     """Starts everything on the current event loop; stops it on exit. The router asks the
-    cache directory in process (`Scheduler(directory=)`) when `directory_in_process`."""
+    cache directory in process (`Scheduler(directory=)`) when `directory_in_process`, and
+    makes its spans with `tracer` (None: tracing off)."""
     topology = parse_topology(topology_text)
     shaper = LinkShaper(LinkParams(bandwidth_bps=bandwidth_bps, delay_s=0.005),
                         anyio.current_time, random.Random(1))
@@ -313,7 +316,7 @@ async def fake_mesh(policy: str = "prfaas", policy_options: dict[str, object] | 
             config or SchedulerConfig(
                 block_size=BLOCK, connections=2, links=(LinkEnds("", "prfaas", "pd"),),
                 link_estimator=EstimatorConfig(provisioned_bps=bandwidth_bps)),
-            directory=mesh.cachedir.lookup if directory_in_process else None)
+            directory=mesh.cachedir.lookup if directory_in_process else None, tracer=tracer)
         mesh.control = RouterControl(mesh.scheduler, ControlConfig(tick_s=1.0),
                                      link_probe=mesh.link_probe)
         mesh.subscription = stack.enter_context(mesh.scheduler.events.subscribe(10**6))

@@ -6,11 +6,14 @@ Its speed is the benchmark's business (benchmarks/bench_router.py), not this tes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +47,19 @@ def test_the_quick_bench_serves_every_request_and_prints_its_json_line() -> None
 def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None:
     # This tree against itself: the second router runs from the tree named, in its own
     # process over the same backend, in every round beside this tree's.
+    # Tracing off (no OTLP endpoint in the environment): the ratio is also the headline.
+    untraced = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20",
-                           "--rounds", "2", "--long-senders", "0", "--against", str(ROOT)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           "--rounds", "2", "--long-senders", "0", "--against", str(ROOT),
+                           "--count-calls", "40"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, env=untraced)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     against = result["against"]
-    assert against["tree"] == str(ROOT) and against["tracing"] in ("on", "off")
+    assert against["tree"] == str(ROOT) and against["tracing"] == "off"
+    assert result["tracing_off_cpu_ratio"] == against["ratio"] == max(
+        kind["ratio"] for kind in against["kinds"].values())
+    assert result["tracing_off_cpu_median_ratio"] == against["median_ratio"]
     assert result["cpu"]
     for kind in against["kinds"].values():
         for pair in (kind, kind["at_concurrency_1"]):
@@ -59,3 +68,28 @@ def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None
             assert len(pair["rounds_ratio"]) == 2 and pair["median_ratio"] > 0
     # Three targets, two kinds: 20 at concurrency 16 and 5 at concurrency 1 each.
     assert (result["failed"], result["completed"]) == (0, 3 * 2 * (20 + 5))
+    # Then both routers again under the call counter: the same code makes about as many
+    # calls a request (thousands: the loop's work, counted on its thread).
+    calls = result["calls"]
+    assert result["tracing_off_calls_ratio"] == calls["ratio"] == max(
+        kind["ratio"] for kind in calls["kinds"].values())
+    for kind in calls["kinds"].values():
+        assert kind["router_calls_per_request"] > 1000
+        assert kind["ratio"] == pytest.approx(1.0, abs=0.1)
+        assert kind["net_of_idle_ratio"] == pytest.approx(1.0, abs=0.1)
+    assert calls["router_idle_calls_per_s"] > 0 and calls["against_idle_calls_per_s"] > 0
+
+
+def test_against_a_commit_runs_its_files_exported_from_git(tmp_path: Path) -> None:
+    bench_router = load_benchmark("bench_router")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    tree, commit = bench_router.against_tree("HEAD", tmp_path)
+    assert commit == head and tree == tmp_path / f"against-{head}"
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:services/cli/main.py"],
+                               capture_output=True, text=True, check=True).stdout
+    assert (tree / "services" / "cli" / "main.py").read_text() == committed
+    # A directory is taken as it is (its commit read later, from its checkout).
+    assert bench_router.against_tree(str(ROOT), tmp_path) == (ROOT, "")
+    with pytest.raises(SystemExit, match="neither a directory nor a commit"):
+        bench_router.against_tree("no-such-revision-here", tmp_path)

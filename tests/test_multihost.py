@@ -16,13 +16,15 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from mesh.topology import Topology, load_topology, parse_topology
+from mesh.topology import Topology, load_topology, parse_topology, topology_toml
 from netem.netns import (
     BENCHMARK_NETWORK,
     Impairment,
@@ -41,6 +43,7 @@ from services.cli import multihost
 from services.cli.multihost import (
     EXIT_NO_NETNS,
     MULTIHOST_HOSTS,
+    ROOT_VETHS,
     impaired_by_lab,
     impairment_note,
     lab_for,
@@ -58,6 +61,9 @@ from tests.netns_probe import (
     needs_netns,
     network_state,
 )
+from tests.polling import wait_until
+from tests.ports import free_port
+from tests.test_tracing import collector_at
 
 HERE = Path(__file__).parent / "multihost"
 ROOT = Path(__file__).parent.parent
@@ -342,14 +348,23 @@ def test_with_netem_the_cross_veth_carries_the_links_delay() -> None:
 def multihost_run() -> Iterator[tuple[subprocess.Popen[str], list[str], NetworkState]]:
     """`prfaas multihost` on the small mesh, its output lines, the namespaces and links there
     were before it; stopped at the end, whatever happened."""
+    with multihost(HERE / "topology.toml") as run:
+        yield run
+
+
+@contextmanager
+def multihost(topology: Path, **env: str
+              ) -> Iterator[tuple[subprocess.Popen[str], list[str], NetworkState]]:
+    """`prfaas multihost` on `topology` (the test's Procfile), `env` added to its
+    environment."""
     before = network_state()
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "multihost", "--procfile",
-         str(HERE / "Procfile"), "--topology", str(HERE / "topology.toml")],
+         str(HERE / "Procfile"), "--topology", str(topology)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # The Procfile's `python` is this one.
         env={**os.environ, "PYTHONPATH": str(ROOT),
-             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **env})
     lines: list[str] = []
     try:
         yield process, lines, before
@@ -379,12 +394,14 @@ def _until_ready(process: subprocess.Popen[str], lines: list[str], limit_s: floa
     raise AssertionError("no ready line:\n" + "\n".join(lines[-40:]))
 
 
-def _stream(api: str, token: str, prompt: str) -> tuple[str, list[str]]:
+def _stream(api: str, token: str, prompt: str,
+            headers: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """A streamed completion: the cluster that prefilled it, and its text pieces."""
     body = {"model": "prfaas", "prompt": prompt, "max_tokens": 6, "stream": True}
     pieces = []
     with httpx.stream("POST", f"{api}/completions", json=body, timeout=60,
-                      headers={"authorization": f"Bearer {token}"}) as response:
+                      headers={"authorization": f"Bearer {token}", **(headers or {})}
+                      ) as response:
         assert response.status_code == 200
         cluster = response.headers["x-prfaas-cluster"]
         for line in response.iter_lines():
@@ -438,3 +455,59 @@ def test_multihost_serves_across_the_namespaces_and_leaves_nothing(
     assert sum(line.startswith(said) for line in lines) == 1, lines[:5]
     # Each side listened on its own namespace's address.
     assert "198.18.0.1:17110" in "\n".join(lines) and "198.18.0.2:17130" in "\n".join(lines)
+
+
+def traced_topology(path: Path, port: int) -> Path:
+    """tests/multihost/topology.toml with each side's services exporting traces to the root
+    namespace's end of that side's veth (`port` there)."""
+    data = tomllib.loads((HERE / "topology.toml").read_text(encoding="utf-8"))
+    endpoint = {role: f"http://{root_end}:{port}/v1/traces"
+                for role, (root_end, _) in ROOT_VETHS.items()}
+    for cluster in data["clusters"]:
+        cluster["options"]["otlp_endpoint"] = endpoint[cluster["name"]]
+    router = next(s for s in data["services"] if s["kind"] == "router")
+    router["options"]["otlp_endpoint"] = endpoint["pd"]
+    path.write_text(topology_toml(data), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@needs_netns
+def test_an_offloaded_request_is_one_trace_across_the_namespaces(tmp_path: Path) -> None:
+    """The router and the decode worker in one namespace, the PrfaaS prefill worker in the
+    other, each exporting its own spans: one trace, parented across the hosts through the
+    messages, the KV's lanes through the link, each span timed on its own host's clock."""
+    port = free_port()
+    client = "5c0ffee0d15ea5e5deadbeefcafef00d"
+    header = {"traceparent": f"00-{client}-00f067aa0ba902b7-01"}
+    with multihost(traced_topology(tmp_path / "topology.toml", port),
+                   OTEL_BSP_SCHEDULE_DELAY="100") as (process, lines, _):
+        ready = _until_ready(process, lines, 150)
+        match = re.match(r"ready: dashboard \S+\?token=(\S+) API (\S+)$", ready)
+        assert match, ready
+        token, api = match.groups()
+        # The root ends of the veths exist once the run's namespaces do.
+        with collector_at(port, tuple(root_end for root_end, _ in ROOT_VETHS.values())) as spans:
+            cluster, pieces = _stream(api, token,
+                                      " ".join(f"word{i}" for i in range(120)), header)
+            assert cluster == "prfaas" and pieces
+
+            def whole() -> bool:
+                names = {s.name for s in spans.trace(client)}
+                return {"request", "prefill", "kv.transfer", "decode", "decode.kv"} <= names
+
+            wait_until(whole, "the offloaded request's whole trace")
+            trace = spans.trace(client)
+    by_id = {s.span_id: s for s in trace}
+    (attempt,) = [s for s in trace if s.name == "attempt 0"]
+    (prefill,) = [s for s in trace if s.name == "prefill"]
+    (decode,) = [s for s in trace if s.name == "decode"]
+    assert attempt.service == "router"
+    assert (prefill.service, decode.service) == ("prfaas-prefill-0", "pd-decode-0")
+    assert prefill.parent_id == decode.parent_id == attempt.span_id
+    lanes = [s for s in trace if s.name == "kv.transfer"]
+    assert lanes and all(by_id[s.parent_id] is prefill for s in lanes)
+    assert {(s.attributes["prfaas.kv.link"], s.attributes["prfaas.kv.via_link"])
+            for s in lanes} == {("link-0", True)}
+    assert all(s.end >= s.start for s in trace)

@@ -10,11 +10,13 @@ import msgspec
 import pytest
 import trio
 import trio.testing
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
 
 from services.contract.events import RequestDone
 from services.contract.messages import PrefixPull
 from services.contract.prefix import block_hashes
+from services.contract.tracing import Tracer
 from services.router.config import SchedulerConfig
 from services.router.errors import NoWorkerAvailable, QueueFull
 
@@ -42,6 +44,49 @@ async def test_one_request_streams_tokens_and_reports_everything(
         assert done.tpot_s == pytest.approx(mesh.timing.decode_step_s, rel=0.01)
         mesh.scheduler.check_integrity()
         assert mesh.scheduler.statistics().completed == 1
+
+
+@pytest.mark.trio
+async def test_a_traced_requests_dashboard_events_name_its_trace(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The dashboard's timeline shows the events' trace id: the one its spans were exported in.
+    spans = InMemorySpanExporter()
+    async with fake_mesh(tracer=Tracer("router", spans, batch=False)) as mesh:
+        handle = await mesh.scheduler.submit(generation(range(1, 41)))
+        await handle.collect()
+        await trio.testing.wait_all_tasks_blocked()
+        events = await mesh.take_events()
+    [decision] = decisions(events)
+    [done] = [e for e in events if isinstance(e, RequestDone)]
+    [request] = [s for s in spans.get_finished_spans() if s.name == "request"]
+    assert request.attributes is not None
+    assert request.attributes["gen_ai.request.id"] == decision.request_id == done.request_id
+    assert decision.trace_id == done.trace_id == f"{request.context.trace_id:032x}"
+    assert {s.context.trace_id for s in spans.get_finished_spans()} == {
+        request.context.trace_id}
+    # The workers' messages carry the attempt span's traceparent: their spans' parent.
+    [attempt] = [s for s in spans.get_finished_spans() if s.name == "attempt 0"]
+    ctx = attempt.context
+    carried = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    [prefill] = mesh.workers["pd-prefill-0"].prefills
+    [decode] = mesh.workers["pd-decode-0"].decodes
+    assert prefill.trace == decode.trace == carried
+
+
+@pytest.mark.trio
+async def test_untraced_the_messages_and_events_carry_no_trace(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_mesh() as mesh:
+        assert mesh.scheduler.tracer is None
+        handle = await mesh.scheduler.submit(generation(range(1, 41)))
+        await handle.collect()
+        await trio.testing.wait_all_tasks_blocked()
+        events = await mesh.take_events()
+    [decision] = decisions(events)
+    [done] = [e for e in events if isinstance(e, RequestDone)]
+    assert decision.trace_id == done.trace_id == ""
+    assert [m.trace for m in mesh.workers["pd-prefill-0"].prefills] == [""]
+    assert [m.trace for m in mesh.workers["pd-decode-0"].decodes] == [""]
 
 
 @pytest.mark.trio

@@ -13,7 +13,9 @@ request (with a client's traceparent header), a local one, and one whose decode 
 killed mid-stream are each found as one trace: the router's spans, the prefill worker's and
 the decode worker's under the router's attempt span (parented across processes through the
 messages' `trace` field), the KV lanes through the link or not, a migration span on the
-third, and the time to first token equal to the one the router's histogram observed.
+third, the time to first token equal to the one the router's histogram observed, and the
+spans on the way to that first token (the prefill's wait and compute, the KV's arrival, the
+decode worker's first token) inside it.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ MAX_TOKENS = 24
 KILL_AFTER = 8  # tokens the client has seen when the decode worker is killed
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+DECISION_INPUTS = ("total_len", "cached_prfaas", "cached_pd", "incremental_len", "threshold",
+                   "link_utilisation", "queue_prfaas", "queue_pd", "bandwidth_scarce",
+                   "prefill_worker", "decode_worker", "policy")
 
 
 @dataclass
@@ -185,7 +190,8 @@ class Collector:
 
 
 @contextmanager
-def collector_at(port: int) -> Iterator[Collector]:
+def collector_at(port: int, hosts: tuple[str, ...] = ("127.0.0.1",)) -> Iterator[Collector]:
+    """An OTLP/HTTP endpoint at `port` of each of `hosts`, one collector behind them."""
     collector = Collector()
 
     class Handler(BaseHTTPRequestHandler):
@@ -206,15 +212,17 @@ def collector_at(port: int) -> Iterator[Collector]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    servers = [ThreadingHTTPServer((host, port), Handler) for host in hosts]
+    threads = [threading.Thread(target=server.serve_forever, daemon=True) for server in servers]
+    for thread in threads:
+        thread.start()
     try:
         yield collector
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        for server, thread in zip(servers, threads, strict=True):
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
 
 
 def topology_text(ports: list[int], otlp: str) -> str:
@@ -369,6 +377,9 @@ def check_attempt(trace: Trace, request: Span, attempt: int, prefill_worker: str
         "prfaas.kv.bytes"] > 0
     assert {s.attributes["prfaas.kv.link"] for s in lanes} == {link}
     assert {s.attributes["prfaas.kv.via_link"] for s in lanes} == {link != "local"}
+    # A lane's own timing (open to accepted, on the event loop's clock: uvloop's counts
+    # milliseconds) is inside its span.
+    assert all(0 < s.attributes["prfaas.kv.seconds"] <= s.seconds + 1e-3 for s in lanes)
     assert decode.service == span.attributes["prfaas.decode_worker"]
     assert {s.name for s in trace.children(decode)} >= {"decode.kv", "decode.queue"}
     assert "first_token" in decode.events
@@ -386,6 +397,10 @@ def check_router(trace: Trace, ttft_s: float) -> Span:
                                                          "policy", "attempt 0"}
     policy = trace.children(request, "policy")[0]
     assert policy.attributes["prfaas.decision.reason"]
+    # Every input the policy decided on, as the dashboard's RoutingDecision has it.
+    assert {f"prfaas.decision.{name}" for name in DECISION_INPUTS} <= policy.attributes.keys()
+    assert policy.attributes["prfaas.decision.total_len"] == request.attributes[
+        "gen_ai.usage.input_tokens"]
     assert policy.attributes["prfaas.decision.cluster"] == request.attributes["prfaas.cluster"]
     # The span's TTFT is the histogram's; its first_token event is when the router saw it.
     assert request.attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(
@@ -393,6 +408,23 @@ def check_router(trace: Trace, ttft_s: float) -> Span:
     seen = (request.events["first_token"] - request.start) / 1e9
     assert seen == pytest.approx(ttft_s, abs=0.02)
     return request
+
+
+def check_first_token_path(trace: Trace, request: Span, ttft_s: float) -> None:
+    """Durations consistent with the router's TTFT: the first attempt's prefill waited and
+    computed within it, and (where its decode worker lived to export) the compute ended
+    before the KV was in, the KV before the worker's first token, that before the router's
+    (one host's clock here)."""
+    (attempt,) = trace.children(request, "attempt 0")
+    (prefill,) = trace.children(attempt, "prefill")
+    (queue,) = trace.children(prefill, "prefill.queue")
+    (compute,) = trace.children(prefill, "prefill.compute")
+    assert queue.seconds + compute.seconds <= ttft_s
+    assert compute.end <= request.events["first_token"]
+    for decode in trace.children(attempt, "decode"):
+        (kv,) = trace.children(decode, "decode.kv")
+        assert compute.end <= kv.end <= decode.events["first_token"]
+        assert decode.events["first_token"] <= request.events["first_token"]
 
 
 def ttft_of(mesh: Mesh, send: Callable[[], str]) -> tuple[str, float]:
@@ -410,10 +442,9 @@ def test_an_offloaded_request_is_one_trace_continuing_the_clients(mesh: Mesh) ->
     assert trace.one("POST /v1/completions").parent_id == CLIENT_SPAN
     request = check_router(trace, ttft)
     assert request.attributes["prfaas.cluster"] == "prfaas"
-    _, decode = check_attempt(trace, request, 0, "prfaas-prefill-0", "link-0")
+    check_attempt(trace, request, 0, "prfaas-prefill-0", "link-0")
+    check_first_token_path(trace, request, ttft)
     trace.check_timing()
-    # The decode worker's first token precedes the router's (one host's clock here).
-    assert decode.events["first_token"] <= request.events["first_token"]
 
 
 @pytest.mark.slow
@@ -425,6 +456,7 @@ def test_a_local_request_is_one_trace_without_the_link(mesh: Mesh) -> None:
     request = check_router(trace, ttft)
     assert request.attributes["prfaas.cluster"] == "pd"
     check_attempt(trace, request, 0, "pd-prefill-0", "local")
+    check_first_token_path(trace, request, ttft)
     trace.check_timing()
     assert {s.service for s in trace.spans} == {"router", "pd-prefill-0",
                                                 trace.one("decode").service}
@@ -452,6 +484,9 @@ def test_a_request_whose_decode_worker_is_killed_shows_its_migration(mesh: Mesh)
     assert {s.name for s in trace.children(migration)} == {"cachedir.lookup", "policy"}
     (first,) = trace.children(request, "attempt 0")
     assert not first.ok and first.end <= migration.start + 5e6
+    # The break came after the first token the histogram timed (the client had seen 8).
+    check_first_token_path(trace, request, ttft)
+    assert request.events["first_token"] <= migration.start
     _, decode = check_attempt(trace, request, 1, "pd-prefill-0", "local")
     assert decode.service == survivor
     # The killed worker's decode span died with it: only the survivor's was exported.
