@@ -39,7 +39,7 @@ from netem.netns import (
     tbf_args,
 )
 from netem.params import LinkParams
-from services.cli import multihost
+from services.cli import multihost as multihost_cli
 from services.cli.multihost import (
     EXIT_NO_NETNS,
     MULTIHOST_HOSTS,
@@ -275,7 +275,7 @@ def test_without_netem_the_run_keeps_tbf_and_says_the_emulator_adds_the_delay(
     path = tmp_path / "topology.toml"
     path.write_text((HERE / "topology.toml").read_text("utf-8").replace(
         "delay_s = 0.005", "delay_s = 0.005\njitter_s = 0.001\nloss_rate = 0.005"), "utf-8")
-    monkeypatch.setattr(multihost, "_run", look)
+    monkeypatch.setattr(multihost_cli, "_run", look)
     before = network_state()
     code = multihost_main(["--procfile", str(HERE / "Procfile"), "--topology", str(path)])
     out = capsys.readouterr().out
