@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from ui_fixtures.sim import SMALL, conversations
+from ui_fixtures.sim import SMALL, conversations, paced_client
 
 from mesh.errors import ConfigError
 from services.cli import sim_dashboard
@@ -131,7 +131,7 @@ async def test_the_sim_dashboard_serves_the_simulation_and_its_speed(
         host, port = await tasks.start(
             lambda task_status: sim_dashboard.serve_sim_dashboard(
                 sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
-        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+        async with paced_client(host, port) as client:
             page = (await client.get("/")).text
             assert f'data-policies="{",".join(POLICIES)}"' in page
             with anyio.fail_after(600):  # virtual seconds: 12 of wall time
@@ -220,7 +220,7 @@ async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_cont
         host, port = await tasks.start(
             lambda task_status: sim_dashboard.serve_compare_dashboard(
                 sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
-        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+        async with paced_client(host, port) as client:
             page = (await client.get("/")).text
             assert 'data-testid="column-prfaas-pd"' in page
             assert 'data-testid="column-homogeneous"' in page

@@ -26,7 +26,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
-from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, sim_events
+from ui_fixtures.sim import SMALL, SMALL_WORKERS, conversations, paced_client, sim_events
 
 from mesh.errors import ConfigError
 from mesh.topology import load_topology
@@ -882,7 +882,7 @@ async def test_serve_ui_streams_events_over_real_http_and_stops_cleanly(
     sim = LiveSim(SMALL, arrivals=conversations(60.0, rate=2.0), clock=paced_clock)
     async with anyio.create_task_group() as tasks:
         host, port = await tasks.start(serve_ui, "127.0.0.1", 0, sim, SimControls(sim))
-        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+        async with paced_client(host, port) as client:
             assert (await client.get("/")).status_code == 200
         with anyio.fail_after(600):  # virtual: 12 s of wall time
             received, seen = await read_sse_until(host, port, {"decision", "worker", "kvflow"})

@@ -13,11 +13,24 @@ from __future__ import annotations
 import random
 from functools import cache
 
+import httpx
+
 from services.contract.events import AnyEvent
 from services.sim.live import LiveConfig
 from services.sim.record import record_virtual
 from services.sim.workload import BLOCK, Arrival
 from services.sim.world import Deployment
+
+# On a paced clock httpx's timeouts count virtual seconds: its default 5 s is 25 ms of wall
+# time at 200x, less than a loaded 2-core host may take to answer. The tests' clients wait
+# 30 wall seconds at the fastest pace they set.
+PACED_TIMEOUT_S = 30.0 * 200
+
+
+def paced_client(host: str, port: int) -> httpx.AsyncClient:
+    """A client of a server that runs on a `PacedClock` (virtual time up to 200x wall)."""
+    return httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=PACED_TIMEOUT_S)
+
 
 # The prfaas policy's t in the router's tokens: the paper's 19.4K at the simulation's scale.
 SMALL = Deployment(name="small", n_prfaas=1, n_pd_prefill=1, n_decode=2,
