@@ -14,7 +14,7 @@ export MALLOC_TOP_PAD_ ?= 67108864
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_ARENA_MAX ?= 2
 
-.PHONY: demo multihost sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-kernel-link bench-cachedir bench-sim bench-router bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
+.PHONY: demo multihost sim-dashboard sim-compare chaos test lint bench bench-wire bench-model bench-link bench-kernel-link bench-cachedir bench-sim bench-router bench-tracing-off bench-policies sim-scheduler sim-paper search-paper validate-sim train browser clean prometheus
 
 # A fresh machine downloads torch first (hundreds of MB): each step says what it does, and pip
 # shows its own progress. Once installed, the stamps keep `make test` and `make demo` quiet.
@@ -110,13 +110,19 @@ bench-sim: $(STAMP)
 	$(PY) benchmarks/bench_sim.py --check-determinism
 
 # The router's own cost: the real router against workers whose compute is free, beside a
-# bare endpoint, and beside the router of BENCH_ROUTER_AGAINST (the commit before tracing:
-# tracing_off_cpu_ratio in the JSON; empty to leave it out), all in the same rounds, then
-# the two routers' calls per request counted (tracing_off_calls_ratio) (about 5 minutes on
-# 2 cores).
-BENCH_ROUTER_AGAINST ?= 798e523
+# bare endpoint, and beside the router of BENCH_ROUTER_AGAINST if set (a commit or a
+# checkout: both routers' CPU per request in the same rounds, then their calls per request).
+BENCH_ROUTER_AGAINST ?=
 bench-router: $(STAMP)
 	$(PY) benchmarks/bench_router.py $(if $(BENCH_ROUTER_AGAINST),--against $(BENCH_ROUTER_AGAINST) --count-calls 2000)
+
+# What tracing costs when off: the router of the merge that brought tracing (68d2110) against
+# the router of its parent (868b00c), both exported from git, over this tree's backend, taking
+# turns in each round (tracing_off_cpu_ratio, tracing_off_calls_ratio; BENCH_TRACING_RUNS runs,
+# about 40 s each on 2 cores, then the calls counted once).
+BENCH_TRACING_RUNS ?= 5
+bench-tracing-off: $(STAMP)
+	$(PY) benchmarks/bench_tracing_off.py --runs $(BENCH_TRACING_RUNS)
 
 # The paper's Table 6, measured by the simulation: saturation and SLO capacity over 5 seeds,
 # then the bandwidth-bound check on 8 Gbps (docs/simulation.md; QUICK=1 for a smoke run). Each

@@ -439,6 +439,8 @@ class Options(msgspec.Struct, frozen=True):
     scrape_s: float = 0.0  # 0: no scraped turn
     against: str = ""  # another tree whose router takes turns with this one's ("": none)
     against_commit: str = ""  # its commit ("": not known)
+    ours: str = ""  # the tree whose router is measured as "this" one ("": this checkout)
+    ours_commit: str = ""  # its commit ("": not known)
     count_calls: int = 0  # requests of each kind each router serves under a call counter
 
 
@@ -645,7 +647,8 @@ def against_keys(against: dict[str, Any]) -> dict[str, Any]:
         return {"against": against}
     return {"tracing_off_cpu_ratio": against["ratio"],
             "tracing_off_cpu_median_ratio": against["median_ratio"],
-            "tracing_off_against": against["commit"], "against": against}
+            "tracing_off_against": against["commit"],
+            "tracing_off_ours": against["ours"]["commit"], "against": against}
 
 
 def cpu_pair(ours: Run, theirs: Run) -> dict[str, Any]:
@@ -669,24 +672,27 @@ def against_report(router: dict[str, Run], against: dict[str, Run],
              for kind in KINDS}
     return {"tree": options.against,
             "commit": options.against_commit or tree_commit(Path(options.against)),
+            "ours": {"tree": options.ours or str(ROOT),
+                     "commit": options.ours_commit or tree_commit(Path(options.ours or ROOT))},
             "tracing": "on" if endpoint_from_env(os.environ) else "off",
             "ratio": max(k["ratio"] for k in kinds.values()),
             "median_ratio": max(k["median_ratio"] for k in kinds.values()), "kinds": kinds}
 
 
-def against_tree(spec: str, workdir: Path) -> tuple[Path, str]:
-    """The code `--against` names and its commit: a directory as it is, else a commit of this
-    repository, its files exported (`git archive`) into a folder under `workdir`."""
+def against_tree(spec: str, workdir: Path, flag: str = "--against") -> tuple[Path, str]:
+    """The code `flag` (--against, --ours) names and its commit: a directory as it is, else a
+    commit of this repository, its files exported (`git archive`) into a folder under
+    `workdir`."""
     if Path(spec).is_dir():
         return Path(spec).resolve(), ""
     found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--short",
                             f"{spec}^{{commit}}"], capture_output=True, text=True, check=False)
     if found.returncode != 0:
-        raise SystemExit(f"--against {spec!r}: neither a directory nor a commit of {ROOT}")
+        raise SystemExit(f"{flag} {spec!r}: neither a directory nor a commit of {ROOT}")
     commit = found.stdout.strip()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True,
                              check=True)
-    tree = workdir / f"against-{commit}"
+    tree = workdir / f"{flag.lstrip('-')}-{commit}"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as files:
         files.extractall(tree, filter="data")
     return tree, commit
@@ -777,14 +783,15 @@ def print_table(result: dict[str, Any]) -> None:
                           for kind, k in scrape["kinds"].items()))
     against = result.get("against")
     if against:
-        print(f"router CPU ms per request against {against['tree']} ({against['commit']}, "
+        print(f"router CPU ms per request, {against['ours']['commit'] or 'this tree'} against "
+              f"{against['tree']} ({against['commit']}, "
               f"tracing {against['tracing']}) on {result['cpu']}: " + ", ".join(
                   f"{kind} {k['router_cpu_ms_per_request']:.4f} vs "
                   f"{k['against_cpu_ms_per_request']:.4f} (ratio {k['ratio']:.4f}, median of "
                   f"rounds {k['median_ratio']:.4f})" for kind, k in against["kinds"].items()))
     calls = result.get("calls")
     if calls:
-        print("router calls per request, this tree's against --against's: " + ", ".join(
+        print("router calls per request, the measured router's against --against's: " + ", ".join(
             f"{kind} {k['router_calls_per_request']:.1f} vs {k['against_calls_per_request']:.1f}"
             f" (ratio {k['ratio']:.4f}, net of idle {k['net_of_idle_ratio']:.4f})"
             for kind, k in calls["kinds"].items()) + f"; idle calls a second "
@@ -814,10 +821,10 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
     per_message = ("--tokens-per-message", str(options.tokens_per_message))
     with child("--serve-backend", str(topology), *per_message) as backend, \
             child("--serve-baseline", str(ports[5]), *per_message) as baseline, \
-            launch(topology, ["router"], log_dir=log_dir) as children, \
+            measured_router(options, topology, log_dir) as router, \
             against_router(options, ports, log_dir) as against:
         wait_healthy(ports[1])
-        targets = {"router": (ports[1], {"router": children["router"].pid,
+        targets = {"router": (ports[1], {"router": router.pid,
                                          "backend": backend.pid}),
                    "baseline": (ports[5], {"baseline": baseline.pid})}
         if against is not None:
@@ -832,7 +839,8 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
 def counted_calls(options: Options, ports: list[int], log_dir: Path) -> dict[str, Any]:
     """This tree's router and --against's again, each under CALL_COUNTER on ports[8:12]
     over the same backend: `calls` (and with tracing off `tracing_off_calls_ratio`)."""
-    trees = {"router": (ROOT, ports[8:10]), "against": (Path(options.against), ports[10:12])}
+    trees = {"router": (Path(options.ours or ROOT), ports[8:10]),
+             "against": (Path(options.against), ports[10:12])}
     counts: dict[str, dict[str, float]] = {}
     with ExitStack() as stack:
         for name, (tree, (mesh_port, http_port)) in trees.items():
@@ -907,6 +915,18 @@ async def read_count(port: int, calls_file: Path, polls: int = 100) -> float:
 
 
 @contextmanager
+def measured_router(options: Options, topology: Path,
+                    log_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """The router measured as this one: this checkout's, or `--ours`'s tree's."""
+    if options.ours:
+        with other_router(Path(options.ours), topology, log_dir, "router") as process:
+            yield process
+        return
+    with launch(topology, ["router"], log_dir=log_dir) as children:
+        yield children["router"]
+
+
+@contextmanager
 def against_router(options: Options, ports: list[int],
                    log_dir: Path) -> Iterator[subprocess.Popen[str] | None]:
     """The other tree's router (`--against`) on ports[6:8], over the same backend; None
@@ -946,6 +966,10 @@ def main(argv: list[str] | None = None) -> int:
                              "another commit, or a commit of this repository), taking turns "
                              "with this one's in every round over the same backend: CPU per "
                              "request of each")
+    parser.add_argument("--ours", metavar="PATH",
+                        help="with --against: measure the router from the code at PATH (a "
+                             "checkout or a commit) as this one, e.g. a change's merge against "
+                             "its parent (default: this checkout)")
     parser.add_argument("--count-calls", type=int, default=0, metavar="N",
                         help="with --against: then both routers under a call counter, N "
                              "requests of each kind each: calls per request (0: not)")
@@ -970,11 +994,16 @@ def main(argv: list[str] | None = None) -> int:
                       count_calls=max(0, args.count_calls))
     if args.count_calls and not args.against:
         parser.error("--count-calls compares with --against's router: name one")
+    if args.ours and not args.against:
+        parser.error("--ours is measured against --against's router: name one")
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:
         if args.against:
             tree, commit = against_tree(args.against, Path(log_dir))
             options = msgspec.structs.replace(options, against=str(tree),
                                               against_commit=commit)
+        if args.ours:
+            tree, commit = against_tree(args.ours, Path(log_dir), "--ours")
+            options = msgspec.structs.replace(options, ours=str(tree), ours_commit=commit)
         result = bench(options, Path(log_dir))
     print_table(result)
     print(json.dumps(result))

@@ -51,12 +51,14 @@ def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None
     untraced = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "20",
                            "--rounds", "2", "--long-senders", "0", "--against", str(ROOT),
-                           "--count-calls", "40"],
+                           "--ours", str(ROOT), "--count-calls", "40"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=untraced)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     against = result["against"]
     assert against["tree"] == str(ROOT) and against["tracing"] == "off"
+    assert against["ours"]["tree"] == str(ROOT)
+    assert result["tracing_off_ours"] == against["ours"]["commit"]
     assert result["tracing_off_cpu_ratio"] == against["ratio"] == max(
         kind["ratio"] for kind in against["kinds"].values())
     assert result["tracing_off_cpu_median_ratio"] == against["median_ratio"]
@@ -80,6 +82,24 @@ def test_against_another_tree_takes_turns_and_reports_both_routers_cpu() -> None
     assert calls["router_idle_calls_per_s"] > 0 and calls["against_idle_calls_per_s"] > 0
 
 
+def test_the_measured_router_runs_from_the_tree_ours_names(tmp_path: Path) -> None:
+    # A tree whose `prfaas` exits at once: the run stops there (with this checkout's router
+    # in its place it would run to the end).
+    broken = tmp_path / "broken"
+    (broken / "services" / "cli").mkdir(parents=True)
+    for package in ("services", "services/cli"):
+        (broken / package / "__init__.py").write_text("")
+    (broken / "services" / "cli" / "main.py").write_text("raise SystemExit(3)\n")
+    done = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--requests", "4",
+                           "--rounds", "1", "--long-senders", "0", "--against", str(ROOT),
+                           "--ours", str(broken)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "did not start (exit code 3)" in done.stderr
+    refused = subprocess.run([sys.executable, "benchmarks/bench_router.py", "--ours", str(ROOT)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--ours is measured against --against" in refused.stderr
+
+
 def test_against_a_commit_runs_its_files_exported_from_git(tmp_path: Path) -> None:
     bench_router = load_benchmark("bench_router")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -93,3 +113,34 @@ def test_against_a_commit_runs_its_files_exported_from_git(tmp_path: Path) -> No
     assert bench_router.against_tree(str(ROOT), tmp_path) == (ROOT, "")
     with pytest.raises(SystemExit, match="neither a directory nor a commit"):
         bench_router.against_tree("no-such-revision-here", tmp_path)
+
+
+def test_tracing_off_pools_the_rounds_of_every_run_beside_a_control() -> None:
+    tracing_off = load_benchmark("bench_tracing_off")
+    runs = [{"against": {"kinds": {"plain": {"rounds_ratio": [1.0, 1.1]},
+                                   "stream": {"rounds_ratio": [0.9, 1.3]}}}},
+            {"against": {"kinds": {"plain": {"rounds_ratio": [1.2]},
+                                   "stream": {"rounds_ratio": [1.2]}}}}]
+    rounds = tracing_off.pooled(runs)
+    assert rounds == {"plain": [1.0, 1.1, 1.2], "stream": [0.9, 1.3, 1.2]}
+    measured = tracing_off.summary(rounds)
+    # The worse kind's median is the headline; its interval holds it.
+    assert measured["ratio"] == 1.2 and measured["kinds"]["plain"]["median"] == 1.1
+    low, high = measured["interval"]
+    assert 0.9 <= low <= 1.2 <= high <= 1.3
+    assert tracing_off.median_interval([1.0] * 9) == (1.0, 1.0, 1.0)
+
+
+def test_tracing_off_runs_the_change_and_the_control_and_prints_one_json_line() -> None:
+    # HEAD against HEAD both ways: a smoke run (the numbers are the host's noise).
+    done = subprocess.run([sys.executable, "benchmarks/bench_tracing_off.py", "--runs", "1",
+                           "--rounds", "2", "--requests", "8", "--count-calls", "0",
+                           "--merge", "HEAD", "--parent", "HEAD"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.startswith("run 1/1: HEAD against HEAD") for line in lines[:2]] == [True, True]
+    result = json.loads(lines[-1])
+    assert {"tracing_off_cpu_ratio", "tracing_off_cpu_interval", "control_cpu_ratio",
+            "control_cpu_interval", "cpu"} <= set(result)
+    assert len(result["rounds"]["change"]) == 2 and result["tracing_off_cpu_ratio"] > 0
