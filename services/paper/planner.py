@@ -268,17 +268,16 @@ def plan_naive(model: ThroughputModel, lengths: LengthDistribution, n_prfaas: in
     return model.evaluate(lengths, -math.inf, ClusterShape(n_prfaas, 0, n_d))
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """A deployment to plan; the defaults are the paper's case study (section 4.1)."""
+class ModeledCase(msgspec.Struct, frozen=True, kw_only=True):
+    """What the throughput model is evaluated for: the two clusters' hardware profiles, the
+    model, the PrfaaS egress bandwidth, the output length and the input length distribution
+    (a truncated log-normal). The defaults are the paper's case study (section 4.1); the
+    planner's `Scenario` and the dynamic policy's config each add their cluster sizes."""
 
     prfaas_profile: str = "h200"
     pd_profile: str = "h20"
     model: str = "hybrid_1t"
-    n_prfaas: int = 4
-    n_pd: int = 8
-    n_homogeneous: int = 12
-    bandwidth_gbps: float = 100.0
+    bandwidth_gbps: float = 100.0  # B_out
     output_len: int = 1024
     mu: float = PAPER_MU
     sigma: float = PAPER_SIGMA
@@ -292,6 +291,14 @@ class Scenario:
         return ThroughputModel(CostModel.load(self.prfaas_profile, self.model),
                                CostModel.load(self.pd_profile, self.model),
                                self.bandwidth_gbps * 1e9, self.output_len)
+
+
+class Scenario(ModeledCase, frozen=True, kw_only=True):
+    """A deployment to plan: the case and the instances of each deployment of Table 6."""
+
+    n_prfaas: int = 4
+    n_pd: int = 8
+    n_homogeneous: int = 12
 
 
 class PlanResult(msgspec.Struct, frozen=True,

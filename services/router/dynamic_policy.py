@@ -11,21 +11,16 @@ from dataclasses import replace
 
 import msgspec
 
-from services.paper.hardware import CostModel
 from services.paper.planner import (
     ClusterShape,
+    ModeledCase,
     OperatingPoint,
     ThroughputModel,
     solve_threshold,
 )
 from services.paper.workload import (
-    PAPER_MAX_TOKENS,
-    PAPER_MIN_TOKENS,
-    PAPER_MU,
-    PAPER_SIGMA,
     EmpiricalLengths,
     LengthDistribution,
-    TruncatedLogNormal,
 )
 from services.router.link_meter import LinkEstimate
 from services.router.policy import (
@@ -73,8 +68,9 @@ class Ewma:
 
 
 
-class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The modeled deployment (defaults: the paper's case study) and the loops' constants.
+class DynamicConfig(ModeledCase, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The modeled deployment (the case, defaults the paper's, and the PrfaaS-PD split's
+    instances) and the loops' constants.
 
     The paper gives no constant of either loop (docs/paper-notes.md section 3.4, "What is
     missing"); ours, each an option, and why (docs/policies.md, "The dynamic threshold"):
@@ -93,18 +89,9 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     60 s for roles, since conversions drain and react to "gradual and often periodic" change.
     """
 
-    prfaas_profile: str = "h200"
-    pd_profile: str = "h20"
-    model: str = "hybrid_1t"
-    bandwidth_gbps: float = 100.0  # the modeled B_out at the provisioned rate
     n_prfaas: int = 4
     n_p: int = 3
     n_d: int = 5
-    output_len: int = 1024
-    mu: float = PAPER_MU
-    sigma: float = PAPER_SIGMA
-    min_len: float = PAPER_MIN_TOKENS
-    max_len: float = PAPER_MAX_TOKENS
     token_scale: float = 1.0  # router tokens per modeled token (as `prfaas bench --scale`)
     abundant_below: float = 0.5
     prefix_rule: PrefixRule = "auto"
@@ -133,13 +120,6 @@ class DynamicConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         if self.tilt < 1.0:
             raise PolicyError(f"tilt must be >= 1, got {self.tilt!r}")
 
-    def throughput_model(self) -> ThroughputModel:
-        return ThroughputModel(CostModel.load(self.prfaas_profile, self.model),
-                               CostModel.load(self.pd_profile, self.model),
-                               self.bandwidth_gbps * 1e9, self.output_len)
-
-    def initial_lengths(self) -> TruncatedLogNormal:
-        return TruncatedLogNormal(self.mu, self.sigma, self.min_len, self.max_len)
 
 
 class DynamicStatistics(PolicyStatistics, frozen=True):
@@ -223,7 +203,7 @@ class PrfaasDynamicPolicy(PolicyBase[DynamicConfig]):
             if cost is None or not cost.profile.paced or cost.profile.prefill is None:
                 raise PolicyError(f"{side} must model prefill time (a paced profile such as "
                                   f"h200 or h20), got {cost.profile.name if cost else None!r}")
-        self._initial = initial or cfg.initial_lengths()
+        self._initial = initial or cfg.distribution()
         self._shape = ClusterShape(cfg.n_prfaas, cfg.n_p, cfg.n_d)
         self._window: deque[float] = deque(maxlen=cfg.window)
         self._arrivals: deque[float] = deque()
