@@ -544,14 +544,14 @@ def split(total: int, rounds: int) -> list[int]:
 
 
 def turn_order(targets: list[str], scraped: bool, round_index: int) -> list[str]:
-    """The turns of one round: the targets, the scraped turn after them if asked. The
-    router's A/B partners (the scraped turn, the other tree's router) go first in every
-    other round, so that the order within a round moves neither side of a pair."""
+    """The turns of one round: the router and its A/B partners (the other tree's router, the
+    scraped turn if asked) back to back, the router first in even rounds and last of them in
+    odd ones, then the rest (the baseline): each side of a pair follows the same turns as
+    often as the other, so the order within a round moves neither."""
     turns = [*targets, *(["scraped"] if scraped else [])]
-    if round_index % 2:
-        partners = [t for t in ("against", "scraped") if t in turns]
-        turns = [*partners, *(t for t in turns if t not in partners)]
-    return turns
+    partners = [t for t in ("against", "scraped") if t in turns]
+    pair = ["router", *partners] if round_index % 2 == 0 else [*partners, "router"]
+    return [*pair, *(t for t in turns if t not in pair)]
 
 
 async def measure(targets: dict[str, tuple[int, dict[str, int]]],

@@ -144,3 +144,13 @@ def test_tracing_off_runs_the_change_and_the_control_and_prints_one_json_line() 
     assert {"tracing_off_cpu_ratio", "tracing_off_cpu_interval", "control_cpu_ratio",
             "control_cpu_interval", "cpu"} <= set(result)
     assert len(result["rounds"]["change"]) == 2 and result["tracing_off_cpu_ratio"] > 0
+
+
+def test_a_pair_takes_turns_back_to_back_each_side_first_as_often() -> None:
+    bench_router = load_benchmark("bench_router")
+    targets = ["router", "baseline", "against"]
+    assert bench_router.turn_order(targets, False, 0) == ["router", "against", "baseline"]
+    assert bench_router.turn_order(targets, False, 1) == ["against", "router", "baseline"]
+    assert bench_router.turn_order(["router", "baseline"], True, 1) == [
+        "scraped", "router", "baseline"]
+    assert bench_router.turn_order(["router", "baseline"], False, 1) == ["router", "baseline"]
