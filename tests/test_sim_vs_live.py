@@ -410,11 +410,45 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
     assert result.unmodelled_s == pytest.approx(0.012, abs=2e-3)
     # Added to every simulated request's TTFT and end to end, nothing else.
     done = sim[0]
-    moved = with_unmodelled([done, msgspec.structs.replace(done, ok=False)], 0.012)
+    moved = with_unmodelled([done, msgspec.structs.replace(done, ok=False)], {"": 0.012})
     assert moved[0].ttft_s == pytest.approx(done.ttft_s + 0.012)
     assert moved[0].e2e_s == pytest.approx(done.e2e_s + 0.012)
     assert moved[0].tpot_s == done.tpot_s and moved[1].ttft_s == done.ttft_s
     assert "12." in write_report_text(tmp_path, result)
+
+
+def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
+    from services.cli.validation import (
+        probe_jobs,
+        simulate,
+        unmodelled_by_route,
+        with_unmodelled,
+    )
+    from services.paper.hardware import CostModel
+
+    config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
+                                     loads=(("light", 0.5),), probe_repeats=2,
+                                     load_probe_repeats=1, probe_load=0.5)
+    cost = CostModel.load(config.profile, config.model)
+    # Every other probe local (on both sides alike): the offloaded ones leave 30 ms out (the
+    # KV through the link proxy and its import), the local ones 5 ms.
+    sim = [msgspec.structs.replace(o, cluster="pd" if i % 2 else "prfaas")
+           for i, o in enumerate(simulate(config, probe_jobs(config, 1.0)))]
+    live = [msgspec.structs.replace(o, ttft_s=o.ttft_s + (0.005 if o.cluster == "pd" else 0.03),
+                                    compute_s=cost.prefill_time(o.prompt_tokens)) for o in sim]
+    left_out = unmodelled_by_route(cost, live, sim)
+    assert left_out["prfaas"] == pytest.approx(0.03, abs=1e-9)
+    assert left_out["pd"] == pytest.approx(0.005, abs=1e-9)
+    assert 0.005 <= left_out[""] <= 0.03
+    local, offloaded = sim[1], sim[0]
+    moved = with_unmodelled([local, offloaded, msgspec.structs.replace(local, cluster="")],
+                            left_out)
+    assert moved[0].ttft_s == pytest.approx(local.ttft_s + 0.005)
+    assert moved[1].ttft_s == pytest.approx(offloaded.ttft_s + 0.03)
+    assert moved[2].ttft_s == pytest.approx(local.ttft_s + left_out[""])
+    # A route none of whose probes completed on one side takes the overall figure.
+    failed = [msgspec.structs.replace(o, ok=False) if o.cluster == "pd" else o for o in live]
+    assert set(unmodelled_by_route(cost, failed, sim)) == {"", "prfaas"}
 
 
 def write_report_text(out: Path, result: Validation) -> str:

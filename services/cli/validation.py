@@ -37,7 +37,8 @@ decode engine's own step speed during the load over during the probes (`decode_d
 two apart is the host's drift, what the calibrated one leaves is modelling. The same live run
 is also simulated with the engine-alone profile, and replayed: each load with its own requests'
 reported compute (a separate figure). The predicted, calibrated and replayed simulations add
-the TTFT the simulation does not time, measured on the in-situ probes (`unmodelled_s`).
+the TTFT the simulation does not time, measured on the in-situ probes per route
+(`unmodelled_by_route`).
 Errors are signed, sim over live minus 1.
 Beside them, what the live TTFT is made of, measured from the prefill worker's own report:
 queueing, compute, and the rest (the router's dispatch, the KV's trip through the link, its
@@ -61,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -685,8 +686,9 @@ class Profiles(msgspec.Struct, frozen=True):
     # decode steps times its drift (`load_profile` with replay).
     replay: dict[str, str] = {}
     # What the simulation leaves out of every request's TTFT (`unmodelled_s`), measured on the
-    # in-situ probes: the router's dispatch, the KV's import and the first token's way back.
-    unmodelled_s: float = 0.0
+    # in-situ probes: the router's dispatch, the KV's import and the first token's way back;
+    # over all probes (key "") and per route (`unmodelled_by_route`).
+    unmodelled: dict[str, float] = {}
 
 
 class Validation(msgspec.Struct, frozen=True):
@@ -706,12 +708,14 @@ class Validation(msgspec.Struct, frozen=True):
     decode_drift: dict[str, float] = {}
     calibrated: list[Row] = []
     engine_alone: list[Row] = []
-    unmodelled_s: float = 0.0  # Profiles.unmodelled_s: added to the predicted and calibrated
+    unmodelled_s: float = 0.0  # Profiles.unmodelled[""]: over all the in-situ probes
     # Each load simulated with its own requests' measured compute (`Profiles.replay`): the
     # queueing, batching and transfer judged alone. A separate figure, never the prediction.
     replay: list[Row] = []
     # The predicted rows split by route (`route_rows`): local and offloaded requests apart.
     routes: list[Row] = []
+    # The unmodelled TTFT added (Profiles.unmodelled): overall ("") and per route.
+    unmodelled_routes: dict[str, float] = {}
 
 
 def rerun_name(load: str, index: int) -> str:
@@ -843,7 +847,8 @@ def derive_profiles(config: ValidationConfig, live: LiveRun, out: Path) -> Profi
     rate = config.probe_load * live.capacity_rps
     probes = simulate(msgspec.structs.replace(config, profile=str(situ)),
                       probe_jobs(config, rate))
-    left_out = unmodelled_s(CostModel.load(situ, config.model), live.outcomes["in-situ"], probes)
+    left_out = unmodelled_by_route(CostModel.load(situ, config.model),
+                                   live.outcomes["in-situ"], probes)
     return Profiles(str(situ), calibrated, drift, replay, left_out)
 
 
@@ -866,10 +871,30 @@ def unmodelled_s(cost: CostModel, live: Sequence[Outcome], sim: Sequence[Outcome
             - rest(sim, lambda o: cost.prefill_time(o.prompt_tokens)))
 
 
-def with_unmodelled(outcomes: Sequence[Outcome], seconds: float) -> list[Outcome]:
-    """The simulated outcomes with `seconds` (`unmodelled_s`) added to every completed
-    request's TTFT and end-to-end latency."""
-    return [msgspec.structs.replace(o, ttft_s=o.ttft_s + seconds, e2e_s=o.e2e_s + seconds)
+def unmodelled_by_route(cost: CostModel, live: Sequence[Outcome],
+                        sim: Sequence[Outcome]) -> dict[str, float]:
+    """`unmodelled_s` over all the probes (key ""), and over each route's alone (the cluster
+    that prefilled them: "prfaas" offloaded, "pd" local) where both sides completed some of
+    that route's: only the offloaded ones cross the link proxy and import KV from it."""
+    out = {"": unmodelled_s(cost, live, sim)}
+    for route in sorted({o.cluster for o in live if o.cluster}):
+        try:
+            out[route] = unmodelled_s(cost, [o for o in live if o.cluster == route],
+                                      [o for o in sim if o.cluster == route])
+        except ValueError:  # no completed probe of that route on one side: the overall one
+            continue
+    return out
+
+
+def with_unmodelled(outcomes: Sequence[Outcome], seconds: Mapping[str, float]) -> list[Outcome]:
+    """The simulated outcomes with the unmodelled TTFT (`unmodelled_by_route`: their route's,
+    else the overall "" one, else none) added to every completed request's TTFT and
+    end-to-end latency."""
+
+    def added(o: Outcome) -> float:
+        return seconds.get(o.cluster, seconds.get("", 0.0))
+
+    return [msgspec.structs.replace(o, ttft_s=o.ttft_s + added(o), e2e_s=o.e2e_s + added(o))
             if o.ok else o for o in outcomes]
 
 
@@ -1015,7 +1040,8 @@ def decode_factor(config: ValidationConfig, live: Sequence[Outcome],
 
 
 def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str],
-                unmodelled: float = 0.0) -> tuple[list[Row], dict[str, list[Outcome]]]:
+                unmodelled: Mapping[str, float] | None = None
+                ) -> tuple[list[Row], dict[str, list[Outcome]]]:
     """Each load of `live` simulated with its profile in `profiles` (by load name), the
     `unmodelled` seconds added (`with_unmodelled`), and compared with it: the rows and the
     simulated outcomes, by load. What a load is simulated from is its arrival list as sent
@@ -1028,7 +1054,7 @@ def against_sim(config: ValidationConfig, live: LiveRun, profiles: dict[str, str
         rate = fraction * live.capacity_rps
         own = msgspec.structs.replace(config, profile=profiles[name])
         sims[name] = sim = with_unmodelled(simulate(own, load_jobs(config, index, rate)),
-                                           unmodelled)
+                                           unmodelled or {})
         reruns = [compared(live.outcomes[again]) for again in reruns_of(name, live.outcomes)]
         rows.append(compare(name, rate, compared(live.outcomes[name]), compared(sim), reruns))
     return rows, sims
@@ -1064,10 +1090,10 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
     profiles = derive_profiles(config, live, out)
     names = [name for name, _ in config.loads if name in live.outcomes]
     rows, sims = against_sim(config, live, dict.fromkeys(names, profiles.in_situ),
-                             profiles.unmodelled_s)
-    calibrated, _ = against_sim(config, live, profiles.calibrated, profiles.unmodelled_s)
+                             profiles.unmodelled)
+    calibrated, _ = against_sim(config, live, profiles.calibrated, profiles.unmodelled)
     engine_alone, _ = against_sim(config, live, dict.fromkeys(names, config.profile))
-    replay, _ = against_sim(config, live, profiles.replay, profiles.unmodelled_s)
+    replay, _ = against_sim(config, live, profiles.replay, profiles.unmodelled)
     predicted = msgspec.structs.replace(config, profile=profiles.in_situ)
     sim_capacity = service_rate(simulate(predicted, _burst(config))) if (
         "capacity" in live.outcomes) else 0.0
@@ -1081,8 +1107,8 @@ def evaluate(config: ValidationConfig, live: LiveRun, out: Path) -> Validation:
                                  profiles.in_situ)
     return Validation(config, live.capacity_rps, sim_capacity, rows, parts, records,
                       live.wall_s, live.load_averages, profiles.decode_drift, calibrated,
-                      engine_alone, profiles.unmodelled_s, replay,
-                      route_rows(config, live, sims))
+                      engine_alone, profiles.unmodelled.get("", 0.0), replay,
+                      route_rows(config, live, sims), profiles.unmodelled)
 
 
 def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> ValidationConfig:
@@ -1109,6 +1135,13 @@ def profile_for(config: ValidationConfig, out: Path, quick: bool = False) -> Val
     return msgspec.structs.replace(config, profile=str(out), model=str(model))
 
 
+def unmodelled_text(result: Validation) -> str:
+    """The unmodelled TTFT added: overall, and each route's where it has its own."""
+    routes = {ROUTES.get(k, k): v for k, v in result.unmodelled_routes.items() if k}
+    return f"{result.unmodelled_s * 1e3:.1f} ms" + "".join(
+        f", {name} {seconds * 1e3:.1f} ms" for name, seconds in routes.items())
+
+
 def write_report(out: Path, result: Validation, machine: str) -> str:
     """DIR/summary.json, table.md, records.jsonl and the CDF plots; the table's text."""
     out.mkdir(parents=True, exist_ok=True)
@@ -1132,7 +1165,7 @@ def write_report(out: Path, result: Validation, machine: str) -> str:
             f"{k} {v}" for k, v in result.load_averages.items()) + ".", "",
         "Predicted: every load simulated with the profile measured before the loads "
         "(profile-in-situ.toml), and the TTFT the simulation does not time (dispatch, KV "
-        f"import, the first token's way back: {result.unmodelled_s * 1e3:.1f} ms, measured on "
+        f"import, the first token's way back: {unmodelled_text(result)}, measured on "
         "the in-situ probes) added to each request; nothing measured during a load reaches "
         "its simulation.", "",
         table(result.rows),
