@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
 
 import anyio
 import anyio.abc
@@ -102,14 +103,21 @@ def client(hub: MemoryHub) -> Node:
     return Node("cli", CODEC, MemoryTransport(hub), PEERS)
 
 
+@asynccontextmanager
+async def connected(hub: MemoryHub, log: list[str]) -> AsyncIterator[tuple[Node, Node]]:
+    """The server (logging into `log`) listening on `hub`, and a client of it."""
+    async with server(hub, log) as srv, client(hub) as cli:
+        await srv.listen()
+        yield srv, cli
+
+
 @pytest.mark.trio
 async def test_deadline_fires_on_virtual_time(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
     log: list[str] = []
     wall = time.monotonic()
-    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, log) as (srv, cli):
         start = trio.current_time()
         with pytest.raises(DeadlineExceeded, match=r"call Nap to srv|srv: Nap handler") as err:
             await cli.call("srv", Nap(1000), timeout=5)
@@ -130,8 +138,7 @@ async def test_deadline_fires_on_virtual_time(
 @pytest.mark.trio
 async def test_download_stream_delivers_items_in_order(memory_hub: MemoryHub) -> None:
     log: list[str] = []
-    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, log) as (srv, cli):
         async with cli.open_stream("srv", Count(200)) as items:
             got = [item async for item in items]
         srv.check_integrity()
@@ -205,8 +212,7 @@ async def test_leaving_a_download_early_stops_the_server(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
     log: list[str] = []
-    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, log) as (_srv, cli):
         async with cli.open_stream("srv", Count(10**9)) as items:
             async for item in items:
                 if item == Count(2):
@@ -217,8 +223,7 @@ async def test_leaving_a_download_early_stops_the_server(
 
 @pytest.mark.trio
 async def test_server_abort_reaches_the_reader(memory_hub: MemoryHub) -> None:
-    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, []) as (_srv, cli):
         with pytest.raises(StreamAborted, match="negative count"):
             async with cli.open_stream("srv", Stall(-1)) as items:
                 async for _ in items:
@@ -227,8 +232,7 @@ async def test_server_abort_reaches_the_reader(memory_hub: MemoryHub) -> None:
 
 @pytest.mark.trio
 async def test_upload_stream_returns_the_handlers_reply(memory_hub: MemoryHub) -> None:
-    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, []) as (srv, cli):
         async with cli.stream_to("srv", Upload()) as sink:
             for n in range(50):
                 await sink.send(Chunk(b"x" * n))
@@ -239,44 +243,35 @@ async def test_upload_stream_returns_the_handlers_reply(memory_hub: MemoryHub) -
 
 
 @pytest.mark.trio
-async def test_sender_exception_aborts_the_upload(
-    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
+@pytest.mark.parametrize(("ending", "told"), [
+    ("raises", "sender raised KeyError: 'oops'"),
+    ("is cancelled", "the sender was cancelled before its end"),
+])
+async def test_a_sender_that_raises_or_is_cancelled_in_its_body_aborts_the_upload(
+    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock, ending: str, told: str
 ) -> None:
+    """Raising, or cancelled as its body ends (before End is out): the receiver is told, not
+    left open, and the sender's exception (not the cancellation) reaches its caller."""
     log: list[str] = []
-    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
-        await srv.listen()
-        with pytest.raises(KeyError):
+    escapes = pytest.raises(KeyError) if ending == "raises" else nullcontext()
+    async with connected(memory_hub, log) as (srv, cli):
+        with trio.CancelScope() as scope, escapes:
             async with cli.stream_to("srv", Upload()) as sink:
                 await sink.send(Chunk(b"abc"))
-                raise KeyError("oops")
-        await logged(log)
-    assert log == ["upload aborted: cli: sender raised KeyError: 'oops'"]
-
-
-@pytest.mark.trio
-async def test_a_sender_cancelled_at_its_end_aborts_the_upload(
-    memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
-) -> None:
-    """Cancelled as its body ends (before End is out): the receiver is told, not left open."""
-    log: list[str] = []
-    async with server(memory_hub, log) as srv, client(memory_hub) as cli:
-        await srv.listen()
-        with trio.CancelScope() as scope:
-            async with cli.stream_to("srv", Upload()) as sink:
-                await sink.send(Chunk(b"abc"))
+                if ending == "raises":
+                    raise KeyError("oops")
                 scope.cancel()
-        assert scope.cancelled_caught
+        assert scope.cancelled_caught == (ending == "is cancelled")
         await logged(log)
         srv.check_integrity()
-    assert log == ["upload aborted: cli: the sender was cancelled before its end"]
+    assert log == [f"upload aborted: cli: {told}"]
 
 
 @pytest.mark.trio
 async def test_receiver_failure_stops_the_sender_early(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, []) as (_srv, cli):
         sent = 0
         with pytest.raises(RemoteError, match="ValueError: refusing more than 10 bytes"):
             async with cli.stream_to("srv", Upload(fail_after=10)) as sink:
@@ -287,24 +282,27 @@ async def test_receiver_failure_stops_the_sender_early(
         assert 3 <= sent < 10
 
 
-async def start_server(nursery: trio.Nursery, hub: MemoryHub) -> trio.CancelScope:
-    """Serves in `nursery`; cancelling the returned scope kills the server alone."""
+@asynccontextmanager
+async def client_of_a_killable_server(
+    hub: MemoryHub,
+) -> AsyncIterator[tuple[Node, trio.CancelScope]]:
+    """A client, and a serving server that cancelling the scope beside it kills alone."""
     scope = trio.CancelScope()
 
     async def run(task_status: anyio.abc.TaskStatus[Address] = anyio.TASK_STATUS_IGNORED) -> None:
         with scope:
             await server(hub, []).serve(task_status=task_status)
 
-    await nursery.start(run)
-    return scope
+    async with client(hub) as cli, trio.open_nursery() as nursery:
+        await nursery.start(run)
+        yield cli, scope
 
 
 @pytest.mark.trio
 async def test_peer_dying_mid_stream_is_an_error_before_the_deadline(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with client(memory_hub) as cli, trio.open_nursery() as nursery:
-        kill = await start_server(nursery, memory_hub)
+    async with client_of_a_killable_server(memory_hub) as (cli, kill):
         start = trio.current_time()
         got: list[msgspec.Struct] = []
         with pytest.raises(PeerGone):
@@ -321,8 +319,7 @@ async def test_peer_dying_mid_stream_is_an_error_before_the_deadline(
 async def test_hung_peer_mid_stream_hits_the_deadline(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with server(memory_hub, []) as srv, client(memory_hub) as cli:
-        await srv.listen()
+    async with connected(memory_hub, []) as (_srv, cli):
         start = trio.current_time()
         got: list[msgspec.Struct] = []
         # Both ends' deadlines pass at the same instant: the reader's own fails the stream,
@@ -341,8 +338,8 @@ async def test_hung_peer_mid_stream_hits_the_deadline(
 async def test_peer_dying_during_a_call_is_peer_gone(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with client(memory_hub) as cli, trio.open_nursery() as nursery:
-        kill = await start_server(nursery, memory_hub)
+    async with client_of_a_killable_server(memory_hub) as (cli, kill), \
+            trio.open_nursery() as nursery:
 
         async def kill_soon() -> None:
             await trio.sleep(1)
@@ -357,8 +354,8 @@ async def test_peer_dying_during_a_call_is_peer_gone(
 anyio_backend = backends_fixture()
 
 
-def tcp_server(address: Address) -> Node:
-    node = Node("srv", CODEC, TcpTransport(), {"srv": address})
+def backend_neutral_server(node: Node) -> Node:
+    """`node` answering Nap and serving Count with anyio's sleep: on trio or asyncio alike."""
 
     @node.handles(Nap)
     async def on_nap(msg: Nap, ctx: Context) -> Count:
@@ -371,6 +368,10 @@ def tcp_server(address: Address) -> Node:
             yield Count(n)
 
     return node
+
+
+def tcp_server(address: Address) -> Node:
+    return backend_neutral_server(Node("srv", CODEC, TcpTransport(), {"srv": address}))
 
 
 @pytest.mark.anyio
@@ -402,18 +403,7 @@ async def test_calls_beside_a_slowly_read_download_in_memory() -> None:
     asyncio alike): calls made while a download through a buffer of one is read slowly are
     answered, and the download still arrives whole and in order."""
     hub = MemoryHub()
-    srv = Node("srv", CODEC, MemoryTransport(hub), PEERS)
-
-    @srv.handles(Nap)
-    async def on_nap(msg: Nap, ctx: Context) -> Count:
-        await anyio.sleep(msg.seconds)
-        return Count(int(msg.seconds * 1000))
-
-    @srv.serves_stream(Count)
-    async def count_to(msg: Count, ctx: Context) -> AsyncGenerator[Count, None]:
-        for n in range(msg.n):
-            yield Count(n)
-
+    srv = backend_neutral_server(Node("srv", CODEC, MemoryTransport(hub), PEERS))
     cli = Node("cli", CODEC, MemoryTransport(hub), PEERS, NodeConfig(stream_buffer=1))
     replies: list[msgspec.Struct | None] = []
 
@@ -453,8 +443,7 @@ async def take_until(hub: MemoryHub, message: msgspec.Struct, stop: int | None,
             raise KeyError(item.n)
         return item.n != stop
 
-    async with server(hub, log) as srv, client(hub) as cli:
-        await srv.listen()
+    async with connected(hub, log) as (srv, cli):
         try:
             async with cli.open_stream("srv", message) as items:
                 if fast:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -15,15 +17,25 @@ from mesh.mailbox import Mailbox
 from mesh.wire import MAX_TIMEOUT
 
 
+@asynccontextmanager
+async def running_watch(
+    on_expiry: Callable[[], None] | None = None,
+) -> AsyncIterator[DeadlineWatch]:
+    """A DeadlineWatch with its task running; leaving the block stops the task."""
+    watch = DeadlineWatch(on_expiry)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        yield watch
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.trio
 async def test_watch_fails_open_mailboxes_at_their_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    watch = DeadlineWatch()
     waiting: Mailbox[int] = Mailbox(1)
     answered: Mailbox[int] = Mailbox(1)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch.run)
+    async with running_watch() as watch:
         watch.watch(10, waiting, "call A")
         watch.watch(5, answered, "call B")
         watch.check_integrity()
@@ -31,7 +43,6 @@ async def test_watch_fails_open_mailboxes_at_their_deadline(
         with pytest.raises(DeadlineExceeded, match="call A: deadline passed"):
             await waiting.get()
         assert trio.current_time() == 10
-        nursery.cancel_scope.cancel()
     assert watch.expired == 1
 
 
@@ -40,14 +51,11 @@ async def test_an_earlier_deadline_wakes_the_watch_sooner(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     expiries: list[float] = []
-    watch = DeadlineWatch(lambda: expiries.append(trio.current_time()))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch.run)
+    async with running_watch(lambda: expiries.append(trio.current_time())) as watch:
         watch.watch(100, Mailbox(1), "late")
         await trio.sleep(1)
         watch.watch(3, Mailbox(1), "early")
         await trio.sleep(200)
-        nursery.cancel_scope.cancel()
     assert expiries == [3, 100]
 
 
@@ -55,10 +63,8 @@ async def test_an_earlier_deadline_wakes_the_watch_sooner(
 async def test_the_watch_sleeps_past_waits_finished_in_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    watch = DeadlineWatch()
     late: Mailbox[int] = Mailbox(1)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch.run)
+    async with running_watch() as watch:
         await trio.testing.wait_all_tasks_blocked()
         for n in range(5):
             answered: Mailbox[int] = Mailbox(1)
@@ -66,7 +72,6 @@ async def test_the_watch_sleeps_past_waits_finished_in_time(
             answered.close()
         watch.watch(10, late, "late")
         await trio.sleep(20)
-        nursery.cancel_scope.cancel()
     assert late.failure is not None and watch.expired == 1
     # Woken at the first wait's deadline (its alarm set while it was open), then at the late
     # one's: not at the deadlines of the four answered while the watch slept.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -69,16 +71,25 @@ def test_secret_and_loopback_checks() -> None:
         require_secret_beyond_loopback("0.0.0.0", None)
 
 
+@asynccontextmanager
+async def client_of_a_tcp_service(
+    service_secret: bytes | None, handled: list[int],
+) -> AsyncIterator[tuple[Node, Node]]:
+    """The service with `service_secret` listening on loopback, and a client holding SECRET."""
+    async with service(TcpTransport(), service_secret, handled) as svc:
+        address = await svc.listen(Address("127.0.0.1", 0))
+        async with Node("cli", CODEC, TcpTransport(), {"svc": address}, secret=SECRET) as cli:
+            yield svc, cli
+
+
 @pytest.mark.anyio
 async def test_matching_secrets_call_over_tcp() -> None:
     handled: list[int] = []
-    async with service(TcpTransport(), SECRET, handled) as svc:
-        address = await svc.listen(Address("127.0.0.1", 0))
-        async with Node("cli", CODEC, TcpTransport(), {"svc": address}, secret=SECRET) as cli:
-            assert await cli.call("svc", Ping(3), timeout=10) == Pong(3)
-            assert await cli.call("svc", Ping(4), timeout=10) == Pong(4)
-        assert handled == [3, 4]
-        assert svc.statistics().connection_errors == 0
+    async with client_of_a_tcp_service(SECRET, handled) as (svc, cli):
+        assert await cli.call("svc", Ping(3), timeout=10) == Pong(3)
+        assert await cli.call("svc", Ping(4), timeout=10) == Pong(4)
+    assert handled == [3, 4]
+    assert svc.statistics().connection_errors == 0
 
 
 async def good_client_is_served(transport: Transport, address: Address) -> None:
@@ -111,12 +122,10 @@ async def test_a_client_without_the_secret_is_refused_and_others_are_served(
 @pytest.mark.anyio
 async def test_a_client_with_a_secret_refuses_a_server_without_one() -> None:
     handled: list[int] = []
-    async with service(TcpTransport(), None, handled) as svc:
-        address = await svc.listen(Address("127.0.0.1", 0))
-        async with Node("cli", CODEC, TcpTransport(), {"svc": address}, secret=SECRET) as cli:
-            with pytest.raises(HandshakeError, match="did not prove mesh membership"):
-                await cli.call("svc", Ping(1), timeout=10)
-        assert handled == []
+    async with client_of_a_tcp_service(None, handled) as (_svc, cli):
+        with pytest.raises(HandshakeError, match="did not prove mesh membership"):
+            await cli.call("svc", Ping(1), timeout=10)
+    assert handled == []
 
 
 async def hello(conn: Connection, nonce: bytes) -> Hello:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -50,6 +51,16 @@ def frames(n: int, size: int = 10) -> list[bytes]:
     return [bytes([i % 256]) * size for i in range(n)]
 
 
+@asynccontextmanager
+async def writing(outbox: Outbox) -> AsyncIterator[None]:
+    """`outbox` with its writer task started and waiting; leaving the block stops it."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        yield
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.trio
 async def test_urgent_frame_is_written_at_once_without_a_writer_task() -> None:
     stream = RecordingStream()
@@ -63,15 +74,12 @@ async def test_deferred_frames_are_batched_in_order() -> None:
     stream = RecordingStream()
     outbox = Outbox(stream, "peer", limit=1 << 20)
     sent = frames(500)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         for frame in sent:
             await outbox.put(frame, urgent=False)
             outbox.check_integrity()
         await outbox.put(b"last", urgent=True)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"".join([*sent, b"last"])
     assert len(stream.writes) < 10
     assert outbox.queued_bytes == 0
@@ -82,12 +90,10 @@ async def test_big_frames_are_written_alone() -> None:
     stream = RecordingStream()
     outbox = Outbox(stream, "peer", limit=1 << 24)
     big = b"B" * BIG_FRAME
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
+    async with writing(outbox):
         for frame in (b"a", big, b"b", big):
             await outbox.put(frame, urgent=False)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert stream.writes == [b"a", big, b"b", big]
 
 
@@ -96,14 +102,12 @@ async def test_a_frame_in_parts_is_written_in_order_between_its_neighbours() -> 
     stream = RecordingStream()
     outbox = Outbox(stream, "peer", limit=1 << 24)
     big = b"B" * BIG_FRAME
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
+    async with writing(outbox):
         await outbox.put(b"a", urgent=False)
         await outbox.put((b"head", memoryview(big), b"tail"), urgent=False)
         outbox.check_integrity()
         await outbox.put(b"b", urgent=True)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"a" + b"head" + big + b"tail" + b"b"
     assert big in stream.writes  # the bulk part alone, never joined
     assert outbox.queued_bytes == 0
@@ -117,9 +121,7 @@ async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
     stream.gate = trio.Event()
     outbox = Outbox(stream, "peer", limit=25)
     expired: list[float] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(b"x" * 10, urgent=False)  # taken by the writer, held at the gate
         await trio.testing.wait_all_tasks_blocked()
         for frame in frames(3):  # 30 bytes queued: over the limit of 25
@@ -130,7 +132,6 @@ async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
         expired.append(trio.current_time())
         stream.gate.set()
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert expired == [5.0]
     # The send that gave up sent nothing.
     assert b"".join(stream.writes) == b"x" * 10 + b"".join(frames(3))
@@ -141,9 +142,7 @@ async def test_broken_stream_fails_later_sends_and_closes_it() -> None:
     stream = RecordingStream()
     stream.fail = True
     outbox = Outbox(stream, "peer", limit=1000)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(b"lost", urgent=False)
         await trio.testing.wait_all_tasks_blocked()
     assert stream.closed
@@ -199,9 +198,7 @@ async def test_put_nowait_writes_at_once_and_the_rest_waits_first_in_line() -> N
     outbox = Outbox(stream, "peer", limit=1000)
     # No writer task yet: nobody would finish a partial write, so the caller must `put`.
     assert not outbox.put_nowait(b"early")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         assert outbox.put_nowait(b"abcdefghij")
         assert stream.nowait == [b"abcd"]
         outbox.check_integrity()
@@ -210,7 +207,6 @@ async def test_put_nowait_writes_at_once_and_the_rest_waits_first_in_line() -> N
         assert not outbox.put_nowait(b"next")
         await outbox.put(b"next", urgent=True)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"abcdefghijnext"
     assert outbox.queued_bytes == 0
 
@@ -220,12 +216,9 @@ async def test_put_nowait_on_a_broken_stream_breaks_the_outbox() -> None:
     stream = NowaitStream(room=100)
     stream.fail = True
     outbox = Outbox(stream, "peer", limit=1000)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         with pytest.raises(PeerGone, match="send to peer failed"):
             outbox.put_nowait(b"lost")
-        nursery.cancel_scope.cancel()
     assert outbox.broken is not None
 
 
@@ -262,14 +255,11 @@ def bulk_frame(seq: int, size: int = BIG_FRAME) -> tuple[bytes, memoryview, byte
 async def test_a_frame_in_parts_is_written_by_its_sender_when_nothing_is_ahead() -> None:
     stream = PartsStream(room=1 << 20)
     outbox = Outbox(stream, "peer", limit=1 << 24)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(bulk_frame(1), urgent=False)
         # Written before any other task ran: no hand-off to the writer.
         assert stream.inline == [b"".join(bulk_frame(1))]
         assert outbox.queued_bytes == 0
-        nursery.cancel_scope.cancel()
     assert stream.waited == []
 
 
@@ -278,9 +268,7 @@ async def test_what_the_socket_does_not_take_at_once_waits_first_in_line() -> No
     stream = PartsStream(room=BIG_FRAME // 2 + 3)
     outbox = Outbox(stream, "peer", limit=1 << 24)
     first, second = bulk_frame(1), bulk_frame(2)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(first, urgent=False)
         outbox.check_integrity()
         assert outbox.queued_bytes == sum(map(len, first)) - stream.room
@@ -288,7 +276,6 @@ async def test_what_the_socket_does_not_take_at_once_waits_first_in_line() -> No
         await outbox.put(second, urgent=True)
         outbox.check_integrity()
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"".join(first) + b"".join(second)
     assert len(stream.inline) == 1 and len(stream.waited) == 2
     assert outbox.queued_bytes == 0
@@ -298,13 +285,10 @@ async def test_what_the_socket_does_not_take_at_once_waits_first_in_line() -> No
 async def test_a_frame_in_parts_goes_behind_queued_frames() -> None:
     stream = PartsStream(room=1 << 20)
     outbox = Outbox(stream, "peer", limit=1 << 24)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(b"small", urgent=False)  # queued: the writer has not run yet
         await outbox.put(bulk_frame(1), urgent=False)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"small" + b"".join(bulk_frame(1))
     assert stream.inline == []
 
@@ -316,15 +300,12 @@ async def test_a_sender_of_frames_in_parts_yields_once_per_limit_and_a_cancel_se
     size = sum(map(len, bulk_frame(0)))
     outbox = Outbox(stream, "peer", limit=3 * size)
     sent = 0
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         with trio.CancelScope() as scope:
             scope.cancel()
             for seq in range(10):
                 await outbox.put(bulk_frame(seq), urgent=False)
                 sent += 1
-        nursery.cancel_scope.cancel()
     # Three frames fill the limit; the fourth put yields first, sees the cancel, sends nothing.
     assert sent == 3
     assert b"".join(stream.writes) == b"".join(b"".join(bulk_frame(seq)) for seq in range(3))
@@ -336,12 +317,9 @@ async def test_a_broken_stream_fails_the_sender_of_a_frame_in_parts() -> None:
     stream = PartsStream(room=1 << 20)
     stream.fail = True
     outbox = Outbox(stream, "peer", limit=1 << 24)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         with pytest.raises(PeerGone, match="send to peer failed"):
             await outbox.put(bulk_frame(1), urgent=False)
-        nursery.cancel_scope.cancel()
     assert outbox.broken is not None
 
 
@@ -354,14 +332,11 @@ async def test_small_frames_queued_behind_the_short_rest_of_a_frame_in_parts_are
     frame = bulk_frame(1)
     stream = PartsStream(room=sum(map(len, frame)) - 100)
     outbox = Outbox(stream, "peer", limit=1 << 24)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing(outbox):
         await outbox.put(frame, urgent=False)
         await outbox.put(b"item", urgent=False)
         await outbox.put(b"end", urgent=True)
         outbox.check_integrity()
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert b"".join(stream.writes) == b"".join(frame) + b"item" + b"end"
     assert outbox.queued_bytes == 0

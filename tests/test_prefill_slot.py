@@ -96,13 +96,23 @@ async def until(condition: object, prefill: PrefillWorker) -> None:
             await trio.sleep(0.01)
 
 
+@asynccontextmanager
+async def prefilling(
+    count: int, max_streaming: int = 1,
+) -> AsyncIterator[tuple[PrefillWorker, SlowLink]]:
+    """worker()'s prefill of r0, r1, ... started a virtual millisecond apart, so they queue in
+    order; leaving the block waits for all of them."""
+    async with worker(max_streaming) as (prefill, link), anyio.create_task_group() as group:
+        for k in range(count):
+            group.start_soon(prefill.prefill, request(k))
+            await trio.sleep(0.001)
+        yield prefill, link
+
+
 @pytest.mark.trio
 async def test_the_next_prefill_starts_before_the_last_ones_kv_is_accepted(
         autojump_clock: trio.testing.MockClock) -> None:
-    async with worker() as (prefill, link), anyio.create_task_group() as group:
-        for k in range(2):
-            group.start_soon(prefill.prefill, request(k))
-            await trio.sleep(0.001)  # r0 queues first
+    async with prefilling(2) as (prefill, link):
         # r0's KV is held on the link; r1 computes anyway and opens its own lane.
         await until(lambda: "r1" in link.opened, prefill)
         assert "r0" not in link.accepted
@@ -119,11 +129,7 @@ async def test_the_next_prefill_starts_before_the_last_ones_kv_is_accepted(
 async def test_with_no_room_to_stream_the_slot_is_held_until_the_kv_is_accepted(
         autojump_clock: trio.testing.MockClock) -> None:
     """max_streaming=0, the old behaviour: the same two requests, one after the other."""
-    async with worker(max_streaming=0) as (prefill, link), \
-            anyio.create_task_group() as group:
-        for k in range(2):
-            group.start_soon(prefill.prefill, request(k))
-            await trio.sleep(0.001)
+    async with prefilling(2, max_streaming=0) as (prefill, link):
         await until(lambda: "r0" in link.opened, prefill)
         await trio.sleep(60.0)  # far longer than a prefill takes here
         assert "r1" not in link.opened
@@ -136,10 +142,7 @@ async def test_with_no_room_to_stream_the_slot_is_held_until_the_kv_is_accepted(
 @pytest.mark.trio
 async def test_a_third_job_waits_while_one_streams_and_one_has_no_room(
         autojump_clock: trio.testing.MockClock) -> None:
-    async with worker() as (prefill, link), anyio.create_task_group() as group:
-        for k in range(3):
-            group.start_soon(prefill.prefill, request(k))
-            await trio.sleep(0.001)
+    async with prefilling(3) as (prefill, link):
         # r0 streams; r1's compute is done (its lane is open) but it has no room: it keeps
         # the slot, and r2 stays queued however long the link holds r0.
         await until(lambda: "r1" in link.opened, prefill)

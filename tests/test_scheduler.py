@@ -11,9 +11,9 @@ import pytest
 import trio
 import trio.testing
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from router_fakes import BLOCK, decisions, fake_mesh, fake_token, generation
+from router_fakes import BLOCK, FakeMesh, decisions, fake_mesh, fake_token, generation
 
-from services.contract.events import RequestDone
+from services.contract.events import RequestDone, RoutingDecision
 from services.contract.messages import PrefixPull
 from services.contract.prefix import block_hashes
 from services.contract.tracing import Tracer
@@ -46,18 +46,24 @@ async def test_one_request_streams_tokens_and_reports_everything(
         assert mesh.scheduler.statistics().completed == 1
 
 
+async def one_request_to_its_end(mesh: FakeMesh) -> tuple[RoutingDecision, RequestDone]:
+    """Runs a 40-token request to its end: its routing decision and its RequestDone event."""
+    handle = await mesh.scheduler.submit(generation(range(1, 41)))
+    await handle.collect()
+    await trio.testing.wait_all_tasks_blocked()
+    events = await mesh.take_events()
+    [decision] = decisions(events)
+    [done] = [e for e in events if isinstance(e, RequestDone)]
+    return decision, done
+
+
 @pytest.mark.trio
 async def test_a_traced_requests_dashboard_events_name_its_trace(
         autojump_clock: trio.testing.MockClock) -> None:
     # The dashboard's timeline shows the events' trace id: the one its spans were exported in.
     spans = InMemorySpanExporter()
     async with fake_mesh(tracer=Tracer("router", spans, batch=False)) as mesh:
-        handle = await mesh.scheduler.submit(generation(range(1, 41)))
-        await handle.collect()
-        await trio.testing.wait_all_tasks_blocked()
-        events = await mesh.take_events()
-    [decision] = decisions(events)
-    [done] = [e for e in events if isinstance(e, RequestDone)]
+        decision, done = await one_request_to_its_end(mesh)
     [request] = [s for s in spans.get_finished_spans() if s.name == "request"]
     assert request.attributes is not None
     assert request.attributes["gen_ai.request.id"] == decision.request_id == done.request_id
@@ -78,12 +84,7 @@ async def test_untraced_the_messages_and_events_carry_no_trace(
         autojump_clock: trio.testing.MockClock) -> None:
     async with fake_mesh() as mesh:
         assert mesh.scheduler.tracer is None
-        handle = await mesh.scheduler.submit(generation(range(1, 41)))
-        await handle.collect()
-        await trio.testing.wait_all_tasks_blocked()
-        events = await mesh.take_events()
-    [decision] = decisions(events)
-    [done] = [e for e in events if isinstance(e, RequestDone)]
+        decision, done = await one_request_to_its_end(mesh)
     assert decision.trace_id == done.trace_id == ""
     assert [m.trace for m in mesh.workers["pd-prefill-0"].prefills] == [""]
     assert [m.trace for m in mesh.workers["pd-decode-0"].decodes] == [""]

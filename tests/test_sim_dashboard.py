@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import time
 import tomllib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -122,41 +124,50 @@ def paced_clock() -> PacedClock:
     return PacedClock(50.0)
 
 
+@asynccontextmanager
+async def dashboard_client(
+    serve: Callable[..., Awaitable[None]], sim: LiveSim | CompareSim,
+) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+    """One of sim_dashboard's servers of `sim` on a free loopback port: a client of it and its
+    page; leaving the block stops the server."""
+    async with anyio.create_task_group() as tasks:
+        host, port = await tasks.start(
+            lambda task_status: serve(
+                sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
+        async with paced_client(host, port) as client:
+            yield client, (await client.get("/")).text
+        tasks.cancel_scope.cancel()
+
+
 @pytest.mark.trio
 async def test_the_sim_dashboard_serves_the_simulation_and_its_speed(
     paced_clock: PacedClock,
 ) -> None:
     sim = LiveSim(SMALL, arrivals=conversations(120.0, rate=1.0), clock=paced_clock)
-    async with anyio.create_task_group() as tasks:
-        host, port = await tasks.start(
-            lambda task_status: sim_dashboard.serve_sim_dashboard(
-                sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
-        async with paced_client(host, port) as client:
-            page = (await client.get("/")).text
-            assert f'data-policies="{",".join(POLICIES)}"' in page
-            with anyio.fail_after(600):  # virtual seconds: 12 of wall time
-                while not (await client.get("/api/snapshot")).json()["decisions"]:
-                    await anyio.sleep(1.0)
-            snapshot = (await client.get("/api/snapshot")).json()
-            assert snapshot["mode"] == "simulated" and snapshot["config"]["title"].endswith(
-                "(small)")
-            # Events carry times of day (virtual time from the start, as a clock would say).
-            assert abs(snapshot["decisions"][0]["ts"] - time.time()) < 3600
-            state = (await client.get("/api/control/state")).json()
-            assert state["sim"]["speed"] == 50 and state["router"]["policies"] == list(POLICIES)
-            # The page hands its CSRF token to its scripts; POSTs send it back (ui/guard.py).
-            client.headers["x-csrf-token"] = await csrf_token(client)
-            faster = await client.post("/api/control/speed", json={"speed": 200})
-            assert faster.json()["speed"] == 200 and paced_clock.rate == 200
-            # Replays wait wall seconds, though this loop's clock runs 200 times faster.
-            started = await client.post("/api/replay", json={"action": "play",
-                                                              "name": "sample.jsonl"})
-            assert started.json()["state"] == "playing"
-            began = time.perf_counter()
-            await anyio.sleep(200.0)  # one wall second
-            position = (await client.get("/api/replay")).json()["status"]["position_s"]
-            assert 0 < position <= time.perf_counter() - began + 0.5
-        tasks.cancel_scope.cancel()
+    async with dashboard_client(sim_dashboard.serve_sim_dashboard, sim) as (client, page):
+        assert f'data-policies="{",".join(POLICIES)}"' in page
+        with anyio.fail_after(600):  # virtual seconds: 12 of wall time
+            while not (await client.get("/api/snapshot")).json()["decisions"]:
+                await anyio.sleep(1.0)
+        snapshot = (await client.get("/api/snapshot")).json()
+        assert snapshot["mode"] == "simulated" and snapshot["config"]["title"].endswith(
+            "(small)")
+        # Events carry times of day (virtual time from the start, as a clock would say).
+        assert abs(snapshot["decisions"][0]["ts"] - time.time()) < 3600
+        state = (await client.get("/api/control/state")).json()
+        assert state["sim"]["speed"] == 50 and state["router"]["policies"] == list(POLICIES)
+        # The page hands its CSRF token to its scripts; POSTs send it back (ui/guard.py).
+        client.headers["x-csrf-token"] = await csrf_token(client)
+        faster = await client.post("/api/control/speed", json={"speed": 200})
+        assert faster.json()["speed"] == 200 and paced_clock.rate == 200
+        # Replays wait wall seconds, though this loop's clock runs 200 times faster.
+        started = await client.post("/api/replay", json={"action": "play",
+                                                          "name": "sample.jsonl"})
+        assert started.json()["state"] == "playing"
+        began = time.perf_counter()
+        await anyio.sleep(200.0)  # one wall second
+        position = (await client.get("/api/replay")).json()["status"]["position_s"]
+        assert 0 < position <= time.perf_counter() - began + 0.5
 
 
 def test_dashboard_options_are_checked_by_the_dashboard() -> None:
@@ -216,38 +227,32 @@ async def test_the_compare_dashboard_serves_a_hub_per_deployment_and_shared_cont
 ) -> None:
     deployments = compare_deployments(["prfaas-pd", "homogeneous"])
     sim = CompareSim(deployments, config=LiveConfig(rate=2.5), clock=paced_clock)
-    async with anyio.create_task_group() as tasks:
-        host, port = await tasks.start(
-            lambda task_status: sim_dashboard.serve_compare_dashboard(
-                sim, "127.0.0.1", 0, server=serve_dashboard, task_status=task_status))
-        async with paced_client(host, port) as client:
-            page = (await client.get("/")).text
-            assert 'data-testid="column-prfaas-pd"' in page
-            assert 'data-testid="column-homogeneous"' in page
-            assert "PrfaaS-PD vs homogeneous PD" in page
-            with anyio.fail_after(600):  # virtual seconds
-                while not all((await client.get("/api/compare?after=-1")).json()[
-                        "samples"].values()):
-                    await anyio.sleep(1.0)
-            polled = (await client.get("/api/compare?after=5")).json()
-            assert all(s["at"] > 5 for samples in polled["samples"].values() for s in samples)
-            assert polled["speed"] == 50 and polled["load"]["rate"] == 2.5
-            assert (await client.get("/api/compare?after=x")).status_code == 400
-            for name in deployments:
-                snapshot = (await client.get(f"/d/{name}/api/snapshot")).json()
-                assert snapshot["mode"] == "simulated" and len(snapshot["workers"]) == 12
-            stats = (await client.get("/api/stats")).json()
-            assert set(stats) == set(deployments)
-            client.headers["x-csrf-token"] = await csrf_token(client)
-            rerated = await client.post("/api/control/workload",
-                                        json={"action": "start", "rate": 3.0})
-            assert rerated.json()["workload"]["rate"] == 3.0 and sim.load is not None
-            assert sim.load.rate == 3.0
-            faster = await client.post("/api/control/speed", json={"speed": 100})
-            assert faster.json()["speed"] == 100 and paced_clock.rate == 100
-            refused = await client.post("/api/control/policy", json={"policy": "homogeneous"})
-            assert refused.status_code == 404  # the compare page offers no policy control
-        tasks.cancel_scope.cancel()
+    async with dashboard_client(sim_dashboard.serve_compare_dashboard, sim) as (client, page):
+        assert 'data-testid="column-prfaas-pd"' in page
+        assert 'data-testid="column-homogeneous"' in page
+        assert "PrfaaS-PD vs homogeneous PD" in page
+        with anyio.fail_after(600):  # virtual seconds
+            while not all((await client.get("/api/compare?after=-1")).json()[
+                    "samples"].values()):
+                await anyio.sleep(1.0)
+        polled = (await client.get("/api/compare?after=5")).json()
+        assert all(s["at"] > 5 for samples in polled["samples"].values() for s in samples)
+        assert polled["speed"] == 50 and polled["load"]["rate"] == 2.5
+        assert (await client.get("/api/compare?after=x")).status_code == 400
+        for name in deployments:
+            snapshot = (await client.get(f"/d/{name}/api/snapshot")).json()
+            assert snapshot["mode"] == "simulated" and len(snapshot["workers"]) == 12
+        stats = (await client.get("/api/stats")).json()
+        assert set(stats) == set(deployments)
+        client.headers["x-csrf-token"] = await csrf_token(client)
+        rerated = await client.post("/api/control/workload",
+                                    json={"action": "start", "rate": 3.0})
+        assert rerated.json()["workload"]["rate"] == 3.0 and sim.load is not None
+        assert sim.load.rate == 3.0
+        faster = await client.post("/api/control/speed", json={"speed": 100})
+        assert faster.json()["speed"] == 100 and paced_clock.rate == 100
+        refused = await client.post("/api/control/policy", json={"policy": "homogeneous"})
+        assert refused.status_code == 404  # the compare page offers no policy control
 
 
 def test_compare_cli_refuses_bad_names_and_recording(tmp_path: Path,
