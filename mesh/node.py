@@ -28,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import ClassVar, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=msgspec.Struct)
 R = TypeVar("R", bound=msgspec.Struct)
+# A handler of any of the three kinds (mesh.handlers).
+H = TypeVar("H")
 
 
 class NodeStatistics(msgspec.Struct, frozen=True):
@@ -149,33 +151,27 @@ class Node:
                 ) -> Callable[[UnaryHandler[M]], UnaryHandler[M]]:
         """Registers `async def h(msg, ctx) -> reply | None` for `call` and `cast`; with
         `slots`, its requests run in a pool of their own of that many slots."""
-
-        def register(handler: UnaryHandler[M]) -> UnaryHandler[M]:
-            self._handlers.add(self._handlers.unary, message, handler)
-            self._reserve(message, slots)
-            return handler
-
-        return register
+        return self._registrar(self._handlers.unary, message, slots)
 
     def serves_stream(self, message: type[M], *, slots: int | None = None
                       ) -> Callable[[StreamHandler[M]], StreamHandler[M]]:
         """Registers an async generator `h(msg, ctx)` whose items `open_stream` reads."""
         check_slots(message, slots)
-
-        def register(handler: StreamHandler[M]) -> StreamHandler[M]:
-            self._handlers.add(self._handlers.streams, message, handler)
-            self._reserve(message, slots)
-            return handler
-
-        return register
+        return self._registrar(self._handlers.streams, message, slots)
 
     def accepts_stream(self, message: type[M], *, slots: int | None = None
                        ) -> Callable[[UploadHandler[M]], UploadHandler[M]]:
         """Registers `async def h(first, items, ctx) -> reply | None` for `stream_to`."""
         check_slots(message, slots)
+        return self._registrar(self._handlers.uploads, message, slots)
 
-        def register(handler: UploadHandler[M]) -> UploadHandler[M]:
-            self._handlers.add(self._handlers.uploads, message, handler)
+    def _registrar(self, table: dict[type[Any], H], message: type[M], slots: int | None
+                   ) -> Callable[[H], H]:
+        """The decorator that enters a handler in `table` for `message` and reserves its
+        pool."""
+
+        def register(handler: H) -> H:
+            self._handlers.add(table, message, handler)
             self._reserve(message, slots)
             return handler
 

@@ -25,7 +25,7 @@ import msgspec
 from mesh import tcp
 from mesh.errors import ConfigError
 from mesh.mailbox import Mailbox
-from mesh.tcp.listener import TcpListener
+from mesh.tcp.listener import TcpListener, serve_streams
 
 Chunk = bytes | bytearray
 
@@ -195,10 +195,7 @@ class MemoryListener(anyio.abc.Listener[anyio.abc.ByteStream]):
         handler: Callable[[anyio.abc.ByteStream], Any],
         task_group: anyio.abc.TaskGroup | None = None,
     ) -> None:
-        async with anyio.create_task_group() as own_group:
-            group = task_group or own_group
-            async for stream in self._backlog:
-                group.start_soon(handler, stream)
+        await serve_streams(self._backlog, handler, task_group)
 
     async def aclose(self) -> None:
         self._hub.unregister(self)

@@ -85,12 +85,17 @@ class Proof(msgspec.Struct, frozen=True, tag="proof", array_like=True):
     mac: Nonce
 
 
-class Call(msgspec.Struct, Generic[B], frozen=True, tag="call", array_like=True):
-    """A request expecting one `Reply` or `Fail` with the same id; timeout is relative."""
+class _Opening(msgspec.Struct, Generic[B], frozen=True, array_like=True):
+    """What opens an exchange (`Call`, `Open`, `Push`): its id, its message, and the
+    caller's deadline relative to now (None: none)."""
 
     id: Id
     body: B
     timeout: Timeout | None = None
+
+
+class Call(_Opening[B], frozen=True, tag="call", array_like=True):
+    """A request expecting one `Reply` or `Fail` with the same id."""
 
 
 class Cast(msgspec.Struct, Generic[B], frozen=True, tag="cast", array_like=True):
@@ -114,20 +119,12 @@ class Fail(msgspec.Struct, frozen=True, tag="fail", array_like=True):
     detail: str
 
 
-class Open(msgspec.Struct, Generic[B], frozen=True, tag="open", array_like=True):
+class Open(_Opening[B], frozen=True, tag="open", array_like=True):
     """Opens a download stream: the server answers with `Item`s then `End` (or Abort/Fail)."""
 
-    id: Id
-    body: B
-    timeout: Timeout | None = None
 
-
-class Push(msgspec.Struct, Generic[B], frozen=True, tag="push", array_like=True):
+class Push(_Opening[B], frozen=True, tag="push", array_like=True):
     """Opens an upload stream: the client sends `Item`s then `End`; the server then replies."""
-
-    id: Id
-    body: B
-    timeout: Timeout | None = None
 
 
 class Item(msgspec.Struct, Generic[B], frozen=True, tag="item", array_like=True):

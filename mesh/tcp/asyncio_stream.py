@@ -175,37 +175,27 @@ class AsyncioSocketStream(anyio.abc.ByteStream):
 
     def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
         """Hands `data` to the transport unless it has paused writing; the bytes it took."""
-        protocol = self._protocol
-        if self._closed or protocol.lost is not None or self._transport.is_closing():
-            self._check_writable()
-        if protocol.writing_paused:
+        if self._writing_paused():
             return 0
         self._transport.write(data)
         return len(data)
 
     async def send(self, item: bytes) -> None:
-        protocol = self._protocol
-        if self._closed or protocol.lost is not None or self._transport.is_closing():
-            self._check_writable()
+        self._check_writable()
         self._transport.write(item)
         await self._drain()
 
     async def send_parts(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
         """Writes the buffers in order, as one stream of bytes (uvloop: one gathering write,
         nothing joined)."""
-        protocol = self._protocol
-        if self._closed or protocol.lost is not None or self._transport.is_closing():
-            self._check_writable()
+        self._check_writable()
         self._transport.writelines(parts)
         await self._drain()
 
     def send_parts_nowait(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
         """Hands the buffers to the transport unless it has paused writing; the bytes it
         took (all or none)."""
-        protocol = self._protocol
-        if self._closed or protocol.lost is not None or self._transport.is_closing():
-            self._check_writable()
-        if protocol.writing_paused:
+        if self._writing_paused():
             return 0
         self._transport.writelines(parts)
         return sum(len(part) for part in parts)
@@ -242,6 +232,11 @@ class AsyncioSocketStream(anyio.abc.ByteStream):
             raise anyio.BrokenResourceError(f"socket error: {lost!r}") from lost
         if self._protocol.eof:
             raise anyio.EndOfStream
+
+    def _writing_paused(self) -> bool:
+        """Whether the transport has paused writing (raises where nothing can be written)."""
+        self._check_writable()
+        return self._protocol.writing_paused
 
     def _check_writable(self) -> None:
         if self._closed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -11,6 +11,19 @@ import anyio.abc
 import anyio.lowlevel
 
 from mesh.tcp import wrap_socket
+
+
+async def serve_streams(
+    streams: AsyncIterator[anyio.abc.ByteStream],
+    handler: Callable[[anyio.abc.ByteStream], Any],
+    task_group: anyio.abc.TaskGroup | None,
+) -> None:
+    """A listener's `serve`: `handler(stream)` in a task of `task_group` (None: a group of
+    its own) for each stream accepted, until `streams` ends."""
+    async with anyio.create_task_group() as own_group:
+        group = task_group or own_group
+        async for stream in streams:
+            group.start_soon(handler, stream)
 
 
 class TcpListener(anyio.abc.Listener[anyio.abc.ByteStream]):
@@ -37,10 +50,7 @@ class TcpListener(anyio.abc.Listener[anyio.abc.ByteStream]):
         handler: Callable[[anyio.abc.ByteStream], Any],
         task_group: anyio.abc.TaskGroup | None = None,
     ) -> None:
-        async with anyio.create_task_group() as own_group:
-            group = task_group or own_group
-            while True:
-                group.start_soon(handler, await self._accept())
+        await serve_streams(self._accepted(), handler, task_group)
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -56,6 +66,10 @@ class TcpListener(anyio.abc.Listener[anyio.abc.ByteStream]):
             anyio.abc.SocketAttribute.local_address: self._sock.getsockname,
             anyio.abc.SocketAttribute.local_port: lambda: self.port,
         }
+
+    async def _accepted(self) -> AsyncIterator[anyio.abc.ByteStream]:
+        while True:
+            yield await self._accept()
 
     async def _accept(self) -> anyio.abc.ByteStream:
         while True:

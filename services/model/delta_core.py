@@ -49,6 +49,34 @@ def decay(a_log: Tensor, raw: Tensor, dt_bias: Tensor) -> Tensor:
     return -a_log.float().exp() * F.softplus(raw.float() + dt_bias.float())
 
 
+class DeltaMixer(nn.Module):
+    """A delta-rule mixer layer (KDA, Gated DeltaNet): its own decay into the shared
+    `DeltaCore`, the core's output through its own gated norm. A layer builds `core`,
+    `a_log` and `dt_bias` and says `_decay` and `_output`."""
+
+    core: DeltaCore
+    a_log: nn.Parameter
+    dt_bias: nn.Parameter
+
+    def init_special(self, generator: torch.Generator) -> None:
+        init_decay_params(self.a_log, self.dt_bias, generator)
+
+    def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
+                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
+        """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
+        g = self._decay(x)  # [B, T, H, Dk or 1]
+        o, snaps = self.core(x, g.transpose(1, 2), cache, pos0, snapshot_at)  # [B, T, H, D]
+        return self._output(x, o), snaps
+
+    def _decay(self, x: Tensor) -> Tensor:
+        """x [B, T, C] -> log-decay g [B, T, H, Dk or 1] fp32."""
+        raise NotImplementedError
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """o [B, T, H, D] -> [B, T, C]."""
+        raise NotImplementedError
+
+
 class DeltaCore(nn.Module):
     """Fused q/k/v projection, depthwise causal conv + SiLU, L2 norm, beta, the kernel."""
 

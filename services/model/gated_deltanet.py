@@ -8,20 +8,18 @@ RMSNorm per head times SiLU(W_z x) (Qwen's gated norm), then W_o.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.model.cache import LinearState
 from services.model.config import ModelConfig
-from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.delta_core import DeltaCore, DeltaMixer, decay
 from services.model.linear import Linear
 from services.model.norm import RMSNorm
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(DeltaMixer):
     """One Gated DeltaNet mixer. State per request: [1, H, Dk, Dv] fp32 plus the conv tail."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -36,15 +34,9 @@ class GatedDeltaNet(nn.Module):
         self.o_norm = RMSNorm(d, cfg.norm_eps)
         self.o_proj = Linear(h * d, c, bias=False)
 
-    def init_special(self, generator: torch.Generator) -> None:
-        init_decay_params(self.a_log, self.dt_bias, generator)
-
-    def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
-                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
-        """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
-        g = decay(self.a_log, self.a_proj(x), self.dt_bias)  # [B, T, H]
-        o, snaps = self.core(x, g.transpose(1, 2)[..., None], cache, pos0, snapshot_at)
-        return self._output(x, o), snaps
+    def _decay(self, x: Tensor) -> Tensor:
+        """x [B, T, C] -> per-head log-decay g [B, T, H, 1] fp32."""
+        return decay(self.a_log, self.a_proj(x), self.dt_bias)[..., None]
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:
         """o [B, T, H, D] -> o_proj(RMSNorm(o) * SiLU gate) [B, T, C]."""

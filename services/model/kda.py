@@ -8,19 +8,17 @@ times a low-rank sigmoid gate, then W_o.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor, nn
 
 from services.model.cache import LinearState
 from services.model.config import ModelConfig
-from services.model.delta_core import DeltaCore, decay, init_decay_params
+from services.model.delta_core import DeltaCore, DeltaMixer, decay
 from services.model.linear import Linear
 from services.model.norm import RMSNorm
 
 
-class KDA(nn.Module):
+class KDA(DeltaMixer):
     """One KDA mixer. State per request: [1, H, Dk, Dv] fp32 plus the conv tail."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -36,16 +34,6 @@ class KDA(nn.Module):
         self.g_up = Linear(rank, h * d, bias=False)
         self.o_norm = RMSNorm(d, cfg.norm_eps)
         self.o_proj = Linear(h * d, c, bias=False)
-
-    def init_special(self, generator: torch.Generator) -> None:
-        init_decay_params(self.a_log, self.dt_bias, generator)
-
-    def forward(self, x: Tensor, cache: LinearState | None = None, pos0: int = 0,
-                snapshot_at: Sequence[int] = ()) -> tuple[Tensor, list[LinearState]]:
-        """x [B, T, C] -> ([B, T, C], one LinearState per snapshot length)."""
-        g = self._decay(x)  # [B, T, H, D]
-        o, snaps = self.core(x, g.transpose(1, 2), cache, pos0, snapshot_at)  # [B, T, H, D]
-        return self._output(x, o), snaps
 
     def _decay(self, x: Tensor) -> Tensor:
         """x [B, T, C] -> per-channel log-decay g [B, T, H, D] fp32."""

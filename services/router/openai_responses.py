@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -33,6 +33,9 @@ from services.router.requests import Delta, Finished, GenerationRequest, Request
 from services.router.text import ChatTokenLogprob, TokenRecord
 
 _json = msgspec.json.Encoder()
+# A body's choice type (`_Body`).
+C = TypeVar("C")
+
 
 class PromptDetails(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
@@ -66,14 +69,20 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class _Body(msgspec.Struct, Generic[C], frozen=True, kw_only=True, omit_defaults=True):
+    """A completion's or a chat's body (whole or a chunk): the fields both share."""
+
     id: str
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[C]
     usage: Usage | None = None
     prfaas: PrfaasInfo | None = None
+
+
+class Completion(_Body[CompletionChoice], frozen=True, kw_only=True, omit_defaults=True):
+    """A completion's body."""
 
 
 class ChatResponseMessage(msgspec.Struct, frozen=True):
@@ -100,14 +109,9 @@ class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice] | list[ChatChunkChoice]
-    usage: Usage | None = None
-    prfaas: PrfaasInfo | None = None
+class ChatCompletion(_Body[ChatChoice | ChatChunkChoice], frozen=True, kw_only=True,
+                     omit_defaults=True):
+    """A chat's body: whole choices, or chunk choices in a chunk."""
 
 
 def now_s() -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -51,11 +51,28 @@ class _JobEnv:
                 os.environ[key] = value
 
 
+class _Pool:
+    """What both pools share: JOB_ENV while they live; closed on leaving a `with` block."""
+
+    def __init__(self) -> None:
+        self._env = _JobEnv()
+
+    def close(self) -> None:
+        self._env.restore()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
 def _ignore(index: int) -> None:
     """The default `started`: nothing to show."""
 
 
-class SerialPool:
+class SerialPool(_Pool):
     """Every job one after the other in one process started for them, with JOB_ENV as Ray's
     workers have it: the reference Ray is tested against."""
 
@@ -63,7 +80,7 @@ class SerialPool:
     cpus = 1
 
     def __init__(self) -> None:
-        self._env = _JobEnv()
+        super().__init__()
         self._executor = ProcessPoolExecutor(max_workers=1,
                                              mp_context=multiprocessing.get_context("spawn"))
 
@@ -78,14 +95,7 @@ class SerialPool:
 
     def close(self) -> None:
         self._executor.shutdown(cancel_futures=True)
-        self._env.restore()
-
-    def __enter__(self) -> SerialPool:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+        super().close()
 
 
 def _call(job: Callable[[], Any]) -> Any:
@@ -93,7 +103,7 @@ def _call(job: Callable[[], Any]) -> Any:
     return job()
 
 
-class RayPool:
+class RayPool(_Pool):
     """Each job a Ray task on a local instance (`address` None) or a Ray cluster."""
 
     def __init__(self, address: str | None = None, cpus: int | None = None) -> None:
@@ -104,7 +114,7 @@ class RayPool:
         import services
 
         self._ray = ray
-        self._env = _JobEnv()
+        super().__init__()
         if address:
             # The cluster's workers import the project from what the driver ships.
             ray.init(address=address, logging_level=logging.WARNING,
@@ -141,11 +151,4 @@ class RayPool:
 
     def close(self) -> None:
         self._ray.shutdown()
-        self._env.restore()
-
-    def __enter__(self) -> RayPool:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+        super().close()
