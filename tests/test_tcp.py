@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 
@@ -246,3 +247,21 @@ async def test_trio_reads_into_a_buffer_a_bulk_step_at_a_time() -> None:
             assert 0 < count <= BULK_READ
             got += count
     assert bytes(buffer) == payload
+
+
+def test_asyncio_sends_that_never_wait_take_nothing_while_paused_and_fail_once_closed() -> None:
+    async def main() -> None:
+        left, right = tcp_socket_pair()
+        stream = await asyncio_stream.AsyncioSocketStream.wrap(left)
+        # Nobody reads the other end: the transport's buffer fills and writing pauses.
+        taken = [stream.send_nowait(b"x" * 65536) for _ in range(200)]
+        assert taken[0] == 65536 and taken[-1] == 0
+        assert stream.send_parts_nowait((b"x" * 10, b"y")) == 0
+        await stream.aclose()
+        with pytest.raises(anyio.ClosedResourceError):
+            stream.send_nowait(b"x")
+        with pytest.raises(anyio.ClosedResourceError):
+            stream.send_parts_nowait((b"x",))
+        right.close()
+
+    asyncio.run(main())
