@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,7 +10,9 @@ import anyio
 import trio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from netem.proxy import LinkProxy
+from netem.params import LinkParams
+from netem.proxy import LinkProxy, ProxyConfig, Route
+from netem.shaper import LinkShaper
 
 
 class MemoryChannel:
@@ -75,3 +78,12 @@ async def send_then_eof(channel: MemoryChannel, payload: bytes, piece: int = 1 <
     for offset in range(0, len(payload), piece):
         await channel.send_all(payload[offset : offset + piece])
     await channel.send_eof()
+
+
+def proxied_link(
+    params: LinkParams, seed: int = 1, config: ProxyConfig | None = None
+) -> tuple[LinkShaper, LinkProxy]:
+    """A shaper on trio's clock (the test's autojump clock) with seeded randomness, and a
+    proxy of one route through it, for `pumped` to drive."""
+    shaper = LinkShaper(params, trio.current_time, random.Random(seed))
+    return shaper, LinkProxy([Route(0, 0)], shaper, config)

@@ -3,6 +3,9 @@ evictions are applied, it rebuilds itself after a restart, and publishes CacheAc
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import anyio
 import pytest
 import trio
@@ -37,6 +40,24 @@ async def one_request(client: Node, prompt: list[int], rid: str) -> None:
                         sampling=SAMPLING, decode_has=has)
 
 
+async def one_prompt_reported(client: Node, directory: CacheDirService) -> list[int]:
+    """A 200-token prompt served once, returned when both workers' blocks of it are in the
+    directory: 3 blocks on p, 3 on d (200 + 7 tokens)."""
+    prompt = tokens(200)
+    await one_request(client, prompt, "r1")
+    await settled(directory, 6)
+    return prompt
+
+
+@asynccontextmanager
+async def directory_mesh() -> AsyncIterator[tuple[InProcessMesh, Node, CacheDirService]]:
+    """The directory, then p and d, in process; a client of theirs; the directory service."""
+    async with in_process(TOPOLOGY, ["cachedir", "p", "d"]) as mesh, mesh.client() as client:
+        directory = service(mesh, "cachedir")
+        assert isinstance(directory, CacheDirService)
+        yield mesh, client, directory
+
+
 async def settled(directory: CacheDirService, blocks: int) -> None:
     """Casts are one-way: wait until the directory has applied them."""
     while directory.statistics().block_entries < blocks:
@@ -45,14 +66,9 @@ async def settled(directory: CacheDirService, blocks: int) -> None:
 
 @pytest.mark.trio
 async def test_reports_answer_queries_and_plans() -> None:
-    prompt = tokens(200)
-    async with in_process(TOPOLOGY, ["cachedir", "p", "d"]) as mesh, \
-            mesh.client() as client:
-        directory = service(mesh, "cachedir")
-        assert isinstance(directory, CacheDirService)
+    async with directory_mesh() as (_, client, directory):
         with trio.fail_after(60):
-            await one_request(client, prompt, "r1")
-            await settled(directory, 6)  # 3 blocks on p, 3 on d (200 + 7 tokens)
+            prompt = await one_prompt_reported(client, directory)
             hashes = prompt_hashes(prompt + tokens(60, 1), 64)
             match = (await client.call("cachedir", PrefixQuery(hashes), PrefixReply)).match
             plan = (await client.call("cachedir", PlanQuery(hashes=hashes, target_worker="d"),
@@ -67,11 +83,9 @@ async def test_reports_answer_queries_and_plans() -> None:
 
 @pytest.mark.trio
 async def test_evictions_reach_the_directory() -> None:
-    async with in_process(TOPOLOGY, ["cachedir", "p", "d"]) as mesh, \
-            mesh.client() as client:
-        directory = service(mesh, "cachedir")
+    async with directory_mesh() as (mesh, client, directory):
         worker = service(mesh, "p")
-        assert isinstance(directory, CacheDirService) and isinstance(worker, WorkerService)
+        assert isinstance(worker, WorkerService)
         with trio.fail_after(60):
             for i in range(3):
                 await one_request(client, tokens(130, 10 + i), f"e{i}")
@@ -85,14 +99,9 @@ async def test_evictions_reach_the_directory() -> None:
 
 @pytest.mark.trio
 async def test_a_restarted_directory_rebuilds_from_the_workers() -> None:
-    prompt = tokens(200)
-    async with in_process(TOPOLOGY, ["cachedir", "p", "d"]) as mesh, \
-            mesh.client() as client:
-        old = service(mesh, "cachedir")
-        assert isinstance(old, CacheDirService)
+    async with directory_mesh() as (mesh, client, old):
         with trio.fail_after(60):
-            await one_request(client, prompt, "r1")
-            await settled(old, 6)
+            prompt = await one_prompt_reported(client, old)
             fresh_node = mesh.client("cachedir-restarted")
             fresh = CacheDirService(fresh_node, old.workers)
             async with fresh_node:

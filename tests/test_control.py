@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 from anyio.abc import SocketStream
-from netem_channels import pumped, send_then_eof
+from netem_channels import proxied_link, pumped, send_then_eof
 from prometheus_client import REGISTRY, generate_latest
 
 from netem.control import LinkEndpoints, create_control_app, serve_link
@@ -460,8 +460,7 @@ async def test_reset_after_a_slow_spell_drains_the_backlog_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Issue 13 through the API: 10 s at 1 kbit/s with 3 MB offered, then POST /reset."""
-    shaper = LinkShaper(LinkParams(), trio.current_time, random.Random(0))
-    proxy = LinkProxy([Route(0, 0)], shaper)
+    _, proxy = proxied_link(LinkParams(), seed=0)
     transport = httpx.ASGITransport(app=create_control_app(proxy, name="link"))
     payload = os.urandom(3_000_000)
     async with (

@@ -47,6 +47,14 @@ async def catches_its_own_cancel(log: list[str]) -> int:
     return 4
 
 
+async def sleeps_until_stopped(log: list[str], last_word: str) -> None:
+    """Sleeps long; notes `last_word` in `log` however the sleep ends."""
+    try:
+        await anyio.sleep(10)
+    finally:
+        log.append(last_word)
+
+
 BEHAVIOURS = [
     returns_at_once,
     raises_at_once,
@@ -87,19 +95,13 @@ async def test_eager_matches_plain_await(behaviour: Callable[[list[str]], Any]) 
 async def test_cancellation_reaches_the_eager_coroutine() -> None:
     log: list[str] = []
 
-    async def sleeper() -> None:
-        try:
-            await anyio.sleep(10)
-        finally:
-            log.append("cleaned up")
-
     def hook() -> None:
         # Cancelled at the first suspension, the way a deadline set by the hook would land.
         log.append("suspended")
         scope.cancel()
 
     with anyio.CancelScope() as scope:
-        await Eager(sleeper(), hook)
+        await Eager(sleeps_until_stopped(log, "cleaned up"), hook)
     assert scope.cancelled_caught
     assert log == ["suspended", "cleaned up"]
 
@@ -108,15 +110,9 @@ async def test_cancellation_reaches_the_eager_coroutine() -> None:
 async def test_a_failing_hook_closes_the_coroutine() -> None:
     log: list[str] = []
 
-    async def waits() -> None:
-        try:
-            await anyio.sleep(10)
-        finally:
-            log.append("closed")
-
     def hook() -> None:
         raise RuntimeError("no new reader")
 
     with pytest.raises(RuntimeError, match="no new reader"):
-        await Eager(waits(), hook)
+        await Eager(sleeps_until_stopped(log, "closed"), hook)
     assert log == ["closed"]

@@ -20,6 +20,7 @@ import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -197,20 +198,28 @@ def test_a_dead_runs_namespaces_are_removed_and_a_live_runs_kept() -> None:
         assert live.namespace("pd") in namespaces and stale.namespace("pd") not in namespaces
 
 
+@contextmanager
+def listening_in_pd(lab: NetLab, script: str) -> Iterator[IO[str]]:
+    """The Python `script` run in namespace pd with pd's address, once it printed
+    "listening"; its output for the rest; killed at the end."""
+    with subprocess.Popen(
+            [*lab.exec_prefix("pd"), sys.executable, "-c", script, MULTIHOST_HOSTS["pd"]],
+            stdout=subprocess.PIPE, text=True) as server:
+        try:
+            assert server.stdout is not None
+            assert server.stdout.readline().strip() == "listening"
+            yield server.stdout
+        finally:
+            server.kill()
+
+
 def _transfer_rate(lab: NetLab, nbytes: int) -> float:
     """Bits per second of `nbytes` sent from namespace prfaas to pd over the shaped veth,
     timed by the receiver from its first byte to its last."""
-    with subprocess.Popen(
-            [*lab.exec_prefix("pd"), sys.executable, "-c", RECEIVER, MULTIHOST_HOSTS["pd"]],
-            stdout=subprocess.PIPE, text=True) as receiver:
-        try:
-            assert receiver.stdout is not None
-            assert receiver.stdout.readline().strip() == "listening"
-            subprocess.run([*lab.exec_prefix("prfaas"), sys.executable, "-c", SENDER,
-                            MULTIHOST_HOSTS["pd"], str(nbytes)], check=True, timeout=60)
-            received, seconds = json.loads(receiver.stdout.readline())
-        finally:
-            receiver.kill()
+    with listening_in_pd(lab, RECEIVER) as receiver:
+        subprocess.run([*lab.exec_prefix("prfaas"), sys.executable, "-c", SENDER,
+                        MULTIHOST_HOSTS["pd"], str(nbytes)], check=True, timeout=60)
+        received, seconds = json.loads(receiver.readline())
     assert received == nbytes
     return float(received * 8 / seconds)
 
@@ -326,18 +335,11 @@ def test_with_netem_the_cross_veth_carries_the_links_delay() -> None:
     with lab_for(topology) as lab:
         assert lab.kernel_impairs
         qdiscs = _qdiscs(lab, "prfaas", lab.device(0, "a"))
-        with subprocess.Popen(
-                [*lab.exec_prefix("pd"), sys.executable, "-c", ECHO, MULTIHOST_HOSTS["pd"]],
-                stdout=subprocess.PIPE, text=True) as echo:
-            try:
-                assert echo.stdout is not None
-                assert echo.stdout.readline().strip() == "listening"
-                done = subprocess.run(
-                    [*lab.exec_prefix("prfaas"), sys.executable, "-c", PINGER,
-                     MULTIHOST_HOSTS["pd"]], capture_output=True, text=True, check=True,
-                    timeout=30)
-            finally:
-                echo.kill()
+        with listening_in_pd(lab, ECHO):
+            done = subprocess.run(
+                [*lab.exec_prefix("prfaas"), sys.executable, "-c", PINGER,
+                 MULTIHOST_HOSTS["pd"]], capture_output=True, text=True, check=True,
+                timeout=30)
     rtts = json.loads(done.stdout)
     assert "netem" in qdiscs and "tbf" in qdiscs
     assert 0.010 <= min(rtts) < 0.015

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import msgspec
 import pytest
 import trio
@@ -51,6 +54,24 @@ def ping_node(name: str, transport: Transport, peers: dict[str, Address]) -> Nod
     return node
 
 
+def b_in_memory(hub: MemoryHub, port: int = 1) -> tuple[MemoryTransport, dict[str, Address]]:
+    """A transport on `hub` and the peer table that puts b at b:`port`."""
+    return MemoryTransport(hub), {"b": Address("b", port)}
+
+
+@asynccontextmanager
+async def pinging(
+    hub: MemoryHub, peers: dict[str, Address] | None = None
+) -> AsyncIterator[tuple[Node, Node]]:
+    """Nodes a and b open in memory, b a listening ping node; both know the peers `peers`
+    names (b at b:1 when not given). Yields (a, b)."""
+    transport, default_peers = b_in_memory(hub)
+    known = default_peers if peers is None else peers
+    async with ping_node("b", transport, known) as b, Node("a", CODEC, transport, known) as a:
+        await b.listen()
+        yield a, b
+
+
 @pytest.mark.trio
 async def test_call_and_cast_in_memory(autojump_clock: trio.testing.MockClock) -> None:
     transport = MemoryTransport(MemoryHub())
@@ -87,10 +108,7 @@ async def test_request_reply_over_tcp() -> None:
 
 @pytest.mark.trio
 async def test_unexpected_reply_type_is_an_error(memory_hub: MemoryHub) -> None:
-    transport = MemoryTransport(memory_hub)
-    peers = {"b": Address("b", 1)}
-    async with ping_node("b", transport, peers) as b, Node("a", CODEC, transport, peers) as a:
-        await b.listen()
+    async with pinging(memory_hub) as (a, _):
         with pytest.raises(UnexpectedReply, match="answered Ping with Pong, expected Note"):
             await a.call("b", Ping(1), Note)
 
@@ -106,10 +124,7 @@ async def test_unknown_and_absent_peers(memory_hub: MemoryHub) -> None:
 
 @pytest.mark.trio
 async def test_dialled_peer_must_answer_with_its_name(memory_hub: MemoryHub) -> None:
-    transport = MemoryTransport(memory_hub)
-    peers = {"b": Address("b", 1), "c": Address("b", 1)}
-    async with ping_node("b", transport, peers) as b, Node("a", CODEC, transport, peers) as a:
-        await b.listen()
+    async with pinging(memory_hub, {"b": Address("b", 1), "c": Address("b", 1)}) as (a, _):
         with pytest.raises(HandshakeError, match="dialled 'c' at b:1 but 'b' answered"):
             await a.call("c", Ping(1))
 
@@ -145,8 +160,7 @@ async def test_exception_in_the_body_propagates_bare(memory_hub: MemoryHub) -> N
 async def test_serve_reports_its_address_and_reconnects_after_restart(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    transport = MemoryTransport(memory_hub)
-    peers = {"b": Address("b", 7)}
+    transport, peers = b_in_memory(memory_hub, port=7)
     async with Node("a", CODEC, transport, peers) as a:
         for generation in range(2):
             async with trio.open_nursery() as nursery:
@@ -162,10 +176,7 @@ async def test_serve_reports_its_address_and_reconnects_after_restart(
 
 @pytest.mark.trio
 async def test_statistics_count_calls_frames_and_bytes(memory_hub: MemoryHub) -> None:
-    transport = MemoryTransport(memory_hub)
-    peers = {"b": Address("b", 1)}
-    async with ping_node("b", transport, peers) as b, Node("a", CODEC, transport, peers) as a:
-        await b.listen()
+    async with pinging(memory_hub) as (a, b):
         for n in range(3):
             await a.call("b", Ping(n))
             a.check_integrity()
@@ -188,8 +199,7 @@ async def test_statistics_count_calls_frames_and_bytes(memory_hub: MemoryHub) ->
 async def test_full_mailbox_pushes_back_to_the_sender(
     memory_hub: MemoryHub, autojump_clock: trio.testing.MockClock
 ) -> None:
-    transport = MemoryTransport(memory_hub)
-    peers = {"b": Address("b", 1)}
+    transport, peers = b_in_memory(memory_hub)
     config = NodeConfig(mailbox_size=2, max_concurrency=1)
     b = Node("b", CODEC, transport, peers, config)
     release = trio.Event()

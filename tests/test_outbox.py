@@ -47,6 +47,17 @@ class RecordingStream(anyio.abc.ByteStream):
         return {}
 
 
+def recorded_outbox(
+    limit: int, *, gated: bool = False, fail: bool = False
+) -> tuple[RecordingStream, Outbox]:
+    """An outbox to "peer" over a RecordingStream whose writes wait for its gate (`gated`) or
+    fail (`fail`)."""
+    stream = RecordingStream()
+    stream.gate = trio.Event() if gated else None
+    stream.fail = fail
+    return stream, Outbox(stream, "peer", limit=limit)
+
+
 def frames(n: int, size: int = 10) -> list[bytes]:
     return [bytes([i % 256]) * size for i in range(n)]
 
@@ -63,16 +74,14 @@ async def writing(outbox: Outbox) -> AsyncIterator[None]:
 
 @pytest.mark.trio
 async def test_urgent_frame_is_written_at_once_without_a_writer_task() -> None:
-    stream = RecordingStream()
-    outbox = Outbox(stream, "peer", limit=1000)
+    stream, outbox = recorded_outbox(1000)
     await outbox.put(b"hello", urgent=True)
     assert stream.writes == [b"hello"]
 
 
 @pytest.mark.trio
 async def test_deferred_frames_are_batched_in_order() -> None:
-    stream = RecordingStream()
-    outbox = Outbox(stream, "peer", limit=1 << 20)
+    stream, outbox = recorded_outbox(1 << 20)
     sent = frames(500)
     async with writing(outbox):
         for frame in sent:
@@ -87,8 +96,7 @@ async def test_deferred_frames_are_batched_in_order() -> None:
 
 @pytest.mark.trio
 async def test_big_frames_are_written_alone() -> None:
-    stream = RecordingStream()
-    outbox = Outbox(stream, "peer", limit=1 << 24)
+    stream, outbox = recorded_outbox(1 << 24)
     big = b"B" * BIG_FRAME
     async with writing(outbox):
         for frame in (b"a", big, b"b", big):
@@ -99,8 +107,7 @@ async def test_big_frames_are_written_alone() -> None:
 
 @pytest.mark.trio
 async def test_a_frame_in_parts_is_written_in_order_between_its_neighbours() -> None:
-    stream = RecordingStream()
-    outbox = Outbox(stream, "peer", limit=1 << 24)
+    stream, outbox = recorded_outbox(1 << 24)
     big = b"B" * BIG_FRAME
     async with writing(outbox):
         await outbox.put(b"a", urgent=False)
@@ -117,9 +124,7 @@ async def test_a_frame_in_parts_is_written_in_order_between_its_neighbours() -> 
 async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stream = RecordingStream()
-    stream.gate = trio.Event()
-    outbox = Outbox(stream, "peer", limit=25)
+    stream, outbox = recorded_outbox(25, gated=True)
     expired: list[float] = []
     async with writing(outbox):
         await outbox.put(b"x" * 10, urgent=False)  # taken by the writer, held at the gate
@@ -139,9 +144,7 @@ async def test_full_queue_makes_deferred_senders_wait_until_their_deadline(
 
 @pytest.mark.trio
 async def test_broken_stream_fails_later_sends_and_closes_it() -> None:
-    stream = RecordingStream()
-    stream.fail = True
-    outbox = Outbox(stream, "peer", limit=1000)
+    stream, outbox = recorded_outbox(1000, fail=True)
     async with writing(outbox):
         await outbox.put(b"lost", urgent=False)
         await trio.testing.wait_all_tasks_blocked()
@@ -154,9 +157,7 @@ async def test_broken_stream_fails_later_sends_and_closes_it() -> None:
 async def test_cancel_inside_a_write_breaks_the_connection(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stream = RecordingStream()
-    stream.gate = trio.Event()
-    outbox = Outbox(stream, "peer", limit=1000)
+    stream, outbox = recorded_outbox(1000, gated=True)
     with trio.move_on_after(1):
         await outbox.put(b"half", urgent=True)
     assert stream.closed
@@ -165,8 +166,7 @@ async def test_cancel_inside_a_write_breaks_the_connection(
 
 @pytest.mark.trio
 async def test_cancel_before_a_write_leaves_the_connection_whole() -> None:
-    stream = RecordingStream()
-    outbox = Outbox(stream, "peer", limit=1000)
+    stream, outbox = recorded_outbox(1000)
     with trio.CancelScope() as scope:
         scope.cancel()
         await outbox.put(b"never", urgent=True)

@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 from anyio.abc import SocketStream
-from netem_channels import pumped, send_then_eof
+from netem_channels import proxied_link, pumped, send_then_eof
 
 from netem.params import LinkParamError, LinkParams
 from netem.proxy import LinkProxy, ProxyConfig, Route
@@ -26,10 +26,7 @@ from netem.shaper import LinkShaper
 async def test_pump_100_mb_at_1_gbps_20_ms_on_virtual_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    shaper = LinkShaper(
-        LinkParams(bandwidth_bps=1e9, delay_s=0.020), trio.current_time, random.Random(1)
-    )
-    proxy = LinkProxy([Route(0, 0)], shaper)
+    _, proxy = proxied_link(LinkParams(bandwidth_bps=1e9, delay_s=0.020))
     payload = bytes(100_000_000)
     async with pumped(proxy) as (app, server, nursery):
         nursery.start_soon(send_then_eof, app, payload)
@@ -47,9 +44,8 @@ async def test_pump_100_mb_at_1_gbps_20_ms_on_virtual_time(
 async def test_pump_stops_reading_at_the_queue_bound(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    shaper = LinkShaper(LinkParams(bandwidth_bps=8e6), trio.current_time, random.Random(1))
     config = ProxyConfig(chunk_bytes=16 * 1024, queue_bytes=64 * 1024)
-    proxy = LinkProxy([Route(0, 0)], shaper, config)
+    shaper, proxy = proxied_link(LinkParams(bandwidth_bps=8e6), config=config)
     async with pumped(proxy) as (app, _, nursery):
         nursery.start_soon(send_then_eof, app, bytes(10_000_000), 16 * 1024)
         await trio.sleep(1.0)
@@ -62,8 +58,7 @@ async def test_pump_stops_reading_at_the_queue_bound(
 
 @pytest.mark.trio
 async def test_pump_holds_data_through_an_outage(autojump_clock: trio.testing.MockClock) -> None:
-    shaper = LinkShaper(LinkParams(delay_s=0.010, up=False), trio.current_time, random.Random(1))
-    proxy = LinkProxy([Route(0, 0)], shaper)
+    shaper, proxy = proxied_link(LinkParams(delay_s=0.010, up=False))
 
     async def outage_ends() -> None:
         await trio.sleep(5.0)
@@ -86,8 +81,7 @@ async def test_pump_holds_data_through_an_outage(autojump_clock: trio.testing.Mo
 async def test_pump_switches_from_fast_path_to_shaped_live(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    shaper = LinkShaper(LinkParams(), trio.current_time, random.Random(1))
-    proxy = LinkProxy([Route(0, 0)], shaper)
+    shaper, proxy = proxied_link(LinkParams())
     payload = os.urandom(300_000)
     async with pumped(proxy) as (app, server, nursery):
         await app.send_all(payload[:100_000])
@@ -109,8 +103,7 @@ async def test_pump_backlog_drains_at_the_restored_rate(
 ) -> None:
     """Issue 13: 10 s at 1 kbit/s with 3 MB offered, then 1 Gbit/s restored."""
     params = LinkParams(bandwidth_bps=1e3, delay_s=0.020)
-    shaper = LinkShaper(params, trio.current_time, random.Random(1))
-    proxy = LinkProxy([Route(0, 0)], shaper)
+    shaper, proxy = proxied_link(params)
     payload = os.urandom(3_000_000)
     async with pumped(proxy) as (app, server, nursery):
         nursery.start_soon(send_then_eof, app, payload)

@@ -26,19 +26,25 @@ def test_try_take_stops_at_capacity_and_give_frees() -> None:
         Slots(0)
 
 
-@pytest.mark.trio
-async def test_waiters_get_freed_slots_in_order_and_newcomers_wait_behind_them() -> None:
+def one_slot_taken() -> Slots:
+    """A bound of one, already taken: whoever asks next waits."""
     slots = Slots(1)
     assert slots.try_take()
-    order: list[int] = []
+    return slots
 
-    async def waiter(n: int) -> None:
-        await slots.take()
-        order.append(n)
 
+async def take_then_note(slots: Slots, got: list[str], name: str) -> None:
+    await slots.take()
+    got.append(name)
+
+
+@pytest.mark.trio
+async def test_waiters_get_freed_slots_in_order_and_newcomers_wait_behind_them() -> None:
+    slots = one_slot_taken()
+    order: list[str] = []
     async with trio.open_nursery() as nursery:
-        for n in range(3):
-            nursery.start_soon(waiter, n)
+        for name in ("w0", "w1", "w2"):
+            nursery.start_soon(take_then_note, slots, order, name)
             await trio.testing.wait_all_tasks_blocked()
         # A free slot goes to the first waiter, not to whoever asks without waiting.
         assert slots.statistics().waiting == 3
@@ -48,20 +54,18 @@ async def test_waiters_get_freed_slots_in_order_and_newcomers_wait_behind_them()
         for _ in range(3):
             await trio.testing.wait_all_tasks_blocked()
             slots.give()
-    assert order == [0, 1, 2]
+    assert order == ["w0", "w1", "w2"]
     assert slots.statistics().busy == 0
 
 
 @pytest.mark.trio
 async def test_a_waiter_cancelled_while_waiting_leaves_the_queue() -> None:
-    slots = Slots(1)
-    assert slots.try_take()
+    slots = one_slot_taken()
     got: list[str] = []
 
     async def wait_for_slot(name: str, scope: trio.CancelScope) -> None:
         with scope:
-            await slots.take()
-            got.append(name)
+            await take_then_note(slots, got, name)
 
     first, second = trio.CancelScope(), trio.CancelScope()
     async with trio.open_nursery() as nursery:
@@ -86,16 +90,10 @@ def anyio_backend() -> str:
 
 @pytest.mark.anyio
 async def test_a_waiter_cancelled_after_its_wake_up_passes_the_slot_on() -> None:
-    slots = Slots(1)
-    assert slots.try_take()
+    slots = one_slot_taken()
     got: list[str] = []
-
-    async def wait_for_slot(name: str) -> None:
-        await slots.take()
-        got.append(name)
-
-    first = asyncio.ensure_future(wait_for_slot("first"))
-    second = asyncio.ensure_future(wait_for_slot("second"))
+    first = asyncio.ensure_future(take_then_note(slots, got, "first"))
+    second = asyncio.ensure_future(take_then_note(slots, got, "second"))
     await anyio.wait_all_tasks_blocked()
     slots.give()
     first.cancel()
