@@ -72,6 +72,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -81,7 +82,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,14 +263,14 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 
 @contextmanager
 def other_router(tree: Path, topology: Path, log_dir: Path, log_name: str = "against",
-                 calls_file: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+                 start: Sequence[str] = ()) -> Iterator[subprocess.Popen[str]]:
     """`prfaas serve router` from the code at `tree` (`--against`): run there with only that
     tree on its PYTHONPATH, it imports that tree's services and mesh; its log is
-    log_dir/`log_name`.log. With `calls_file`, under CALL_COUNTER writing there."""
+    log_dir/`log_name`.log. `start`: the command line before the module's name (a work
+    counter's; default `python -m`)."""
     env = {**child_env(allocator_env(os.environ)), "PYTHONPATH": str(tree)}
-    start = ([sys.executable, "-m"] if calls_file is None else
-             [sys.executable, "-c", CALL_COUNTER, str(calls_file)])
-    argv = [*start, "services.cli.main", "serve", "router", "--topology", str(topology)]
+    argv = [*(start or [sys.executable, "-m"]), "services.cli.main", "serve", "router",
+            "--topology", str(topology)]
     with open(log_dir / f"{log_name}.log", "w") as log, \
             ready_process(argv, env, cwd=tree, log=log) as process:
         yield process
@@ -442,6 +443,8 @@ class Options(msgspec.Struct, frozen=True):
     ours: str = ""  # the tree whose router is measured as "this" one ("": this checkout)
     ours_commit: str = ""  # its commit ("": not known)
     count_calls: int = 0  # requests of each kind each router serves under a call counter
+    pin: bool = False  # the routers on the last CPU, every other process on the others
+    count_instructions: int = 0  # requests of each kind each router serves under callgrind
 
 
 def thread_cpu_seconds(pid: int) -> float:
@@ -830,77 +833,148 @@ def bench(options: Options, log_dir: Path) -> dict[str, Any]:
         if against is not None:
             wait_healthy(ports[7])
             targets["against"] = (ports[7], {"router": against.pid, "backend": backend.pid})
+        if options.pin:
+            pin_routers([router.pid, *([against.pid] if against is not None else [])],
+                        [backend.pid, baseline.pid, os.getpid()])
         result = report(run_on(measure, targets, options, backend="uvloop"), options)
         if options.count_calls:
-            result.update(counted_calls(options, ports, log_dir))
+            result.update(counted_work(options, ports, log_dir, CallCounter(),
+                                       options.count_calls))
+        if options.count_instructions:
+            result.update(counted_work(options, ports, log_dir, InstructionCounter(),
+                                       options.count_instructions))
         return result
 
 
-def counted_calls(options: Options, ports: list[int], log_dir: Path) -> dict[str, Any]:
-    """This tree's router and --against's again, each under CALL_COUNTER on ports[8:12]
-    over the same backend: `calls` (and with tracing off `tracing_off_calls_ratio`)."""
+def pin_routers(routers: list[int], others: list[int]) -> None:
+    """`--pin`: the routers (which take turns, never run at once) on the last CPU this
+    process may use, every other process on the rest: each router's turn finds the same
+    CPU, alone, whichever router it is."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs or more")
+    for pids, allowed in ((routers, {cpus[-1]}), (others, set(cpus[:-1]))):
+        for pid in pids:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(task), allowed)
+
+
+class CallCounter:
+    """Counts the calls of the router's event loop thread (cProfile, CALL_COUNTER), from
+    SIGUSR1 to SIGUSR2."""
+
+    unit = "calls"
+
+    def start(self, out: Path) -> list[str]:
+        return [sys.executable, "-c", CALL_COUNTER, str(out)]
+
+    async def count(self, port: int, pid: int, out: Path,
+                    work: Coroutine[Any, Any, T]) -> tuple[T, float]:
+        """`work`'s result, and the calls the router (`pid`) made while it ran."""
+        out.unlink(missing_ok=True)
+        os.kill(pid, signal.SIGUSR1)
+        # The signal's handler runs once the router's loop wakes (a tick or a request).
+        await asyncio.sleep(0.2)
+        result = await work
+        os.kill(pid, signal.SIGUSR2)
+        return result, await read_count(port, out)
+
+
+class InstructionCounter:
+    """Counts the instructions the router's process executes, all its threads and C code
+    included (valgrind's callgrind, instrumenting only while counting: `callgrind_control`
+    switches it on, zeroes, reads the totals, switches it off). Deterministic where time is
+    not: the same requests on the same code execute the same instructions, give or take the
+    timers that fire while they run."""
+
+    unit = "instructions"
+
+    def start(self, out: Path) -> list[str]:
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={out}", sys.executable, "-m"]
+
+    async def count(self, port: int, pid: int, out: Path,
+                    work: Coroutine[Any, Any, T]) -> tuple[T, float]:
+        await callgrind_control(pid, "--instr=on")
+        await callgrind_control(pid, "--zero")
+        result = await work
+        totals = await callgrind_control(pid, "-e")
+        await callgrind_control(pid, "--instr=off")
+        counts = re.findall(r"^\s*Th\s+\d+\s+([\d,]+)", totals, flags=re.MULTILINE)
+        if not counts:
+            raise RuntimeError(f"no instruction totals from callgrind_control: {totals!r}")
+        return result, float(sum(int(c.replace(",", "")) for c in counts))
+
+
+async def callgrind_control(pid: int, *args: str) -> str:
+    done = await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(pid)],
+                                   capture_output=True, text=True, check=True, timeout=120)
+    return done.stdout
+
+
+WorkCounter = CallCounter | InstructionCounter
+
+
+def counted_work(options: Options, ports: list[int], log_dir: Path, counter: WorkCounter,
+                 requests: int) -> dict[str, Any]:
+    """This tree's router and --against's again, each under `counter` on ports[8:12] over
+    the same backend, one after the other: per kind each one's count per request over
+    `requests` requests at the throughput concurrency, their ratio, and the same net of
+    what each counts when idle. `calls` (with tracing off `tracing_off_calls_ratio`) or
+    `instructions` (`tracing_off_instructions_ratio`)."""
     trees = {"router": (Path(options.ours or ROOT), ports[8:10]),
              "against": (Path(options.against), ports[10:12])}
+    unit = counter.unit
     counts: dict[str, dict[str, float]] = {}
     with ExitStack() as stack:
         for name, (tree, (mesh_port, http_port)) in trees.items():
             topology = log_dir / f"topology-{name}-counted.toml"
             topology.write_text(topology_text([mesh_port, http_port, *ports[2:5]]))
-            calls_file = log_dir / f"{name}.calls"
+            out = log_dir / f"{name}.{unit}"
             process = stack.enter_context(other_router(tree, topology, log_dir,
-                                                       f"{name}-counted", calls_file))
-            wait_healthy(http_port)
-            counts[name] = run_on(count_calls, http_port, process.pid, calls_file, options,
-                                  backend="uvloop")
+                                                       f"{name}-{unit}", counter.start(out)))
+            # Under valgrind the router starts tens of times slower.
+            wait_healthy(http_port, 60.0 if unit == "calls" else 900.0)
+            counts[name] = run_on(count_work, http_port, process.pid, out, options, counter,
+                                  requests, backend="uvloop")
     ours, theirs = counts["router"], counts["against"]
-    kinds = {kind: {"router_calls_per_request": round(ours[kind], 1),
-                    "against_calls_per_request": round(theirs[kind], 1),
+    kinds = {kind: {f"router_{unit}_per_request": round(ours[kind], 1),
+                    f"against_{unit}_per_request": round(theirs[kind], 1),
                     "ratio": round(ours[kind] / theirs[kind], 4),
                     "net_of_idle_ratio": round(ours[f"{kind}/net"] / theirs[f"{kind}/net"], 4)}
              for kind in KINDS}
     ratio = max(k["ratio"] for k in kinds.values())
-    calls = {"requests": options.count_calls, "concurrency": options.concurrency,
-             "ratio": ratio, "net_of_idle_ratio": max(k["net_of_idle_ratio"]
-                                                      for k in kinds.values()),
-             "router_idle_calls_per_s": round(ours["idle_per_s"], 1),
-             "against_idle_calls_per_s": round(theirs["idle_per_s"], 1), "kinds": kinds}
+    report = {"requests": requests, "concurrency": options.concurrency,
+              "ratio": ratio, "net_of_idle_ratio": max(k["net_of_idle_ratio"]
+                                                       for k in kinds.values()),
+              f"router_idle_{unit}_per_s": round(ours["idle_per_s"], 1),
+              f"against_idle_{unit}_per_s": round(theirs["idle_per_s"], 1), "kinds": kinds}
     if endpoint_from_env(os.environ):
-        return {"calls": calls}
-    return {"tracing_off_calls_ratio": ratio, "calls": calls}
+        return {unit: report}
+    return {f"tracing_off_{unit}_ratio": ratio, unit: report}
 
 
-async def count_calls(port: int, pid: int, calls_file: Path,
-                      options: Options) -> dict[str, float]:
-    """Per kind, the calls the router at `port` (`pid`) made per request over
-    `options.count_calls` requests after a warm-up, and the same net of what it calls when
-    idle (`KIND/net`: its control loop and status polls, which run per second, not per
+async def count_work(port: int, pid: int, out: Path, options: Options, counter: WorkCounter,
+                     requests: int) -> dict[str, float]:
+    """Per kind, what `counter` counted on the router at `port` (`pid`) per request over
+    `requests` requests after a warm-up, and the same net of what it counts when idle
+    (`KIND/net`: its control loop and status polls, which run per second, not per
     request); `idle_per_s`."""
     counted, idle_s = {}, 3.0
     for kind in KINDS:
         stream = kind == "stream"
         await phase(port, stream, options.warmup, min(4, options.concurrency),
                     options.max_tokens)
-        run, calls = await counting(port, pid, calls_file, phase(
-            port, stream, options.count_calls, options.concurrency, options.max_tokens))
-        counted[kind] = (calls, run.wall_s, max(1, len(run.latencies)))
-    _, idle = await counting(port, pid, calls_file, asyncio.sleep(idle_s))
+        run, count = await counter.count(port, pid, out, phase(
+            port, stream, requests, options.concurrency, options.max_tokens))
+        counted[kind] = (count, run.wall_s, max(1, len(run.latencies)))
+    _, idle = await counter.count(port, pid, out, asyncio.sleep(idle_s))
     per_s = idle / idle_s
     return {"idle_per_s": per_s,
-            **{kind: calls / done for kind, (calls, _, done) in counted.items()},
-            **{f"{kind}/net": (calls - per_s * wall) / done
-               for kind, (calls, wall, done) in counted.items()}}
-
-
-async def counting(port: int, pid: int, calls_file: Path,
-                   work: Coroutine[Any, Any, T]) -> tuple[T, float]:
-    """`work`'s result, and the calls the router (`pid`) made while it ran."""
-    calls_file.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
-    # The signal's handler runs once the router's loop wakes (a tick or a request).
-    await asyncio.sleep(0.2)
-    result = await work
-    os.kill(pid, signal.SIGUSR2)
-    return result, await read_count(port, calls_file)
+            **{kind: count / done for kind, (count, _, done) in counted.items()},
+            **{f"{kind}/net": (count - per_s * wall) / done
+               for kind, (count, wall, done) in counted.items()}}
 
 
 async def read_count(port: int, calls_file: Path, polls: int = 100) -> float:
@@ -973,6 +1047,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count-calls", type=int, default=0, metavar="N",
                         help="with --against: then both routers under a call counter, N "
                              "requests of each kind each: calls per request (0: not)")
+    parser.add_argument("--count-instructions", type=int, default=0, metavar="N",
+                        help="with --against: then both routers under valgrind's callgrind, "
+                             "N requests of each kind each: instructions per request (0: not)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the routers on the last CPU, the backend, baseline and client "
+                             "on the others (both routers' turns find the same CPU)")
     parser.add_argument("--serve-backend", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -991,9 +1071,11 @@ def main(argv: list[str] | None = None) -> int:
                       rounds=max(1, min(args.rounds, args.requests)),
                       long_senders=max(0, args.long_senders),
                       scrape_s=max(0.0, args.scrape_every),
-                      count_calls=max(0, args.count_calls))
-    if args.count_calls and not args.against:
-        parser.error("--count-calls compares with --against's router: name one")
+                      count_calls=max(0, args.count_calls), pin=args.pin,
+                      count_instructions=max(0, args.count_instructions))
+    if (args.count_calls or args.count_instructions) and not args.against:
+        parser.error("--count-calls and --count-instructions compare with --against's "
+                     "router: name one")
     if args.ours and not args.against:
         parser.error("--ours is measured against --against's router: name one")
     with tempfile.TemporaryDirectory(prefix="bench-router-") as log_dir:

@@ -1,21 +1,31 @@
 """What tracing costs when it is off: the router of the merge that brought tracing against
-the router of its parent, over several runs of bench_router.py, with an A/A control.
+the router of its parent, over several runs of bench_router.py, each figure beside an A/A
+control (the parent against itself).
+
+The headline counts work rather than time: each router's instructions per request under
+valgrind's callgrind (`bench_router.py --count-instructions`), all its threads and C code
+included, which the host's load does not move (the control's ratio says how far the count
+moves by itself, timers firing at other moments). CPU time per request comes beside it.
 
 Each run is two runs of `bench_router.py --against PARENT` (its routers take turns in every
 round over the same backend and client): `--ours MERGE` (the change) and `--ours PARENT` (the
 control: the same code on both sides, so its ratio says how far the host's noise alone moves
 one), in alternating order. Every round gives each kind (plain, streamed) the ratio of the two
 routers' CPU per request, measured back to back; the rounds of all runs are pooled per kind,
-and the headline is the worse kind's median with a 95% bootstrap interval of that median
-(seeded), beside the control's. Then one call count of MERGE against PARENT
-(`--count-calls`), which moves little from run to run.
+and the figure is the worse kind's median with a 95% bootstrap interval of that median
+(seeded), beside the control's. On a small shared host each router process keeps what sets
+it apart for the whole run, so the control's ratio can sit several per cent from 1: time
+resolves several per cent here, the count a fraction of one. Then the counts: MERGE against
+PARENT (instructions, and calls of the event loop's thread) and PARENT against itself.
 
     .venv/bin/python benchmarks/bench_tracing_off.py [--runs N] [--rounds N] [--requests N]
         [--merge REV] [--parent REV] [--count-calls N]
 
-The last line is one JSON object: `tracing_off_cpu_ratio` (pooled median, worse kind),
-`tracing_off_cpu_interval`, `control_cpu_ratio` and `control_cpu_interval`,
-`tracing_off_calls_ratio`, `rounds` (pooled per kind), `runs`, `merge`, `parent`, `cpu`.
+The last line is one JSON object: `tracing_off_instructions_ratio` (the worse kind's
+instructions per request, MERGE over PARENT), `control_instructions_ratio`,
+`tracing_off_calls_ratio`, `tracing_off_cpu_ratio` (pooled median, worse kind),
+`tracing_off_cpu_interval`, `control_cpu_ratio` and `control_cpu_interval`, `rounds` (pooled
+per kind), `instructions` and `calls` (each kind), `runs`, `merge`, `parent`, `cpu`.
 """
 
 from __future__ import annotations
@@ -39,13 +49,15 @@ RESAMPLES = 2000
 
 
 def bench_router(ours: str, against: str, rounds: int, requests: int,
-                 count_calls: int = 0) -> dict[str, Any]:
+                 count_calls: int = 0, count_instructions: int = 0) -> dict[str, Any]:
     """One bench_router.py run's JSON line (tracing off: no OTEL_ variables passed on)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     argv = [sys.executable, str(BENCH_ROUTER), "--ours", ours, "--against", against,
             "--rounds", str(rounds), "--requests", str(requests), "--long-senders", "0"]
     if count_calls:
         argv += ["--count-calls", str(count_calls)]
+    if count_instructions:
+        argv += ["--count-instructions", str(count_instructions)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise SystemExit(f"bench_router.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -88,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", default=PARENT, help="the commit before it")
     parser.add_argument("--count-calls", type=int, default=2000,
                         help="requests of each kind under the call counter (0: not)")
+    parser.add_argument("--count-instructions", type=int, default=400,
+                        help="requests of each kind under callgrind (0: not)")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.rounds < 2:
         parser.error("--runs must be at least 1 and --rounds at least 2")
@@ -108,10 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": {"change": measured["kinds"], "control": noise["kinds"]},
         "runs": args.runs, "rounds_per_run": args.rounds, "merge": args.merge,
         "parent": args.parent, "cpu": change[0]["cpu"]}
-    if args.count_calls:
-        calls = bench_router(args.merge, args.parent, 2, args.requests, args.count_calls)
-        out["tracing_off_calls_ratio"] = calls["tracing_off_calls_ratio"]
-        out["calls"] = calls["calls"]
+    if args.count_calls or args.count_instructions:
+        counted = bench_router(args.merge, args.parent, 2, 100, args.count_calls,
+                               args.count_instructions)
+        for unit in ("calls", "instructions"):
+            if unit in counted:
+                out[f"tracing_off_{unit}_ratio"] = counted[f"tracing_off_{unit}_ratio"]
+                out[unit] = counted[unit]
+    if args.count_instructions:
+        alone = bench_router(args.parent, args.parent, 2, 100, 0, args.count_instructions)
+        out["control_instructions_ratio"] = alone["tracing_off_instructions_ratio"]
+        out["control_instructions"] = alone["instructions"]
     print(f"router CPU per request, {args.merge} over {args.parent} (tracing off) on "
           f"{out['cpu']}, {args.runs} runs of {args.rounds} rounds: median of rounds "
           f"{measured['ratio']:.4f} [{measured['interval'][0]:.4f}, "
@@ -120,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     if "calls" in out:
         print(f"calls per request, {args.merge} over {args.parent}: "
               f"{out['tracing_off_calls_ratio']:.4f}")
+    if "instructions" in out:
+        print(f"instructions per request, {args.merge} over {args.parent}: " + ", ".join(
+            f"{kind} {k['router_instructions_per_request']:,.0f} vs "
+            f"{k['against_instructions_per_request']:,.0f} ({k['ratio']:.4f})"
+            for kind, k in out["instructions"]["kinds"].items())
+            + f"; the control ({args.parent} over itself) "
+              f"{out['control_instructions_ratio']:.4f}")
     print(json.dumps(out))
     return 0
 

@@ -5,6 +5,7 @@ Its speed is the benchmark's business (benchmarks/bench_router.py), not this tes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -135,6 +136,7 @@ def test_tracing_off_runs_the_change_and_the_control_and_prints_one_json_line() 
     # HEAD against HEAD both ways: a smoke run (the numbers are the host's noise).
     done = subprocess.run([sys.executable, "benchmarks/bench_tracing_off.py", "--runs", "1",
                            "--rounds", "2", "--requests", "8", "--count-calls", "0",
+                           "--count-instructions", "0",
                            "--merge", "HEAD", "--parent", "HEAD"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -154,3 +156,50 @@ def test_a_pair_takes_turns_back_to_back_each_side_first_as_often() -> None:
     assert bench_router.turn_order(["router", "baseline"], True, 1) == [
         "scraped", "router", "baseline"]
     assert bench_router.turn_order(["router", "baseline"], False, 1) == ["router", "baseline"]
+
+
+WORKER = """
+import sys
+for line in sys.stdin:
+    print(sum(i * i for i in range(int(line))), flush=True)
+"""
+
+
+def test_the_instruction_counter_counts_the_work_done_while_it_counts(tmp_path: Path) -> None:
+    # A process under callgrind that does a fixed piece of work per line it reads: twice the
+    # lines, twice the instructions, and the same lines again, the same count.
+    bench_router = load_benchmark("bench_router")
+    counter = bench_router.InstructionCounter()
+    argv = [*counter.start(tmp_path / "worker.out")[:-1], "-c", WORKER]  # python -c, not -m
+    assert argv[0] == "valgrind"
+    worker = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    assert worker.stdin is not None and worker.stdout is not None
+
+    async def lines(count: int) -> list[str]:
+        answers = []
+        for _ in range(count):
+            worker.stdin.write("20000\n")  # type: ignore[union-attr]
+            worker.stdin.flush()  # type: ignore[union-attr]
+            answers.append(await asyncio.to_thread(worker.stdout.readline))  # type: ignore[union-attr]
+        return answers
+
+    async def counts() -> list[float]:
+        await lines(1)  # started: the interpreter is up and reading
+        found = []
+        for count in (10, 20, 10):
+            answers, instructions = await counter.count(0, worker.pid, tmp_path / "x",
+                                                        lines(count))
+            assert len(answers) == count and answers[0].strip() == str(
+                sum(i * i for i in range(20000)))
+            found.append(instructions)
+        return found
+
+    with worker:
+        try:
+            ten, twenty, again = asyncio.run(counts())
+        finally:
+            worker.kill()
+    assert ten > 20 * 20000  # a few instructions per loop step at least
+    assert twenty / ten == pytest.approx(2.0, rel=0.05)
+    assert again == pytest.approx(ten, rel=0.02)
