@@ -117,9 +117,10 @@ bench-router: $(STAMP)
 	$(PY) benchmarks/bench_router.py $(if $(BENCH_ROUTER_AGAINST),--against $(BENCH_ROUTER_AGAINST) --count-calls 2000)
 
 # What tracing costs when off: the router of the merge that brought tracing (68d2110) against
-# the router of its parent (868b00c), both exported from git, over this tree's backend, taking
-# turns in each round (tracing_off_cpu_ratio, tracing_off_calls_ratio; BENCH_TRACING_RUNS runs,
-# about 40 s each on 2 cores, then the calls counted once).
+# the router of its parent (868b00c), both exported from git, over this tree's backend: their
+# instructions per request under callgrind (tracing_off_instructions_ratio, beside the parent
+# against itself), calls per request, and CPU time per request over BENCH_TRACING_RUNS pairs
+# of runs with an A/A control (about 12 minutes on 2 cores).
 BENCH_TRACING_RUNS ?= 5
 bench-tracing-off: $(STAMP)
 	$(PY) benchmarks/bench_tracing_off.py --runs $(BENCH_TRACING_RUNS)
