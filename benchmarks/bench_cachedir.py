@@ -26,7 +26,7 @@ from itertools import count
 
 import msgspec
 
-from services.cachedir.service import CacheDirectory
+from services.cachedir.directory import CacheDirectory
 from services.contract.messages import PrefixQuery
 from services.contract.prefix import chain_from_ids
 

@@ -3,11 +3,11 @@
 Runs bench-sim's deployment (paper PrfaaS-PD 4/3/5, 3.0 req/s, seed 0) once and records, in
 order, every cache report the workers hand the directory and every prefix lookup the router
 makes. Then replays that stream into fresh `CacheDirectory`s, rounds interleaved: this
-checkout's and, with `--baseline DIR`, the one in DIR/services/cachedir/service.py (imported
-beside it, against this checkout's contract), whose every answer, event and final statistic
-must equal this one's. Each round runs under the simulation's collector thresholds
-(mesh.run.fewer_collections). Ends with one JSON line: seconds per kind of input, the minimum
-over rounds, and the baseline's total over this one's.
+checkout's and, with `--baseline DIR`, the one in DIR/services/cachedir/ (directory.py, or
+service.py in older checkouts; imported beside it, against this checkout's contract), whose
+every answer, event and final statistic must equal this one's. Each round runs under the
+simulation's collector thresholds (mesh.run.fewer_collections). Ends with one JSON line:
+seconds per kind of input, the minimum over rounds, and the baseline's total over this one's.
 """
 
 from __future__ import annotations
@@ -70,7 +70,12 @@ def record(duration: float) -> Recording:
 
 
 def load_baseline(checkout: Path) -> ModuleType:
-    path = checkout / "services" / "cachedir" / "service.py"
+    """The module that defines `CacheDirectory` in `checkout`: directory.py, or service.py
+    before the two were split (a split one imports this checkout's prefix tree)."""
+    package = checkout / "services" / "cachedir"
+    path = package / "directory.py"
+    if not path.exists():
+        path = package / "service.py"
     spec = importlib.util.spec_from_file_location("baseline_cachedir_service", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"--baseline: no module at {path}")

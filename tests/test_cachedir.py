@@ -1,4 +1,4 @@
-"""Tests for services.cachedir.service: the CacheDirectory against a slow, obvious model."""
+"""Tests for services.cachedir.directory: the CacheDirectory against a slow, obvious model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.cachedir.service import CacheDirectory, CacheDirectoryStatistics, ChainError
+from services.cachedir.directory import CacheDirectory, CacheDirectoryStatistics
+from services.cachedir.prefix_tree import ChainError
 from services.contract.errors import UnknownWorkerError
 from services.contract.messages import (
     BlockRun,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.cachedir.service import CacheDirectory, CacheEvent
+from services.cachedir.directory import CacheDirectory, CacheEvent
 from services.contract.messages import (
     BlockRun,
     BlocksEvicted,

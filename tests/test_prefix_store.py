@@ -10,7 +10,7 @@ import pytest
 import torch
 from trio.testing import wait_all_tasks_blocked
 
-from services.cachedir.service import ChainError
+from services.cachedir.prefix_tree import ChainError
 from services.contract.messages import (
     BlockRun,
     BlocksEvicted,

@@ -1,4 +1,4 @@
-"""Tests for services.cachedir.service: the PrefixTree of held chains."""
+"""Tests for services.cachedir.prefix_tree: the PrefixTree of held chains."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.cachedir.service import ChainError, IntegrityError, PrefixTree
+from services.cachedir.prefix_tree import ChainError, IntegrityError, PrefixTree
 from services.contract.messages import BlockRun
 from services.contract.prefix import chain_from_ids
 

@@ -1,7 +1,7 @@
 """The messages the PrfaaS services exchange over the mesh: one module, the whole contract.
 
 Every message is a tagged msgspec Struct; `CODEC_MESSAGES` lists them for the mesh `Codec`
-(with the cache directory's own messages, services.cachedir.service, and the dashboard events,
+(with the cache directory's own messages, services.cachedir.directory, and the dashboard events,
 services.contract.events, which travel on the same connections).
 
 A request's life (docs/architecture.md section 4): the router asks the cache directory for the

@@ -8,7 +8,7 @@ about 2**-63 per pair). The cache directory relies on this: a hash names a whole
 
 Hash ids are non-negative integers below 2**63 everywhere (the top bit of the 64-bit digest is
 cleared), so they fit int64 (numpy, torch) and uint64 alike, and msgpack always encodes them as
-the same non-negative integer. Which worker holds which chains: services.cachedir.service.
+the same non-negative integer. Which worker holds which chains: services.cachedir.directory.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ leaves decode-node choice open (docs/paper-notes.md section 2.4, "Not specified"
    goes least loaded; docs/prior-work.md section 7);
 3. among those, the longest cached prefix wins; ties go to the least loaded, then by name.
 For decode the cached prefix is what the worker *holds* (any held KV block saves a transfer);
-for prefill it is what it can *resume from* (services/cachedir/service.py,
+for prefill it is what it can *resume from* (services/cachedir/directory.py,
 blocks_resumable). `choose_worker_reference` is the same rule as a plain sort, for the tests.
 """
 

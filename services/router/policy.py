@@ -25,7 +25,7 @@ and periodically, for the control loops (paper section 3.4.3):
 `ClusterState` holds a `WorkerSnapshot` per worker: the one record of a worker that the
 control loops and placement both read.
 
-Cached lengths are *resumable* prefixes in tokens (services/cachedir/service.py:
+Cached lengths are *resumable* prefixes in tokens (services/cachedir/directory.py:
 blocks_resumable times the block size) of the best worker per cluster. Lengths are whatever
 unit the router counts in; policies that use the paper's cost model take a `token_scale` to
 convert.
