@@ -21,13 +21,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from services.cli.validate.config import Job, Outcome, ValidationConfig
 from services.cli.validation import (
     METRICS,
-    Job,
     LiveRun,
-    Outcome,
     Validation,
-    ValidationConfig,
     against_sim,
     bench_line,
     compare,
@@ -418,12 +416,7 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
 
 
 def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
-    from services.cli.validation import (
-        probe_jobs,
-        simulate,
-        unmodelled_by_route,
-        with_unmodelled,
-    )
+    from services.cli.validation import probe_jobs, simulate, unmodelled_by_route, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -566,15 +559,17 @@ def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probe
 def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> None:
     from mesh.errors import ConfigError
     from mesh.topology import load_topology
-    from services.cli.validation import (
+    from services.cli.validate.config import (
         DEPLOYMENTS,
         ROUTED,
         ROUTED_BANDWIDTH_BPS,
+        deployment_name,
+        routed,
+    )
+    from services.cli.validation import (
         LiveRouter,
         deployment,
-        deployment_name,
         mesh_services,
-        routed,
         simulate,
         topology_text,
     )
@@ -616,7 +611,8 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
 
 
 def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
-    from services.cli.validation import by_route, route_rows, routed, simulate
+    from services.cli.validate.config import by_route, routed
+    from services.cli.validation import route_rows, simulate
 
     config = msgspec.structs.replace(routed(SMALL), profile="vm-xeon-spr-1t", requests=24,
                                      loads=(("light", 0.5),))
