@@ -22,6 +22,7 @@ import msgspec
 import pytest
 
 from services.cli.validate.config import Job, Outcome, ValidationConfig
+from services.cli.validate.jobs import jobs
 from services.cli.validation import (
     METRICS,
     LiveRun,
@@ -32,7 +33,6 @@ from services.cli.validation import (
     completed_rps,
     derive_profiles,
     evaluate,
-    jobs,
     profile_for,
     run_live,
     service_rate,
@@ -178,7 +178,7 @@ def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
 
 
 def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
-    from services.cli.validation import rerun_jobs, rerun_name, reruns_of
+    from services.cli.validate.jobs import rerun_jobs, rerun_name, reruns_of
 
     load = jobs(SMALL, 2.0, 12, seed=1)
     again = rerun_jobs(SMALL, load, 1)
@@ -222,7 +222,8 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
-    from services.cli.validation import in_situ_profile, probe_jobs, simulate
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validation import in_situ_profile, simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
@@ -297,7 +298,7 @@ def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
 
 
 def test_probes_ride_in_each_load_in_seeded_places() -> None:
-    from services.cli.validation import load_jobs
+    from services.cli.validate.jobs import load_jobs
     from services.paper.hardware import read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=30,
@@ -323,7 +324,8 @@ def test_probes_ride_in_each_load_in_seeded_places() -> None:
 
 
 def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
-    from services.cli.validation import in_situ_profile, load_jobs, load_profile, simulate
+    from services.cli.validate.jobs import load_jobs
+    from services.cli.validation import in_situ_profile, load_profile, simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
@@ -362,7 +364,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
     """A live run made of simulations with the engine's profile, the prefill worker's compute
     reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
     `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
-    from services.cli.validation import DecodeSteps, load_jobs, probe_jobs, simulate
+    from services.cli.validate.jobs import load_jobs, probe_jobs
+    from services.cli.validation import DecodeSteps, simulate
     from services.paper.hardware import CostModel
 
     cost = CostModel.load(config.profile, config.model)
@@ -382,7 +385,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
 
 def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
         tmp_path: Path) -> None:
-    from services.cli.validation import probe_jobs, simulate, unmodelled_s, with_unmodelled
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validation import simulate, unmodelled_s, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -416,7 +420,8 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
 
 
 def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
-    from services.cli.validation import probe_jobs, simulate, unmodelled_by_route, with_unmodelled
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validation import simulate, unmodelled_by_route, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -474,7 +479,7 @@ def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path
 
 
 def load_jobs_of(config: ValidationConfig, rate: float) -> list[Job]:
-    from services.cli.validation import load_jobs
+    from services.cli.validate.jobs import load_jobs
     return load_jobs(config, 0, rate)
 
 
@@ -506,11 +511,11 @@ def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -
 
 def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(
         tmp_path: Path) -> None:
+    from services.cli.validate.jobs import load_jobs
     from services.cli.validation import (
         DecodeSteps,
         decode_drift,
         in_situ_profile,
-        load_jobs,
         load_profile,
         parse_decode_steps,
     )
