@@ -21,21 +21,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from services.cli.validate.compare import METRICS, compare, completed_rps, service_rate
 from services.cli.validate.config import Job, Outcome, ValidationConfig
 from services.cli.validate.jobs import jobs
 from services.cli.validation import (
-    METRICS,
     LiveRun,
     Validation,
     against_sim,
     bench_line,
-    compare,
-    completed_rps,
     derive_profiles,
     evaluate,
     profile_for,
     run_live,
-    service_rate,
 )
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
@@ -160,7 +157,7 @@ def test_errors_are_signed_sim_over_live() -> None:
 
 
 def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
-    from services.cli.validation import live_figures, live_spread
+    from services.cli.validate.compare import live_figures, live_spread
 
     base = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(20)]
     runs = [[msgspec.structs.replace(o, ttft_s=o.ttft_s * f) for o in base]
@@ -223,7 +220,8 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import probe_jobs
-    from services.cli.validation import in_situ_profile, simulate
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import in_situ_profile
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
@@ -325,7 +323,8 @@ def test_probes_ride_in_each_load_in_seeded_places() -> None:
 
 def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
     from services.cli.validate.jobs import load_jobs
-    from services.cli.validation import in_situ_profile, load_profile, simulate
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import in_situ_profile, load_profile
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
@@ -365,7 +364,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
     reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
     `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
     from services.cli.validate.jobs import load_jobs, probe_jobs
-    from services.cli.validation import DecodeSteps, simulate
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import DecodeSteps
     from services.paper.hardware import CostModel
 
     cost = CostModel.load(config.profile, config.model)
@@ -386,7 +386,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
 def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import probe_jobs
-    from services.cli.validation import simulate, unmodelled_s, with_unmodelled
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import unmodelled_s, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -421,7 +422,8 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
 
 def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
     from services.cli.validate.jobs import probe_jobs
-    from services.cli.validation import simulate, unmodelled_by_route, with_unmodelled
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import unmodelled_by_route, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -455,7 +457,7 @@ def write_report_text(out: Path, result: Validation) -> str:
 
 
 def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path) -> None:
-    from services.cli.validation import simulate
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=16,
@@ -571,13 +573,8 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
         deployment_name,
         routed,
     )
-    from services.cli.validation import (
-        LiveRouter,
-        deployment,
-        mesh_services,
-        simulate,
-        topology_text,
-    )
+    from services.cli.validate.simulated import deployment, simulate
+    from services.cli.validation import LiveRouter, mesh_services, topology_text
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=24)
     remote = deployment(config)
@@ -617,7 +614,8 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
 
 def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
     from services.cli.validate.config import by_route, routed
-    from services.cli.validation import route_rows, simulate
+    from services.cli.validate.simulated import simulate
+    from services.cli.validation import route_rows
 
     config = msgspec.structs.replace(routed(SMALL), profile="vm-xeon-spr-1t", requests=24,
                                      loads=(("light", 0.5),))
