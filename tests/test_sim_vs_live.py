@@ -24,15 +24,14 @@ import pytest
 from services.cli.validate.compare import METRICS, compare, completed_rps, service_rate
 from services.cli.validate.config import Job, Outcome, ValidationConfig
 from services.cli.validate.jobs import jobs
+from services.cli.validate.live import LiveRun, run_live
 from services.cli.validation import (
-    LiveRun,
     Validation,
     against_sim,
     bench_line,
     derive_profiles,
     evaluate,
     profile_for,
-    run_live,
 )
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
@@ -277,7 +276,7 @@ def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_step
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="pinning needs Linux and two CPUs or more")
 def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
-    from services.cli.validation import pin_cores
+    from services.cli.validate.live_mesh import pin_cores
 
     mine = os.sched_getaffinity(0)
     cpus = sorted(mine)
@@ -364,8 +363,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
     reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
     `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
     from services.cli.validate.jobs import load_jobs, probe_jobs
+    from services.cli.validate.live import DecodeSteps
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import DecodeSteps
     from services.paper.hardware import CostModel
 
     cost = CostModel.load(config.profile, config.model)
@@ -514,13 +513,8 @@ def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -
 def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import load_jobs
-    from services.cli.validation import (
-        DecodeSteps,
-        decode_drift,
-        in_situ_profile,
-        load_profile,
-        parse_decode_steps,
-    )
+    from services.cli.validate.live import DecodeSteps, parse_decode_steps
+    from services.cli.validation import decode_drift, in_situ_profile, load_profile
     from services.paper.hardware import CostModel, LinearDecode, read_profile_spec
 
     text = "\n".join([
@@ -573,8 +567,9 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
         deployment_name,
         routed,
     )
+    from services.cli.validate.live import LiveRouter
+    from services.cli.validate.live_mesh import mesh_services, topology_text
     from services.cli.validate.simulated import deployment, simulate
-    from services.cli.validation import LiveRouter, mesh_services, topology_text
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=24)
     remote = deployment(config)
@@ -651,7 +646,7 @@ def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
 
 
 def test_each_worker_gets_a_cpu_of_its_own_while_one_is_left_for_the_rest() -> None:
-    from services.cli.validation import core_plan
+    from services.cli.validate.live_mesh import core_plan
 
     remote = ["cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0"]
     routed_mesh = ["cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]
