@@ -25,14 +25,8 @@ from services.cli.validate.compare import METRICS, compare, completed_rps, servi
 from services.cli.validate.config import Job, Outcome, ValidationConfig
 from services.cli.validate.jobs import jobs
 from services.cli.validate.live import LiveRun, run_live
-from services.cli.validation import (
-    Validation,
-    against_sim,
-    bench_line,
-    derive_profiles,
-    evaluate,
-    profile_for,
-)
+from services.cli.validate.profiles import derive_profiles, profile_for
+from services.cli.validation import Validation, against_sim, bench_line, evaluate
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
                          prompt_tokens=(128, 256), output_tokens=(8, 20), chunk_tokens=64,
@@ -219,8 +213,8 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import in_situ_profile
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import in_situ_profile
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
@@ -322,8 +316,8 @@ def test_probes_ride_in_each_load_in_seeded_places() -> None:
 
 def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
     from services.cli.validate.jobs import load_jobs
+    from services.cli.validate.profiles import in_situ_profile, load_profile
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import in_situ_profile, load_profile
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
@@ -385,8 +379,8 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
 def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import unmodelled_s, with_unmodelled
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import unmodelled_s, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -421,8 +415,8 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
 
 def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
     from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import unmodelled_by_route, with_unmodelled
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import unmodelled_by_route, with_unmodelled
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -514,7 +508,7 @@ def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probe
         tmp_path: Path) -> None:
     from services.cli.validate.jobs import load_jobs
     from services.cli.validate.live import DecodeSteps, parse_decode_steps
-    from services.cli.validation import decode_drift, in_situ_profile, load_profile
+    from services.cli.validate.profiles import decode_drift, in_situ_profile, load_profile
     from services.paper.hardware import CostModel, LinearDecode, read_profile_spec
 
     text = "\n".join([
