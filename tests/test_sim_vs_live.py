@@ -23,10 +23,11 @@ import pytest
 
 from services.cli.validate.compare import METRICS, compare, completed_rps, service_rate
 from services.cli.validate.config import Job, Outcome, ValidationConfig
+from services.cli.validate.evaluate import Validation, against_sim, evaluate
 from services.cli.validate.jobs import jobs
 from services.cli.validate.live import LiveRun, run_live
 from services.cli.validate.profiles import derive_profiles, profile_for
-from services.cli.validation import Validation, against_sim, bench_line, evaluate
+from services.cli.validate.report import bench_line
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
                          prompt_tokens=(128, 256), output_tokens=(8, 20), chunk_tokens=64,
@@ -187,7 +188,7 @@ def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
 
 
 def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:
-    from services.cli.validation import write_report
+    from services.cli.validate.report import write_report
 
     live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
     sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
@@ -445,7 +446,7 @@ def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
 
 
 def write_report_text(out: Path, result: Validation) -> str:
-    from services.cli.validation import write_report
+    from services.cli.validate.report import write_report
     return write_report(out / "report", result, "a test machine")
 
 
@@ -603,8 +604,8 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
 
 def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
     from services.cli.validate.config import by_route, routed
+    from services.cli.validate.evaluate import route_rows
     from services.cli.validate.simulated import simulate
-    from services.cli.validation import route_rows
 
     config = msgspec.structs.replace(routed(SMALL), profile="vm-xeon-spr-1t", requests=24,
                                      loads=(("light", 0.5),))
