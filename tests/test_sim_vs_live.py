@@ -21,24 +21,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.cli.validation import (
-    METRICS,
-    Job,
-    LiveRun,
-    Outcome,
-    Validation,
-    ValidationConfig,
-    against_sim,
-    bench_line,
-    compare,
-    completed_rps,
-    derive_profiles,
-    evaluate,
-    jobs,
-    profile_for,
-    run_live,
-    service_rate,
-)
+from services.cli.validate.compare import METRICS, compare, completed_rps, service_rate
+from services.cli.validate.config import Job, Outcome, ValidationConfig
+from services.cli.validate.evaluate import Validation, against_sim, evaluate
+from services.cli.validate.jobs import jobs
+from services.cli.validate.live import LiveRun, run_live
+from services.cli.validate.profiles import derive_profiles, profile_for
+from services.cli.validate.report import bench_line
 
 SMALL = ValidationConfig(requests=8, loads=(("light", 1.0),), capacity_rps=1.0,
                          prompt_tokens=(128, 256), output_tokens=(8, 20), chunk_tokens=64,
@@ -162,7 +151,7 @@ def test_errors_are_signed_sim_over_live() -> None:
 
 
 def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
-    from services.cli.validation import live_figures, live_spread
+    from services.cli.validate.compare import live_figures, live_spread
 
     base = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(20)]
     runs = [[msgspec.structs.replace(o, ttft_s=o.ttft_s * f) for o in base]
@@ -180,7 +169,7 @@ def test_the_live_spread_is_the_range_of_its_runs_over_their_median() -> None:
 
 
 def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
-    from services.cli.validation import rerun_jobs, rerun_name, reruns_of
+    from services.cli.validate.jobs import rerun_jobs, rerun_name, reruns_of
 
     load = jobs(SMALL, 2.0, 12, seed=1)
     again = rerun_jobs(SMALL, load, 1)
@@ -199,7 +188,7 @@ def test_a_rerun_is_the_same_load_with_nothing_to_reuse() -> None:
 
 
 def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) -> None:
-    from services.cli.validation import write_report
+    from services.cli.validate.report import write_report
 
     live = [outcome(i, 1.0, ttft=0.2 + i / 100) for i in range(10)]
     sim = [msgspec.structs.replace(o, ttft_s=o.ttft_s * 0.95) for o in live]
@@ -224,7 +213,9 @@ def test_the_report_holds_the_table_the_plots_and_every_request(tmp_path: Path) 
 
 def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_steps(
         tmp_path: Path) -> None:
-    from services.cli.validation import in_situ_profile, probe_jobs, simulate
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import in_situ_profile
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", probe_repeats=2)
@@ -280,7 +271,7 @@ def test_the_in_situ_profile_takes_the_workers_compute_and_keeps_the_decode_step
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="pinning needs Linux and two CPUs or more")
 def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
-    from services.cli.validation import pin_cores
+    from services.cli.validate.live_mesh import pin_cores
 
     mine = os.sched_getaffinity(0)
     cpus = sorted(mine)
@@ -299,7 +290,7 @@ def test_the_prefill_worker_gets_a_core_of_its_own() -> None:
 
 
 def test_probes_ride_in_each_load_in_seeded_places() -> None:
-    from services.cli.validation import load_jobs
+    from services.cli.validate.jobs import load_jobs
     from services.paper.hardware import read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=30,
@@ -325,7 +316,9 @@ def test_probes_ride_in_each_load_in_seeded_places() -> None:
 
 
 def test_a_load_is_simulated_with_its_own_probes_fit(tmp_path: Path) -> None:
-    from services.cli.validation import in_situ_profile, load_jobs, load_profile, simulate
+    from services.cli.validate.jobs import load_jobs
+    from services.cli.validate.profiles import in_situ_profile, load_profile
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=12,
@@ -364,7 +357,9 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
     """A live run made of simulations with the engine's profile, the prefill worker's compute
     reported as the profile's: the in-situ probes at 1.1x, the load's requests and probes at
     `slow` x (their TTFT and TPOT too), the decode steps during the load `steps` x."""
-    from services.cli.validation import DecodeSteps, load_jobs, probe_jobs, simulate
+    from services.cli.validate.jobs import load_jobs, probe_jobs
+    from services.cli.validate.live import DecodeSteps
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel
 
     cost = CostModel.load(config.profile, config.model)
@@ -384,7 +379,9 @@ def fake_live(config: ValidationConfig, slow: float = 1.0, steps: float = 1.0) -
 
 def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
         tmp_path: Path) -> None:
-    from services.cli.validation import probe_jobs, simulate, unmodelled_s, with_unmodelled
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import unmodelled_s, with_unmodelled
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -418,12 +415,9 @@ def test_the_ttft_the_sim_leaves_out_is_measured_on_the_probes_and_added(
 
 
 def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
-    from services.cli.validation import (
-        probe_jobs,
-        simulate,
-        unmodelled_by_route,
-        with_unmodelled,
-    )
+    from services.cli.validate.jobs import probe_jobs
+    from services.cli.validate.profiles import unmodelled_by_route, with_unmodelled
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=10,
@@ -452,12 +446,12 @@ def test_the_unmodelled_ttft_is_measured_and_added_per_route() -> None:
 
 
 def write_report_text(out: Path, result: Validation) -> str:
-    from services.cli.validation import write_report
+    from services.cli.validate.report import write_report
     return write_report(out / "report", result, "a test machine")
 
 
 def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path) -> None:
-    from services.cli.validation import simulate
+    from services.cli.validate.simulated import simulate
     from services.paper.hardware import CostModel, read_profile_spec
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=16,
@@ -481,7 +475,7 @@ def test_the_replay_feeds_the_loads_own_compute_to_the_simulation(tmp_path: Path
 
 
 def load_jobs_of(config: ValidationConfig, rate: float) -> list[Job]:
-    from services.cli.validation import load_jobs
+    from services.cli.validate.jobs import load_jobs
     return load_jobs(config, 0, rate)
 
 
@@ -513,14 +507,9 @@ def test_nothing_measured_during_a_load_reaches_its_prediction(tmp_path: Path) -
 
 def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probes(
         tmp_path: Path) -> None:
-    from services.cli.validation import (
-        DecodeSteps,
-        decode_drift,
-        in_situ_profile,
-        load_jobs,
-        load_profile,
-        parse_decode_steps,
-    )
+    from services.cli.validate.jobs import load_jobs
+    from services.cli.validate.live import DecodeSteps, parse_decode_steps
+    from services.cli.validate.profiles import decode_drift, in_situ_profile, load_profile
     from services.paper.hardware import CostModel, LinearDecode, read_profile_spec
 
     text = "\n".join([
@@ -566,18 +555,16 @@ def test_the_decode_drift_is_the_workers_own_step_speed_this_load_over_the_probe
 def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> None:
     from mesh.errors import ConfigError
     from mesh.topology import load_topology
-    from services.cli.validation import (
+    from services.cli.validate.config import (
         DEPLOYMENTS,
         ROUTED,
         ROUTED_BANDWIDTH_BPS,
-        LiveRouter,
-        deployment,
         deployment_name,
-        mesh_services,
         routed,
-        simulate,
-        topology_text,
     )
+    from services.cli.validate.live import LiveRouter
+    from services.cli.validate.live_mesh import mesh_services, topology_text
+    from services.cli.validate.simulated import deployment, simulate
 
     config = msgspec.structs.replace(SMALL, profile="vm-xeon-spr-1t", requests=24)
     remote = deployment(config)
@@ -616,7 +603,9 @@ def test_the_routed_deployment_is_simulated_as_it_runs_live(tmp_path: Path) -> N
 
 
 def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
-    from services.cli.validation import by_route, route_rows, routed, simulate
+    from services.cli.validate.config import by_route, routed
+    from services.cli.validate.evaluate import route_rows
+    from services.cli.validate.simulated import simulate
 
     config = msgspec.structs.replace(routed(SMALL), profile="vm-xeon-spr-1t", requests=24,
                                      loads=(("light", 0.5),))
@@ -652,7 +641,7 @@ def test_each_route_is_compared_on_its_own_requests(tmp_path: Path) -> None:
 
 
 def test_each_worker_gets_a_cpu_of_its_own_while_one_is_left_for_the_rest() -> None:
-    from services.cli.validation import core_plan
+    from services.cli.validate.live_mesh import core_plan
 
     remote = ["cachedir", "link-0", "prfaas-prefill-0", "pd-decode-0"]
     routed_mesh = ["cachedir", "link-0", "prfaas-prefill-0", "pd-prefill-0", "pd-decode-0"]

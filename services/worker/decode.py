@@ -117,7 +117,7 @@ class DecodeStatistics(msgspec.Struct, frozen=True):
     # are not timed): seconds in them, and the sums of their batch sizes and of the tokens
     # their batches held. Over a window, a linear step profile's prediction for the same
     # steps is fixed * steps + per_sequence * step_sequences + per_token * step_context_tokens
-    # (services/cli/validation.py reads the ratio as the engine's speed in situ).
+    # (services/cli/validate/profiles.py reads the ratio as the engine's speed in situ).
     step_seconds: float = 0.0
     step_sequences: int = 0
     step_context_tokens: int = 0
